@@ -1,0 +1,51 @@
+# nograd: two commands on a fresh machine — `make run` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The constraints file pins the CPU build of torch so a machine without a GPU never pulls CUDA.
+PIP := $(BIN)/python -m pip
+PIP_INSTALL := $(PIP) install --disable-pip-version-check -c constraints.txt
+PYTEST_ARGS ?=
+
+.PHONY: install install-dev run test test-slow lint format bench soak container-test clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# Stamps make repeated `make test` cheap: pip runs again only when the dependency list changes.
+$(VENV)/.installed: $(BIN)/python pyproject.toml constraints.txt
+	$(PIP_INSTALL) -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml constraints.txt
+	$(PIP_INSTALL) -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+install-dev: $(VENV)/.installed-dev
+
+run: install
+	$(BIN)/nograd
+
+test: install-dev
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+test-slow: install-dev
+	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
+
+lint: install-dev
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+format: install-dev
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+container-test:
+	bash scripts/container_test.sh
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -1,0 +1,1 @@
+"""HTTP routes: thin translations between protocols and the data plane; no torch here."""

@@ -1,0 +1,79 @@
+"""Which status each failure earns, and the V2 error body ``{"error": "..."}``.
+
+A client mistake is always a 4xx that names the problem; a 5xx means nograd or the model failed.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from app.api.v2_codec import DecodeError
+from app.batching import BatcherClosed, DeadlineExceeded, QueueFull, SampleTooLarge
+from app.dataplane import InvalidInput, ModelNotFound, ModelNotReady
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_S = "1"
+
+STATUS: dict[type[Exception], int] = {
+    DecodeError: 400,
+    InvalidInput: 400,
+    ModelNotFound: 404,
+    ModelNotReady: 503,
+    QueueFull: 503,
+    BatcherClosed: 503,
+    DeadlineExceeded: 504,
+    SampleTooLarge: 507,
+}
+
+
+def status_of(exc: BaseException) -> int:
+    for kind, status in STATUS.items():
+        if isinstance(exc, kind):
+            return status
+    return 500
+
+
+def error_response(status: int, message: str) -> Response:
+    headers = {"Retry-After": RETRY_AFTER_S} if status == 503 else None
+    return Response(
+        orjson.dumps({"error": message}),
+        status_code=status,
+        headers=headers,
+        media_type="application/json",
+    )
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def on_known(request: Request, exc: Exception) -> Response:
+        del request
+        return error_response(status_of(exc), str(exc))
+
+    async def on_http(request: Request, exc: Exception) -> Response:
+        del request
+        assert isinstance(exc, StarletteHTTPException)
+        return error_response(exc.status_code, str(exc.detail))
+
+    async def on_validation(request: Request, exc: Exception) -> Response:
+        del request
+        assert isinstance(exc, RequestValidationError)
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
+        )
+        return error_response(400, f"invalid request: {problems}")
+
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
+    for kind in STATUS:
+        app.add_exception_handler(kind, on_known)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(Exception, on_unexpected)

@@ -1,0 +1,119 @@
+"""Pydantic shapes of the V2 documents, for a truthful OpenAPI schema.
+
+The infer route parses its body with orjson and validates by hand (a pydantic pass over large
+tensors would double the decode cost), so its request schema is attached with ``openapi_extra``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, get_args
+
+from pydantic import BaseModel, Field
+
+from app.datatypes import DATATYPES
+
+DatatypeName = Literal[
+    "BOOL",
+    "UINT8",
+    "UINT16",
+    "UINT32",
+    "UINT64",
+    "INT8",
+    "INT16",
+    "INT32",
+    "INT64",
+    "FP16",
+    "FP32",
+    "FP64",
+    "BYTES",
+]
+assert set(DATATYPES) == set(get_args(DatatypeName))
+
+
+class ErrorResponse(BaseModel):
+    error: str
+
+
+class ServerMetadata(BaseModel):
+    name: str
+    version: str
+    extensions: list[str]
+
+
+class LiveResponse(BaseModel):
+    live: bool
+
+
+class ReadyResponse(BaseModel):
+    ready: bool
+
+
+class ModelReadyResponse(BaseModel):
+    name: str
+    ready: bool
+
+
+class TensorMetadata(BaseModel):
+    name: str
+    datatype: DatatypeName
+    shape: list[int]
+
+
+class ModelMetadata(BaseModel):
+    name: str
+    versions: list[str]
+    platform: str
+    inputs: list[TensorMetadata]
+    outputs: list[TensorMetadata]
+
+
+class RequestInput(BaseModel):
+    name: str
+    shape: list[int] = Field(description="Full shape, batch dimension first.")
+    datatype: DatatypeName
+    parameters: dict[str, Any] | None = None
+    data: list[Any] = Field(description="Row-major data, flat or nested.")
+
+
+class RequestOutput(BaseModel):
+    name: str
+    parameters: dict[str, Any] | None = None
+
+
+class InferRequestDocument(BaseModel):
+    id: str | None = None
+    parameters: dict[str, Any] | None = None
+    inputs: list[RequestInput]
+    outputs: list[RequestOutput] | None = None
+
+
+class ResponseOutput(BaseModel):
+    name: str
+    shape: list[int]
+    datatype: DatatypeName
+    parameters: dict[str, Any] | None = None
+    data: list[Any]
+
+
+class InferResponse(BaseModel):
+    model_name: str
+    model_version: str | None = None
+    id: str | None = None
+    parameters: dict[str, Any] | None = None
+    outputs: list[ResponseOutput]
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "Malformed request or wrong input"},
+    404: {"model": ErrorResponse, "description": "Unknown model or version"},
+    503: {"model": ErrorResponse, "description": "Model not ready, draining, or queue full"},
+    504: {"model": ErrorResponse, "description": "Deadline passed while queued"},
+    507: {"model": ErrorResponse, "description": "One sample does not fit in device memory"},
+}
+
+INFER_REQUEST_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": InferRequestDocument.model_json_schema()}},
+    }
+}

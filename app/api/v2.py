@@ -1,0 +1,189 @@
+"""Open Inference Protocol (KServe V2) REST routes: thin; decode, call the data plane, encode."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.concurrency import run_in_threadpool
+
+from app import __version__
+from app.api.errors import error_response, status_of
+from app.api.schemas import (
+    ERROR_RESPONSES,
+    INFER_REQUEST_BODY,
+    InferResponse,
+    LiveResponse,
+    ModelMetadata,
+    ModelReadyResponse,
+    ReadyResponse,
+    ServerMetadata,
+)
+from app.api.state import dataplane_of, metrics_of
+from app.api.v2_codec import (
+    InferRequest,
+    decode_request,
+    dumps,
+    encode_tensor,
+    parse_json,
+    select_outputs,
+)
+from app.dataplane import ServedModel
+from app.metrics import UNKNOWN_MODEL
+
+logger = logging.getLogger(__name__)
+router = APIRouter(prefix="/v2", tags=["Open Inference Protocol"])
+PROTOCOL = "v2"
+EXTENSIONS = ["model_repository_readonly", "statistics"]
+# Decoding a large JSON body takes milliseconds of CPU; past this size it leaves the event loop.
+_OFFLOAD_DECODE_BYTES = 64 * 1024
+
+
+def json_response(document: Any, status: int = 200) -> Response:
+    return Response(content=dumps(document), status_code=status, media_type="application/json")
+
+
+@router.get("", response_model=ServerMetadata, summary="Server metadata")
+async def server_metadata() -> ServerMetadata:
+    return ServerMetadata(name="nograd", version=__version__, extensions=EXTENSIONS)
+
+
+@router.get("/health/live", response_model=LiveResponse, summary="Liveness")
+async def live() -> LiveResponse:
+    return LiveResponse(live=True)
+
+
+@router.get(
+    "/health/ready",
+    response_model=ReadyResponse,
+    summary="Readiness: every model loaded and serving",
+    responses={503: {"model": ReadyResponse, "description": "Not ready"}},
+)
+async def ready(request: Request) -> Response:
+    is_ready = dataplane_of(request).ready()
+    return json_response({"ready": is_ready}, 200 if is_ready else 503)
+
+
+def _metadata(model: ServedModel) -> ModelMetadata:
+    config = model.config
+    return ModelMetadata.model_validate(
+        {
+            "name": config.name,
+            "versions": [config.version],
+            "platform": config.platform,
+            "inputs": [
+                {"name": s.name, "datatype": s.datatype, "shape": [-1, *s.shape]}
+                for s in config.inputs
+            ],
+            "outputs": [
+                {"name": s.name, "datatype": s.datatype, "shape": [-1, *s.shape]}
+                for s in config.outputs
+            ],
+        }
+    )
+
+
+@router.get(
+    "/models/{name}",
+    response_model=ModelMetadata,
+    summary="Model metadata",
+    responses=ERROR_RESPONSES,
+)
+async def model_metadata(request: Request, name: str) -> ModelMetadata:
+    return _metadata(dataplane_of(request).get(name))
+
+
+@router.get(
+    "/models/{name}/versions/{version}",
+    response_model=ModelMetadata,
+    summary="Model version metadata",
+    responses=ERROR_RESPONSES,
+)
+async def model_version_metadata(request: Request, name: str, version: str) -> ModelMetadata:
+    return _metadata(dataplane_of(request).get(name, version))
+
+
+def _model_ready(request: Request, name: str, version: str | None) -> Response:
+    model = dataplane_of(request).get(name, version)
+    return json_response({"name": model.name, "ready": model.ready}, 200 if model.ready else 503)
+
+
+@router.get(
+    "/models/{name}/ready",
+    response_model=ModelReadyResponse,
+    summary="Model readiness",
+    responses={**ERROR_RESPONSES, 503: {"model": ModelReadyResponse}},
+)
+async def model_ready(request: Request, name: str) -> Response:
+    return _model_ready(request, name, None)
+
+
+@router.get(
+    "/models/{name}/versions/{version}/ready",
+    response_model=ModelReadyResponse,
+    summary="Model version readiness",
+    responses={**ERROR_RESPONSES, 503: {"model": ModelReadyResponse}},
+)
+async def model_version_ready(request: Request, name: str, version: str) -> Response:
+    return _model_ready(request, name, version)
+
+
+async def _decode(request: Request) -> InferRequest:
+    body = await request.body()
+    if len(body) > _OFFLOAD_DECODE_BYTES:
+        return await run_in_threadpool(lambda: decode_request(parse_json(body)))
+    return decode_request(parse_json(body))
+
+
+async def _infer(request: Request, name: str, version: str | None) -> Response:
+    started = time.perf_counter()
+    plane = dataplane_of(request)
+    metrics = metrics_of(request)
+    label = name if name in plane.models else UNKNOWN_MODEL
+    metrics.inflight.inc()
+    try:
+        decoded = await _decode(request)
+        model, outputs = await plane.infer(name, version, decoded.inputs)
+        selected = select_outputs(list(outputs), decoded.outputs)
+        document: dict[str, Any] = {
+            "model_name": model.name,
+            "model_version": model.version,
+            "outputs": [encode_tensor(out.name, outputs[out.name]) for out in selected],
+        }
+        if decoded.id is not None:
+            document["id"] = decoded.id
+        response = json_response(document)
+    except Exception as exc:
+        status = status_of(exc)
+        if status == 500:
+            logger.exception("inference on model %s failed", name)
+        response = error_response(status, str(exc))
+    finally:
+        metrics.inflight.dec()
+    metrics.requests.labels(label, PROTOCOL, str(response.status_code)).inc()
+    metrics.request_duration.labels(label, PROTOCOL).observe(time.perf_counter() - started)
+    return response
+
+
+@router.post(
+    "/models/{name}/infer",
+    response_model=InferResponse,
+    summary="Inference",
+    openapi_extra=INFER_REQUEST_BODY,
+    responses=ERROR_RESPONSES,
+)
+async def infer(request: Request, name: str) -> Response:
+    return await _infer(request, name, None)
+
+
+@router.post(
+    "/models/{name}/versions/{version}/infer",
+    response_model=InferResponse,
+    summary="Inference on a model version",
+    openapi_extra=INFER_REQUEST_BODY,
+    responses=ERROR_RESPONSES,
+)
+async def infer_version(request: Request, name: str, version: str) -> Response:
+    return await _infer(request, name, version)

@@ -1,0 +1,87 @@
+"""The learned batch limit: starts at the measured limit, drops on OOM, climbs back slowly.
+
+It is touched from the device thread (success, OOM) and read from the event loop (forming batches);
+a lock keeps the read-modify-write steps whole.
+"""
+
+from __future__ import annotations
+
+import threading
+
+
+class BatchLimit:
+    """Largest batch cost (samples or padded tokens) the batcher may form.
+
+    ``measured`` is the ceiling derived from memory measurement (or ``max_batch_size``); the
+    current limit never exceeds it. After an OOM at cost ``c`` the limit halves below ``c`` and
+    ``c`` becomes a ceiling that is only lifted after a long run of successes, so a real memory
+    wall is not probed over and over while a transient one is eventually forgotten.
+    """
+
+    def __init__(
+        self,
+        measured: int,
+        *,
+        minimum: int = 1,
+        recover_after: int = 50,
+        forget_after: int = 2000,
+    ) -> None:
+        if measured < minimum:
+            raise ValueError(f"measured limit {measured} is below the minimum {minimum}")
+        self._lock = threading.Lock()
+        self._measured = measured
+        self._minimum = minimum
+        self._current = measured
+        self._ceiling = measured
+        self._recover_after = recover_after
+        self._forget_after = forget_after
+        self._successes = 0
+        self._since_oom = 0
+        self._reported = measured
+
+    @property
+    def current(self) -> int:
+        return self._current
+
+    @property
+    def measured(self) -> int:
+        return self._measured
+
+    @property
+    def ceiling(self) -> int:
+        return self._ceiling
+
+    def set_measured(self, measured: int) -> None:
+        """Adopt a new measured limit (e.g. after re-planning memory); resets what OOMs taught."""
+        with self._lock:
+            self._measured = max(measured, self._minimum)
+            self._current = self._measured
+            self._ceiling = self._measured
+            self._successes = 0
+
+    def record_out_of_memory(self, cost: int) -> None:
+        with self._lock:
+            self._successes = 0
+            self._since_oom = 0
+            self._ceiling = max(self._minimum, min(self._ceiling, cost - 1))
+            self._current = max(self._minimum, min(self._current, cost // 2, self._ceiling))
+
+    def record_success(self, cost: int) -> None:
+        del cost
+        with self._lock:
+            self._successes += 1
+            self._since_oom += 1
+            if self._since_oom >= self._forget_after and self._ceiling < self._measured:
+                self._ceiling = self._measured
+            if self._successes >= self._recover_after and self._current < self._ceiling:
+                step = max(1, self._current // 4)
+                self._current = min(self._ceiling, self._current + step)
+                self._successes = 0
+
+    def changed(self) -> bool:
+        """True once per change of ``current``, so observers export only real changes."""
+        with self._lock:
+            if self._current == self._reported:
+                return False
+            self._reported = self._current
+            return True

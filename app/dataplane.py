@@ -1,0 +1,282 @@
+"""The one core every protocol calls: models, their batchers, readiness and inference.
+
+HTTP routes (V2, OpenAI) stay thin and protocol-specific; everything they share lives here, so a
+behaviour (validation, deadlines, metrics) is written once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from app.batching import Batcher, BatchLimit
+from app.datatypes import datatype_of, shape_matches
+from app.metrics import Metrics, ModelObserver
+from app.runtime.config import ConfigError, ModelConfig, find_config, load_config
+from app.runtime.devices import DeviceThreads, device_label, read_memory, resolve_device
+from app.runtime.handler import ModelHandler, Outputs, TensorPart, TorchRunner
+from app.runtime.loader import build_handler, weights_bytes
+from app.runtime.warmup import warm_up
+from app.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+
+class ModelNotFound(Exception):
+    """No model (or version) of that name is in the repository."""
+
+
+class ModelNotReady(Exception):
+    """The model exists but is loading, failed to load, or is draining."""
+
+
+class InvalidInput(Exception):
+    """The request does not match the model's declared inputs; the message says how."""
+
+
+class State(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
+
+
+@dataclass
+class ServedModel:
+    """One model as served: its config, and once loaded its handler and batcher."""
+
+    config: ModelConfig
+    directory: Path
+    state: State = State.LOADING
+    error: str | None = None
+    handler: ModelHandler | None = None
+    batcher: Batcher[TensorPart, Outputs] | None = None
+    observer: ModelObserver | None = None
+    load_seconds: float = 0.0
+    warmup_seconds: float = 0.0
+    stats: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def version(self) -> str:
+        return self.config.version
+
+    @property
+    def ready(self) -> bool:
+        return self.state is State.READY and self.batcher is not None and self.batcher.alive
+
+
+class DataPlane:
+    """Owns every model of the repository and runs inference on them."""
+
+    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.models: dict[str, ServedModel] = {}
+        self.config_errors: list[str] = []
+        self._threads = DeviceThreads()
+        self._draining = False
+        self._loaded = asyncio.Event()
+        metrics.watch_device_memory(self._memory_readings)
+
+    # ------------------------------------------------------------------ discovery and loading
+    def discover(self) -> None:
+        """Read every model config; a malformed one is logged and its model shows failed."""
+        root = self.settings.model_repository
+        if not root.is_dir():
+            raise ConfigError(f"model repository {str(root)!r} is not a folder")
+        for model_dir in sorted(p for p in root.iterdir() if p.is_dir()):
+            path = find_config(model_dir)
+            if path is None:
+                continue
+            try:
+                config = load_config(path)
+            except ConfigError as exc:
+                logger.error("model config rejected: %s", exc)
+                self.config_errors.append(str(exc))
+                continue
+            if config.name in self.models:
+                message = f"{path}: field 'name': model {config.name!r} is defined twice"
+                logger.error("model config rejected: %s", message)
+                self.config_errors.append(message)
+                continue
+            self.models[config.name] = ServedModel(config, model_dir)
+            self.metrics.model_ready.labels(config.name).set(0)
+
+    async def load_all(self) -> None:
+        """Load, warm up and start every model; failures leave that model not ready."""
+        loop = asyncio.get_running_loop()
+        for model in self.models.values():
+            try:
+                await loop.run_in_executor(None, self._load, model)
+                await self._start(model)
+            except Exception as exc:
+                model.state = State.FAILED
+                model.error = str(exc)
+                logger.exception("model %s failed to load", model.name)
+        self._loaded.set()
+
+    def _load(self, model: ServedModel) -> None:
+        config = model.config
+        started = time.perf_counter()
+        device = resolve_device(config.device)
+        handler = build_handler(self.settings.model_repository, model.directory, config, device)
+        model.load_seconds = time.perf_counter() - started
+        self.metrics.model_load.labels(model.name).set(model.load_seconds)
+        self.metrics.weights_bytes.labels(model.name).set(weights_bytes(handler.module))
+        if self.settings.warmup:
+            started = time.perf_counter()
+            warm_up(handler, self._measured_limit(config))
+            model.warmup_seconds = time.perf_counter() - started
+            self.metrics.model_warmup.labels(model.name).set(model.warmup_seconds)
+        model.handler = handler
+        logger.info(
+            "model %s v%s loaded on %s in %.2fs, warmed up in %.2fs",
+            model.name,
+            model.version,
+            device_label(device),
+            model.load_seconds,
+            model.warmup_seconds,
+        )
+
+    def _measured_limit(self, config: ModelConfig) -> int:
+        if config.batch_unit == "tokens":
+            return config.max_batch_tokens or 16384
+        return config.max_batch_size or self.settings.max_batch_size
+
+    async def _start(self, model: ServedModel) -> None:
+        assert model.handler is not None
+        config = model.config
+        observer = self.metrics.observer(model.name)
+        limit = BatchLimit(self._measured_limit(config))
+        delay_ms = config.max_queue_delay_ms
+        batcher: Batcher[TensorPart, Outputs] = Batcher(
+            model.name,
+            TorchRunner(model.handler),
+            self._threads.executor(model.handler.device),
+            limit,
+            max_queue_delay_s=(self.settings.max_queue_delay_ms if delay_ms is None else delay_ms)
+            / 1000.0,
+            max_queue_size=config.max_queue_size or self.settings.max_queue_size,
+            unit_tokens=config.batch_unit == "tokens",
+            observer=observer,
+        )
+        await batcher.start()
+        observer.limit_changed(limit.current)
+        model.batcher = batcher
+        model.observer = observer
+        model.state = State.READY
+        self.metrics.model_ready.labels(model.name).set(1)
+
+    async def stop(self, drain_timeout_s: float = 0.0) -> None:
+        self._draining = True
+        for model in self.models.values():
+            if model.batcher is not None:
+                await model.batcher.stop(drain_timeout_s)
+            self.metrics.model_ready.labels(model.name).set(0)
+        self._threads.shutdown()
+
+    # ------------------------------------------------------------------ health
+    @property
+    def loaded(self) -> bool:
+        return self._loaded.is_set()
+
+    def ready(self) -> bool:
+        """Ready when every model loaded and serves; a failed model keeps the server not ready."""
+        return (
+            self.loaded
+            and not self._draining
+            and not self.config_errors
+            and all(m.ready for m in self.models.values())
+        )
+
+    # ------------------------------------------------------------------ inference
+    def get(self, name: str, version: str | None = None) -> ServedModel:
+        model = self.models.get(name)
+        if model is None:
+            raise ModelNotFound(f"model {name!r} is not in the repository")
+        if version is not None and version != model.version:
+            raise ModelNotFound(f"model {name!r} has no version {version!r}")
+        return model
+
+    def validate(self, model: ServedModel, inputs: Mapping[str, np.ndarray]) -> None:
+        """Names, datatypes, per-sample shapes and row counts against the model's config."""
+        declared = {spec.name: spec for spec in model.config.inputs}
+        unknown = sorted(set(inputs) - set(declared))
+        if unknown:
+            raise InvalidInput(
+                f"unexpected input(s) {unknown} for model {model.name!r}; "
+                f"expected {sorted(declared)}"
+            )
+        missing = sorted(set(declared) - set(inputs))
+        if missing:
+            raise InvalidInput(f"missing input(s) {missing} for model {model.name!r}")
+        rows: set[int] = set()
+        for name, array in inputs.items():
+            spec = declared[name]
+            actual = datatype_of(array)
+            if actual != spec.datatype:
+                raise InvalidInput(
+                    f"input {name!r} has datatype {actual}; model {model.name!r} expects "
+                    f"{spec.datatype}"
+                )
+            if array.ndim == 0 or not shape_matches(spec.shape, tuple(array.shape[1:])):
+                raise InvalidInput(
+                    f"input {name!r} has shape {list(array.shape)}; model {model.name!r} "
+                    f"expects [-1, {', '.join(str(d) for d in spec.shape)}]".replace(", ]", "]")
+                )
+            rows.add(int(array.shape[0]))
+        if len(rows) != 1:
+            raise InvalidInput(f"inputs disagree on the batch dimension: {sorted(rows)}")
+        if 0 in rows:
+            raise InvalidInput("inputs have zero rows")
+
+    async def infer(
+        self,
+        name: str,
+        version: str | None,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        deadline: float | None = None,
+    ) -> tuple[ServedModel, Outputs]:
+        model = self.get(name, version)
+        if not model.ready or model.handler is None or model.batcher is None:
+            raise ModelNotReady(f"model {name!r} is not ready ({self._why_not_ready(model)})")
+        self.validate(model, inputs)
+        try:
+            part = model.handler.prepare(inputs)
+        except ValueError as exc:
+            raise InvalidInput(str(exc)) from exc
+        outputs = await model.batcher.submit(part, deadline=deadline)
+        return model, outputs
+
+    def _why_not_ready(self, model: ServedModel) -> str:
+        if self._draining:
+            return "server is draining"
+        if model.state is State.FAILED:
+            return f"failed to load: {model.error}"
+        if model.state is State.LOADING:
+            return "still loading"
+        return "inference worker is not running"
+
+    # ------------------------------------------------------------------ metrics
+    def _memory_readings(self) -> Iterable[tuple[str, int, int, int, int]]:
+        devices = {
+            device_label(m.handler.device): m.handler.device
+            for m in self.models.values()
+            if m.handler is not None
+        }
+        if not devices:
+            devices = {"cpu": resolve_device("cpu")}
+        for label, device in devices.items():
+            reading = read_memory(device)
+            yield label, reading.allocated, reading.reserved, reading.peak, reading.total

@@ -1,0 +1,91 @@
+"""Builds the FastAPI app: settings, metrics, data plane, routes and the startup/shutdown cycle."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from app import __version__
+from app.api import v2
+from app.api.errors import install_error_handlers
+from app.api.schemas import InferRequestDocument
+from app.dataplane import DataPlane
+from app.metrics import Metrics
+from app.runtime.config import ConfigError
+from app.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    metrics = Metrics()
+    plane = DataPlane(settings, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        del app
+        plane.discover()
+        if plane.config_errors:
+            raise ConfigError("; ".join(plane.config_errors))
+        # Models load after the server starts listening, so liveness answers and readiness tells
+        # the truth (not ready) while weights load and warm up.
+        loading = asyncio.create_task(plane.load_all(), name="load-models")
+        try:
+            yield
+        finally:
+            if not loading.done():
+                loading.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await loading
+            await plane.stop()
+
+    app = FastAPI(
+        title="nograd",
+        version=__version__,
+        description="PyTorch model server: Open Inference Protocol (KServe V2), memory-sized "
+        "dynamic batching, Prometheus metrics.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.metrics = metrics
+    app.state.dataplane = plane
+    install_error_handlers(app)
+    app.include_router(v2.router)
+
+    @app.get("/metrics", tags=["Observability"], summary="Prometheus metrics")
+    async def metrics_endpoint() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    _document_infer_schemas(app)
+    return app
+
+
+def _document_infer_schemas(app: FastAPI) -> None:
+    """Put the hand-parsed infer body's schema pieces into the OpenAPI components."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = build()
+        defs = InferRequestDocument.model_json_schema(ref_template="#/components/schemas/{model}")
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        components.update(defs.pop("$defs", {}))
+        components["InferRequestDocument"] = defs
+        for path in schema["paths"].values():
+            body = path.get("post", {}).get("requestBody")
+            if body is not None and "InferRequestDocument" in str(body):
+                body["content"]["application/json"]["schema"] = {
+                    "$ref": "#/components/schemas/InferRequestDocument"
+                }
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

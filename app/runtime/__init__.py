@@ -1,0 +1,1 @@
+"""The torch side of nograd: model configs, loading, devices, memory, precision."""

@@ -1,0 +1,27 @@
+"""Warmup: the first forwards pay for lazy initialisation (kernels, allocator pools, thread pools),
+so they run before a model reports ready instead of on a user's request."""
+
+from __future__ import annotations
+
+import logging
+
+from app.runtime.handler import ModelHandler, TorchRunner
+
+logger = logging.getLogger(__name__)
+
+
+def warmup_shapes(handler: ModelHandler, limit: int) -> list[tuple[int, int]]:
+    """A few (rows, length) pairs spanning the batch range the model will see."""
+    if handler.config.batch_unit == "tokens":
+        lengths = sorted({8, 32, 128})
+        return [(rows, length) for length in lengths for rows in (1, 8) if rows * length <= limit]
+    sizes = sorted({1, min(8, limit), limit})
+    return [(rows, 1) for rows in sizes]
+
+
+def warm_up(handler: ModelHandler, limit: int, rounds: int = 2) -> None:
+    runner = TorchRunner(handler)
+    for _ in range(rounds):
+        for rows, length in warmup_shapes(handler, limit):
+            runner.run_batch([handler.example(rows, length)])
+    logger.debug("model %s warmed up", handler.config.name)

@@ -1,0 +1,72 @@
+"""Every nograd setting, in one validated class.
+
+Settings are read once, when the app is built (never at import time), from the environment with the
+``NOGRAD_`` prefix. A bad value fails at startup with a message naming the field and the value.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+LogLevel = Literal["critical", "error", "warning", "info", "debug"]
+
+
+class Settings(BaseSettings):
+    """Server-wide settings. Per-model knobs live in each model's config file."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="NOGRAD_",
+        extra="ignore",
+        use_attribute_docstrings=True,
+        validate_default=True,
+        cli_kebab_case=True,
+    )
+
+    host: str = "0.0.0.0"
+    """Address the HTTP server binds to."""
+
+    port: int = Field(default=8000, ge=0, le=65535)
+    """TCP port of the HTTP server (0 picks a free port)."""
+
+    model_repository: Path = Path("models")
+    """Folder holding one sub-folder per model (config file, code, weights)."""
+
+    log_level: LogLevel = "info"
+    """Log level of nograd and uvicorn."""
+
+    max_batch_size: int = Field(default=32, ge=1, le=65536)
+    """Default largest batch (samples) when a model's config does not set one."""
+
+    max_queue_delay_ms: float = Field(default=2.0, ge=0.0, le=10_000.0)
+    """Default time a batch waits for more requests once the model is busy."""
+
+    max_queue_size: int = Field(default=1024, ge=1)
+    """Default bound on requests queued per model; beyond it requests are refused."""
+
+    memory_fraction: float = Field(default=0.9, gt=0.0, le=1.0)
+    """Share of the memory free after loading that batches may use, per device."""
+
+    memory_budget_bytes: int | None = Field(default=None, gt=0)
+    """Explicit per-device activation budget in bytes; overrides memory_fraction."""
+
+    torch_threads: int | None = Field(default=None, ge=1)
+    """Intra-op threads for CPU forwards; unset lets torch choose."""
+
+    warmup: bool = True
+    """Run warmup forwards before a model reports ready."""
+
+    @field_validator("model_repository")
+    @classmethod
+    def _repository_is_folder(cls, value: Path) -> Path:
+        if value.exists() and not value.is_dir():
+            raise ValueError(f"model_repository {str(value)!r} is not a folder")
+        return value
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower_log_level(cls, value: object) -> object:
+        return value.lower() if isinstance(value, str) else value
