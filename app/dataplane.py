@@ -25,6 +25,7 @@ from app.runtime.handler import ModelHandler, Outputs, TensorPart, TorchRunner
 from app.runtime.loader import build_handler, weights_bytes
 from app.runtime.warmup import warm_up
 from app.settings import Settings
+from app.stats import FanOutObserver, Statistics
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class DataPlane:
         self._threads = DeviceThreads()
         self._draining = False
         self._loaded = asyncio.Event()
+        self.statistics = Statistics()
         metrics.watch_device_memory(self._memory_readings)
 
     # ------------------------------------------------------------------ discovery and loading
@@ -168,7 +170,7 @@ class DataPlane:
             / 1000.0,
             max_queue_size=config.max_queue_size or self.settings.max_queue_size,
             unit_tokens=config.batch_unit == "tokens",
-            observer=observer,
+            observer=FanOutObserver(observer, self.statistics.observer(model.name)),
         )
         await batcher.start()
         observer.limit_changed(limit.current)
@@ -249,15 +251,33 @@ class DataPlane:
         deadline: float | None = None,
     ) -> tuple[ServedModel, Outputs]:
         model = self.get(name, version)
+        # Statistics extension: every request that names a served model counts, failed or not.
+        stats = self.statistics.of(model.name)
+        started = time.perf_counter()
+        try:
+            outputs = await self._infer(model, inputs, deadline)
+        except BaseException:
+            stats.request_failed(time.perf_counter() - started)
+            raise
+        stats.request_succeeded(len(next(iter(inputs.values()))), time.perf_counter() - started)
+        return model, outputs
+
+    async def _infer(
+        self, model: ServedModel, inputs: Mapping[str, np.ndarray], deadline: float | None
+    ) -> Outputs:
+        name = model.name
         if not model.ready or model.handler is None or model.batcher is None:
             raise ModelNotReady(f"model {name!r} is not ready ({self._why_not_ready(model)})")
         self.validate(model, inputs)
         try:
-            part = model.handler.prepare(inputs)
+            if model.handler.prepare_offload:
+                # Tokenising or decoding costs CPU per request: keep it off the event loop.
+                part = await asyncio.to_thread(model.handler.prepare, inputs)
+            else:
+                part = model.handler.prepare(inputs)
         except ValueError as exc:
             raise InvalidInput(str(exc)) from exc
-        outputs = await model.batcher.submit(part, deadline=deadline)
-        return model, outputs
+        return await model.batcher.submit(part, deadline=deadline)
 
     def _why_not_ready(self, model: ServedModel) -> str:
         if self._draining:

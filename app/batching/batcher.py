@@ -365,39 +365,61 @@ class Batcher(Generic[P, R]):
     async def _run(self, batch: list[_Item[P, R]]) -> None:
         assert self._slots is not None and self._wakeup is not None
         loop = asyncio.get_running_loop()
-        start = time.monotonic()
-        parts = [item.part for item in batch]
-        rows = sum(p.rows for p in parts)
-        ok = False
+        live: list[_Item[P, R]] = batch
         try:
-            self._observer.batch_started(
-                rows, cost_of(parts, self._unit_tokens), [start - it.enqueued for it in batch]
-            )
-            outcomes = await loop.run_in_executor(self._executor, self._run_recovering, parts)
-            if len(outcomes) != len(batch):
-                raise RuntimeError(
-                    f"model {self.name!r} returned {len(outcomes)} results for {len(batch)} parts"
-                )
-            ok = True
-            for item, outcome in zip(batch, outcomes, strict=True):
+            live, outcomes = await loop.run_in_executor(self._executor, self._execute, batch)
+            for item, outcome in zip(live, outcomes, strict=True):
                 if isinstance(outcome, BaseException):
-                    ok = False
                     _fail(item.future, outcome)
                 elif not item.future.done():
                     item.future.set_result(outcome)
         except BaseException as exc:  # every future is resolved, whatever happened
-            logger.exception("batch of %d rows failed for model %s", rows, self.name)
-            for item in batch:
+            logger.exception("batch failed for model %s", self.name)
+            for item in live:
                 _fail(item.future, exc if isinstance(exc, Exception) else BatcherClosed(str(exc)))
             if not isinstance(exc, Exception):
                 raise
         finally:
-            self._observer.batch_finished(rows, time.monotonic() - start, ok)
             self._in_flight -= 1
             self._slots.release()
             self._wakeup.set()
 
     # ----------------------------------------------------------------------------- device thread
+    def _execute(
+        self, batch: list[_Item[P, R]]
+    ) -> tuple[list[_Item[P, R]], list[R | BaseException]]:
+        """The device thread's view of a batch: the last chance to skip callers who left."""
+        start = time.monotonic()
+        # Reading done() from this thread is a benign race: at worst a caller who leaves right
+        # now is computed for and its result discarded.
+        live: list[_Item[P, R]] = []
+        expired: list[_Item[P, R]] = []
+        for item in batch:
+            if item.future.done():
+                self._observer.dropped("cancelled")
+            elif item.deadline is not None and start > item.deadline:
+                self._observer.dropped("deadline")
+                expired.append(item)
+            else:
+                live.append(item)
+        late: list[R | BaseException] = [
+            DeadlineExceeded(f"deadline passed while queued for {self.name!r}") for _ in expired
+        ]
+        if not live:
+            return expired, late
+        parts = [item.part for item in live]
+        rows = sum(p.rows for p in parts)
+        self._observer.batch_started(
+            rows, cost_of(parts, self._unit_tokens), [start - it.enqueued for it in live]
+        )
+        outcomes: list[R | BaseException] = []
+        try:
+            outcomes = self._run_recovering(parts)
+        finally:
+            ok = bool(outcomes) and not any(isinstance(o, BaseException) for o in outcomes)
+            self._observer.batch_finished(rows, time.monotonic() - start, ok)
+        return live + expired, outcomes + late
+
     def _run_recovering(self, parts: list[P]) -> list[R | BaseException]:
         """Run on the device thread: split on out-of-memory, bisect on errors, per part outcomes."""
         outcomes = self._run_pieces(list(enumerate(parts)))
@@ -422,6 +444,10 @@ class Batcher(Generic[P, R]):
         cost = cost_of(parts, self._unit_tokens)
         try:
             results = self._runner.run_batch(parts)
+            if len(results) != len(parts):
+                raise RuntimeError(
+                    f"model {self.name!r} returned {len(results)} results for {len(parts)} parts"
+                )
         except Exception as exc:
             if self._runner.is_out_of_memory(exc):
                 return self._recover_out_of_memory(pieces, cost, exc)

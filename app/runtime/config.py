@@ -69,7 +69,8 @@ class ModelConfig(BaseModel):
     module: str = "model.py"
     """Python file, inside the model folder, that builds the model."""
     weights: str | None = "model.safetensors"
-    """Weights file inside the model folder: .safetensors, or .pt/.pth read with weights_only."""
+    """Weights file inside the model folder: .safetensors, or .pt/.pth read with weights_only.
+    Empty (``weights = ""``, as TOML has no null) when the model's ``build_handler`` loads its own."""
     inputs: tuple[TensorSpec, ...] = Field(min_length=1)
     outputs: tuple[TensorSpec, ...] = Field(min_length=1)
     max_batch_size: int | None = Field(default=None, ge=1, le=65536)
@@ -100,6 +101,11 @@ class ModelConfig(BaseModel):
         if not _DEVICE_RE.match(device):
             raise ValueError(f"device {device!r} must be cpu, cuda, cuda:N or auto")
         return device
+
+    @field_validator("weights", mode="before")
+    @classmethod
+    def _empty_weights_none(cls, value: object) -> object:
+        return None if value == "" else value
 
     @field_validator("module", "weights")
     @classmethod

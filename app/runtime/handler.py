@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import ClassVar, Final
 
 import numpy as np
 import torch
@@ -59,6 +59,9 @@ class TensorPart:
 
 class ModelHandler:
     """Default handler: each declared input goes to ``forward`` as a keyword tensor."""
+
+    prepare_offload: ClassVar[bool] = False
+    """True when ``prepare`` is heavy (tokenising, decoding): the data plane runs it in a thread."""
 
     def __init__(self, module: torch.nn.Module, config: ModelConfig, device: torch.device) -> None:
         self.module = module

@@ -1,0 +1,89 @@
+"""Start a real nograd server (``python -m app`` under uvicorn) on a free port, for e2e tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@contextmanager
+def run_server(
+    log_dir: Path,
+    env: Mapping[str, str] | None = None,
+    ready_timeout_s: float = 120.0,
+    wait_ready: bool = True,
+) -> Iterator[Server]:
+    port = free_port()
+    log_path = log_dir / f"nograd-{port}.log"
+    full_env = {
+        **os.environ,
+        "NOGRAD_HOST": "127.0.0.1",
+        "NOGRAD_PORT": str(port),
+        "NOGRAD_MODEL_REPOSITORY": str(ROOT / "models"),
+        "NOGRAD_LOG_LEVEL": "info",
+        **(env or {}),
+    }
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "app"], cwd=ROOT, env=full_env, stdout=log, stderr=log
+        )
+    server = Server(f"http://127.0.0.1:{port}", process, log_path)
+    try:
+        if wait_ready:
+            wait_until_ready(server, ready_timeout_s)
+        yield server
+    finally:
+        stop_server(server)
+
+
+def wait_until_ready(server: Server, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"server exited with {server.process.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(f"{server.url}/v2/health/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"server not ready after {timeout_s}s:\n{server.log()}")
+
+
+def stop_server(server: Server, timeout_s: float = 30.0) -> int:
+    if server.process.poll() is None:
+        server.process.send_signal(signal.SIGTERM)
+        try:
+            server.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            server.process.kill()
+            server.process.wait()
+    return server.process.returncode

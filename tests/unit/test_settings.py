@@ -1,0 +1,43 @@
+"""Settings come from NOGRAD_* variables, and a bad value names itself."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from pydantic import ValidationError
+
+from app.settings import Settings
+from tests.e2e.serving import ROOT
+
+
+def test_environment_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NOGRAD_PORT", "9001")
+    monkeypatch.setenv("NOGRAD_HOST", "127.0.0.1")
+    monkeypatch.setenv("NOGRAD_LOG_LEVEL", "DEBUG")
+    monkeypatch.setenv("NOGRAD_MEMORY_BUDGET_BYTES", "1048576")
+    settings = Settings()
+    assert (settings.port, settings.host, settings.log_level) == (9001, "127.0.0.1", "debug")
+    assert settings.memory_budget_bytes == 1 << 20
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [("NOGRAD_PORT", "70000"), ("NOGRAD_MEMORY_FRACTION", "1.5"), ("NOGRAD_LOG_LEVEL", "loud")],
+)
+def test_bad_value_is_named(monkeypatch: pytest.MonkeyPatch, variable: str, value: str) -> None:
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValidationError) as info:
+        Settings()
+    message = str(info.value)
+    assert variable.removeprefix("NOGRAD_").lower() in message
+    assert value in message
+
+
+def test_cli_help_lists_every_setting() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "app", "--help"], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    for field in Settings.model_fields:
+        assert "--" + field.replace("_", "-") in result.stdout
