@@ -23,6 +23,8 @@ from app.runtime.config import ConfigError, ModelConfig, find_config, load_confi
 from app.runtime.devices import DeviceThreads, device_label, read_memory, resolve_device
 from app.runtime.handler import ModelHandler, Outputs, TensorPart, TorchRunner
 from app.runtime.loader import build_handler, weights_bytes
+from app.runtime.memory import Profile, probe_for
+from app.runtime.planner import ModelPlan, PlanInput, log_plan, plan_device, profile_handler
 from app.runtime.warmup import warm_up
 from app.settings import Settings
 from app.stats import FanOutObserver, Statistics
@@ -61,6 +63,8 @@ class ServedModel:
     observer: ModelObserver | None = None
     load_seconds: float = 0.0
     warmup_seconds: float = 0.0
+    weights_bytes: int = 0
+    plan: ModelPlan | None = None
     stats: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -115,17 +119,72 @@ class DataPlane:
             self.metrics.model_ready.labels(config.name).set(0)
 
     async def load_all(self) -> None:
-        """Load, warm up and start every model; failures leave that model not ready."""
+        """Load and warm up every model, plan memory per device, then start the batchers.
+
+        Planning waits for every load so the free memory it budgets already excludes all
+        weights; a model that fails at any step is reported and left not ready.
+        """
         loop = asyncio.get_running_loop()
         for model in self.models.values():
             try:
                 await loop.run_in_executor(None, self._load, model)
-                await self._start(model)
             except Exception as exc:
-                model.state = State.FAILED
-                model.error = str(exc)
-                logger.exception("model %s failed to load", model.name)
+                self._failed(model, exc, "failed to load")
+        await self._plan_memory()
+        for model in self.models.values():
+            if model.handler is not None and model.state is State.LOADING:
+                try:
+                    await self._start(model)
+                except Exception as exc:
+                    self._failed(model, exc, "failed to start")
         self._loaded.set()
+
+    def _failed(self, model: ServedModel, exc: Exception, what: str) -> None:
+        model.state = State.FAILED
+        model.error = f"{what}: {exc}"
+        logger.exception("model %s %s", model.name, what)
+
+    async def _plan_memory(self) -> None:
+        """Measure each loaded model's activation cost and derive its batch limit."""
+        loop = asyncio.get_running_loop()
+        by_device: dict[str, list[ServedModel]] = {}
+        for model in self.models.values():
+            if model.handler is not None and model.state is State.LOADING:
+                by_device.setdefault(device_label(model.handler.device), []).append(model)
+        for label, group in by_device.items():
+            assert group[0].handler is not None
+            device = group[0].handler.device
+            probe = probe_for(device)
+            executor = self._threads.executor(device)
+            profiles: dict[str, Profile] = {}
+            inputs: list[PlanInput] = []
+            for model in group:
+                assert model.handler is not None
+                cap = self._measured_limit(model.config)
+                try:
+                    profiles[model.name] = await loop.run_in_executor(
+                        executor, profile_handler, model.handler, probe, cap
+                    )
+                except Exception:
+                    logger.exception(
+                        "memory profiling of model %s failed; its limit stays at %d",
+                        model.name,
+                        cap,
+                    )
+                    continue
+                inputs.append(PlanInput(model.name, model.handler, model.weights_bytes, cap))
+            budget, plans = plan_device(
+                inputs,
+                profiles,
+                probe,
+                fraction=self.settings.memory_fraction,
+                explicit_bytes=self.settings.memory_budget_bytes,
+            )
+            self.metrics.memory_budget.labels(label).set(budget)
+            log_plan(label, budget, plans)
+            for plan in plans:
+                self.models[plan.name].plan = plan
+                self.metrics.sample_bytes.labels(plan.name).set(plan.profile.model.per_unit)
 
     def _load(self, model: ServedModel) -> None:
         config = model.config
@@ -134,7 +193,8 @@ class DataPlane:
         handler = build_handler(self.settings.model_repository, model.directory, config, device)
         model.load_seconds = time.perf_counter() - started
         self.metrics.model_load.labels(model.name).set(model.load_seconds)
-        self.metrics.weights_bytes.labels(model.name).set(weights_bytes(handler.module))
+        model.weights_bytes = weights_bytes(handler.module)
+        self.metrics.weights_bytes.labels(model.name).set(model.weights_bytes)
         if self.settings.warmup:
             started = time.perf_counter()
             warm_up(handler, self._measured_limit(config))
@@ -159,7 +219,11 @@ class DataPlane:
         assert model.handler is not None
         config = model.config
         observer = self.metrics.observer(model.name)
-        limit = BatchLimit(self._measured_limit(config))
+        if model.plan is not None:
+            limit = BatchLimit(model.plan.limit)
+            observer.predict_bytes = model.plan.predict_bytes
+        else:
+            limit = BatchLimit(self._measured_limit(config))
         delay_ms = config.max_queue_delay_ms
         batcher: Batcher[TensorPart, Outputs] = Batcher(
             model.name,

@@ -192,8 +192,8 @@ class ModelObserver:
         self._dropped = metrics.dropped
         self._predicted = metrics.batch_predicted_bytes.labels(model)
         self._model = model
-        self.predict_bytes: Callable[[int], float] | None = None
-        """Set by the runtime once memory is profiled: predicted peak bytes for a batch cost."""
+        self.predict_bytes: Callable[[int, int], float] | None = None
+        """Set once memory is profiled: predicted peak bytes for a batch's (rows, cost)."""
 
     def queue_depth(self, depth: int) -> None:
         self._queue_depth.set(depth)
@@ -203,7 +203,7 @@ class ModelObserver:
         for wait in queue_waits:
             self._queue_duration.observe(wait)
         if self.predict_bytes is not None:
-            self._predicted.observe(self.predict_bytes(cost))
+            self._predicted.observe(self.predict_bytes(rows, cost))
 
     def batch_finished(self, rows: int, seconds: float, ok: bool) -> None:
         del rows, ok

@@ -26,11 +26,13 @@ class BatchLimit:
         recover_after: int = 50,
         forget_after: int = 2000,
     ) -> None:
-        if measured < minimum:
-            raise ValueError(f"measured limit {measured} is below the minimum {minimum}")
+        if measured < 0:
+            raise ValueError(f"measured limit {measured} is negative")
         self._lock = threading.Lock()
         self._measured = measured
-        self._minimum = minimum
+        # A measured limit of 0 means one sample cannot fit: every request is refused up front.
+        self._floor = minimum
+        self._minimum = min(minimum, measured)
         self._current = measured
         self._ceiling = measured
         self._recover_after = recover_after
@@ -54,7 +56,8 @@ class BatchLimit:
     def set_measured(self, measured: int) -> None:
         """Adopt a new measured limit (e.g. after re-planning memory); resets what OOMs taught."""
         with self._lock:
-            self._measured = max(measured, self._minimum)
+            self._measured = max(measured, 0)
+            self._minimum = min(self._floor, self._measured)
             self._current = self._measured
             self._ceiling = self._measured
             self._successes = 0

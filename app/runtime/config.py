@@ -70,7 +70,7 @@ class ModelConfig(BaseModel):
     """Python file, inside the model folder, that builds the model."""
     weights: str | None = "model.safetensors"
     """Weights file inside the model folder: .safetensors, or .pt/.pth read with weights_only.
-    Empty (``weights = ""``, as TOML has no null) when the model's ``build_handler`` loads its own."""
+    Empty (``weights = ""``; TOML has no null) when the model's ``build_handler`` loads its own."""
     inputs: tuple[TensorSpec, ...] = Field(min_length=1)
     outputs: tuple[TensorSpec, ...] = Field(min_length=1)
     max_batch_size: int | None = Field(default=None, ge=1, le=65536)

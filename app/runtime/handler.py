@@ -99,8 +99,7 @@ class ModelHandler:
         batch: dict[str, torch.Tensor] = {}
         for name in parts[0].tensors:
             arrays = [part.tensors[name] for part in parts]
-            joined = _pad_concat(arrays)
-            tensor = torch.from_numpy(joined)
+            tensor = _pad_concat(arrays, pin_memory=self.device.type == "cuda")
             if tensor.is_floating_point():
                 tensor = tensor.to(self.compute_dtype)
             batch[name] = tensor.to(self.device, non_blocking=self.device.type == "cuda")
@@ -177,20 +176,29 @@ def split_rows(outputs: Outputs, rows: Sequence[int]) -> list[Outputs]:
     return results
 
 
-def _pad_concat(arrays: Sequence[np.ndarray]) -> np.ndarray:
-    if len(arrays) == 1:
-        return np.ascontiguousarray(arrays[0])
+def _pad_concat(arrays: Sequence[np.ndarray], pin_memory: bool = False) -> torch.Tensor:
+    """One host tensor holding every part's rows, zero-padded along variable dimensions.
+
+    A single part is used in place (no copy). Several parts are copied once into one torch
+    allocation, which the memory profiler sees, and which is pinned when bound for a GPU so the
+    host-to-device copy can run asynchronously.
+    """
+    if len(arrays) == 1 and not pin_memory:
+        return torch.from_numpy(np.ascontiguousarray(arrays[0]))
     target = tuple(max(a.shape[axis] for a in arrays) for axis in range(arrays[0].ndim))
-    padded = []
+    rows = sum(a.shape[0] for a in arrays)
+    dtype = torch.from_numpy(arrays[0][:0]).dtype
+    ragged = any(a.shape[1:] != target[1:] for a in arrays)
+    make = torch.zeros if ragged else torch.empty
+    out = make((rows, *target[1:]), dtype=dtype, pin_memory=pin_memory)
+    start = 0
     for array in arrays:
-        if array.shape[1:] == target[1:]:
-            padded.append(array)
-        else:
-            widths = [(0, 0)] + [
-                (0, t - s) for s, t in zip(array.shape[1:], target[1:], strict=True)
-            ]
-            padded.append(np.pad(array, widths))
-    return np.concatenate(padded)
+        region = out[start : start + array.shape[0]]
+        for axis, size in enumerate(array.shape[1:], start=1):
+            region = region.narrow(axis, 0, size)
+        region.copy_(torch.from_numpy(array))
+        start += array.shape[0]
+    return out
 
 
 def _random_array(

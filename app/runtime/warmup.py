@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 from app.runtime.handler import ModelHandler, TorchRunner
+from app.runtime.memory import is_out_of_memory
 
 logger = logging.getLogger(__name__)
 
@@ -20,8 +21,24 @@ def warmup_shapes(handler: ModelHandler, limit: int) -> list[tuple[int, int]]:
 
 
 def warm_up(handler: ModelHandler, limit: int, rounds: int = 2) -> None:
+    """Run the warmup shapes; a batch that runs out of memory is skipped, not fatal.
+
+    Running out of memory at a large warmup batch says the configured cap is too high for the
+    device, which the memory plan and the batcher's OOM recovery handle; only a single sample
+    that cannot run makes the model unservable.
+    """
     runner = TorchRunner(handler)
     for _ in range(rounds):
         for rows, length in warmup_shapes(handler, limit):
-            runner.run_batch([handler.example(rows, length)])
+            try:
+                runner.run_batch([handler.example(rows, length)])
+            except Exception as exc:
+                if rows == 1 or not is_out_of_memory(exc):
+                    raise
+                runner.release_memory()
+                logger.warning(
+                    "model %s: warmup batch of %d rows ran out of memory; skipped",
+                    handler.config.name,
+                    rows,
+                )
     logger.debug("model %s warmed up", handler.config.name)

@@ -55,11 +55,15 @@ def test_valid_toml_and_yaml(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("replace", "by", "field"),
     [
-        ('datatype = "FP32"\nshape = [-1, 4]', 'datatype = "FLOAT"\nshape = [-1, 4]', "inputs.0.datatype"),
+        (
+            'datatype = "FP32"\nshape = [-1, 4]',
+            'datatype = "FLOAT"\nshape = [-1, 4]',
+            "inputs.0.datatype",
+        ),
         ("shape = [-1, 4]", "shape = [0, 4]", "inputs.0.shape"),
         ('device = "cpu"', 'device = "tpu"', "device"),
         ("max_batch_size = 8", "max_batch_size = 0", "max_batch_size"),
-        ("max_batch_size = 8", 'max_batch_size = 8\nbatch_sise = 3', "batch_sise"),
+        ("max_batch_size = 8", "max_batch_size = 8\nbatch_sise = 3", "batch_sise"),
         ('name = "m"', 'name = "m"\nmodule = "../evil.py"', "module"),
     ],
 )

@@ -37,7 +37,11 @@ def test_bad_value_is_named(monkeypatch: pytest.MonkeyPatch, variable: str, valu
 
 def test_cli_help_lists_every_setting() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "app", "--help"], cwd=ROOT, capture_output=True, text=True, check=True
+        [sys.executable, "-m", "app", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     for field in Settings.model_fields:
         assert "--" + field.replace("_", "-") in result.stdout
