@@ -16,11 +16,25 @@ from pathlib import Path
 
 import numpy as np
 
-from app.batching import Batcher, BatchLimit
+from app.batching import (
+    Batcher,
+    BatcherClosed,
+    BatchingError,
+    BatchLimit,
+    DeadlineExceeded,
+    QueueFull,
+    SampleTooLarge,
+)
 from app.datatypes import datatype_of, shape_matches
 from app.metrics import Metrics, ModelObserver
 from app.runtime.config import ConfigError, ModelConfig, find_config, load_config
-from app.runtime.devices import DeviceThreads, device_label, read_memory, resolve_device
+from app.runtime.devices import (
+    DeviceThreads,
+    configure_threads,
+    device_label,
+    read_memory,
+    resolve_device,
+)
 from app.runtime.handler import ModelHandler, Outputs, TensorPart, TorchRunner
 from app.runtime.loader import build_handler, weights_bytes
 from app.runtime.memory import Profile, probe_for
@@ -42,6 +56,18 @@ class ModelNotReady(Exception):
 
 class InvalidInput(Exception):
     """The request does not match the model's declared inputs; the message says how."""
+
+
+class LimitExceeded(Exception):
+    """The request is well formed but over a configured limit (rows, text length)."""
+
+
+class InferenceFailed(Exception):
+    """The model raised on this request (after bisection, on this request alone)."""
+
+
+class Draining(ModelNotReady):
+    """The server received SIGTERM and finishes accepted work only."""
 
 
 class State(enum.Enum):
@@ -90,6 +116,8 @@ class DataPlane:
         self.config_errors: list[str] = []
         self._threads = DeviceThreads()
         self._draining = False
+        self._inflight = 0
+        self._idle: asyncio.Event | None = None
         self._loaded = asyncio.Event()
         self.statistics = Statistics()
         metrics.watch_device_memory(self._memory_readings)
@@ -125,6 +153,8 @@ class DataPlane:
         weights; a model that fails at any step is reported and left not ready.
         """
         loop = asyncio.get_running_loop()
+        if self.settings.torch_threads is not None:
+            configure_threads(self.settings.torch_threads)
         for model in self.models.values():
             try:
                 await loop.run_in_executor(None, self._load, model)
@@ -243,6 +273,44 @@ class DataPlane:
         model.state = State.READY
         self.metrics.model_ready.labels(model.name).set(1)
 
+    def begin_drain(self) -> None:
+        """Turn not-ready at once and refuse new work; accepted requests still finish."""
+        self._draining = True
+        for model in self.models.values():
+            self.metrics.model_ready.labels(model.name).set(0)
+
+    def busy(self) -> bool:
+        """Whether any accepted request is still being answered."""
+        return self._inflight > 0
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no accepted request is left (True) or the timeout passes (False)."""
+        if self._inflight == 0:
+            return True
+        self._idle = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    async def watch_workers(self, interval_s: float = 1.0) -> None:
+        """Restart batch loops that died, so a crashed worker costs seconds, not the pod."""
+        while True:
+            await asyncio.sleep(interval_s)
+            await self.check_workers()
+
+    async def check_workers(self) -> int:
+        restarted = 0
+        for model in self.models.values():
+            if model.state is not State.READY or model.batcher is None or self._draining:
+                continue
+            if await model.batcher.restart_if_dead():
+                restarted += 1
+                self.metrics.batcher_restarts.labels(model.name).inc()
+                logger.error("model %s: batch loop had died; restarted it", model.name)
+        return restarted
+
     async def stop(self, drain_timeout_s: float = 0.0) -> None:
         self._draining = True
         for model in self.models.values():
@@ -305,6 +373,11 @@ class DataPlane:
             raise InvalidInput(f"inputs disagree on the batch dimension: {sorted(rows)}")
         if 0 in rows:
             raise InvalidInput("inputs have zero rows")
+        if rows.pop() > self.settings.max_request_rows:
+            raise LimitExceeded(
+                f"request has more rows than the limit of {self.settings.max_request_rows} "
+                "(NOGRAD_MAX_REQUEST_ROWS)"
+            )
 
     async def infer(
         self,
@@ -312,17 +385,28 @@ class DataPlane:
         version: str | None,
         inputs: Mapping[str, np.ndarray],
         *,
-        deadline: float | None = None,
+        timeout_s: float | None = None,
     ) -> tuple[ServedModel, Outputs]:
+        """Validate, prepare and queue one request; ``timeout_s`` overrides the server default."""
         model = self.get(name, version)
+        timeout = timeout_s if timeout_s is not None else self.settings.request_timeout_s
+        deadline = None if timeout is None else time.monotonic() + timeout
         # Statistics extension: every request that names a served model counts, failed or not.
         stats = self.statistics.of(model.name)
         started = time.perf_counter()
+        self._inflight += 1
         try:
             outputs = await self._infer(model, inputs, deadline)
-        except BaseException:
+        except BaseException as exc:
             stats.request_failed(time.perf_counter() - started)
+            reason = _rejection_reason(exc)
+            if reason is not None:
+                self.metrics.rejected.labels(model.name, reason).inc()
             raise
+        finally:
+            self._inflight -= 1
+            if self._inflight == 0 and self._idle is not None:
+                self._idle.set()
         stats.request_succeeded(len(next(iter(inputs.values()))), time.perf_counter() - started)
         return model, outputs
 
@@ -330,6 +414,8 @@ class DataPlane:
         self, model: ServedModel, inputs: Mapping[str, np.ndarray], deadline: float | None
     ) -> Outputs:
         name = model.name
+        if self._draining:
+            raise Draining(f"model {name!r} is not ready (server is draining)")
         if not model.ready or model.handler is None or model.batcher is None:
             raise ModelNotReady(f"model {name!r} is not ready ({self._why_not_ready(model)})")
         self.validate(model, inputs)
@@ -341,7 +427,15 @@ class DataPlane:
                 part = model.handler.prepare(inputs)
         except ValueError as exc:
             raise InvalidInput(str(exc)) from exc
-        return await model.batcher.submit(part, deadline=deadline)
+        try:
+            return await model.batcher.submit(part, deadline=deadline)
+        except BatchingError:
+            raise
+        except Exception as exc:
+            self.metrics.inference_errors.labels(name).inc()
+            raise InferenceFailed(
+                f"model {name!r} failed on this request: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def _why_not_ready(self, model: ServedModel) -> str:
         if self._draining:
@@ -364,3 +458,18 @@ class DataPlane:
         for label, device in devices.items():
             reading = read_memory(device)
             yield label, reading.allocated, reading.reserved, reading.peak, reading.total
+
+
+def _rejection_reason(exc: BaseException) -> str | None:
+    """The ``reason`` label of a request refused before (or instead of) compute."""
+    if isinstance(exc, QueueFull):
+        return "queue_full"
+    if isinstance(exc, DeadlineExceeded):
+        return "deadline"
+    if isinstance(exc, (Draining, BatcherClosed)):
+        return "draining"
+    if isinstance(exc, (LimitExceeded, SampleTooLarge)):
+        return "too_large"
+    if isinstance(exc, asyncio.CancelledError):
+        return "cancelled"
+    return None

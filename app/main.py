@@ -12,8 +12,9 @@ from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from app import __version__
-from app.api import v2
+from app.api import openai, v2
 from app.api.errors import install_error_handlers
+from app.api.middleware import AuthMiddleware, BodyLimitMiddleware
 from app.api.schemas import InferRequestDocument
 from app.dataplane import DataPlane
 from app.metrics import Metrics
@@ -37,14 +38,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # Models load after the server starts listening, so liveness answers and readiness tells
         # the truth (not ready) while weights load and warm up.
         loading = asyncio.create_task(plane.load_all(), name="load-models")
+        watchdog = asyncio.create_task(plane.watch_workers(), name="watch-workers")
         try:
             yield
         finally:
-            if not loading.done():
-                loading.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await loading
-            await plane.stop()
+            for task in (loading, watchdog):
+                if not task.done():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+            await plane.stop(settings.drain_timeout_s)
 
     app = FastAPI(
         title="nograd",
@@ -57,7 +60,26 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.metrics = metrics
     app.state.dataplane = plane
     install_error_handlers(app)
+    known = plane.models.__contains__
+    # Starlette wraps the last-added middleware outermost: the size limit runs before auth
+    # reads headers only, and both run before any route.
+    if settings.api_key_list:
+        app.add_middleware(
+            AuthMiddleware,
+            keys=settings.api_key_list,
+            metrics=metrics,
+            known_model=known,
+            protect_health=settings.auth_health,
+            protect_metrics=settings.auth_metrics,
+        )
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=settings.max_request_bytes,
+        metrics=metrics,
+        known_model=known,
+    )
     app.include_router(v2.router)
+    app.include_router(openai.router)
 
     @app.get("/metrics", tags=["Observability"], summary="Prometheus metrics")
     async def metrics_endpoint() -> Response:

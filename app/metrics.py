@@ -164,6 +164,12 @@ class Metrics:
             ["model", "reason"],
             registry=r,
         )
+        self.inference_errors = Counter(
+            "nograd_inference_errors",
+            "Requests the model raised on; bisection pins each error on its own request.",
+            ["model"],
+            registry=r,
+        )
         self.batcher_restarts = Counter(
             "nograd_batcher_restarts",
             "Batch loops found dead and restarted.",

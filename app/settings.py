@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
@@ -58,6 +58,40 @@ class Settings(BaseSettings):
 
     warmup: bool = True
     """Run warmup forwards before a model reports ready."""
+
+    log_format: Literal["json", "text"] = "json"
+    """Log line format: one JSON object per line, or plain text for a terminal."""
+
+    request_timeout_s: float | None = Field(default=None, gt=0)
+    """Default deadline of an inference request; one still queued when it passes gets 504."""
+
+    max_request_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+    """Largest request body accepted; larger bodies get 413 before they are read whole."""
+
+    max_request_rows: int = Field(default=4096, ge=1)
+    """Most rows (samples) one inference request may carry; more get 422."""
+
+    drain_timeout_s: float = Field(default=30.0, ge=0)
+    """On SIGTERM, how long accepted requests may take to finish before the process exits."""
+
+    api_keys: SecretStr | None = None
+    """Comma-separated API keys; when set, inference, metadata and management routes need
+    ``Authorization: Bearer <key>``. Never logged."""
+
+    auth_health: bool = False
+    """Also require an API key on the health routes."""
+
+    auth_metrics: bool = False
+    """Also require an API key on /metrics."""
+
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    """Serve /metrics on this separate port as well (e.g. one not exposed outside the pod)."""
+
+    @property
+    def api_key_list(self) -> tuple[str, ...]:
+        if self.api_keys is None:
+            return ()
+        return tuple(k.strip() for k in self.api_keys.get_secret_value().split(",") if k.strip())
 
     @field_validator("model_repository")
     @classmethod

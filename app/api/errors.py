@@ -15,7 +15,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.api.v2_codec import DecodeError
 from app.batching import BatcherClosed, DeadlineExceeded, QueueFull, SampleTooLarge
-from app.dataplane import InvalidInput, ModelNotFound, ModelNotReady
+from app.dataplane import (
+    InferenceFailed,
+    InvalidInput,
+    LimitExceeded,
+    ModelNotFound,
+    ModelNotReady,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -24,12 +30,14 @@ RETRY_AFTER_S = "1"
 STATUS: dict[type[Exception], int] = {
     DecodeError: 400,
     InvalidInput: 400,
+    LimitExceeded: 422,
     ModelNotFound: 404,
     ModelNotReady: 503,
     QueueFull: 503,
     BatcherClosed: 503,
     DeadlineExceeded: 504,
     SampleTooLarge: 507,
+    InferenceFailed: 500,
 }
 
 

@@ -103,6 +103,45 @@ class InferResponse(BaseModel):
     outputs: list[ResponseOutput]
 
 
+class DurationStat(BaseModel):
+    count: int = Field(description="Times the duration was recorded.")
+    ns: int = Field(description="Total duration, nanoseconds.")
+
+
+class InferenceStats(BaseModel):
+    success: DurationStat = Field(description="Requests that succeeded: count and total time.")
+    fail: DurationStat = Field(description="Requests that failed: count and total time.")
+    queue: DurationStat = Field(description="Per request: time waiting for its batch to start.")
+    compute_input: DurationStat = Field(description="Included in compute_infer (ns is 0).")
+    compute_infer: DurationStat = Field(
+        description="Per request: time of its batch on the device (collate, forward, copy back)."
+    )
+    compute_output: DurationStat = Field(description="Included in compute_infer (ns is 0).")
+    cache_hit: DurationStat
+    cache_miss: DurationStat
+
+
+class BatchStats(BaseModel):
+    batch_size: int
+    compute_input: DurationStat
+    compute_infer: DurationStat = Field(description="Batches of this size: count and total time.")
+    compute_output: DurationStat
+
+
+class ModelStats(BaseModel):
+    name: str
+    version: str
+    last_inference: int = Field(description="Time of the last request, ms since the epoch.")
+    inference_count: int = Field(description="Samples (rows) of successful requests.")
+    execution_count: int = Field(description="Successful batches run on the device.")
+    inference_stats: InferenceStats
+    batch_stats: list[BatchStats]
+
+
+class StatisticsResponse(BaseModel):
+    model_stats: list[ModelStats]
+
+
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "Malformed request or wrong input"},
     404: {"model": ErrorResponse, "description": "Unknown model or version"},
@@ -114,6 +153,14 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 INFER_REQUEST_BODY: dict[str, Any] = {
     "requestBody": {
         "required": True,
-        "content": {"application/json": {"schema": InferRequestDocument.model_json_schema()}},
+        "content": {
+            "application/json": {"schema": InferRequestDocument.model_json_schema()},
+            "application/octet-stream": {
+                "schema": {"type": "string", "format": "binary"},
+                "description": "Binary tensor data extension: the JSON request (its length in "
+                "the Inference-Header-Content-Length header), then the raw bytes of every input "
+                "whose parameters give binary_data_size, in order.",
+            },
+        },
     }
 }

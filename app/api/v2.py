@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 from fastapi import APIRouter, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
 from app import __version__
+from app.api import binary
 from app.api.errors import error_response, status_of
 from app.api.schemas import (
     ERROR_RESPONSES,
@@ -20,23 +23,24 @@ from app.api.schemas import (
     ModelReadyResponse,
     ReadyResponse,
     ServerMetadata,
+    StatisticsResponse,
 )
 from app.api.state import dataplane_of, metrics_of
 from app.api.v2_codec import (
+    DecodeError,
     InferRequest,
-    decode_request,
+    decode_body,
     dumps,
-    encode_tensor,
-    parse_json,
+    encode_outputs,
     select_outputs,
 )
-from app.dataplane import ServedModel
+from app.dataplane import DataPlane, ServedModel
 from app.metrics import UNKNOWN_MODEL
 
 logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v2", tags=["Open Inference Protocol"])
 PROTOCOL = "v2"
-EXTENSIONS = ["model_repository_readonly", "statistics"]
+EXTENSIONS = ["binary_tensor_data", "model_repository_readonly", "statistics"]
 # Decoding a large JSON body takes milliseconds of CPU; past this size it leaves the event loop.
 _OFFLOAD_DECODE_BYTES = 64 * 1024
 
@@ -64,6 +68,44 @@ async def live() -> LiveResponse:
 async def ready(request: Request) -> Response:
     is_ready = dataplane_of(request).ready()
     return json_response({"ready": is_ready}, 200 if is_ready else 503)
+
+
+def _statistics(plane: DataPlane, models: list[ServedModel]) -> StatisticsResponse:
+    return StatisticsResponse.model_validate(
+        {"model_stats": [plane.statistics.of(m.name).document(m.name, m.version) for m in models]}
+    )
+
+
+@router.get(
+    "/models/stats",
+    response_model=StatisticsResponse,
+    summary="Statistics of every model (statistics extension)",
+)
+async def all_statistics(request: Request) -> StatisticsResponse:
+    plane = dataplane_of(request)
+    return _statistics(plane, list(plane.models.values()))
+
+
+@router.get(
+    "/models/{name}/stats",
+    response_model=StatisticsResponse,
+    summary="Model statistics (statistics extension)",
+    responses=ERROR_RESPONSES,
+)
+async def model_statistics(request: Request, name: str) -> StatisticsResponse:
+    plane = dataplane_of(request)
+    return _statistics(plane, [plane.get(name)])
+
+
+@router.get(
+    "/models/{name}/versions/{version}/stats",
+    response_model=StatisticsResponse,
+    summary="Model version statistics (statistics extension)",
+    responses=ERROR_RESPONSES,
+)
+async def model_version_statistics(request: Request, name: str, version: str) -> StatisticsResponse:
+    plane = dataplane_of(request)
+    return _statistics(plane, [plane.get(name, version)])
 
 
 def _metadata(model: ServedModel) -> ModelMetadata:
@@ -131,10 +173,47 @@ async def model_version_ready(request: Request, name: str, version: str) -> Resp
 
 
 async def _decode(request: Request) -> InferRequest:
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding != "identity":
+        raise DecodeError(f"Content-Encoding {encoding!r} is not supported; send the body as is")
     body = await request.body()
+    header_length = request.headers.get(binary.HEADER_LENGTH)
     if len(body) > _OFFLOAD_DECODE_BYTES:
-        return await run_in_threadpool(lambda: decode_request(parse_json(body)))
-    return decode_request(parse_json(body))
+        return await run_in_threadpool(decode_body, body, header_length)
+    return decode_body(body, header_length)
+
+
+def _timeout_s(parameters: Mapping[str, Any]) -> float | None:
+    """Triton's per-request ``timeout`` parameter, in microseconds; 0 or absent: the default."""
+    value = parameters.get("timeout")
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise DecodeError(f"parameter 'timeout' must be a non-negative integer (µs), got {value!r}")
+    return value / 1e6 if value else None
+
+
+def _infer_response(
+    model: ServedModel, decoded: InferRequest, outputs: Mapping[str, np.ndarray]
+) -> Response:
+    """JSON, or with any binary output JSON + raw bytes and ``Inference-Header-Content-Length``."""
+    selected = select_outputs(list(outputs), decoded.outputs, decoded.parameters)
+    tensors, chunks = encode_outputs(outputs, selected)
+    document: dict[str, Any] = {
+        "model_name": model.name,
+        "model_version": model.version,
+        "outputs": tensors,
+    }
+    if decoded.id is not None:
+        document["id"] = decoded.id
+    header = dumps(document)
+    if not chunks:
+        return Response(content=header, media_type="application/json")
+    return Response(
+        content=binary.join_body(header, chunks),
+        media_type=binary.CONTENT_TYPE,
+        headers={binary.HEADER_LENGTH: str(len(header))},
+    )
 
 
 async def _infer(request: Request, name: str, version: str | None) -> Response:
@@ -145,16 +224,10 @@ async def _infer(request: Request, name: str, version: str | None) -> Response:
     metrics.inflight.inc()
     try:
         decoded = await _decode(request)
-        model, outputs = await plane.infer(name, version, decoded.inputs)
-        selected = select_outputs(list(outputs), decoded.outputs)
-        document: dict[str, Any] = {
-            "model_name": model.name,
-            "model_version": model.version,
-            "outputs": [encode_tensor(out.name, outputs[out.name]) for out in selected],
-        }
-        if decoded.id is not None:
-            document["id"] = decoded.id
-        response = json_response(document)
+        model, outputs = await plane.infer(
+            name, version, decoded.inputs, timeout_s=_timeout_s(decoded.parameters)
+        )
+        response = _infer_response(model, decoded, outputs)
     except Exception as exc:
         status = status_of(exc)
         if status == 500:

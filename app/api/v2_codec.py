@@ -1,7 +1,9 @@
-"""Open Inference Protocol (KServe V2) JSON tensors <-> numpy, with errors that name the problem.
+"""Open Inference Protocol (KServe V2) tensors <-> numpy, with errors that name the problem.
 
-Decoding is strict: a tensor whose data does not match its declared datatype or shape is a client
-error (400), never something numpy silently casts or truncates.
+JSON tensors here; tensors in the binary part of a body (the binary tensor data extension) are
+decoded and encoded by ``app.api.binary`` and assembled here. Decoding is strict: a tensor whose
+data does not match its declared datatype or shape is a client error (400), never something numpy
+silently casts or truncates.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any, cast
 import numpy as np
 import orjson
 
+from app.api import binary
 from app.datatypes import NUMPY_DTYPES, datatype_of
 
 
@@ -43,15 +46,32 @@ _KINDS = {
 }
 
 
-def parse_json(body: bytes) -> Any:
+def parse_json(body: bytes | memoryview) -> Any:
     try:
         return orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise DecodeError(f"malformed JSON: {exc}") from exc
 
 
-def decode_request(document: Any) -> InferRequest:
-    """Validate the request document and decode every JSON input tensor."""
+def decode_body(body: bytes, header_length: str | None) -> InferRequest:
+    """A whole request body: JSON, or with ``Inference-Header-Content-Length`` JSON + binary."""
+    try:
+        header, data = binary.split_body(body, header_length)
+        reader = None
+        if header_length is not None:
+            # torch refuses read-only memory and a bytes body is read-only: one copy of the binary
+            # part, after which every fixed-size input is a view of it.
+            reader = binary.BinaryReader(memoryview(bytearray(data)))
+        request = decode_request(parse_json(header), reader)
+        if reader is not None:
+            reader.finish()
+    except binary.BinaryFormatError as exc:
+        raise DecodeError(str(exc)) from exc
+    return request
+
+
+def decode_request(document: Any, reader: binary.BinaryReader | None = None) -> InferRequest:
+    """Validate the request document and decode every input tensor, JSON or binary."""
     if not isinstance(document, dict):
         raise DecodeError("request body must be a JSON object")
     raw_inputs = document.get("inputs")
@@ -59,7 +79,7 @@ def decode_request(document: Any) -> InferRequest:
         raise DecodeError("field 'inputs' must be a non-empty list of tensors")
     inputs: dict[str, np.ndarray] = {}
     for index, raw in enumerate(raw_inputs):
-        name, array = decode_tensor(raw, f"inputs[{index}]")
+        name, array = decode_tensor(raw, f"inputs[{index}]", reader)
         if name in inputs:
             raise DecodeError(f"input {name!r} appears twice")
         inputs[name] = array
@@ -91,6 +111,10 @@ def _requested_outputs(raw: Any, parameters: Mapping[str, Any]) -> tuple[Request
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise DecodeError(f"field 'outputs[{index}].name' must be a string")
         params = _parameters(item.get("parameters"), f"outputs[{index}].parameters")
+        if "classification" in params:
+            raise DecodeError(
+                f"output {item['name']!r}: the classification extension is not supported"
+            )
         requested.append(
             RequestedOutput(item["name"], bool(params.get("binary_data", default_binary)))
         )
@@ -105,8 +129,11 @@ def decode_shape(raw: Any, where: str) -> tuple[int, ...]:
     return tuple(raw)
 
 
-def decode_tensor(raw: Any, where: str) -> tuple[str, np.ndarray]:
-    """One JSON tensor: ``{name, shape, datatype, data}`` with flat or nested row-major data."""
+def decode_tensor(
+    raw: Any, where: str, reader: binary.BinaryReader | None = None
+) -> tuple[str, np.ndarray]:
+    """One tensor: ``{name, shape, datatype, data}`` with flat or nested row-major data, or
+    ``{name, shape, datatype, parameters: {binary_data_size}}`` with its bytes in ``reader``."""
     if not isinstance(raw, dict):
         raise DecodeError(f"field '{where}' must be an object")
     name = raw.get("name")
@@ -117,6 +144,16 @@ def decode_tensor(raw: Any, where: str) -> tuple[str, np.ndarray]:
     datatype = raw.get("datatype")
     if datatype not in NUMPY_DTYPES:
         raise DecodeError(f"{where}: datatype {datatype!r} is not one of {', '.join(NUMPY_DTYPES)}")
+    size = _parameters(raw.get("parameters"), f"{where}.parameters").get(binary.SIZE_PARAMETER)
+    if size is not None:
+        if "data" in raw:
+            raise DecodeError(f"{where}: has both 'data' and {binary.SIZE_PARAMETER}")
+        if reader is None:
+            raise DecodeError(
+                f"{where}: {binary.SIZE_PARAMETER} given but the request has no binary part "
+                f"(header {binary.HEADER_LENGTH} missing)"
+            )
+        return name, reader.take(size, datatype, shape, where)
     if "data" not in raw:
         raise DecodeError(f"{where}: field 'data' is missing")
     return name, decode_data(raw["data"], datatype, shape, where)
@@ -186,11 +223,17 @@ def _flatten_bytes(data: Any, where: str) -> list[bytes]:
 
 
 def select_outputs(
-    available: Sequence[str], requested: Sequence[RequestedOutput]
+    available: Sequence[str],
+    requested: Sequence[RequestedOutput],
+    parameters: Mapping[str, Any] | None = None,
 ) -> list[RequestedOutput]:
-    """The outputs to return: all by default, or the requested subset in the requested order."""
+    """The outputs to return: all by default, or the requested subset in the requested order.
+
+    Unrequested outputs are JSON unless the request's ``binary_data_output`` parameter is true.
+    """
     if not requested:
-        return [RequestedOutput(name) for name in available]
+        default_binary = bool((parameters or {}).get("binary_data_output", False))
+        return [RequestedOutput(name, default_binary) for name in available]
     unknown = [r.name for r in requested if r.name not in available]
     if unknown:
         raise DecodeError(
@@ -211,6 +254,30 @@ def encode_tensor(name: str, array: np.ndarray) -> dict[str, Any]:
     else:
         data = np.ascontiguousarray(flat)
     return {"name": name, "datatype": datatype, "shape": list(array.shape), "data": data}
+
+
+def encode_outputs(
+    outputs: Mapping[str, np.ndarray], selected: Sequence[RequestedOutput]
+) -> tuple[list[dict[str, Any]], list[bytes | memoryview]]:
+    """Output tensors for the response: JSON ones carry ``data``, binary ones a size and bytes."""
+    tensors: list[dict[str, Any]] = []
+    chunks: list[bytes | memoryview] = []
+    for output in selected:
+        array = outputs[output.name]
+        if not output.binary:
+            tensors.append(encode_tensor(output.name, array))
+            continue
+        raw = binary.encode_tensor(array)
+        tensors.append(
+            {
+                "name": output.name,
+                "datatype": datatype_of(array),
+                "shape": list(array.shape),
+                "parameters": {binary.SIZE_PARAMETER: len(raw)},
+            }
+        )
+        chunks.append(raw)
+    return tensors, chunks
 
 
 def dumps(document: Any) -> bytes:

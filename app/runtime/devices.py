@@ -29,6 +29,11 @@ def resolve_device(spec: str) -> torch.device:
     return device
 
 
+def configure_threads(count: int) -> None:
+    """Intra-op threads for CPU forwards: fewer than the cores leaves one for the event loop."""
+    torch.set_num_threads(count)
+
+
 def device_label(device: torch.device) -> str:
     return "cpu" if device.type == "cpu" else f"{device.type}:{device.index or 0}"
 

@@ -1,0 +1,144 @@
+"""Logging set-up: one JSON object per line by default, plain text on request.
+
+Why JSON: in a container the log is a stream that a shipper (Loki, Fluent Bit, Cloud Logging) parses
+line by line. One object per line keeps multi-line messages (the startup memory-plan table, a
+traceback) in one record, and fields passed with ``extra=`` (``model``, ``request_id``, ``rows``…)
+stay queryable instead of being buried in the message text.
+
+Every logger goes through the root logger's single handler, uvicorn's included: ``cli.py`` runs
+uvicorn with ``log_config=None`` so uvicorn installs no handlers of its own, and this module makes
+uvicorn's loggers propagate to the root.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from datetime import UTC, datetime
+from typing import Any, Final, Literal, TextIO, cast, get_args
+
+import orjson
+
+LogFormat = Literal["json", "text"]
+LOG_FORMATS: Final[tuple[str, ...]] = get_args(LogFormat)
+LOG_FORMAT_ENV: Final = "NOGRAD_LOG_FORMAT"
+"""Read when the caller passes no format; becomes ``Settings.log_format`` once that field exists."""
+
+# Attributes every LogRecord carries; anything else on a record came from ``extra=``.
+_RECORD_ATTRIBUTES: Final = frozenset(
+    vars(logging.LogRecord("", logging.INFO, "", 0, "", None, None))
+) | {"message", "asctime", "taskName", "color_message"}
+# ``color_message`` is uvicorn's ANSI-coloured duplicate of its message: noise in a log shipper.
+
+# Libraries that are chatty at debug level about things an operator of nograd never needs
+# (HTTP connection pools, multipart parsing, file locks of the hub cache).
+_CHATTY_LOGGERS: Final = ("httpcore", "httpx", "urllib3", "filelock", "multipart", "asyncio")
+_UVICORN_LOGGERS: Final = ("uvicorn", "uvicorn.error", "uvicorn.access", "uvicorn.asgi")
+
+
+def _extras(record: logging.LogRecord) -> dict[str, Any]:
+    """The fields a caller attached with ``extra=``, in the order they were set."""
+    return {
+        key: value
+        for key, value in record.__dict__.items()
+        if key not in _RECORD_ATTRIBUTES and not key.startswith("_")
+    }
+
+
+def _timestamp(record: logging.LogRecord) -> str:
+    # UTC with an explicit offset and milliseconds: sortable, and unambiguous across pods in
+    # different time zones.
+    created = datetime.fromtimestamp(record.created, tz=UTC)
+    return created.isoformat(timespec="milliseconds")
+
+
+class JsonFormatter(logging.Formatter):
+    """Formats a record as one JSON object: timestamp, level, logger, message, then extras."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        document: dict[str, Any] = {
+            "timestamp": _timestamp(record),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for key, value in _extras(record).items():
+            # An extra may not overwrite the four fixed fields a shipper indexes on.
+            document.setdefault(key, value)
+        if record.exc_info:
+            document["exception"] = self.formatException(record.exc_info)
+        if record.stack_info:
+            document["stack"] = self.formatStack(record.stack_info)
+        try:
+            return orjson.dumps(document, default=str).decode()
+        except TypeError:
+            # orjson refuses a few values outright (ints over 64 bits, non-str keys): never lose
+            # a log line to its payload.
+            return orjson.dumps({key: str(value) for key, value in document.items()}).decode()
+
+
+class TextFormatter(logging.Formatter):
+    """Human-readable lines for a terminal; extras are appended as ``key=value``."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        extras = _extras(record)
+        if not extras:
+            return line
+        first, newline, rest = line.partition("\n")
+        pairs = " ".join(f"{key}={value}" for key, value in extras.items())
+        return f"{first} [{pairs}]{newline}{rest}"
+
+
+class _NogradHandler(logging.StreamHandler[TextIO]):
+    """Marks the handler this module installed, so a second set-up replaces it, not doubles it."""
+
+
+def resolve_format(log_format: str | None) -> LogFormat:
+    """The format to use: the argument, else ``NOGRAD_LOG_FORMAT``, else JSON."""
+    value = (log_format or os.environ.get(LOG_FORMAT_ENV) or "json").strip().lower()
+    if value not in LOG_FORMATS:
+        raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}; got {value!r}")
+    return cast(LogFormat, value)
+
+
+def setup_logging(
+    level: str, log_format: str | None = None, stream: TextIO | None = None
+) -> logging.Handler:
+    """Route every logger (nograd's, uvicorn's, warnings) through one handler on the root logger.
+
+    ``level`` is a Settings log level (``info``, ``debug``…); ``log_format`` is ``json`` or
+    ``text`` (``None`` reads ``NOGRAD_LOG_FORMAT``). Safe to call again: the previous nograd handler
+    is replaced. Returns the handler, which tests read back.
+    """
+    formatter: logging.Formatter = (
+        JsonFormatter() if resolve_format(log_format) == "json" else TextFormatter()
+    )
+    numeric_level = logging.getLevelName(level.upper())
+    if not isinstance(numeric_level, int):
+        raise ValueError(f"log_level must be a logging level name; got {level!r}")
+
+    handler = _NogradHandler(stream if stream is not None else sys.stderr)
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if isinstance(h, _NogradHandler)]:
+        # StreamHandler.close() leaves the stream open: stderr stays usable.
+        root.removeHandler(old)
+        old.close()
+    root.addHandler(handler)
+    root.setLevel(numeric_level)
+
+    # uvicorn's loggers must reach the root handler rather than print through their own.
+    for name in _UVICORN_LOGGERS:
+        logger = logging.getLogger(name)
+        logger.handlers.clear()
+        logger.propagate = True
+    for name in _CHATTY_LOGGERS:
+        logging.getLogger(name).setLevel(max(numeric_level, logging.INFO))
+    # torch and friends warn through the warnings module; make those JSON lines too.
+    logging.captureWarnings(True)
+    return handler

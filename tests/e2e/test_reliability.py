@@ -1,0 +1,209 @@
+"""Overload, deadlines, limits, poison samples, auth and drain, against real servers."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.serving import Server, run_server
+
+pytestmark = pytest.mark.e2e
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "models"
+KEY = "k-test-0123456789"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def repository(root: Path, *names: str) -> Path:
+    repo = root / "repo"
+    repo.mkdir(exist_ok=True)
+    for name in names:
+        shutil.copytree(FIXTURES / name, repo / name)
+    return repo
+
+
+def body(model: str, value: float, rows: int = 1) -> dict[str, object]:
+    width = 2 if model == "poison" else 1
+    return {
+        "inputs": [
+            {
+                "name": "x",
+                "shape": [rows, width],
+                "datatype": "FP32",
+                "data": [value] * rows * width,
+            }
+        ]
+    }
+
+
+def metric(server: Server, name: str, **labels: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    root = tmp_path_factory.mktemp("guarded")
+    env = {
+        "NOGRAD_MODEL_REPOSITORY": str(repository(root, "slow", "poison")),
+        "NOGRAD_API_KEYS": f"other-key,{KEY}",
+        "NOGRAD_MAX_REQUEST_BYTES": "4096",
+        "NOGRAD_MAX_REQUEST_ROWS": "8",
+    }
+    with run_server(root, env) as server:
+        yield server
+
+
+def test_api_keys_guard_inference_and_metadata(guarded: Server) -> None:
+    url = guarded.url
+    for method, path in (("GET", "/v2/models/slow"), ("POST", "/v2/models/slow/infer")):
+        missing = httpx.request(method, url + path, json=body("slow", 1))
+        assert missing.status_code == 401
+        assert "missing API key" in missing.json()["error"]
+        assert missing.headers["www-authenticate"].startswith("Bearer")
+        wrong = httpx.request(
+            method, url + path, json=body("slow", 1), headers={"Authorization": "Bearer nope"}
+        )
+        assert wrong.status_code == 401 and "invalid API key" in wrong.json()["error"]
+        assert httpx.request(method, url + path, json=body("slow", 1), headers=AUTH).is_success
+    openai_shaped = httpx.post(f"{url}/v1/embeddings", json={"model": "x", "input": "hi"})
+    assert openai_shaped.status_code == 401
+    assert openai_shaped.json()["error"]["code"] == "invalid_api_key"
+    # Probes and scrapers need no key by default.
+    assert httpx.get(f"{url}/v2/health/ready").status_code == 200
+    assert httpx.get(f"{url}/metrics").status_code == 200
+    assert metric(guarded, "nograd_rejected_total", model="slow", reason="unauthorized") >= 2
+    assert KEY not in guarded.log()
+
+
+def test_oversized_body_gets_413_before_it_is_read(guarded: Server) -> None:
+    big = {"inputs": [{"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [0.0] * 2000}]}
+    response = httpx.post(f"{guarded.url}/v2/models/slow/infer", json=big, headers=AUTH)
+    assert response.status_code == 413
+    assert "4096 bytes" in response.json()["error"]
+
+    def chunks() -> Iterator[bytes]:
+        yield b'{"inputs": ['
+        for _ in range(100):
+            yield b" " * 100
+
+    chunked = httpx.post(f"{guarded.url}/v2/models/slow/infer", content=chunks(), headers=AUTH)
+    assert chunked.status_code == 413
+    assert metric(guarded, "nograd_rejected_total", model="slow", reason="too_large") >= 2
+
+
+def test_too_many_rows_is_422_naming_the_limit(guarded: Server) -> None:
+    response = httpx.post(
+        f"{guarded.url}/v2/models/poison/infer", json=body("poison", 1, rows=9), headers=AUTH
+    )
+    assert response.status_code == 422
+    assert "limit of 8" in response.json()["error"]
+
+
+async def test_full_queue_answers_503_with_retry_after(guarded: Server) -> None:
+    async with httpx.AsyncClient(base_url=guarded.url, headers=AUTH, timeout=30) as client:
+        responses = await asyncio.gather(
+            *(client.post("/v2/models/slow/infer", json=body("slow", i)) for i in range(12))
+        )
+    codes = [r.status_code for r in responses]
+    assert 503 in codes, codes
+    for response in responses:
+        if response.status_code == 503:
+            assert response.headers["retry-after"] == "1"
+            assert "queue is full" in response.json()["error"]
+        else:
+            assert response.status_code in (200, 504), response.text
+    assert metric(guarded, "nograd_rejected_total", model="slow", reason="queue_full") >= 1
+
+
+def test_deadline_passed_in_queue_is_504_without_compute(tmp_path: Path) -> None:
+    # 100 ms per batch of 2 and a 50 ms default deadline: of 4 requests sent at once, the last
+    # two would start their batch at 100 ms, past their deadline.
+    env = {
+        "NOGRAD_MODEL_REPOSITORY": str(repository(tmp_path, "slow")),
+        "NOGRAD_REQUEST_TIMEOUT_S": "0.05",
+    }
+    with run_server(tmp_path, env) as server:
+
+        async def wave() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+                return await asyncio.gather(
+                    *(client.post("/v2/models/slow/infer", json=body("slow", i)) for i in range(4))
+                )
+
+        responses = asyncio.run(wave())
+        codes = [r.status_code for r in responses]
+        assert 200 in codes and 504 in codes, codes
+        late = [r for r in responses if r.status_code == 504]
+        assert "deadline" in late[0].json()["error"]
+        batches = metric(server, "nograd_batch_size_count", model="slow")
+        assert batches <= 1 + 2 * 2, "expired requests still reached the model"
+        assert metric(server, "nograd_rejected_total", model="slow", reason="deadline") >= 1
+
+
+async def test_poison_sample_fails_only_its_own_request(guarded: Server) -> None:
+    async with httpx.AsyncClient(base_url=guarded.url, headers=AUTH, timeout=30) as client:
+        responses = await asyncio.gather(
+            *(
+                client.post("/v2/models/poison/infer", json=body("poison", -1.0 if i == 7 else i))
+                for i in range(20)
+            )
+        )
+    for i, response in enumerate(responses):
+        if i == 7:
+            assert response.status_code == 500
+            assert "out of this model's domain" in response.json()["error"]
+        else:
+            assert response.status_code == 200, response.text
+            assert response.json()["outputs"][0]["data"] == [2.0 * i, 2.0 * i]
+    assert metric(guarded, "nograd_inference_errors_total", model="poison") == 1
+    assert metric(guarded, "nograd_batch_splits_total", model="poison") >= 1
+    # The model still serves.
+    ok = httpx.post(f"{guarded.url}/v2/models/poison/infer", json=body("poison", 1), headers=AUTH)
+    assert ok.status_code == 200
+
+
+def test_sigterm_drains_accepted_requests(tmp_path: Path) -> None:
+    env = {
+        "NOGRAD_MODEL_REPOSITORY": str(repository(tmp_path, "slow")),
+        "NOGRAD_DRAIN_TIMEOUT_S": "20",
+    }
+    # A longer queue so every request of the wave is accepted.
+    config = tmp_path / "repo" / "slow" / "config.toml"
+    config.write_text(config.read_text().replace("max_queue_size = 4", "max_queue_size = 64"))
+    with run_server(tmp_path, env) as server:
+
+        async def scenario() -> tuple[list[httpx.Response], int, int]:
+            async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+                wave = [
+                    asyncio.create_task(client.post("/v2/models/slow/infer", json=body("slow", i)))
+                    for i in range(16)
+                ]
+                await asyncio.sleep(0.3)  # all accepted, most still queued (0.8 s of work)
+                server.process.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.15)
+                ready = (await client.get("/v2/health/ready")).status_code
+                late = await client.post("/v2/models/slow/infer", json=body("slow", 99))
+                return await asyncio.gather(*wave), ready, late.status_code
+
+        started = time.monotonic()
+        responses, ready, late = asyncio.run(scenario())
+        assert ready == 503
+        assert late == 503
+        for i, response in enumerate(responses):
+            assert response.status_code == 200, response.text
+            assert response.json()["outputs"][0]["data"] == [i + 1.0]
+        assert server.process.wait(20) == 0
+        assert time.monotonic() - started < 20
+        assert "draining" in server.log()

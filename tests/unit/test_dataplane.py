@@ -1,0 +1,93 @@
+"""The data plane in process: loading, readiness that tells the truth, worker restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from app.dataplane import DataPlane, LimitExceeded, ModelNotFound, ModelNotReady
+from app.metrics import Metrics
+from app.runtime.config import ConfigError
+from app.settings import Settings
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "models"
+
+
+def plane_for(tmp_path: Path, *names: str, **settings: object) -> DataPlane:
+    repo = tmp_path / "repo"
+    repo.mkdir(exist_ok=True)
+    for name in names:
+        shutil.copytree(FIXTURES / name, repo / name)
+    return DataPlane(Settings(model_repository=repo, **settings), Metrics())  # type: ignore[arg-type]
+
+
+def x(*values: float) -> dict[str, np.ndarray]:
+    return {"x": np.array([[v, v] for v in values], dtype=np.float32)}
+
+
+async def test_dead_worker_turns_not_ready_and_is_restarted(tmp_path: Path) -> None:
+    plane = plane_for(tmp_path, "poison")
+    plane.discover()
+    await plane.load_all()
+    assert plane.ready()
+    batcher = plane.models["poison"].batcher
+    assert batcher is not None and batcher._task is not None
+    batcher._task.cancel()  # simulate the batch loop dying
+    await asyncio.sleep(0.01)
+    assert not plane.ready(), "health stayed green with a dead worker"
+    with pytest.raises(ModelNotReady, match="inference worker"):
+        await plane.infer("poison", None, x(1))
+    assert await plane.check_workers() == 1
+    assert plane.ready()
+    _, outputs = await plane.infer("poison", None, x(1, 2))
+    assert outputs["y"].tolist() == [[2, 2], [4, 4]]
+    restarts = plane.metrics.batcher_restarts.labels("poison")._value.get()
+    assert restarts == 1
+    await plane.stop()
+
+
+async def test_failed_load_is_not_ready_and_says_why(tmp_path: Path) -> None:
+    plane = plane_for(tmp_path, "poison")
+    (tmp_path / "repo" / "poison" / "model.py").write_text("raise ImportError('broken on purpose')")
+    plane.discover()
+    await plane.load_all()
+    assert not plane.ready()
+    with pytest.raises(ModelNotReady, match="broken on purpose"):
+        await plane.infer("poison", None, x(1))
+    with pytest.raises(ModelNotFound):
+        await plane.infer("nope", None, x(1))
+    await plane.stop()
+
+
+async def test_row_limit_and_draining(tmp_path: Path) -> None:
+    plane = plane_for(tmp_path, "poison", max_request_rows=2)
+    plane.discover()
+    await plane.load_all()
+    with pytest.raises(LimitExceeded, match="limit of 2"):
+        await plane.infer("poison", None, x(1, 2, 3))
+    plane.begin_drain()
+    assert not plane.ready()
+    with pytest.raises(ModelNotReady, match="draining"):
+        await plane.infer("poison", None, x(1))
+    assert await plane.wait_idle(0.1)
+    await plane.stop()
+
+
+def test_malformed_config_fails_discovery_naming_file_and_field(tmp_path: Path) -> None:
+    plane = plane_for(tmp_path, "poison")
+    config = tmp_path / "repo" / "poison" / "config.toml"
+    config.write_text(config.read_text().replace('datatype = "FP32"', 'datatype = "FLOAT32"', 1))
+    plane.discover()
+    assert plane.config_errors
+    assert str(config) in plane.config_errors[0]
+    assert "field 'inputs.0.datatype'" in plane.config_errors[0]
+
+
+def test_missing_repository_is_a_config_error(tmp_path: Path) -> None:
+    plane = DataPlane(Settings(model_repository=tmp_path / "absent"), Metrics())
+    with pytest.raises(ConfigError, match="not a folder"):
+        plane.discover()
