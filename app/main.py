@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Response
+from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from app import __version__
@@ -81,7 +82,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(v2.router)
     app.include_router(openai.router)
 
-    @app.get("/metrics", tags=["Observability"], summary="Prometheus metrics")
+    @app.get(
+        "/metrics",
+        tags=["Observability"],
+        summary="Prometheus metrics",
+        response_class=PlainTextResponse,
+        responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {}}}},
+    )
     async def metrics_endpoint() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
