@@ -47,5 +47,9 @@ format: install-dev
 container-test:
 	bash scripts/container_test.sh
 
+# A 10-minute steady-load run (not part of CI): memory must stay flat and nothing may fail.
+soak: install-dev
+	$(BIN)/python scripts/soak.py --minutes $${SOAK_MINUTES:-10}
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info
