@@ -115,9 +115,14 @@ def decode_tensor(
 
 
 def _decode_bytes(data: memoryview, count: int, where: str) -> np.ndarray:
+    total = len(data)
+    if count * _LENGTH_PREFIX.size > total:  # checked before allocating ``count`` slots
+        raise BinaryFormatError(
+            f"{where}: {count} BYTES elements need at least {count * _LENGTH_PREFIX.size} bytes, "
+            f"{SIZE_PARAMETER} is {total}"
+        )
     out = np.empty(count, dtype=np.object_)
     offset = 0
-    total = len(data)
     for index in range(count):
         if offset + 4 > total:
             raise BinaryFormatError(

@@ -38,6 +38,10 @@ class InferRequest:
     parameters: Mapping[str, Any]
 
 
+_MAX_DIMS = 32
+_MAX_ELEMENTS = 2**40
+"""Far beyond any body the server accepts, far below where numpy's sizes overflow."""
+
 _KINDS = {
     "BOOL": ("b",),
     "INT": ("i", "u"),
@@ -126,6 +130,10 @@ def decode_shape(raw: Any, where: str) -> tuple[int, ...]:
         isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in raw
     ):
         raise DecodeError(f"field '{where}.shape' must be a list of non-negative integers")
+    # numpy cannot even describe an empty array whose other dimensions overflow its index type,
+    # nor more than 32 dimensions (numpy 1.x); either is a client error, never a crash.
+    if len(raw) > _MAX_DIMS or math.prod(d for d in raw if d) > _MAX_ELEMENTS:
+        raise DecodeError(f"field '{where}.shape' {raw} is too large")
     return tuple(raw)
 
 

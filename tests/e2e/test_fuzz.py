@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import schemathesis
-from schemathesis import checks
 from hypothesis import HealthCheck, given, settings
+from schemathesis import checks
 
 from tests.e2e.serving import Server
 

@@ -166,7 +166,7 @@ def test_per_request_timeout_parameter(client: triton.InferenceServerClient) -> 
     generous = client.infer("minilm", [_text_input(["in time"], binary=True)], timeout=60_000_000)
     assert _output(generous, "embedding").shape == (1, 384)
     with pytest.raises(InferenceServerException, match="timeout") as bad:
-        client.infer("digits", [_image_input(True)], parameters={"x": 1}, timeout=-5)
+        client.infer("digits", [_image_input(True)], timeout=-5)
     assert bad.value.status() == "400"
 
 

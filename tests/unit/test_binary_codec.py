@@ -311,9 +311,11 @@ def test_bool_bytes_must_be_zero_or_one() -> None:
     ("raw", "shape", "message"),
     [
         (struct.pack("<I", 5) + b"abc", (1,), "claims 5 bytes, only 3 remain"),
-        (struct.pack("<I", 1) + b"a", (2,), "ends after 1 of 2 elements"),
+        (struct.pack("<I", 4) + b"abcd", (2,), "ends after 1 of 2 elements"),
+        (struct.pack("<I", 1) + b"a", (2,), "2 BYTES elements need at least 8 bytes"),
         (struct.pack("<I", 1) + b"ab", (1,), "1 bytes left after the 1 BYTES elements"),
-        (b"\x01\x00", (1,), "ends after 0 of 1 elements"),
+        (b"\x01\x00", (1,), "1 BYTES elements need at least 4 bytes"),
+        (b"", (2**40,), "need at least 4398046511104 bytes"),
     ],
 )
 def test_malformed_bytes_elements(raw: bytes, shape: tuple[int, ...], message: str) -> None:
@@ -337,3 +339,17 @@ def test_classification_outputs_are_refused() -> None:
     )
     with pytest.raises(DecodeError, match="classification extension is not supported"):
         decode_body(body, None)
+
+
+@pytest.mark.parametrize("shape", [[161, 0, 59501478496280752, 525], [0] * 33, [0, 2**62]])
+def test_shapes_numpy_cannot_describe_are_400(shape: list[int]) -> None:
+    """Found by the schema fuzzer: an empty tensor with huge other dimensions crashed numpy."""
+    for size, chunks in ((None, []), (0, [b""])):
+        spec: dict[str, Any] = {"name": "x", "shape": shape, "datatype": "FP32"}
+        if size is None:
+            spec["data"] = []
+        else:
+            spec["parameters"] = {"binary_data_size": size}
+        body, length = _body([spec], chunks)
+        with pytest.raises(DecodeError, match="is too large"):
+            decode_body(body, length)
