@@ -369,6 +369,8 @@ class DataPlane:
                     f"expects [-1, {', '.join(str(d) for d in spec.shape)}]".replace(", ]", "]")
                 )
             rows.add(int(array.shape[0]))
+            if spec.datatype == "BYTES":
+                self._check_text_lengths(name, array)
         if len(rows) != 1:
             raise InvalidInput(f"inputs disagree on the batch dimension: {sorted(rows)}")
         if 0 in rows:
@@ -377,6 +379,15 @@ class DataPlane:
             raise LimitExceeded(
                 f"request has more rows than the limit of {self.settings.max_request_rows} "
                 "(NOGRAD_MAX_REQUEST_ROWS)"
+            )
+
+    def _check_text_lengths(self, name: str, array: np.ndarray) -> None:
+        limit = self.settings.max_text_bytes
+        longest = max((len(item) for item in array.reshape(-1)), default=0)
+        if longest > limit:
+            raise LimitExceeded(
+                f"input {name!r} has an element of {longest} bytes; the limit is {limit} bytes "
+                "(NOGRAD_MAX_TEXT_BYTES)"
             )
 
     async def infer(

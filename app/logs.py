@@ -5,7 +5,7 @@ line by line. One object per line keeps multi-line messages (the startup memory-
 traceback) in one record, and fields passed with ``extra=`` (``model``, ``request_id``, ``rows``…)
 stay queryable instead of being buried in the message text.
 
-Every logger goes through the root logger's single handler, uvicorn's included: ``cli.py`` runs
+Every logger goes through the root logger's single handler, uvicorn's included: ``server.py`` runs
 uvicorn with ``log_config=None`` so uvicorn installs no handlers of its own, and this module makes
 uvicorn's loggers propagate to the root.
 """
@@ -23,7 +23,8 @@ import orjson
 LogFormat = Literal["json", "text"]
 LOG_FORMATS: Final[tuple[str, ...]] = get_args(LogFormat)
 LOG_FORMAT_ENV: Final = "NOGRAD_LOG_FORMAT"
-"""Read when the caller passes no format; becomes ``Settings.log_format`` once that field exists."""
+"""Read when the caller passes no format (tools that set up logging without building Settings);
+the server passes ``Settings.log_format``, which reads the same variable."""
 
 # Attributes every LogRecord carries; anything else on a record came from ``extra=``.
 _RECORD_ATTRIBUTES: Final = frozenset(

@@ -71,6 +71,9 @@ class Settings(BaseSettings):
     max_request_rows: int = Field(default=4096, ge=1)
     """Most rows (samples) one inference request may carry; more get 422."""
 
+    max_text_bytes: int = Field(default=64 * 1024, ge=1)
+    """Longest single text (BYTES element) accepted; longer ones get 422."""
+
     drain_timeout_s: float = Field(default=30.0, ge=0)
     """On SIGTERM, how long accepted requests may take to finish before the process exits."""
 

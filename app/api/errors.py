@@ -42,6 +42,9 @@ STATUS: dict[type[Exception], int] = {
 
 
 def status_of(exc: BaseException) -> int:
+    carried = getattr(exc, "status", None)
+    if isinstance(carried, int) and 400 <= carried <= 599:
+        return carried
     for kind, status in STATUS.items():
         if isinstance(exc, kind):
             return status

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -20,10 +19,10 @@ import orjson
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from app.api.errors import RETRY_AFTER_S, status_of
-from app.api.state import dataplane_of, metrics_of
+from app.api.calls import Call, run_call
+from app.api.errors import RETRY_AFTER_S
+from app.api.state import dataplane_of
 from app.dataplane import DataPlane, ServedModel
-from app.metrics import UNKNOWN_MODEL
 
 logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["OpenAI-compatible"])
@@ -212,7 +211,7 @@ def _error(status: int, message: str, param: str | None = None) -> Response:
     )
 
 
-async def _embeddings(plane: DataPlane, body: EmbeddingRequest) -> bytes:
+async def _embeddings(plane: DataPlane, body: EmbeddingRequest, timeout_s: float | None) -> bytes:
     """The response body; raises on any error."""
     texts = _texts(body)
     spec = _as_embeddings_model(plane.get(body.model))
@@ -226,7 +225,7 @@ async def _embeddings(plane: DataPlane, body: EmbeddingRequest) -> bytes:
     array = np.empty(len(texts), dtype=np.object_)
     array[:] = [text.encode("utf-8") for text in texts]
     inputs = {spec.input_name: array.reshape((len(texts), *spec.input_shape))}
-    model, outputs = await plane.infer(body.model, None, inputs)
+    model, outputs = await plane.infer(body.model, None, inputs, timeout_s=timeout_s)
     vectors = outputs[spec.output_name]
     tokens = int(outputs[TOKEN_COUNT_OUTPUT].sum()) if spec.counts_tokens else 0
     document = {
@@ -254,29 +253,20 @@ async def _embeddings(plane: DataPlane, body: EmbeddingRequest) -> bytes:
     },
 )
 async def create_embeddings(request: Request) -> Response:
-    started = time.perf_counter()
     plane = dataplane_of(request)
-    metrics = metrics_of(request)
-    label = UNKNOWN_MODEL
-    metrics.inflight.inc()
-    try:
+
+    async def work(call: Call) -> Response:
         body = _parse(await request.body())
-        # Bounded label values: a served model's name, or _unknown for anything else.
-        label = body.model if body.model in plane.models else UNKNOWN_MODEL
-        content = await _embeddings(plane, body)
-        response = Response(content=content, media_type="application/json")
-    except _ClientError as exc:
-        response = _error(exc.status, str(exc), exc.param)
-    except Exception as exc:
-        status = status_of(exc)
-        if status == 500:
-            logger.exception("embeddings request failed")
-        response = _error(status, str(exc), "model" if status == 404 else None)
-    finally:
-        metrics.inflight.dec()
-    metrics.requests.labels(label, PROTOCOL, str(response.status_code)).inc()
-    metrics.request_duration.labels(label, PROTOCOL).observe(time.perf_counter() - started)
-    return response
+        if body.model in plane.models:
+            call.model = body.model
+        content = await _embeddings(plane, body, call.timeout_s)
+        return Response(content=content, media_type="application/json")
+
+    def on_error(status: int, exc: Exception) -> Response:
+        param = exc.param if isinstance(exc, _ClientError) else None
+        return _error(status, str(exc), param or ("model" if status == 404 else None))
+
+    return await run_call(request, PROTOCOL, work, on_error)
 
 
 def _card(model: ServedModel) -> ModelCard:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -13,7 +12,8 @@ from fastapi.concurrency import run_in_threadpool
 
 from app import __version__
 from app.api import binary
-from app.api.errors import error_response, status_of
+from app.api.calls import Call, adopt_request_id, run_call
+from app.api.errors import error_response
 from app.api.schemas import (
     ERROR_RESPONSES,
     INFER_REQUEST_BODY,
@@ -25,7 +25,7 @@ from app.api.schemas import (
     ServerMetadata,
     StatisticsResponse,
 )
-from app.api.state import dataplane_of, metrics_of
+from app.api.state import dataplane_of
 from app.api.v2_codec import (
     DecodeError,
     InferRequest,
@@ -35,7 +35,6 @@ from app.api.v2_codec import (
     select_outputs,
 )
 from app.dataplane import DataPlane, ServedModel
-from app.metrics import UNKNOWN_MODEL
 
 logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v2", tags=["Open Inference Protocol"])
@@ -217,27 +216,20 @@ def _infer_response(
 
 
 async def _infer(request: Request, name: str, version: str | None) -> Response:
-    started = time.perf_counter()
     plane = dataplane_of(request)
-    metrics = metrics_of(request)
-    label = name if name in plane.models else UNKNOWN_MODEL
-    metrics.inflight.inc()
-    try:
+
+    async def work(call: Call) -> Response:
+        if name in plane.models:
+            call.model = name
         decoded = await _decode(request)
-        model, outputs = await plane.infer(
-            name, version, decoded.inputs, timeout_s=_timeout_s(decoded.parameters)
-        )
-        response = _infer_response(model, decoded, outputs)
-    except Exception as exc:
-        status = status_of(exc)
-        if status == 500:
-            logger.exception("inference on model %s failed", name)
-        response = error_response(status, str(exc))
-    finally:
-        metrics.inflight.dec()
-    metrics.requests.labels(label, PROTOCOL, str(response.status_code)).inc()
-    metrics.request_duration.labels(label, PROTOCOL).observe(time.perf_counter() - started)
-    return response
+        adopt_request_id(call, decoded.id)
+        timeout = _timeout_s(decoded.parameters) or call.timeout_s
+        model, outputs = await plane.infer(name, version, decoded.inputs, timeout_s=timeout)
+        return _infer_response(model, decoded, outputs)
+
+    return await run_call(
+        request, PROTOCOL, work, lambda status, exc: error_response(status, str(exc))
+    )
 
 
 @router.post(

@@ -207,3 +207,75 @@ def test_sigterm_drains_accepted_requests(tmp_path: Path) -> None:
         assert server.process.wait(20) == 0
         assert time.monotonic() - started < 20
         assert "draining" in server.log()
+
+
+def test_request_ids_and_header_deadlines(tmp_path: Path) -> None:
+    env = {
+        "NOGRAD_MODEL_REPOSITORY": str(repository(tmp_path, "slow")),
+        "NOGRAD_LOG_LEVEL": "debug",
+    }
+    with run_server(tmp_path, env) as server:
+        url = f"{server.url}/v2/models/slow/infer"
+        echoed = httpx.post(url, json=body("slow", 1), headers={"X-Request-ID": "abc-123"})
+        assert echoed.headers["x-request-id"] == "abc-123"
+        from_v2_id = httpx.post(url, json={**body("slow", 1), "id": "v2-id-7"})
+        assert from_v2_id.headers["x-request-id"] == "v2-id-7"
+        assert from_v2_id.json()["id"] == "v2-id-7"
+        generated = httpx.post(
+            url, json=body("slow", 1), headers={"X-Request-ID": "bad id <script>"}
+        )
+        assert len(generated.headers["x-request-id"]) == 32
+        bad = httpx.post(url, json=body("slow", 1), headers={"X-Request-Timeout": "soon"})
+        assert bad.status_code == 400 and "X-Request-Timeout" in bad.json()["error"]
+
+        async def wave() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+                return await asyncio.gather(
+                    *(
+                        client.post(
+                            "/v2/models/slow/infer",
+                            json=body("slow", i),
+                            headers={"X-Request-Timeout": "0.05"},
+                        )
+                        for i in range(4)
+                    )
+                )
+
+        codes = [r.status_code for r in asyncio.run(wave())]
+        assert 504 in codes and 200 in codes, codes
+        log = server.log()
+        assert '"request_id": "abc-123"' in log or "abc-123" in log
+
+
+def test_client_that_disconnects_cancels_its_queued_work(tmp_path: Path) -> None:
+    repo = repository(tmp_path, "slow")
+    config = repo / "slow" / "config.toml"
+    config.write_text(config.read_text().replace("max_queue_size = 4", "max_queue_size = 64"))
+    with run_server(tmp_path, {"NOGRAD_MODEL_REPOSITORY": str(repo)}) as server:
+
+        async def scenario() -> list[object]:
+            async with httpx.AsyncClient(base_url=server.url, timeout=30) as patient:
+                keep = [
+                    asyncio.create_task(patient.post("/v2/models/slow/infer", json=body("slow", i)))
+                    for i in range(4)
+                ]
+                await asyncio.sleep(0.05)  # the four are queued first: 200 ms of work
+                async with httpx.AsyncClient(base_url=server.url, timeout=0.05) as impatient:
+                    leave = await asyncio.gather(
+                        *(
+                            impatient.post("/v2/models/slow/infer", json=body("slow", 100 + i))
+                            for i in range(2)
+                        ),
+                        return_exceptions=True,
+                    )
+                return [*(await asyncio.gather(*keep)), *leave]
+
+        results = asyncio.run(scenario())
+        codes = [r.status_code if isinstance(r, httpx.Response) else r for r in results[:4]]
+        assert codes == [200] * 4, codes
+        assert all(isinstance(r, httpx.TimeoutException) for r in results[4:])
+        time.sleep(0.5)
+        assert metric(server, "nograd_rejected_total", model="slow", reason="cancelled") == 2
+        # Only the four patient rows reached the model: the two abandoned ones never ran.
+        assert metric(server, "nograd_batch_size_sum", model="slow") == 4
+        assert metric(server, "nograd_requests_total", model="slow", code="499") == 2

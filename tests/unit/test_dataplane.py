@@ -91,3 +91,23 @@ def test_missing_repository_is_a_config_error(tmp_path: Path) -> None:
     plane = DataPlane(Settings(model_repository=tmp_path / "absent"), Metrics())
     with pytest.raises(ConfigError, match="not a folder"):
         plane.discover()
+
+
+def test_text_longer_than_the_limit_is_refused(tmp_path: Path) -> None:
+    from app.dataplane import ServedModel
+    from app.runtime.config import ModelConfig
+
+    config = ModelConfig.model_validate(
+        {
+            "name": "texts",
+            "weights": "",
+            "inputs": [{"name": "text", "datatype": "BYTES", "shape": []}],
+            "outputs": [{"name": "v", "datatype": "FP32", "shape": [3]}],
+        }
+    )
+    plane = DataPlane(Settings(model_repository=tmp_path, max_text_bytes=10), Metrics())
+    model = ServedModel(config, tmp_path)
+    ok = np.array([b"short", b"0123456789"], dtype=object)
+    plane.validate(model, {"text": ok})
+    with pytest.raises(LimitExceeded, match="11 bytes; the limit is 10 bytes"):
+        plane.validate(model, {"text": np.array([b"01234567890"], dtype=object)})
