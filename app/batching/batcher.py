@@ -417,7 +417,17 @@ class Batcher(Generic[P, R]):
             outcomes = self._run_recovering(parts)
         finally:
             ok = bool(outcomes) and not any(isinstance(o, BaseException) for o in outcomes)
-            self._observer.batch_finished(rows, time.monotonic() - start, ok)
+            seconds = time.monotonic() - start
+            self._observer.batch_finished(rows, seconds, ok)
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.debug(
+                    "batch of %d rows (cost %d) for %s in %.2f ms",
+                    rows,
+                    cost_of(parts, self._unit_tokens),
+                    self.name,
+                    seconds * 1000,
+                    extra={"model": self.name, "rows": rows, "ok": ok, "limit": self.limit.current},
+                )
         return live + expired, outcomes + late
 
     def _run_recovering(self, parts: list[P]) -> list[R | BaseException]:
