@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from app import __version__
 from app.api import openai, v2
 from app.api.errors import install_error_handlers
-from app.api.middleware import AuthMiddleware, BodyLimitMiddleware
+from app.api.middleware import AuthMiddleware, BodyLimitMiddleware, StartTimeMiddleware
 from app.api.schemas import InferRequestDocument
 from app.dataplane import DataPlane
 from app.metrics import Metrics
@@ -79,6 +79,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         metrics=metrics,
         known_model=known,
     )
+    app.add_middleware(StartTimeMiddleware)
     app.include_router(v2.router)
     app.include_router(openai.router)
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from fastapi import Request, Response
 
 from app.api.errors import status_of
+from app.api.middleware import STARTED_KEY
 from app.api.state import metrics_of
 from app.api.v2_codec import DecodeError
 from app.metrics import UNKNOWN_MODEL
@@ -107,7 +108,7 @@ async def run_call(
     on_error: Callable[[int, Exception], Response],
 ) -> Response:
     """Run one inference call with everything every protocol owes its callers."""
-    started = time.perf_counter()
+    started = getattr(request.state, STARTED_KEY, None) or time.perf_counter()
     metrics = metrics_of(request)
     given = request_id_of(request)
     call = Call(given or uuid.uuid4().hex, None, id_from_header=given is not None)

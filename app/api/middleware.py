@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hmac
 import re
+import time
 from collections.abc import Callable
 
 import orjson
@@ -15,6 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.metrics import UNKNOWN_MODEL, Metrics
 
+STARTED_KEY = "nograd_started"
 _MODEL_IN_PATH = re.compile(r"^/v2/models/([^/]+)")
 _OPENAI_PREFIX = "/v1/"
 
@@ -188,3 +190,16 @@ def _replay(messages: list[Message], receive: Receive) -> Receive:
         return await receive()
 
     return replay
+
+
+class StartTimeMiddleware:
+    """Stamps when a request entered the app, so latency metrics include parsing, routing and
+    event-loop waits, not only the route's own work."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope.setdefault("state", {})[STARTED_KEY] = time.perf_counter()
+        await self.app(scope, receive, send)

@@ -1,0 +1,390 @@
+"""A real Prometheus scrapes a real nograd under load; what it computes matches what clients saw.
+
+One nograd (the digits model only, so it starts in seconds) and one Prometheus (Debian's package,
+installed by scripts/install_prometheus.sh when missing) run on loopback for the whole module.
+Prometheus scrapes every second and loads the alert rules. Then:
+
+- 8 paced httpx clients post digits samples for 8 s; the p99 that ``histogram_quantile`` computes
+  from ``nograd_request_duration_seconds`` over exactly that window lies in the bucket holding the
+  p99 the clients measured, or the one below it (the server's clock starts after the HTTP request
+  is parsed and stops before the response is written, so it can only read less). A p99 is a tail
+  and this machine is shared: a window that misses is followed by one fresh window, which decides;
+- ``promtool check metrics`` finds nothing to complain about in ``/metrics``;
+- the alert rules load and evaluate against real series, and every dashboard query runs;
+- the server's log is one JSON object per line, uvicorn's lines and the startup summary included.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from app.metrics import DURATION_BUCKETS
+from tests.e2e.serving import ROOT, Server, free_port, run_server
+from tests.prometheus_tools import GRAFANA_DIR, alerting_rules, prometheus, promtool, rule_files
+
+pytestmark = [pytest.mark.e2e, pytest.mark.integration]
+
+INFER = "/v2/models/digits/infer"
+BODY = (ROOT / "models" / "digits" / "sample.json").read_bytes()
+LOAD_SECONDS = 8.0
+MAX_REQUESTS = 6000
+CONCURRENCY = 8
+TARGET_RATE = 320.0
+"""Requests per second over all clients: load that forms batches, below what two cores serve."""
+QUERY = 'model="digits", protocol="v2"'
+
+
+@dataclass
+class Prometheus:
+    url: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    client: httpx.Client
+
+    def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
+        params: dict[str, str | float] = {"query": expr}
+        if at is not None:
+            params["time"] = at
+        response = self.client.get("/api/v1/query", params=params)
+        document: dict[str, Any] = response.json()
+        assert document["status"] == "success", f"{expr}: {document}"
+        result: list[dict[str, Any]] = document["data"]["result"]
+        return result
+
+    def scalar(self, expr: str, at: float | None = None) -> float:
+        result = self.query(expr, at)
+        assert len(result) == 1, f"{expr}: expected one series, got {result}"
+        return float(result[0]["value"][1])
+
+
+@dataclass
+class Load:
+    latencies: list[float]
+    started: float
+    ended: float
+
+
+@dataclass
+class Measurement:
+    load: Load
+    promql_p99: float
+    rate_p99: float
+    window: int
+
+
+@pytest.fixture(scope="module")
+def nograd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    # Only digits: the other shipped models take tens of seconds to load and profile.
+    repository = tmp_path_factory.mktemp("models")
+    shutil.copytree(ROOT / "models" / "digits", repository / "digits")
+    env = {"NOGRAD_MODEL_REPOSITORY": str(repository), "NOGRAD_LOG_FORMAT": "json"}
+    with run_server(tmp_path_factory.mktemp("nograd-log"), env=env) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def prom(nograd: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
+    binary = prometheus()
+    workdir = tmp_path_factory.mktemp("prometheus")
+    config = {
+        "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(path) for path in rule_files()],
+        "scrape_configs": [
+            {
+                "job_name": "nograd",
+                "metrics_path": "/metrics",
+                "static_configs": [{"targets": [nograd.url.removeprefix("http://")]}],
+            }
+        ],
+    }
+    config_path = workdir / "prometheus.yml"
+    config_path.write_text(yaml.safe_dump(config))
+    port = free_port()
+    log_path = workdir / "prometheus.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [
+                binary,
+                f"--config.file={config_path}",
+                f"--storage.tsdb.path={workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--storage.tsdb.retention.time=1h",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+    url = f"http://127.0.0.1:{port}"
+    server = Prometheus(url, process, log_path, httpx.Client(base_url=url, timeout=10))
+    try:
+        _wait_ready(server)
+        yield server
+    finally:
+        server.client.close()
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _wait_ready(server: Prometheus, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            pytest.fail(f"prometheus exited:\n{server.log_path.read_text(errors='replace')}")
+        try:
+            if httpx.get(f"{server.url}/-/ready", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    pytest.fail(f"prometheus not ready:\n{server.log_path.read_text(errors='replace')}")
+
+
+def _wait_for(check: Any, what: str, timeout_s: float = 15.0, interval_s: float = 0.25) -> Any:
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(interval_s)
+    pytest.fail(f"timed out waiting for {what} (last: {last!r})")
+
+
+def _generate_load(url: str) -> Load:
+    """CONCURRENCY clients posting digits samples, bounded in time and count.
+
+    One thread per client, each with its own httpx.Client (keep-alive connection). One shared
+    httpx.AsyncClient was measured adding several times the server's own latency at this
+    concurrency (client CPU and pool contention), which the client's clock counts and the
+    server's cannot. Each client paces itself to TARGET_RATE / CONCURRENCY: on two cores,
+    clients sending back to back take the CPU the server needs to read the next request, and the
+    test would measure the machine's saturation, not nograd. A server slower than the pace gets
+    requests back to back anyway.
+    """
+    latencies: list[float] = []
+    failures: list[str] = []
+    lock = threading.Lock()
+    headers = {"content-type": "application/json"}
+    period = CONCURRENCY / TARGET_RATE
+    deadline = time.monotonic() + LOAD_SECONDS
+
+    def client(n: int) -> None:
+        next_send = time.monotonic() + period * n / CONCURRENCY  # spread the clients' phases
+        with httpx.Client(base_url=url, timeout=10) as session:
+            while time.monotonic() < deadline:
+                with lock:
+                    if len(latencies) + len(failures) >= MAX_REQUESTS:
+                        return
+                time.sleep(max(0.0, next_send - time.monotonic()))
+                next_send += period
+                begin = time.perf_counter()
+                response = session.post(INFER, content=BODY, headers=headers)
+                elapsed = time.perf_counter() - begin
+                with lock:
+                    if response.status_code == 200:
+                        latencies.append(elapsed)
+                    else:
+                        failures.append(f"{response.status_code} {response.text[:200]}")
+
+    # A thread whose response has arrived waits for the GIL up to the switch interval (5 ms by
+    # default) while another client thread runs: time the client's clock counts and the
+    # server's cannot. A shorter interval keeps the comparison about the server.
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.0005)
+    started = time.time()
+    try:
+        threads = [
+            threading.Thread(target=client, args=(n,), name=f"load-{n}") for n in range(CONCURRENCY)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(switch_interval)
+    assert not failures, failures[:5]
+    return Load(latencies, started, time.time())
+
+
+def _scraped_count(prom: Prometheus) -> float:
+    return prom.scalar(f"sum(nograd_request_duration_seconds_count{{{QUERY}}})")
+
+
+def _measure(nograd: Server, prom: Prometheus) -> Measurement:
+    """One load window, and the p99 Prometheus computes over exactly that window's requests."""
+    before = _scraped_count(prom)
+    # Prometheus already holds `before` and no request runs until the load starts, so the
+    # sample it finds at `since` is the count before the window.
+    since = time.time()
+    load = _generate_load(nograd.url)
+    total = before + len(load.latencies)
+    _wait_for(lambda: _scraped_count(prom) == total, f"Prometheus to scrape all {total} requests")
+    buckets = f"nograd_request_duration_seconds_bucket{{{QUERY}}}"
+    # The window's requests only: buckets now minus buckets at `since` (the @ modifier), no
+    # rate() extrapolation. The same population the client timed.
+    promql_p99 = prom.scalar(
+        f"histogram_quantile(0.99, sum by (le) ({buckets}) - sum by (le) ({buckets} @ {since}))"
+    )
+    # The dashboard's form, rate over the last seconds of the window: reported, not asserted.
+    window = max(2, math.floor(load.ended - load.started) - 1)
+    rate_p99 = prom.scalar(
+        f"histogram_quantile(0.99, sum by (le) (rate({buckets}[{window}s])))", at=load.ended
+    )
+    return Measurement(load, promql_p99, rate_p99, window)
+
+
+@pytest.fixture(scope="module")
+def measured(nograd: Server, prom: Prometheus) -> Measurement:
+    # The series appear on the first request; let Prometheus see them before the load starts.
+    assert httpx.post(nograd.url + INFER, content=BODY, timeout=10).status_code == 200
+    _wait_for(lambda: prom.query(f"nograd_request_duration_seconds_count{{{QUERY}}}"), "a scrape")
+    return _measure(nograd, prom)
+
+
+@pytest.fixture(scope="module")
+def load(measured: Measurement) -> Load:
+    return measured.load
+
+
+def _bucket_index(value: float) -> int:
+    """Index of the histogram bucket (upper bound inclusive, as Prometheus' le) holding value."""
+    return bisect.bisect_left(DURATION_BUCKETS, value)
+
+
+def _agreement(measurement: Measurement) -> tuple[bool, str]:
+    latencies = measurement.load.latencies
+    assert len(latencies) >= 200, f"too few requests for a p99: {len(latencies)}"
+    client_p99 = statistics.quantiles(latencies, n=100, method="inclusive")[98]
+    index = _bucket_index(client_p99)
+    assert index < len(DURATION_BUCKETS), f"client p99 {client_p99:.4f}s beyond the last bucket"
+    # The client's bucket, or the one below: the server's clock starts once the request is
+    # parsed and stops before the response is written, so it can only read less (HTTP).
+    upper = DURATION_BUCKETS[index]
+    lower = DURATION_BUCKETS[index - 2] if index >= 2 else 0.0
+    seconds = measurement.load.ended - measurement.load.started
+    report = (
+        f"{len(latencies)} requests in {seconds:.1f}s; client p99 {client_p99 * 1000:.2f} ms "
+        f"(bucket ≤{upper * 1000:.2f} ms); PromQL p99 {measurement.promql_p99 * 1000:.2f} ms; "
+        f"rate[{measurement.window}s] p99 {measurement.rate_p99 * 1000:.2f} ms; "
+        f"allowed ({lower * 1000:.2f}, {upper * 1000:.2f}] ms"
+    )
+    return lower < measurement.promql_p99 <= upper, report
+
+
+def test_promql_p99_agrees_with_client_p99(
+    nograd: Server, prom: Prometheus, measured: Measurement
+) -> None:
+    ok, report = _agreement(measured)
+    print(report)  # shown with -s: the numbers behind the assertion
+    if not ok:
+        # A p99 is the tail, and on a shared two-core machine another process can own the tail
+        # of one 8-second window. A wrong histogram (units, buckets, what it times) fails every
+        # window; noise does not repeat. One fresh window decides.
+        ok, second = _agreement(_measure(nograd, prom))
+        print(second)
+        report = f"first window: {report}\nsecond window: {second}"
+    assert ok, report
+
+
+def test_promtool_check_metrics_passes(nograd: Server, load: Load) -> None:
+    del load  # after the load, every labelled series has children to lint
+    # A 404 and a 400 add their label values too.
+    httpx.post(nograd.url + "/v2/models/nope/infer", content=BODY, timeout=10)
+    httpx.post(nograd.url + INFER, content=b'{"inputs": []}', timeout=10)
+    text = httpx.get(nograd.url + "/metrics", timeout=10).text
+    done = subprocess.run(
+        [promtool(), "check", "metrics"], input=text, capture_output=True, text=True, timeout=30
+    )
+    complaints = (done.stdout + done.stderr).strip()
+    assert done.returncode == 0 and not complaints, f"promtool check metrics:\n{complaints}"
+
+
+def test_alert_rules_evaluate_on_real_series(prom: Prometheus, load: Load) -> None:
+    del load
+    expected = {rule["alert"] for rule in alerting_rules()}
+
+    def evaluated() -> list[dict[str, Any]] | None:
+        response = prom.client.get("/api/v1/rules", params={"type": "alert"})
+        groups: list[dict[str, Any]] = response.json()["data"]["groups"]
+        rules = [rule for group in groups for rule in group["rules"]]
+        done = {rule["name"] for rule in rules if rule.get("lastEvaluation", "").startswith("2")}
+        return rules if done >= expected and len(rules) == len(expected) else None
+
+    rules = _wait_for(evaluated, "every alert rule to be evaluated")
+    broken = {rule["name"]: rule.get("lastError") for rule in rules if rule["health"] != "ok"}
+    assert not broken, broken
+    # A healthy server under a short load: nothing that pages should fire.
+    firing = {rule["name"] for rule in rules if rule["state"] == "firing"}
+    assert not firing, firing
+
+
+def test_dashboard_queries_run_and_show_data(prom: Prometheus, load: Load) -> None:
+    """Every panel's query evaluates (vector matching errors only show here) against real series."""
+    del load
+    dashboard = json.loads((GRAFANA_DIR / "dashboards" / "nograd.json").read_text())
+    substitutions = {"$__rate_interval": "5s", "$model": ".*", "$instance": ".*"}
+    empty: list[str] = []
+    for panel in _panels(dashboard["panels"]):
+        for target in panel.get("targets", []):
+            expr = target["expr"]
+            for variable, value in substitutions.items():
+                expr = expr.replace(variable, value)
+            if not prom.query(expr):
+                empty.append(f"{panel['title']} {target['refId']}")
+    # Panels that must show data for a server that just served traffic. OOMs, rejections,
+    # drops and restarts are rightly empty here; so are alerts.
+    must_have_data = {
+        "Throughput A",
+        "Throughput by model A",
+        "Request latency p50 / p95 / p99 by model C",
+        "Queue depth and in-flight requests A",
+        "Batch size distribution A",
+        "Batch size and batch limit C",
+        "Device memory vs budget A",
+        "Device memory vs budget E",
+        "Model ready A",
+    }
+    assert not must_have_data & set(empty), sorted(must_have_data & set(empty))
+
+
+def _panels(panels: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    for panel in panels:
+        yield panel
+        yield from _panels(panel.get("panels", []))
+
+
+def test_server_logs_are_json_lines(nograd: Server) -> None:
+    lines = [line for line in nograd.log().splitlines() if line.strip()]
+    records = []
+    for line in lines:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            pytest.fail(f"not a JSON log line: {line!r}")
+    assert all({"timestamp", "level", "logger", "message"} <= record.keys() for record in records)
+    loggers = {record["logger"] for record in records}
+    assert "uvicorn.error" in loggers, loggers  # uvicorn's own lines, same format
+    messages = "\n".join(record["message"] for record in records)
+    # The startup summary: the model, its device, the memory plan.
+    assert "model digits v1 loaded on cpu" in messages
+    assert "memory plan for cpu" in messages

@@ -1,0 +1,144 @@
+"""Shared by the Prometheus-facing tests: the real binaries, the rule files, PromQL metric names.
+
+The tests run Debian's ``prometheus`` and ``promtool`` rather than re-implementing their checks.
+``scripts/install_prometheus.sh`` installs them on a fresh machine; only where that cannot work
+(no root, no apt) do the tests skip, saying why. The metric names nograd exports are read from
+``app.metrics.Metrics()``'s registry, never listed by hand.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from app.metrics import Metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+INSTALL_SCRIPT = ROOT / "scripts" / "install_prometheus.sh"
+PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
+RULES_DIR = PROMETHEUS_DIR / "rules"
+RULE_TESTS_DIR = PROMETHEUS_DIR / "tests"
+GRAFANA_DIR = ROOT / "deploy" / "grafana"
+
+
+@functools.cache
+def _install() -> tuple[str | None, str | None, str]:
+    """Paths of prometheus and promtool after one install attempt per test session, and its log."""
+    log = ""
+    if shutil.which("prometheus") is None or shutil.which("promtool") is None:
+        try:
+            done = subprocess.run(
+                ["bash", str(INSTALL_SCRIPT)],
+                capture_output=True,
+                text=True,
+                timeout=600,
+                stdin=subprocess.DEVNULL,
+            )
+            log = f"exit {done.returncode}: {done.stderr.strip()[-800:]}"
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            log = f"{type(exc).__name__}: {exc}"
+    return shutil.which("prometheus"), shutil.which("promtool"), log
+
+
+def promtool() -> str:
+    """The promtool binary, installing Debian's prometheus package if needed; else skip."""
+    _, path, log = _install()
+    if path is None:
+        pytest.skip(f"promtool unavailable and {INSTALL_SCRIPT.name} could not install it ({log})")
+    return path
+
+
+def prometheus() -> str:
+    """The prometheus server binary, installing it if needed; else skip."""
+    path, _, log = _install()
+    if path is None:
+        pytest.skip(
+            f"prometheus unavailable and {INSTALL_SCRIPT.name} could not install it ({log})"
+        )
+    return path
+
+
+def rule_files() -> list[Path]:
+    return sorted(RULES_DIR.glob("*.yml"))
+
+
+def alerting_rules() -> list[dict[str, Any]]:
+    """Every rule with an ``alert`` key in deploy/prometheus/rules/*.yml."""
+    rules: list[dict[str, Any]] = []
+    for path in rule_files():
+        for group in yaml.safe_load(path.read_text())["groups"]:
+            rules.extend(rule for rule in group["rules"] if "alert" in rule)
+    return rules
+
+
+# Series Prometheus itself writes: the scrape health of each target and the alerts' state.
+PROMETHEUS_SERIES = frozenset({"up", "ALERTS", "ALERTS_FOR_STATE"})
+
+# Grafana's template variables, replaced by values PromQL accepts before parsing.
+GRAFANA_VARIABLES = {
+    "$__rate_interval": "1m",
+    "$__interval": "1m",
+    "$__range": "1h",
+    "$model": ".*",
+    "$instance": ".*",
+}
+
+_KEYWORDS = frozenset(
+    {"and", "or", "unless", "by", "without", "on", "ignoring", "group_left", "group_right"}
+    | {"bool", "offset", "inf", "nan"}
+)
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`')
+_MATCHERS = re.compile(r"\{[^{}]*\}")
+_RANGE = re.compile(r"\[[^\[\]]*\]")
+_LABEL_LIST = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^()]*\)")
+# An identifier not glued to a preceding word character, dot or $: not a duration unit (5m),
+# an exponent (1e-9) or a template variable.
+_IDENTIFIER = re.compile(r"(?<![\w.:$])([A-Za-z_:][A-Za-z0-9_:]*)")
+
+
+def promql_metric_names(expr: str) -> set[str]:
+    """Metric names in a PromQL expression: identifiers that are not functions, labels, keywords.
+
+    Strings, label matchers, ranges and label lists are removed first, so what remains is the
+    expression's skeleton of functions, operators, numbers and metric names.
+    """
+    for variable, value in GRAFANA_VARIABLES.items():
+        expr = expr.replace(variable, value)
+    skeleton = _STRING.sub('""', expr)
+    skeleton = _MATCHERS.sub(" ", skeleton)
+    skeleton = _RANGE.sub(" ", skeleton)
+    skeleton = _LABEL_LIST.sub(" ", skeleton)
+    names = set()
+    for match in _IDENTIFIER.finditer(skeleton):
+        name = match.group(1)
+        follows = skeleton[match.end() :].lstrip()[:1]
+        if follows == "(" or name.lower() in _KEYWORDS:
+            continue  # a function call or an operator keyword
+        names.add(name)
+    return names
+
+
+def exported_metric_names() -> set[str]:
+    """Every series name nograd's registry can expose, with the suffixes each type adds."""
+    metrics = Metrics()
+    # The device memory collector yields its families only when it has a reading.
+    metrics.watch_device_memory(lambda: [("cpu", 1, 1, 1, 1)])
+    suffixes = {
+        "counter": ("_total",),
+        "histogram": ("_bucket", "_sum", "_count"),
+        "gaugehistogram": ("_bucket", "_gsum", "_gcount"),
+        "summary": ("", "_sum", "_count"),
+        "info": ("_info",),
+    }
+    names: set[str] = set()
+    for family in metrics.registry.collect():
+        names.update(family.name + suffix for suffix in suffixes.get(family.type, ("",)))
+        names.update(sample.name for sample in family.samples)
+    return names
