@@ -2,9 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, Literal, get_args
 
 import numpy as np
+
+Datatype = Literal[
+    "BOOL",
+    "UINT8",
+    "UINT16",
+    "UINT32",
+    "UINT64",
+    "INT8",
+    "INT16",
+    "INT32",
+    "INT64",
+    "FP16",
+    "FP32",
+    "FP64",
+    "BYTES",
+]
 
 NUMPY_DTYPES: Final[dict[str, np.dtype[np.generic]]] = {
     "BOOL": np.dtype(np.bool_),
@@ -22,6 +38,7 @@ NUMPY_DTYPES: Final[dict[str, np.dtype[np.generic]]] = {
     "BYTES": np.dtype(np.object_),
 }
 DATATYPES: Final = tuple(NUMPY_DTYPES)
+assert set(DATATYPES) == set(get_args(Datatype))
 
 _BY_DTYPE: Final[dict[np.dtype[np.generic], str]] = {
     dtype: name for name, dtype in NUMPY_DTYPES.items() if name != "BYTES"

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from app.batching import BatchObserver
+from app.batching import BatchObserver, NullObserver
 
 _NS = 1_000_000_000
 
@@ -133,32 +133,17 @@ class Statistics:
         return StatsObserver(self.of(model))
 
 
-class StatsObserver:
+class StatsObserver(NullObserver):
     """The batcher's observer for statistics: queue waits and batch compute durations."""
 
     def __init__(self, stats: ModelStatistics) -> None:
         self._stats = stats
-
-    def queue_depth(self, depth: int) -> None:
-        pass
 
     def batch_started(self, rows: int, cost: int, queue_waits: Sequence[float]) -> None:
         self._stats.batch_started(queue_waits)
 
     def batch_finished(self, rows: int, seconds: float, ok: bool) -> None:
         self._stats.batch_finished(rows, seconds, ok)
-
-    def out_of_memory(self, cost: int) -> None:
-        pass
-
-    def split(self) -> None:
-        pass
-
-    def limit_changed(self, limit: int) -> None:
-        pass
-
-    def dropped(self, reason: str) -> None:
-        pass
 
 
 class FanOutObserver:

@@ -6,28 +6,13 @@ tensors would double the decode cost), so its request schema is attached with ``
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+from typing import Any
 
 from pydantic import BaseModel, Field
 
-from app.datatypes import DATATYPES
+from app.datatypes import Datatype
 
-DatatypeName = Literal[
-    "BOOL",
-    "UINT8",
-    "UINT16",
-    "UINT32",
-    "UINT64",
-    "INT8",
-    "INT16",
-    "INT32",
-    "INT64",
-    "FP16",
-    "FP32",
-    "FP64",
-    "BYTES",
-]
-assert set(DATATYPES) == set(get_args(DatatypeName))
+DatatypeName = Datatype
 
 
 class ErrorResponse(BaseModel):
