@@ -49,16 +49,21 @@ class DrainingServer(uvicorn.Server):
             self._drain_task = asyncio.create_task(self._drain(), name="drain")
 
     async def _drain(self) -> None:
+        # Whatever happens while draining, the process must still exit: should_exit is set in
+        # finally, so a failure here can never leave a server that ignored its SIGTERM.
         started = time.monotonic()
-        self._plane.begin_drain()
-        logger.info("SIGTERM: draining (not ready, refusing new requests)")
-        idle = await self._plane.wait_idle(self._drain_timeout_s)
-        logger.info(
-            "drain finished in %.2fs%s; shutting down",
-            time.monotonic() - started,
-            "" if idle else " with work still in flight (timeout)",
-        )
-        self.should_exit = True
+        idle = False
+        try:
+            self._plane.begin_drain()
+            logger.info("SIGTERM: draining (not ready, refusing new requests)")
+            idle = await self._plane.wait_idle(self._drain_timeout_s)
+        finally:
+            logger.info(
+                "drain finished in %.2fs%s; shutting down",
+                time.monotonic() - started,
+                "" if idle else " with work still in flight",
+            )
+            self.should_exit = True
 
 
 def build_server(settings: Settings, app: FastAPI | None = None) -> DrainingServer:
