@@ -54,7 +54,7 @@ class Settings(BaseSettings):
     """Explicit per-device activation budget in bytes; overrides memory_fraction."""
 
     torch_threads: int | None = Field(default=None, ge=1)
-    """Intra-op threads for CPU forwards; unset lets torch choose."""
+    """Intra-op threads for CPU forwards; unset: one fewer than the usable cores (at least 1)."""
 
     warmup: bool = True
     """Run warmup forwards before a model reports ready."""

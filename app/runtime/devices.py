@@ -29,9 +29,24 @@ def resolve_device(spec: str) -> torch.device:
     return device
 
 
-def configure_threads(count: int) -> None:
-    """Intra-op threads for CPU forwards: fewer than the cores leaves one for the event loop."""
-    torch.set_num_threads(count)
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity, so a pinned container counts right)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def configure_threads(count: int | None) -> int:
+    """Intra-op threads for CPU forwards; by default one core fewer than the process may use.
+
+    The event loop decodes, validates and encodes requests while a batch computes; when torch
+    takes every core, the two fight and both slow down (measured in BENCHMARKS.md: on 2 cores,
+    1 torch thread served digits and minilm markedly faster than 2).
+    """
+    threads = count if count is not None else max(1, usable_cores() - 1)
+    torch.set_num_threads(threads)
+    return threads
 
 
 def device_label(device: torch.device) -> str:
