@@ -241,6 +241,9 @@ class Batcher(Generic[P, R]):
         self._observer.queue_depth(len(self._queue))
         self._wakeup.set()
         try:
+            if len(items) == 1:
+                # The common case: no gather future to build, one await.
+                return await items[0].future
             results = await asyncio.gather(*(item.future for item in items))
         except BaseException:
             # The caller went away (or one piece failed): drop its other pieces before they run.
@@ -248,7 +251,7 @@ class Batcher(Generic[P, R]):
                 if not item.future.done():
                     item.future.cancel()
             raise
-        return results[0] if len(results) == 1 else self._runner.concat(results)
+        return self._runner.concat(results)
 
     def _chunks(self, part: P) -> list[P]:
         """Cut a request bigger than the limit into consecutive row slices that each fit."""
