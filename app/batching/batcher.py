@@ -236,7 +236,9 @@ class Batcher(Generic[P, R]):
             raise QueueFull(f"model {self.name!r} queue is full ({self._max_queue_size} requests)")
         loop = asyncio.get_running_loop()
         now = time.monotonic()
-        items = [_Item(chunk, loop.create_future(), now, deadline) for chunk in chunks]
+        items: list[_Item[P, R]] = [
+            _Item(chunk, loop.create_future(), now, deadline) for chunk in chunks
+        ]
         self._queue.extend(items)
         self._observer.queue_depth(len(self._queue))
         self._wakeup.set()
