@@ -44,6 +44,24 @@ format: install-dev
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
+# --- make bench --------------------------------------------------------------------------------
+# nograd against the raw model, plain FastAPI, LitServe and the HTTP ceiling, in one run
+# (bench/run.py; tables in bench/results/<timestamp>.md, quoted by BENCHMARKS.md).
+# Takes ~15 minutes on 2 cores; `make bench BENCH_ARGS=--quick` is a ~3 minute smoke run.
+# wrk is a Debian package: installed here when missing (as root, or through sudo).
+BENCH_ARGS ?=
+
+$(VENV)/.installed-bench: $(VENV)/.installed pyproject.toml constraints.txt
+	$(PIP_INSTALL) -e '.[bench]'
+	touch $@
+
+bench: $(VENV)/.installed-bench
+	@command -v wrk >/dev/null 2>&1 || { \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y wrk; \
+	}
+	$(BIN)/python -m bench.run $(BENCH_ARGS)
+
 container-test:
 	bash scripts/container_test.sh
 

@@ -39,6 +39,7 @@ from app.runtime.handler import ModelHandler, Outputs, TensorPart, TorchRunner
 from app.runtime.loader import build_handler, weights_bytes
 from app.runtime.memory import Profile, probe_for
 from app.runtime.planner import ModelPlan, PlanInput, log_plan, plan_device, profile_handler
+from app.runtime.speed import apply_speed
 from app.runtime.warmup import warm_up
 from app.settings import Settings
 from app.stats import FanOutObserver, Statistics
@@ -153,8 +154,8 @@ class DataPlane:
         weights; a model that fails at any step is reported and left not ready.
         """
         loop = asyncio.get_running_loop()
-        if self.settings.torch_threads is not None:
-            configure_threads(self.settings.torch_threads)
+        threads = configure_threads(self.settings.torch_threads)
+        logger.info("torch intra-op threads: %d", threads)
         for model in self.models.values():
             try:
                 await loop.run_in_executor(None, self._load, model)
@@ -221,6 +222,9 @@ class DataPlane:
         started = time.perf_counter()
         device = resolve_device(config.device)
         handler = build_handler(self.settings.model_repository, model.directory, config, device)
+        # Speed levers (app/runtime/speed.py): build the config's faster mode, compile it and check
+        # it against fp32 eager; a refused mode leaves the handler fp32 eager. Counted as load time.
+        handler = apply_speed(handler, self._measured_limit(config), self.metrics, model.directory)
         model.load_seconds = time.perf_counter() - started
         self.metrics.model_load.labels(model.name).set(model.load_seconds)
         model.weights_bytes = weights_bytes(handler.module)

@@ -170,6 +170,19 @@ class Metrics:
             ["model"],
             registry=r,
         )
+        self.accuracy_delta = Gauge(
+            "nograd_model_accuracy_delta",
+            "Max abs error of a speed mode's float outputs vs fp32 eager, measured at load "
+            "(warmup and held-out inputs); mode is e.g. bf16, compile, bf16+compile.",
+            ["model", "mode"],
+            registry=r,
+        )
+        self.accuracy_cosine_min = Gauge(
+            "nograd_model_accuracy_cosine_min",
+            "Min per-sample cosine similarity of a speed mode's float outputs vs fp32 eager.",
+            ["model", "mode"],
+            registry=r,
+        )
         self.batcher_restarts = Counter(
             "nograd_batcher_restarts",
             "Batch loops found dead and restarted.",

@@ -6,6 +6,7 @@ that silently loads with a wrong shape or batch size is worse than one that does
 
 from __future__ import annotations
 
+import itertools
 import re
 import tomllib
 from pathlib import Path
@@ -14,22 +15,10 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-Datatype = Literal[
-    "BOOL",
-    "UINT8",
-    "UINT16",
-    "UINT32",
-    "UINT64",
-    "INT8",
-    "INT16",
-    "INT32",
-    "INT64",
-    "FP16",
-    "FP32",
-    "FP64",
-    "BYTES",
-]
+from app.datatypes import Datatype
+
 Precision = Literal["fp32", "bf16", "fp16"]
+CompileMode = Literal["default", "reduce-overhead", "max-autotune"]
 CONFIG_NAMES = ("config.toml", "config.yaml", "config.yml")
 _DEVICE_RE = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -83,6 +72,33 @@ class ModelConfig(BaseModel):
     max_batch_tokens: int | None = Field(default=None, ge=1)
     """Cap on padded tokens per batch for token-unit models."""
 
+    # Speed levers (app/runtime/speed.py; docs/speed.md). Each one is checked against fp32 eager
+    # before it serves, and refused (fp32 eager serves instead) when its outputs drift too far.
+    autocast: bool = False
+    """With ``precision`` bf16/fp16: run the forward under ``torch.autocast`` (fp32 weights, low
+    precision matmuls) instead of casting the weights and float inputs."""
+    compile: bool = False
+    """``torch.compile`` the model during warmup (every bucket, or dynamic shapes, once)."""
+    compile_mode: CompileMode = "default"
+    """torch.compile mode: default, reduce-overhead (CUDA graphs inside inductor), max-autotune."""
+    compile_buckets: tuple[int, ...] | None = None
+    """Batch sizes (rows) to pad every batch to, ascending: fixed shapes, compiled (and captured)
+    once each, so traffic never triggers a recompile; batches above the largest run in chunks.
+    Unset with ``compile``: dynamic shapes (``dynamic=True``), no padding."""
+    compile_length_buckets: tuple[int, ...] | None = None
+    """Token models: sequence lengths to pad to, ascending; required with ``compile_buckets``."""
+    cuda_graphs: bool = False
+    """Capture one CUDA graph per bucket after warmup and replay it (CUDA only; needs
+    ``compile_buckets``; ignored with a warning on CPU)."""
+    accuracy_tolerance: float | None = Field(default=None, gt=0.0)
+    """Largest max-abs error of any float output vs fp32 eager; unset: 1e-2 when precision is
+    bf16/fp16, 1e-4 for fp32 with compile or CUDA graphs."""
+    min_cosine: float = Field(default=0.999, ge=-1.0, le=1.0)
+    """Smallest per-sample cosine similarity of any float output vs fp32 eager."""
+    accuracy_sample: str | None = None
+    """A V2 inference request body (JSON) inside the model folder, e.g. ``sample.json``: real
+    inputs the accuracy check compares on too, as synthetic ones may miss the model's real range."""
+
     @field_validator("name")
     @classmethod
     def _name_valid(cls, name: str) -> str:
@@ -107,12 +123,25 @@ class ModelConfig(BaseModel):
     def _empty_weights_none(cls, value: object) -> object:
         return None if value == "" else value
 
-    @field_validator("module", "weights")
+    @field_validator("module", "weights", "accuracy_sample")
     @classmethod
     def _inside_folder(cls, value: str | None) -> str | None:
         if value is not None and (Path(value).is_absolute() or ".." in Path(value).parts):
             raise ValueError(f"path {value!r} must be relative and stay inside the model folder")
         return value
+
+    @field_validator("compile_buckets", "compile_length_buckets")
+    @classmethod
+    def _buckets_ascending(cls, buckets: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if buckets is None:
+            return None
+        if not buckets:
+            raise ValueError("must list at least one size (or be left out)")
+        if any(size < 1 for size in buckets):
+            raise ValueError(f"sizes must be positive, got {list(buckets)}")
+        if any(a >= b for a, b in itertools.pairwise(buckets)):
+            raise ValueError(f"sizes must be strictly ascending, got {list(buckets)}")
+        return buckets
 
     @model_validator(mode="after")
     def _names_unique(self) -> ModelConfig:
@@ -120,6 +149,52 @@ class ModelConfig(BaseModel):
             names = [spec.name for spec in specs]
             if len(names) != len(set(names)):
                 raise ValueError(f"{kind} names must be unique, got {names}")
+        return self
+
+    @model_validator(mode="after")
+    def _speed_levers_consistent(self) -> ModelConfig:
+        # Each message names the field to change, as every config error does.
+        if self.autocast and self.precision == "fp32":
+            raise ValueError("field 'autocast': needs precision bf16 or fp16, got fp32")
+        fixed = self.compile_buckets is not None or self.compile_length_buckets is not None
+        if fixed and not (self.compile or self.cuda_graphs):
+            raise ValueError(
+                "field 'compile_buckets': fixed shapes only apply with compile = true or "
+                "cuda_graphs = true"
+            )
+        if self.compile_mode != "default" and not self.compile:
+            raise ValueError(f"field 'compile_mode': {self.compile_mode!r} needs compile = true")
+        tokens = self.batch_unit == "tokens"
+        if self.compile_length_buckets is not None and not tokens:
+            raise ValueError(
+                "field 'compile_length_buckets': only for batch_unit = \"tokens\" models"
+            )
+        if (
+            tokens
+            and fixed
+            and (self.compile_buckets is None or self.compile_length_buckets is None)
+        ):
+            raise ValueError(
+                "field 'compile_buckets': a token model with fixed shapes needs both "
+                "compile_buckets and compile_length_buckets"
+            )
+        if self.cuda_graphs and self.compile_buckets is None:
+            raise ValueError("field 'cuda_graphs': needs compile_buckets (fixed batch shapes)")
+        if self.cuda_graphs and self.compile_mode == "reduce-overhead":
+            raise ValueError(
+                "field 'cuda_graphs': compile_mode 'reduce-overhead' already captures CUDA "
+                "graphs; use one or the other"
+            )
+        largest = self.compile_buckets[-1] if self.compile_buckets else None
+        if (
+            largest is not None
+            and self.max_batch_size is not None
+            and (largest > self.max_batch_size)
+        ):
+            raise ValueError(
+                f"field 'compile_buckets': largest bucket {largest} exceeds max_batch_size "
+                f"{self.max_batch_size}"
+            )
         return self
 
 

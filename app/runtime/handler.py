@@ -2,14 +2,16 @@
 
 ``ModelHandler`` is the default for plain tensor models; a model folder may subclass it (for
 example to tokenise text in ``prepare``) by exposing ``build_handler`` in its module.
-``TorchRunner`` adapts a handler to the batcher's ``Runner`` protocol.
+``TorchRunner`` adapts a handler to the batcher's ``Runner`` protocol. A speed lever (see
+``app/runtime/speed.py``) plugs in as the handler's ``fast_path``: fixed batch shapes to pad to and
+the forward to call.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Final
+from typing import ClassVar, Final, Protocol
 
 import numpy as np
 import torch
@@ -57,6 +59,28 @@ class TensorPart:
         )
 
 
+class FastPath(Protocol):
+    """What a speed lever changes in a batch's run; ``app/runtime/speed.py`` implements it."""
+
+    @property
+    def max_rows(self) -> int | None:
+        """Largest batch (rows) one forward takes; larger batches run in chunks. None: any."""
+        ...
+
+    @property
+    def sequence_inputs(self) -> frozenset[str]:
+        """Collated tensors whose axis 1 is the sequence axis (padded to length buckets)."""
+        ...
+
+    def padded_shape(self, rows: int, length: int) -> tuple[int, int]:
+        """The (rows, length) a batch of ``rows`` × ``length`` is zero-padded to."""
+        ...
+
+    def forward(self, batch: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """The forward to run instead of ``handler.forward`` (autocast, CUDA graph replay)."""
+        ...
+
+
 class ModelHandler:
     """Default handler: each declared input goes to ``forward`` as a keyword tensor."""
 
@@ -67,9 +91,14 @@ class ModelHandler:
         self.module = module
         self.config = config
         self.device = device
-        self.compute_dtype = PRECISION_DTYPES[config.precision]
+        self.compute_dtype = torch.float32
+        """Dtype floating inputs are cast to; fp32 until ``apply_speed`` casts the weights."""
         self._inputs: dict[str, TensorSpec] = {spec.name: spec for spec in config.inputs}
         self._outputs: tuple[TensorSpec, ...] = config.outputs
+        self.fast_path: FastPath | None = None
+        """Set by ``app.runtime.speed.apply_speed`` when a faster mode passed its accuracy check."""
+        self.speed_mode = "fp32"
+        """The mode serving: fp32 eager, or the speed mode ``apply_speed`` accepted (bf16, …)."""
 
     # ----------------------------------------------------------------- request path (any thread)
     def prepare(self, inputs: Mapping[str, np.ndarray]) -> TensorPart:
@@ -84,9 +113,13 @@ class ModelHandler:
                     return int(inputs[name].shape[axis + 1])
         return 1
 
-    def example(self, rows: int, length: int = 1) -> TensorPart:
-        """Synthetic inputs for warmup and memory profiling; variable dimensions get ``length``."""
-        generator = np.random.default_rng(0)
+    def example(self, rows: int, length: int = 1, seed: int = 0) -> TensorPart:
+        """Synthetic inputs for warmup and memory profiling; variable dimensions get ``length``.
+
+        ``seed`` 0 gives the warmup inputs; the speed levers' accuracy check also draws a
+        held-out batch with another seed.
+        """
+        generator = np.random.default_rng(seed)
         tensors: dict[str, np.ndarray] = {}
         for spec in self.config.inputs:
             shape = (rows, *(length if d == -1 else d for d in spec.shape))
@@ -95,14 +128,32 @@ class ModelHandler:
 
     # ----------------------------------------------------------------- device thread
     def collate(self, parts: Sequence[TensorPart]) -> dict[str, torch.Tensor]:
-        """Concatenate parts along the batch dimension, padding variable dimensions with zeros."""
+        """Concatenate parts along the batch dimension, padding variable dimensions with zeros.
+
+        With a fast path of fixed shapes, rows (and the sequence axis of token tensors) are
+        zero-padded up to the bucket; ``to_numpy`` slices the padding rows off again.
+        On CUDA the host tensor is pinned and copied with ``non_blocking``, and cast to the
+        compute precision on the device: casting on the host would allocate a new, unpinned
+        tensor and make the copy synchronous.
+        """
+        cuda = self.device.type == "cuda"
+        rows: int | None = None
+        length: int | None = None
+        sequence: frozenset[str] = frozenset()
+        if self.fast_path is not None:
+            longest = max(part.length for part in parts)
+            rows, length = self.fast_path.padded_shape(sum(part.rows for part in parts), longest)
+            sequence = self.fast_path.sequence_inputs
         batch: dict[str, torch.Tensor] = {}
         for name in parts[0].tensors:
             arrays = [part.tensors[name] for part in parts]
-            tensor = _pad_concat(arrays, pin_memory=self.device.type == "cuda")
+            tensor = _pad_concat(
+                arrays, pin_memory=cuda, rows=rows, length=length if name in sequence else None
+            )
+            tensor = tensor.to(self.device, non_blocking=cuda)
             if tensor.is_floating_point():
                 tensor = tensor.to(self.compute_dtype)
-            batch[name] = tensor.to(self.device, non_blocking=self.device.type == "cuda")
+            batch[name] = tensor
         return batch
 
     def forward(self, batch: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
@@ -124,11 +175,18 @@ class ModelHandler:
             f"{len(self._outputs)} tensors or a dict keyed by output name"
         )
 
-    def to_numpy(self, outputs: Mapping[str, torch.Tensor]) -> Outputs:
-        """Outputs on the host, in each output's declared datatype."""
+    def to_numpy(self, outputs: Mapping[str, torch.Tensor], rows: int | None = None) -> Outputs:
+        """Outputs on the host, in each output's declared datatype; the first ``rows`` only.
+
+        Slicing happens on the device, before the copy, so padding rows never cross the bus.
+        ``.cpu()`` into pageable memory waits for the forward's stream, so no explicit
+        synchronize is needed before numpy reads the result.
+        """
         arrays: Outputs = {}
         for spec in self._outputs:
             tensor = outputs[spec.name].detach()
+            if rows is not None and tensor.ndim > 0:
+                tensor = tensor[:rows]
             if spec.datatype in TORCH_DTYPES:
                 tensor = tensor.to(TORCH_DTYPES[spec.datatype])
             arrays[spec.name] = tensor.cpu().numpy()
@@ -143,10 +201,24 @@ class TorchRunner:
         self.device = handler.device
 
     def run_batch(self, parts: Sequence[TensorPart]) -> list[Outputs]:
+        rows = [part.rows for part in parts]
+        fast = self.handler.fast_path
+        most = None if fast is None else fast.max_rows
+        if most is not None and sum(rows) > most:
+            # Fixed shapes: a batch above the largest bucket runs as several bucket-sized
+            # forwards rather than compiling (or capturing) a new shape under traffic.
+            outputs = self.concat([self._forward(chunk) for chunk in chunk_rows(parts, most)])
+        else:
+            outputs = self._forward(parts)
+        return split_rows(outputs, rows)
+
+    def _forward(self, parts: Sequence[TensorPart]) -> Outputs:
+        handler = self.handler
         with torch.inference_mode():
-            batch = self.handler.collate(parts)
-            outputs = self.handler.to_numpy(self.handler.forward(batch))
-        return split_rows(outputs, [part.rows for part in parts])
+            batch = handler.collate(parts)
+            fast = handler.fast_path
+            result = handler.forward(batch) if fast is None else fast.forward(batch)
+            return handler.to_numpy(result, rows=sum(part.rows for part in parts))
 
     def concat(self, results: Sequence[Outputs]) -> Outputs:
         return {name: np.concatenate([r[name] for r in results]) for name in results[0]}
@@ -157,6 +229,23 @@ class TorchRunner:
     def release_memory(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def chunk_rows(parts: Sequence[TensorPart], most: int) -> list[list[TensorPart]]:
+    """Consecutive groups of at most ``most`` rows, slicing a part where a group fills up."""
+    chunks: list[list[TensorPart]] = [[]]
+    room = most
+    for part in parts:
+        start = 0
+        while start < part.rows:
+            if room == 0:
+                chunks.append([])
+                room = most
+            take = min(room, part.rows - start)
+            chunks[-1].append(part if take == part.rows else part.slice(start, start + take))
+            start += take
+            room -= take
+    return [chunk for chunk in chunks if chunk]
 
 
 def split_rows(outputs: Outputs, rows: Sequence[int]) -> list[Outputs]:
@@ -176,21 +265,30 @@ def split_rows(outputs: Outputs, rows: Sequence[int]) -> list[Outputs]:
     return results
 
 
-def _pad_concat(arrays: Sequence[np.ndarray], pin_memory: bool = False) -> torch.Tensor:
+def _pad_concat(
+    arrays: Sequence[np.ndarray],
+    pin_memory: bool = False,
+    rows: int | None = None,
+    length: int | None = None,
+) -> torch.Tensor:
     """One host tensor holding every part's rows, zero-padded along variable dimensions.
 
-    A single part is used in place (no copy). Several parts are copied once into one torch
-    allocation, which the memory profiler sees, and which is pinned when bound for a GPU so the
-    host-to-device copy can run asynchronously.
+    ``rows`` and ``length`` (axis 1) pad further, to a fixed bucket shape; the padding is zeros.
+    A single part already of the target shape is used in place (no copy). Otherwise parts are
+    copied once into one torch allocation, which the memory profiler sees, and which is pinned
+    when bound for a GPU so the host-to-device copy can run asynchronously.
     """
-    if len(arrays) == 1 and not pin_memory:
+    target = [max(a.shape[axis] for a in arrays) for axis in range(arrays[0].ndim)]
+    filled = sum(a.shape[0] for a in arrays)
+    target[0] = max(filled, rows or 0)
+    if length is not None and len(target) > 1:
+        target[1] = max(target[1], length)
+    if len(arrays) == 1 and not pin_memory and tuple(target) == arrays[0].shape:
         return torch.from_numpy(np.ascontiguousarray(arrays[0]))
-    target = tuple(max(a.shape[axis] for a in arrays) for axis in range(arrays[0].ndim))
-    rows = sum(a.shape[0] for a in arrays)
     dtype = torch.from_numpy(arrays[0][:0]).dtype
-    ragged = any(a.shape[1:] != target[1:] for a in arrays)
+    ragged = target[0] > filled or any(list(a.shape[1:]) != target[1:] for a in arrays)
     make = torch.zeros if ragged else torch.empty
-    out = make((rows, *target[1:]), dtype=dtype, pin_memory=pin_memory)
+    out = make(tuple(target), dtype=dtype, pin_memory=pin_memory)
     start = 0
     for array in arrays:
         region = out[start : start + array.shape[0]]

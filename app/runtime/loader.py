@@ -75,7 +75,7 @@ def load_weights(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
 def build_handler(
     repository: Path, model_dir: Path, config: ModelConfig, device: torch.device
 ) -> ModelHandler:
-    """Build the model, load its weights, move it to its device and precision, set eval mode."""
+    """Build the model, load its weights, move it to its device (fp32), set eval mode."""
     code = import_model_module(repository, model_dir, config)
     factory = getattr(code, "build_handler", None)
     if factory is not None:
@@ -95,8 +95,8 @@ def build_handler(
                 raise LoadError(f"{model_dir / config.weights}: {exc}") from exc
         handler = ModelHandler(module, config, device)
     handler.module.to(device)
-    if handler.compute_dtype != torch.float32:
-        handler.module.to(handler.compute_dtype)
+    # Weights stay fp32 here: ``precision`` is a speed lever (app/runtime/speed.py) that casts
+    # only after comparing its outputs with this fp32 eager model.
     handler.module.eval()
     for parameter in handler.module.parameters():
         parameter.requires_grad_(False)

@@ -1,0 +1,1 @@
+"""nograd's benchmark suite (``make bench``): load driver, baselines, memory and lever studies."""

@@ -1,0 +1,1 @@
+"""Baseline servers the benchmark runs beside nograd: plain FastAPI, LitServe, the HTTP ceiling."""
