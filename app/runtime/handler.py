@@ -287,6 +287,10 @@ def _pad_concat(
         return torch.from_numpy(np.ascontiguousarray(arrays[0]))
     dtype = torch.from_numpy(arrays[0][:0]).dtype
     ragged = target[0] > filled or any(list(a.shape[1:]) != target[1:] for a in arrays)
+    if not ragged and not pin_memory:
+        # Same-shape parts (the common case): one C-level concatenation instead of a Python
+        # loop of narrow/copy per part, which profiled at a fifth of digits' serving time.
+        return torch.cat([torch.from_numpy(a) for a in arrays])
     make = torch.zeros if ragged else torch.empty
     out = make(tuple(target), dtype=dtype, pin_memory=pin_memory)
     start = 0
