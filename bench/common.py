@@ -76,6 +76,24 @@ def git_state() -> dict[str, Any]:
     return {"commit": run("rev-parse", "--short", "HEAD"), "app_dirty": bool(dirty)}
 
 
+def code_hash() -> str:
+    """Digest of nograd's code and model configs as they are on disk now.
+
+    A server started later in the run imports whatever is on disk then; comparing digests tells
+    whether every nograd server of a run served the same code.
+    """
+    import hashlib
+
+    digest = hashlib.sha256()
+    models = ROOT / "models"
+    files = sorted([*(ROOT / "app").rglob("*.py"), *models.rglob("*.py"), *models.rglob("*.toml")])
+    for path in files:
+        with contextlib.suppress(OSError):
+            digest.update(str(path.relative_to(ROOT)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:

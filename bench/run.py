@@ -175,6 +175,14 @@ class Bench:
         wait_quiet(min(self.plan.quiet_wait_s, self.plan.quiet_budget_s - self.quiet_spent_s))
         self.quiet_spent_s += time.monotonic() - started
 
+    def started(self, server: Server) -> None:
+        """Record which code a nograd server runs (the work tree may change during a run)."""
+        from bench.common import code_hash
+
+        self.results.setdefault("code", []).append(
+            {"server": server.name, "port": server.port, "code_hash": code_hash()}
+        )
+
     def measure(
         self,
         server: Server,
@@ -214,6 +222,10 @@ class Bench:
                 cpus=self.plan.generator_cpus,
             )
         result.extra.update(cpu.finish(result))
+        if system.startswith("nograd"):
+            from bench.common import code_hash
+
+            result.extra["code_hash"] = code_hash()
         if nograd_metrics:
             after = scrape(server.url)
             model = MODEL_OF[name]
@@ -225,6 +237,19 @@ class Bench:
             )
             result.extra["batches"] = count
             result.extra["mean_batch_size"] = rows / count if count else 0.0
+            # Server-side means (ms) from nograd's own histograms: where a request's time went.
+            for key, name in (
+                ("server_request_ms", "nograd_request_duration_seconds"),
+                ("server_queue_ms", "nograd_queue_duration_seconds"),
+                ("server_batch_ms", "nograd_batch_duration_seconds"),
+            ):
+                n = metric(after, f"{name}_count", model=model) - metric(
+                    before, f"{name}_count", model=model
+                )
+                total = metric(after, f"{name}_sum", model=model) - metric(
+                    before, f"{name}_sum", model=model
+                )
+                result.extra[key] = 1e3 * total / n if n else None
         return result
 
     def warm(self, server: Server, name: str) -> None:
