@@ -65,7 +65,12 @@ class PlanInput:
 
 
 def max_sequence_length(handler: ModelHandler) -> int:
-    return int(getattr(handler, "max_sequence_length", DEFAULT_MAX_SEQUENCE))
+    """The longest sequence a token model reads (its truncation length), for budgeting."""
+    for name in ("max_sequence_length", "max_length"):
+        value = getattr(handler, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return DEFAULT_MAX_SEQUENCE
 
 
 def profile_handler(handler: ModelHandler, probe: MemoryProbe, cap: int) -> Profile:
