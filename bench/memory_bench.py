@@ -214,6 +214,13 @@ def served_run(
             and ("model", model) in pairs
             and dict(pairs).get("code") != "200"
         ),
+        # By status code, over the whole server life (warm-up included): 499 is a request whose
+        # client went away, which wrk does when it closes its connections at the end of a run.
+        "codes": {
+            dict(pairs).get("code", "?"): value
+            for (name, pairs), value in after.items()
+            if name == "nograd_requests_total" and ("model", model) in pairs
+        },
     }
 
 

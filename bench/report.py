@@ -15,6 +15,7 @@ SYSTEM_ORDER = (
     "http-ceiling",
     "nograd-batching-off",
     "nograd-threads-1",
+    "nograd-threads-all",
 )
 LABELS = {
     "nograd": "nograd",
@@ -23,6 +24,7 @@ LABELS = {
     "http-ceiling": "HTTP ceiling (no model)",
     "nograd-batching-off": "nograd, batching off",
     "nograd-threads-1": "nograd, NOGRAD_TORCH_THREADS=1",
+    "nograd-threads-all": "nograd, NOGRAD_TORCH_THREADS=cores",
 }
 COLORS = {
     "nograd": "tab:blue",
@@ -778,6 +780,16 @@ def memory_section(results: dict[str, Any], tag: str) -> list[str]:
                     s["batch_limit_end"],
                     s["oom_total"],
                     s["batch_splits_total"],
+                    (
+                        ", ".join(
+                            f"{code}: {int(n)}"
+                            for code, n in sorted(s["codes"].items())
+                            if code != "200"
+                        )
+                        or "none"
+                    )
+                    if "codes" in s
+                    else f"{int(s.get('non_200', 0))} (codes not recorded)",
                 )
             )
         out += [
@@ -794,6 +806,7 @@ def memory_section(results: dict[str, Any], tag: str) -> list[str]:
                     "limit at end",
                     "nograd_oom_total",
                     "nograd_batch_splits_total",
+                    "non-200 answers (server life)",
                 ),
                 rows,
             ),
@@ -808,6 +821,8 @@ def kib(value: float) -> str:
 
 def profile_section(results: dict[str, Any], tag: str) -> list[str]:
     out: list[str] = []
+    if results.get("pyspy") or results.get("torch_profile"):
+        out += ["## Where the time goes (py-spy and torch.profiler)", ""]
     spy = results.get("pyspy", {})
     for workload, s in spy.items():
         if "error" in s:

@@ -13,7 +13,8 @@ Phases (each server is started, measured and stopped in turn; every process is s
    torch.profiler on nograd's batch path (``bench.profile_nograd``).
 
 Results: ``bench/results/<timestamp>.json``, ``.png`` (latency vs throughput) and ``.md`` (the
-tables BENCHMARKS.md quotes). ``--quick`` is a ~3-minute smoke run of the same phases.
+tables BENCHMARKS.md quotes). ``--quick`` is a ~5-minute smoke run of the same kinds of
+measurement.
 """
 
 from __future__ import annotations
@@ -46,7 +47,19 @@ except ImportError:  # pragma: no cover - tqdm is in the bench extra
     tqdm = None
 
 LITSERVE_GRID = ((16, 0.005), (32, 0.005), (64, 0.005), (16, 0.01), (32, 0.01), (64, 0.01))
-LITSERVE_QUICK = ((32, 0.005), (64, 0.01))
+LITSERVE_QUICK = ((32, 0.005),)
+ALL_PHASES = (
+    "raw",
+    "nograd",
+    "ceiling",
+    "fastapi",
+    "litserve",
+    "batching_off",
+    "threads",
+    "levers",
+    "memory",
+    "torch_profile",
+)
 QUIET_CORES = 0.3
 """Other processes' CPU (in cores) above which a run counts as disturbed."""
 MODEL_OF = {"digits": "digits", "minilm-1": "minilm", "minilm-8": "minilm"}
@@ -445,9 +458,10 @@ class Bench:
         self.nograd_variant("nograd-batching-off", edits, {})
 
     def phase_threads(self) -> None:
-        """nograd with one torch intra-op thread (NOGRAD_TORCH_THREADS=1): the event loop and
-        the forward then do not fight over the two cores."""
-        self.nograd_variant("nograd-threads-1", {}, {"NOGRAD_TORCH_THREADS": "1"})
+        """nograd with every core for torch (NOGRAD_TORCH_THREADS = cores) against its default
+        (cores − 1, leaving one to the event loop)."""
+        threads = str(os.cpu_count() or 1)
+        self.nograd_variant("nograd-threads-all", {}, {"NOGRAD_TORCH_THREADS": threads})
 
     def nograd_variant(
         self, system: str, edits: dict[str, dict[str, str]], env: dict[str, str]
@@ -722,7 +736,9 @@ def progress_bar(total: int) -> Iterator[Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="~3 minute smoke run")
+    parser.add_argument(
+        "--quick", action="store_true", help="~5 minute smoke run: shorter runs, fewer configs"
+    )
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--duration", type=float, default=None, help="headline run seconds")
     parser.add_argument("--workloads", default=",".join(workloads.ALL))
@@ -753,10 +769,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-profile", action="store_true")
     parser.add_argument(
         "--phases",
-        default="raw,nograd,ceiling,fastapi,litserve,batching_off,threads,levers,memory,"
-        "torch_profile",
+        default=None,
+        help="comma-separated subset of: " + ",".join(ALL_PHASES),
     )
     args = parser.parse_args(argv)
+    if args.phases is None:
+        # --quick is a smoke run: every kind of measurement once, without the thread variant.
+        args.phases = ",".join(p for p in ALL_PHASES if not (args.quick and p == "threads"))
 
     if not loadgen.have_wrk():
         print("wrk not found: apt-get install -y wrk (make bench does this)", file=sys.stderr)
