@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import gc
 import logging
 import time
 from collections.abc import Iterable, Mapping
@@ -168,6 +169,7 @@ class DataPlane:
                     await self._start(model)
                 except Exception as exc:
                     self._failed(model, exc, "failed to start")
+        settle_heap()
         self._loaded.set()
 
     def _failed(self, model: ServedModel, exc: Exception, what: str) -> None:
@@ -488,3 +490,15 @@ def _rejection_reason(exc: BaseException) -> str | None:
     if isinstance(exc, asyncio.CancelledError):
         return "cancelled"
     return None
+
+
+def settle_heap() -> None:
+    """Move everything alive after loading into the collector's permanent generation.
+
+    torch, transformers and the models leave millions of long-lived objects; every full
+    collection walked all of them, and under load one came every few seconds and stopped the
+    event loop for 130-280 ms (measured on digits at 32 concurrent requests), which was the whole
+    p99. Frozen objects are never scanned again; what requests allocate is still collected.
+    """
+    gc.collect()
+    gc.freeze()

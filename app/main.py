@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from app import __version__
 from app.api import openai, v2
 from app.api.errors import install_error_handlers
+from app.api.hot import HotRoutes
 from app.api.middleware import AuthMiddleware, BodyLimitMiddleware, StartTimeMiddleware
 from app.api.schemas import InferRequestDocument
 from app.dataplane import DataPlane
@@ -64,6 +65,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.dataplane = plane
     install_error_handlers(app)
     known = plane.models.__contains__
+    app.add_middleware(HotRoutes)
     # Starlette wraps the last-added middleware outermost: the size limit runs before auth
     # reads headers only, and both run before any route.
     if settings.api_key_list:

@@ -54,7 +54,8 @@ class Settings(BaseSettings):
     """Explicit per-device activation budget in bytes; overrides memory_fraction."""
 
     torch_threads: int | None = Field(default=None, ge=1)
-    """Intra-op threads for CPU forwards; unset: one fewer than the usable cores (at least 1)."""
+    """Intra-op threads for CPU forwards; unset: the cores this process may use (affinity and
+    cgroup CPU quota)."""
 
     warmup: bool = True
     """Run warmup forwards before a model reports ready."""

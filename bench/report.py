@@ -15,7 +15,7 @@ SYSTEM_ORDER = (
     "http-ceiling",
     "nograd-batching-off",
     "nograd-threads-1",
-    "nograd-threads-all",
+    "nograd-threads-fewer",
 )
 LABELS = {
     "nograd": "nograd",
@@ -24,7 +24,7 @@ LABELS = {
     "http-ceiling": "HTTP ceiling (no model)",
     "nograd-batching-off": "nograd, batching off",
     "nograd-threads-1": "nograd, NOGRAD_TORCH_THREADS=1",
-    "nograd-threads-all": "nograd, NOGRAD_TORCH_THREADS=cores",
+    "nograd-threads-fewer": "nograd, NOGRAD_TORCH_THREADS=cores − 1",
 }
 COLORS = {
     "nograd": "tab:blue",

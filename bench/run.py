@@ -458,10 +458,10 @@ class Bench:
         self.nograd_variant("nograd-batching-off", edits, {})
 
     def phase_threads(self) -> None:
-        """nograd with every core for torch (NOGRAD_TORCH_THREADS = cores) against its default
-        (cores − 1, leaving one to the event loop)."""
-        threads = str(os.cpu_count() or 1)
-        self.nograd_variant("nograd-threads-all", {}, {"NOGRAD_TORCH_THREADS": threads})
+        """nograd with one core fewer for torch (leaving one to the event loop) against its
+        default of every core."""
+        threads = str(max(1, (os.cpu_count() or 1) - 1))
+        self.nograd_variant("nograd-threads-fewer", {}, {"NOGRAD_TORCH_THREADS": threads})
 
     def nograd_variant(
         self, system: str, edits: dict[str, dict[str, str]], env: dict[str, str]

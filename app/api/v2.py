@@ -215,7 +215,8 @@ def _infer_response(
     )
 
 
-async def _infer(request: Request, name: str, version: str | None) -> Response:
+async def infer_call(request: Request, name: str, version: str | None) -> Response:
+    """One V2 inference call; served by ``app.api.hot`` ahead of the router, and by the routes."""
     plane = dataplane_of(request)
 
     async def work(call: Call) -> Response:
@@ -240,7 +241,7 @@ async def _infer(request: Request, name: str, version: str | None) -> Response:
     responses=ERROR_RESPONSES,
 )
 async def infer(request: Request, name: str) -> Response:
-    return await _infer(request, name, None)
+    return await infer_call(request, name, None)
 
 
 @router.post(
@@ -251,4 +252,4 @@ async def infer(request: Request, name: str) -> Response:
     responses=ERROR_RESPONSES,
 )
 async def infer_version(request: Request, name: str, version: str) -> Response:
-    return await _infer(request, name, version)
+    return await infer_call(request, name, version)

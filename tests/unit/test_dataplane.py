@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import shutil
 from pathlib import Path
 
@@ -34,6 +35,7 @@ async def test_dead_worker_turns_not_ready_and_is_restarted(tmp_path: Path) -> N
     plane.discover()
     await plane.load_all()
     assert plane.ready()
+    assert gc.get_freeze_count() > 0, "the heap left after loading was not frozen"
     batcher = plane.models["poison"].batcher
     assert batcher is not None and batcher._task is not None
     batcher._task.cancel()  # simulate the batch loop dying
