@@ -159,7 +159,12 @@ class DataPlane:
         logger.info("torch intra-op threads: %d", threads)
         for model in self.models.values():
             try:
-                await loop.run_in_executor(None, self._load, model)
+                # On the thread that will run the model's batches: torch's OpenMP workers belong
+                # to the thread that first ran a parallel op, and a second team from a loading
+                # thread slowed every later forward (minilm batch 1: ~14 -> ~17 ms); on a GPU the
+                # current stream and graphs captured during warm-up belong to this thread too.
+                device = resolve_device(model.config.device)
+                await loop.run_in_executor(self._threads.executor(device), self._load, model)
             except Exception as exc:
                 self._failed(model, exc, "failed to load")
         await self._plan_memory()

@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import gc
 import shutil
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from app.dataplane import DataPlane, LimitExceeded, ModelNotFound, ModelNotReady
 from app.metrics import Metrics
@@ -49,6 +51,30 @@ async def test_dead_worker_turns_not_ready_and_is_restarted(tmp_path: Path) -> N
     assert outputs["y"].tolist() == [[2, 2], [4, 4]]
     restarts = plane.metrics.batcher_restarts.labels("poison")._value.get()
     assert restarts == 1
+    await plane.stop()
+
+
+async def test_loading_and_warm_up_run_on_the_device_thread(tmp_path: Path) -> None:
+    plane = plane_for(tmp_path, "poison")
+    code = tmp_path / "repo" / "poison" / "model.py"
+    code.write_text(
+        code.read_text()
+        + "\n\nimport threading\n_build = build\n\n\n"
+        + "def build(model_dir: Path) -> torch.nn.Module:\n"
+        + "    (model_dir / 'built_on.txt').write_text(threading.current_thread().name)\n"
+        + "    return _build(model_dir)\n"
+    )
+    plane.discover()
+    await plane.load_all()
+    assert plane.ready()
+
+    def serving_thread() -> str:
+        return threading.current_thread().name
+
+    executor = plane._threads.executor(torch.device("cpu"))
+    serving = await asyncio.get_running_loop().run_in_executor(executor, serving_thread)
+    assert (tmp_path / "repo" / "poison" / "built_on.txt").read_text() == serving
+    assert serving.startswith("nograd-cpu")
     await plane.stop()
 
 
