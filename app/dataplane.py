@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -44,6 +45,9 @@ from app.runtime.speed import apply_speed
 from app.runtime.warmup import warm_up
 from app.settings import Settings
 from app.stats import FanOutObserver, Statistics
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +168,8 @@ class DataPlane:
                 # thread slowed every later forward (minilm batch 1: ~14 -> ~17 ms); on a GPU the
                 # current stream and graphs captured during warm-up belong to this thread too.
                 device = resolve_device(model.config.device)
-                await loop.run_in_executor(self._threads.executor(device), self._load, model)
+                executor = self._threads.executor(device)
+                await loop.run_in_executor(executor, self._load, model, device)
             except Exception as exc:
                 self._failed(model, exc, "failed to load")
         await self._plan_memory()
@@ -224,10 +229,9 @@ class DataPlane:
                 self.models[plan.name].plan = plan
                 self.metrics.sample_bytes.labels(plan.name).set(plan.profile.model.per_unit)
 
-    def _load(self, model: ServedModel) -> None:
+    def _load(self, model: ServedModel, device: torch.device) -> None:
         config = model.config
         started = time.perf_counter()
-        device = resolve_device(config.device)
         handler = build_handler(self.settings.model_repository, model.directory, config, device)
         # Speed levers (app/runtime/speed.py): build the config's faster mode, compile it and check
         # it against fp32 eager; a refused mode leaves the handler fp32 eager. Counted as load time.

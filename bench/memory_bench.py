@@ -168,27 +168,22 @@ def served_run(
     bodies = workload.write_bodies(bodies_dir)
     with nograd_server(repository, None, env) as server:
         url = server.url + workload.path
-        loadgen.run_closed(
-            url,
-            bodies,
-            system="nograd",
-            workload=workload.name,
-            samples_per_request=1,
-            connections=32,
-            duration_s=1,
-            cpus=None,
-        )
+
+        def closed(seconds: float) -> loadgen.LoadResult:
+            return loadgen.run_closed(
+                url,
+                bodies,
+                system="nograd",
+                workload=workload.name,
+                samples_per_request=1,
+                connections=32,
+                duration_s=seconds,
+                cpus=None,
+            )
+
+        closed(1)  # warm-up, not counted
         before = scrape_metrics(server.url)
-        result = loadgen.run_closed(
-            url,
-            bodies,
-            system="nograd",
-            workload=workload.name,
-            samples_per_request=1,
-            connections=32,
-            duration_s=duration_s,
-            cpus=None,
-        )
+        result = closed(duration_s)
         after = scrape_metrics(server.url)
     model = workload.model
 

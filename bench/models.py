@@ -36,6 +36,25 @@ def import_file(path: Path, name: str) -> ModuleType:
     return module
 
 
+def v2_response(
+    model: str, specs: tuple[tuple[str, str], ...], outputs: dict[str, torch.Tensor]
+) -> dict[str, Any]:
+    """The V2 answer nograd gives, so every baseline sends the same JSON shape back."""
+    return {
+        "model_name": model,
+        "model_version": "1",
+        "outputs": [
+            {
+                "name": name,
+                "datatype": datatype,
+                "shape": list(outputs[name].shape),
+                "data": outputs[name].reshape(-1).tolist(),
+            }
+            for name, datatype in specs
+        ],
+    }
+
+
 class Digits:
     """The digits CNN: ``[n, 1, 8, 8]`` raw pixels in, logits / probabilities / label out."""
 
@@ -62,19 +81,7 @@ class Digits:
     @staticmethod
     def response(outputs: dict[str, torch.Tensor]) -> dict[str, Any]:
         specs = (("logits", "FP32"), ("probabilities", "FP32"), ("label", "INT64"))
-        return {
-            "model_name": "digits",
-            "model_version": "1",
-            "outputs": [
-                {
-                    "name": name,
-                    "datatype": datatype,
-                    "shape": list(outputs[name].shape),
-                    "data": outputs[name].reshape(-1).tolist(),
-                }
-                for name, datatype in specs
-            ],
-        }
+        return v2_response("digits", specs, outputs)
 
 
 class MiniLM:
@@ -120,19 +127,7 @@ class MiniLM:
     @staticmethod
     def response(outputs: dict[str, torch.Tensor]) -> dict[str, Any]:
         specs = (("embedding", "FP32"), ("token_count", "INT64"))
-        return {
-            "model_name": "minilm",
-            "model_version": "1",
-            "outputs": [
-                {
-                    "name": name,
-                    "datatype": datatype,
-                    "shape": list(outputs[name].shape),
-                    "data": outputs[name].reshape(-1).tolist(),
-                }
-                for name, datatype in specs
-            ],
-        }
+        return v2_response("minilm", specs, outputs)
 
 
 def load(name: str) -> Digits | MiniLM:

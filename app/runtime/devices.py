@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from app.runtime.memory import cgroup_dirs
+
 
 def resolve_device(spec: str) -> torch.device:
     """``auto`` means the first GPU when there is one; an unavailable GPU is a load error."""
@@ -31,25 +33,26 @@ def resolve_device(spec: str) -> torch.device:
     return device
 
 
-CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
-
-
-def usable_cores(cpu_max: Path = CGROUP_CPU_MAX) -> int:
+def usable_cores(
+    proc_root: Path = Path("/proc"), cgroup_root: Path = Path("/sys/fs/cgroup")
+) -> int:
     """Cores this process may use: its CPU affinity, capped by a cgroup v2 CPU quota.
 
     A container limited to 2 CPUs on a 64-core node still sees 64 cores; torch threads beyond
-    the quota only get the whole process throttled by the kernel.
+    the quota only get the whole process throttled by the kernel. The quota is looked up in the
+    same cgroup directories the memory probe reads its limit from.
     """
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    try:
-        quota, period = cpu_max.read_text().split()[:2]
-        if quota != "max":
-            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
-    except (OSError, ValueError):
-        pass
+    for directory in cgroup_dirs("", proc_root, cgroup_root):
+        try:
+            quota, period = (directory / "cpu.max").read_text().split()[:2]
+            if quota != "max":
+                cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+        except (OSError, ValueError):
+            continue
     return cores
 
 

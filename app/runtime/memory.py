@@ -223,6 +223,30 @@ def _page_size() -> int:
         return 4096
 
 
+def cgroup_dirs(
+    controller: str, proc_root: Path = Path("/proc"), cgroup_root: Path = Path("/sys/fs/cgroup")
+) -> list[Path]:
+    """The process's own cgroup directory (when visible) and the mount root.
+
+    With a cgroup namespace the root *is* the container's group; without one the own group sits
+    below the root under the path listed in /proc/self/cgroup. ``controller`` is "" for cgroup
+    v2 and the v1 controller's name (``memory``, ``cpu``) otherwise.
+    """
+    dirs: list[Path] = []
+    try:
+        lines = (proc_root / "self" / "cgroup").read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        if line.count(":") < 2:
+            continue
+        _, controllers, path = line.split(":", 2)
+        if controller in controllers.split(",") and path not in ("", "/"):
+            dirs.append(cgroup_root / (controller or ".") / path.lstrip("/"))
+    dirs.append(cgroup_root / (controller or "."))
+    return dirs
+
+
 def _read_int(path: Path) -> int | None:
     try:
         text = path.read_text().strip()
@@ -321,24 +345,7 @@ class CpuMemoryProbe:
             return 0
 
     def _cgroup_dirs(self, controller: str) -> list[Path]:
-        """The process's own cgroup directory (when visible) and the mount root.
-
-        With a cgroup namespace the root *is* the container's group; without one the own
-        group sits below the root under the path listed in /proc/self/cgroup.
-        """
-        dirs: list[Path] = []
-        try:
-            lines = (self._proc / "self" / "cgroup").read_text().splitlines()
-        except OSError:
-            lines = []
-        for line in lines:
-            if line.count(":") < 2:
-                continue
-            _, controllers, path = line.split(":", 2)
-            if controller in controllers.split(",") and path not in ("", "/"):
-                dirs.append(self._cgroup / (controller or ".") / path.lstrip("/"))
-        dirs.append(self._cgroup / (controller or "."))
-        return dirs
+        return cgroup_dirs(controller, self._proc, self._cgroup)
 
     def _cgroup_limit(self) -> tuple[int, int] | None:
         """(smallest limit, smallest headroom) among the visible memory cgroups, if any."""

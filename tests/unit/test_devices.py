@@ -17,6 +17,19 @@ def affinity() -> int:
     return len(os.sched_getaffinity(0))
 
 
+def cgroup_root(tmp_path: Path, cpu_max: str | None, own_group: str | None = None) -> Path:
+    """A cgroup v2 mount with ``cpu.max`` at the root, or in the process's own group."""
+    root = tmp_path / "cgroup"
+    (tmp_path / "proc" / "self").mkdir(parents=True)
+    folder = root if own_group is None else root / own_group
+    folder.mkdir(parents=True)
+    if own_group is not None:
+        (tmp_path / "proc" / "self" / "cgroup").write_text(f"0::/{own_group}\n")
+    if cpu_max is not None:
+        (folder / "cpu.max").write_text(cpu_max)
+    return root
+
+
 @pytest.mark.parametrize(
     ("cpu_max", "expected"),
     [
@@ -29,16 +42,19 @@ def affinity() -> int:
 def test_usable_cores_respects_a_cgroup_quota(
     tmp_path: Path, cpu_max: str, expected: int | None
 ) -> None:
-    path = tmp_path / "cpu.max"
-    path.write_text(cpu_max)
-    assert usable_cores(path) == (expected or affinity())
+    root = cgroup_root(tmp_path, cpu_max)
+    assert usable_cores(tmp_path / "proc", root) == (expected or affinity())
+
+
+def test_the_quota_of_the_process_own_group_counts(tmp_path: Path) -> None:
+    root = cgroup_root(tmp_path, "100000 100000\n", own_group="kubepods/pod1/nograd")
+    assert usable_cores(tmp_path / "proc", root) == 1
 
 
 def test_a_quota_above_the_affinity_does_not_add_cores(tmp_path: Path) -> None:
-    path = tmp_path / "cpu.max"
-    path.write_text(f"{(affinity() + 8) * 100000} 100000\n")
-    assert usable_cores(path) == affinity()
-    assert usable_cores(tmp_path / "missing") == affinity()
+    root = cgroup_root(tmp_path, f"{(affinity() + 8) * 100000} 100000\n")
+    assert usable_cores(tmp_path / "proc", root) == affinity()
+    assert usable_cores(tmp_path / "proc", tmp_path / "missing") == affinity()
 
 
 def test_default_threads_use_every_usable_core() -> None:
