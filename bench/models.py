@@ -98,6 +98,9 @@ class MiniLM:
         for parameter in self.bert.parameters():
             parameter.requires_grad_(False)
         self._pool = code.mean_pool_normalise
+        self.packed = code.PackedEncoder(self.bert).eval()
+        """nograd's forward of the same weights (padding skipped), for the raw phase only: the
+        baseline servers run ``forward``, the model as transformers ships it."""
 
     def tokenize(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
         encodings = self.tokenizer.encode_batch(list(texts), add_special_tokens=True)
@@ -116,6 +119,11 @@ class MiniLM:
             "embedding": self._pool(hidden, mask),
             "token_count": mask.sum(dim=1, keepdim=True),
         }
+
+    def forward_packed(self, tokens: dict[str, torch.Tensor]) -> torch.Tensor:
+        names = ("input_ids", "attention_mask", "token_type_ids")
+        embedding: torch.Tensor = self.packed(*(tokens[name] for name in names))
+        return embedding
 
     def embed(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
         return self.forward(self.tokenize(texts))

@@ -5,7 +5,9 @@ For each batch size, the forward (and minilm's mean pooling + L2 norm) runs unde
 per second, and the best over batch sizes is the limit a server on the same cores can approach.
 For minilm the batches are the workload's own sentences, padded to each batch's longest, and a
 second figure includes tokenisation (which a server must also do). The batch-1 latency (median
-over the workload's sentences) is the reference for the concurrency-1 target.
+over the workload's sentences) is the reference for the concurrency-1 target. A third figure is
+nograd's own forward of the same weights (``PackedEncoder``, padding skipped) on the same
+batches: the limit for nograd's forward, which does less arithmetic than the padded model.
 
 Run as ``python -m bench.raw --out FILE`` (in its own process, pinned like the server).
 """
@@ -76,30 +78,49 @@ def raw_minilm(seconds: float) -> dict[str, Any]:
             calls_tok, elapsed_tok = timed(
                 lambda i, g=groups: model.embed(g[i % len(g)]), seconds / 2, warmup=1
             )
+            calls_packed, elapsed_packed = timed(
+                lambda i, t=tokens: model.forward_packed(t[i % len(t)]), seconds, warmup=2
+            )
             rows.append(
                 {
                     "batch": batch,
                     "samples_per_s": calls * batch / elapsed,
                     "samples_per_s_with_tokenize": calls_tok * batch / elapsed_tok,
                     "ms_per_batch": 1e3 * elapsed / calls,
+                    "packed_samples_per_s": calls_packed * batch / elapsed_packed,
                 }
             )
         single = [model.tokenize([t]) for t in texts[:128]]
-        for tokens in single[:5]:
-            model.forward(tokens)
-        latencies = []
-        for tokens in single:
-            started = time.perf_counter()
-            model.forward(tokens)
-            latencies.append(time.perf_counter() - started)
+        latencies = batch1_latencies(model.forward, single)
+        packed_latencies = batch1_latencies(model.forward_packed, single)
     best = max(rows, key=lambda r: r["samples_per_s"])
+    packed_best = max(rows, key=lambda r: r["packed_samples_per_s"])
     return {
         "model": "minilm",
         "rows": rows,
         "best": best,
         "batch1_p50_ms": 1e3 * float(np.median(latencies)),
         "batch1_mean_ms": 1e3 * float(np.mean(latencies)),
+        "packed_best": {
+            "batch": packed_best["batch"],
+            "samples_per_s": packed_best["packed_samples_per_s"],
+        },
+        "packed_batch1_p50_ms": 1e3 * float(np.median(packed_latencies)),
     }
+
+
+def batch1_latencies(
+    forward: Callable[[dict[str, torch.Tensor]], object], single: list[dict[str, torch.Tensor]]
+) -> list[float]:
+    """Seconds per batch-1 forward over ``single``, after a few warm-up calls."""
+    for tokens in single[:5]:
+        forward(tokens)
+    latencies = []
+    for tokens in single:
+        started = time.perf_counter()
+        forward(tokens)
+        latencies.append(time.perf_counter() - started)
+    return latencies
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -113,6 +113,7 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             )
         )
     raw_best = raw_limit(results, "minilm")
+    packed = results.get("raw", {}).get("minilm", {}).get("packed_best", {}).get("samples_per_s")
     for workload in ("minilm-1", "minilm-8"):
         ng = head(results, "nograd", workload)
         lit = head(results, "litserve", workload)
@@ -127,6 +128,18 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                 verdict(_ge(r, 0.85)),
             )
         )
+        if packed:
+            # Stricter: the limit of nograd's own forward, which skips the padding the raw
+            # model computes; the gap here is the serving overhead alone.
+            r = ratio(ng["samples_per_s"], float(packed))
+            out.append(
+                (
+                    f"{workload}: throughput vs nograd's packed forward, raw loop (stricter)",
+                    fmt(r, 2) + "×",
+                    "≥ 0.85×",
+                    verdict(_ge(r, 0.85)),
+                )
+            )
         r = ratio(ng["samples_per_s"], lit["samples_per_s"] if lit else None)
         out.append(
             (
@@ -152,6 +165,16 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                 verdict(p50 <= b1 + 2.0),
             )
         )
+        packed_b1 = results.get("raw", {}).get("minilm", {}).get("packed_batch1_p50_ms")
+        if packed_b1:
+            out.append(
+                (
+                    "minilm-1 at c=1: p50 vs nograd's packed batch-1 forward + 2 ms (stricter)",
+                    f"{fmt(p50, 2)} ms vs {fmt(packed_b1, 2)} + 2 ms",
+                    "p50 ≤ raw + 2 ms",
+                    verdict(p50 <= float(packed_b1) + 2.0),
+                )
+            )
     return out
 
 
@@ -473,9 +496,9 @@ def raw_section(results: dict[str, Any], tag: str) -> list[str]:
         header: tuple[str, ...] = ("batch", "samples/s", "ms per batch")
         rows = [(r["batch"], r["samples_per_s"], r["ms_per_batch"]) for r in data["rows"]]
         if model == "minilm":
-            header = (*header, "samples/s incl. tokenisation")
+            header = (*header, "samples/s incl. tokenisation", "nograd's packed forward samples/s")
             rows = [
-                (*row, r["samples_per_s_with_tokenize"])
+                (*row, r["samples_per_s_with_tokenize"], r.get("packed_samples_per_s"))
                 for row, r in zip(rows, data["rows"], strict=True)
             ]
         out += [f"### {model}", "", table(header, rows), ""]
@@ -484,6 +507,14 @@ def raw_section(results: dict[str, Any], tag: str) -> list[str]:
         )
         if model == "minilm":
             out.append(f" Batch-1 forward p50 {fmt(data['batch1_p50_ms'], 2)} ms.")
+            packed = data.get("packed_best")
+            if packed:
+                out.append(
+                    f" nograd's packed forward (the same weights, padding skipped): best batch "
+                    f"{packed['batch']}, {fmt(packed['samples_per_s'])} samples/s; batch-1 p50 "
+                    f"{fmt(data.get('packed_batch1_p50_ms'), 2)} ms. The targets use the model as "
+                    "transformers runs it (the baselines' forward); the stricter rows use this."
+                )
         out.append("")
     return out
 

@@ -9,6 +9,13 @@ Tokenisation happens in :meth:`MiniLMHandler.prepare`, in the request path and o
 (``prepare_offload``), so the batcher sees token counts and a text that cannot be read fails only
 its own request. Each request is padded to its own longest text; the batcher groups requests of
 similar length and ``collate`` pads a batch to its longest.
+
+The forward is :class:`PackedEncoder`, BERT's arithmetic on the same weights with the padding
+taken out: every per-token layer (the linear layers, layer norms and GELU: over 90% of the
+compute) runs on the real tokens only, packed into one ``[tokens, 384]`` matrix; only attention
+sees the padded ``[rows, length]`` layout, with the padding masked. With the bench's texts of
+6-30 words a third of a padded batch is padding, so this is worth 1.3-1.5x at batch 11-32
+(measured on 2 cores). Outputs agree with transformers' ``BertModel`` to about 1e-7.
 """
 
 from __future__ import annotations
@@ -74,6 +81,127 @@ def load_bert(model_dir: Path) -> BertModel:
     model = BertModel.from_pretrained(str(model_dir), local_files_only=True, use_safetensors=True)
     model.eval()  # type: ignore[no-untyped-call]
     return model
+
+
+class PackedLayer(torch.nn.Module):
+    """One BERT layer (post-norm), with query, key and value fused into one matrix multiply."""
+
+    def __init__(self, width: int, hidden: int, heads: int, eps: float) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(width, 3 * width)
+        self.attention_out = torch.nn.Linear(width, width)
+        self.attention_norm = torch.nn.LayerNorm(width, eps=eps)
+        self.ffn_in = torch.nn.Linear(width, hidden)
+        self.ffn_out = torch.nn.Linear(hidden, width)
+        self.ffn_norm = torch.nn.LayerNorm(width, eps=eps)
+
+    def forward(
+        self, x: torch.Tensor, keep: torch.Tensor, index: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``x`` is ``[tokens, width]``: the real tokens (``index`` locates them in the padded
+        ``keep`` layout) or, with ``index`` None, every position of the padded batch."""
+        rows, length = keep.shape
+        width = x.shape[-1]
+        qkv = self.qkv(x)
+        if index is not None:
+            qkv = qkv.new_zeros(rows * length, 3 * width).index_copy_(0, index, qkv)
+        q, k, v = qkv.view(rows, length, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
+        context = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=keep[:, None, None, :]
+        )
+        context = context.transpose(1, 2).reshape(rows * length, width)
+        if index is not None:
+            context = context.index_select(0, index)
+        x = self.attention_norm(self.attention_out(context) + x)
+        inner = torch.nn.functional.gelu(self.ffn_in(x))
+        out: torch.Tensor = self.ffn_norm(self.ffn_out(inner) + x)
+        return out
+
+
+class PackedEncoder(torch.nn.Module):
+    """all-MiniLM-L6-v2 from token ids to unit-length sentence embeddings, padding skipped.
+
+    ``packed=False`` runs every padded position instead (no data-dependent shapes), for fixed-shape
+    speed modes (``torch.compile`` buckets, CUDA graphs) that cannot follow a token count.
+    """
+
+    def __init__(self, bert: BertModel) -> None:
+        super().__init__()
+        config = bert.config
+        if config.hidden_act != "gelu" or config.position_embedding_type != "absolute":
+            raise ValueError("PackedEncoder implements BERT with exact GELU and absolute positions")
+        width, eps = config.hidden_size, config.layer_norm_eps
+        weights = bert.state_dict()
+
+        def embedding(name: str) -> torch.nn.Embedding:
+            table = weights[f"embeddings.{name}.weight"]
+            module = torch.nn.Embedding(*table.shape)
+            module.load_state_dict({"weight": table})
+            return module
+
+        def linear_or_norm(target: torch.nn.Module, prefix: str) -> None:
+            target.load_state_dict(
+                {"weight": weights[f"{prefix}.weight"], "bias": weights[f"{prefix}.bias"]}
+            )
+
+        self.words = embedding("word_embeddings")
+        self.positions = embedding("position_embeddings")
+        self.types = embedding("token_type_embeddings")
+        self.embedding_norm = torch.nn.LayerNorm(width, eps=eps)
+        linear_or_norm(self.embedding_norm, "embeddings.LayerNorm")
+        self.layers = torch.nn.ModuleList()
+        for index in range(config.num_hidden_layers):
+            prefix = f"encoder.layer.{index}"
+            layer = PackedLayer(width, config.intermediate_size, config.num_attention_heads, eps)
+            fused = [f"{prefix}.attention.self.{part}" for part in ("query", "key", "value")]
+            layer.qkv.load_state_dict(
+                {
+                    kind: torch.cat([weights[f"{name}.{kind}"] for name in fused])
+                    for kind in ("weight", "bias")
+                }
+            )
+            linear_or_norm(layer.attention_out, f"{prefix}.attention.output.dense")
+            linear_or_norm(layer.attention_norm, f"{prefix}.attention.output.LayerNorm")
+            linear_or_norm(layer.ffn_in, f"{prefix}.intermediate.dense")
+            linear_or_norm(layer.ffn_out, f"{prefix}.output.dense")
+            linear_or_norm(layer.ffn_norm, f"{prefix}.output.LayerNorm")
+            self.layers.append(layer)
+        self.requires_grad_(False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        token_type_ids: torch.Tensor,
+        packed: bool = True,
+    ) -> torch.Tensor:
+        rows, length = input_ids.shape
+        keep = attention_mask.bool()
+        positions = torch.arange(length, device=input_ids.device).expand(rows, length)
+        index = keep.reshape(-1).nonzero().squeeze(1) if packed else None
+
+        def tokens(tensor: torch.Tensor) -> torch.Tensor:
+            flat = tensor.reshape(-1)
+            return flat if index is None else flat.index_select(0, index)
+
+        x = self.words(tokens(input_ids)) + self.positions(tokens(positions))
+        x = self.embedding_norm(x + self.types(tokens(token_type_ids)))
+        for layer in self.layers:
+            x = layer(x, keep, index)
+        # Pooling in fp32 whatever the compute precision: a half-precision sum of up to 256
+        # vectors would lose digits.
+        counts = keep.sum(dim=1)
+        if index is None:
+            weights = attention_mask.reshape(-1, 1).to(torch.float32)
+            summed = (x.to(torch.float32) * weights).view(rows, length, -1).sum(dim=1)
+        else:
+            owner = torch.repeat_interleave(torch.arange(rows, device=x.device), counts)
+            summed = x.new_zeros(rows, x.shape[-1], dtype=torch.float32).index_add_(
+                0, owner, x.to(torch.float32)
+            )
+        mean = summed / counts.clamp(min=1).unsqueeze(1).to(torch.float32)
+        return torch.nn.functional.normalize(mean, p=2, dim=1)
 
 
 def mean_pool_normalise(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -144,11 +272,12 @@ class MiniLMHandler(ModelHandler):
     # ----------------------------------------------------------------- device thread
     def forward(self, batch: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         mask = batch["attention_mask"]
-        hidden = self.module(**{name: batch[name] for name in TOKEN_TENSORS}).last_hidden_state
-        return {
-            EMBEDDING_OUTPUT: mean_pool_normalise(hidden, mask),
-            TOKEN_COUNT_OUTPUT: mask.sum(dim=1, keepdim=True),
-        }
+        # A fast path pads batches to fixed bucket shapes; packing would hand it a token count
+        # that changes with every batch, so it runs the padded positions instead.
+        embedding = self.module(
+            *(batch[name] for name in TOKEN_TENSORS), packed=self.fast_path is None
+        )
+        return {EMBEDDING_OUTPUT: embedding, TOKEN_COUNT_OUTPUT: mask.sum(dim=1, keepdim=True)}
 
 
 def _utf8(value: Any, name: str, index: int) -> str:
@@ -195,4 +324,5 @@ def build_handler(model_dir: Path, config: ModelConfig, device: torch.device) ->
     source = package_model_dir()
     max_length = max_seq_length(source)
     tokenizer = load_tokenizer(source, max_length)
-    return MiniLMHandler(load_bert(source), config, device, tokenizer, max_length)
+    encoder = PackedEncoder(load_bert(source)).eval()
+    return MiniLMHandler(encoder, config, device, tokenizer, max_length)

@@ -155,3 +155,49 @@ def test_config_that_names_a_weights_file_is_refused(tmp_path: Path) -> None:
     module = import_model_module(ROOT / "models", MINILM_DIR, config)
     with pytest.raises(ValueError, match='set weights = ""'):
         module.build_handler(MINILM_DIR, config, torch.device("cpu"))
+
+
+def test_packed_encoder_matches_bert_on_a_padded_batch(handler: ModelHandler) -> None:
+    """The packed forward skips padding; packed or not, it must compute what BertModel computes.
+
+    The batch mixes lengths 2..256 and ends with a row that is all padding, as a fixed-shape speed
+    mode pads a batch: real rows must come out as BertModel's and finite.
+    """
+    minilm = import_model_module(
+        ROOT / "models", MINILM_DIR, load_config(MINILM_DIR / "config.toml")
+    )
+    bert = minilm.load_bert(minilm.package_model_dir())
+    part = handler.prepare(_texts(TEXTS))
+    tensors = {name: torch.from_numpy(array) for name, array in part.tensors.items()}
+    padded = {name: torch.cat([t, torch.zeros_like(t[:1])]) for name, t in tensors.items()}
+    with torch.inference_mode():
+        hidden = bert(**tensors).last_hidden_state
+        expected = minilm.mean_pool_normalise(hidden, tensors["attention_mask"])
+        inputs = [padded[name] for name in minilm.TOKEN_TENSORS]
+        packed = handler.module(*inputs, packed=True)[: len(TEXTS)]
+        dense = handler.module(*inputs, packed=False)[: len(TEXTS)]
+    assert len({len(t) for t in TEXTS}) > 3 and int(tensors["attention_mask"].sum(1).max()) == 256
+    for ours in (packed, dense):
+        assert bool(torch.isfinite(ours).all())
+        torch.testing.assert_close(ours, expected, atol=1e-5, rtol=0)
+
+
+def test_batches_run_packed_unless_a_fast_path_fixes_the_shapes(handler: ModelHandler) -> None:
+    calls: list[bool] = []
+    module = handler.module
+
+    def spy(*tensors: torch.Tensor, packed: bool) -> torch.Tensor:
+        calls.append(packed)
+        return module(*tensors, packed=packed)
+
+    part = handler.prepare(_texts(["one text", "and another one"]))
+    batch = {name: torch.from_numpy(array) for name, array in part.tensors.items()}
+    handler.module = spy  # type: ignore[assignment]
+    try:
+        handler.forward(batch)
+        handler.fast_path = object()  # type: ignore[assignment]
+        handler.forward(batch)
+    finally:
+        handler.module = module
+        handler.fast_path = None
+    assert calls == [True, False]
