@@ -69,6 +69,7 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        self._request_children: dict[tuple[str, str, int], tuple[Counter, Histogram]] = {}
         self.requests = Counter(
             "nograd_requests", "Requests answered.", ["model", "protocol", "code"], registry=r
         )
@@ -189,6 +190,23 @@ class Metrics:
             ["model"],
             registry=r,
         )
+
+    def request_done(self, model: str, protocol: str, status: int, seconds: float) -> None:
+        """Count one answered call and time it; once per request, so label lookups are cached.
+
+        ``labels()`` validates and locks on every call; the children for a label set never
+        change, and the set of (model, protocol, status) seen is small and bounded.
+        """
+        key = (model, protocol, status)
+        children = self._request_children.get(key)
+        if children is None:
+            children = (
+                self.requests.labels(model, protocol, str(status)),
+                self.request_duration.labels(model, protocol),
+            )
+            self._request_children[key] = children
+        children[0].inc()
+        children[1].observe(seconds)
 
     def watch_device_memory(self, reader: MemoryReader) -> None:
         self.registry.register(_DeviceMemoryCollector(reader))

@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import re
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -72,27 +72,37 @@ def header_timeout_s(request: Request) -> float | None:
     return value
 
 
-async def until_disconnect(request: Request, work: Awaitable[Response]) -> Response:
-    """Run ``work``, cancelling it if the client disconnects first.
+async def until_disconnect(request: Request, work: Callable[[], Awaitable[Response]]) -> Response:
+    """Run ``work`` in this task, cancelling it if the client disconnects first.
 
     After the body is read, the ASGI ``receive`` only returns again with ``http.disconnect``;
-    cancelling the route's task propagates into the batcher, which drops the request's queued
-    rows before they cost compute.
+    cancelling propagates into the batcher, which drops the request's queued rows before they
+    cost compute. One watcher task per call, and ``work`` runs in the caller's own task: a second
+    task per request was measurable event-loop time for small models.
     """
-    task = asyncio.ensure_future(work)
+    # The watcher reads ``receive`` too: the body must be in hand (Starlette keeps it for the
+    # route's own ``request.body()``) before the watcher starts, or it could take a body chunk.
+    await request.body()
+    current = asyncio.current_task()
+    assert current is not None
+    gone = False
 
     async def watch() -> None:
+        nonlocal gone
         while True:
             message = await request.receive()
             if message["type"] == "http.disconnect":
-                task.cancel()
+                gone = True
+                current.cancel()
                 return
 
     watcher = asyncio.create_task(watch())
     try:
-        return await task
+        return await work()
     except asyncio.CancelledError:
-        if watcher.done() and not watcher.cancelled():
+        if gone and current.uncancel() == 0:
+            # Only the watcher cancelled this task: the client left. Anyone else's cancel
+            # (server shutdown) still counts and propagates.
             raise ClientGone("client disconnected") from None
         raise
     finally:
@@ -108,14 +118,16 @@ async def run_call(
     on_error: Callable[[int, Exception], Response],
 ) -> Response:
     """Run one inference call with everything every protocol owes its callers."""
-    started = getattr(request.state, STARTED_KEY, None) or time.perf_counter()
+    # The scope's state dict directly: ``request.state`` builds a wrapper object per request.
+    started = request.scope.get("state", {}).get(STARTED_KEY) or time.perf_counter()
     metrics = metrics_of(request)
     given = request_id_of(request)
-    call = Call(given or uuid.uuid4().hex, None, id_from_header=given is not None)
+    # 128 random bits as 32 hex digits, like uuid4().hex, without building a UUID object.
+    call = Call(given or os.urandom(16).hex(), None, id_from_header=given is not None)
     metrics.inflight.inc()
     try:
         call.timeout_s = header_timeout_s(request)
-        response = await until_disconnect(request, work(call))
+        response = await until_disconnect(request, lambda: work(call))
     except ClientGone:
         response = Response(status_code=CLIENT_CLOSED)
     except Exception as exc:
@@ -127,8 +139,7 @@ async def run_call(
         metrics.inflight.dec()
     seconds = time.perf_counter() - started
     response.headers[REQUEST_ID_HEADER] = call.request_id
-    metrics.requests.labels(call.model, protocol, str(response.status_code)).inc()
-    metrics.request_duration.labels(call.model, protocol).observe(seconds)
+    metrics.request_done(call.model, protocol, response.status_code, seconds)
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug(
             "%s %s -> %d in %.1f ms",

@@ -200,13 +200,12 @@ def _numeric(data: Any, datatype: str, where: str) -> np.ndarray:
             raise DecodeError(f"{where}: a value is out of range for {datatype}")
     with np.errstate(over="ignore"):
         converted = parsed.astype(target)
-    if (
-        family == "FP"
-        and datatype != "FP64"
-        and parsed.size
-        and not np.all(np.isfinite(converted) | ~np.isfinite(parsed))
-    ):
-        raise DecodeError(f"{where}: a value is out of range for {datatype}")
+    if family == "FP" and datatype != "FP64" and parsed.size:
+        finite = np.isfinite(converted)
+        # All finite is the common case and needs one pass; otherwise an infinity is only an
+        # overflow when the value sent was finite.
+        if not finite.all() and not np.all(finite | ~np.isfinite(parsed)):
+            raise DecodeError(f"{where}: a value is out of range for {datatype}")
     return converted
 
 
