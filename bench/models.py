@@ -89,7 +89,10 @@ class MiniLM:
 
     name = "minilm"
 
-    def __init__(self) -> None:
+    def __init__(self, packed: bool = False) -> None:
+        """``packed``: ``forward`` runs nograd's ``PackedEncoder`` (padding skipped) instead of
+        transformers' ``BertModel``, so a baseline server can be measured on the same forward."""
+        self.use_packed = packed
         code = import_file(MODELS / "minilm" / "model.py", "bench_models_minilm")
         source = code.package_model_dir()
         self.max_length = int(code.max_seq_length(source))
@@ -113,12 +116,12 @@ class MiniLM:
         }
 
     def forward(self, tokens: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        hidden = self.bert(**tokens).last_hidden_state
         mask = tokens["attention_mask"]
-        return {
-            "embedding": self._pool(hidden, mask),
-            "token_count": mask.sum(dim=1, keepdim=True),
-        }
+        if self.use_packed:
+            embedding = self.forward_packed(tokens)
+        else:
+            embedding = self._pool(self.bert(**tokens).last_hidden_state, mask)
+        return {"embedding": embedding, "token_count": mask.sum(dim=1, keepdim=True)}
 
     def forward_packed(self, tokens: dict[str, torch.Tensor]) -> torch.Tensor:
         names = ("input_ids", "attention_mask", "token_type_ids")
@@ -138,9 +141,9 @@ class MiniLM:
         return v2_response("minilm", specs, outputs)
 
 
-def load(name: str) -> Digits | MiniLM:
+def load(name: str, packed: bool = False) -> Digits | MiniLM:
     if name == "digits":
         return Digits()
     if name == "minilm":
-        return MiniLM()
+        return MiniLM(packed=packed)
     raise ValueError(f"unknown model {name!r}")

@@ -64,6 +64,30 @@ def head(results: dict[str, Any], system: str, workload: str) -> dict[str, Any] 
     return found[0] if found else None
 
 
+def litserve_best(
+    results: dict[str, Any], workload: str, sweep: str = "litserve_sweep", system: str = "litserve"
+) -> tuple[float, float] | None:
+    """LitServe's highest samples/s and lowest p99 at the headline concurrency, over its headline
+    run and every configuration of the sweep.
+
+    LitServe's numbers move between runs of the same configuration (minilm-1: 133 req/s in the
+    sweep, 88 in the headline run of that configuration, in run 20261122-050416); the targets
+    compare with the best it showed anywhere in the run, the reading least kind to nograd.
+    """
+    c = results["meta"]["plan"]["concurrency"]
+    found = [
+        r
+        for r in results.get(sweep, [])
+        if r["workload"] == workload and r["concurrency"] == c and r["errors"] == 0
+    ]
+    headline = head(results, system, workload)
+    if headline is not None:
+        found.append(headline)
+    if not found:
+        return None
+    return max(float(r["samples_per_s"]) for r in found), min(float(r["p99_ms"]) for r in found)
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or b == 0:
         return None
@@ -94,15 +118,20 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     out: list[tuple[str, str, str, str]] = []
     ng = head(results, "nograd", "digits")
     ceiling = head(results, "http-ceiling", "digits")
-    lit = head(results, "litserve", "digits")
+    lit = litserve_best(results, "digits")
     if ng:
         r = ratio(ng["rps"], ceiling["rps"] if ceiling else None)
         out.append(
             ("digits: throughput vs HTTP ceiling", fmt(r, 2) + "×", "≥ 0.7×", verdict(_ge(r, 0.7)))
         )
-        r = ratio(ng["rps"], lit["rps"] if lit else None)
+        r = ratio(ng["samples_per_s"], lit[0] if lit else None)
         out.append(
-            ("digits: throughput vs LitServe best", fmt(r, 2) + "×", "≥ 3×", verdict(_ge(r, 3)))
+            (
+                "digits: throughput vs LitServe (sweep included), best",
+                fmt(r, 2) + "×",
+                "≥ 3×",
+                verdict(_ge(r, 3)),
+            )
         )
         out.append(
             (
@@ -116,7 +145,7 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     packed = results.get("raw", {}).get("minilm", {}).get("packed_best", {}).get("samples_per_s")
     for workload in ("minilm-1", "minilm-8"):
         ng = head(results, "nograd", workload)
-        lit = head(results, "litserve", workload)
+        lit = litserve_best(results, workload)
         if not ng:
             continue
         r = ratio(ng["samples_per_s"], raw_best)
@@ -140,19 +169,11 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                     verdict(_ge(r, 0.85)),
                 )
             )
-        r = ratio(ng["samples_per_s"], lit["samples_per_s"] if lit else None)
-        out.append(
-            (
-                f"{workload}: throughput vs LitServe best",
-                fmt(r, 2) + "×",
-                "≥ 1.6×",
-                verdict(_ge(r, 1.6)),
-            )
-        )
-        r = ratio(ng["p99_ms"], lit["p99_ms"] if lit else None)
-        out.append(
-            (f"{workload}: p99 vs LitServe's", fmt(r, 2) + "×", "≤ 0.7×", verdict(_le(r, 0.7)))
-        )
+        out += versus_litserve(ng, lit, f"{workload}: ", "LitServe (sweep included)")
+        same = litserve_best(results, workload, "litserve_packed_sweep", "litserve-packed")
+        if same:
+            # LitServe running nograd's own (packed) forward: the serving compared alone.
+            out += versus_litserve(ng, same, f"{workload}: ", "LitServe on nograd's packed forward")
     one = runs(results, system="nograd", workload="minilm-1", mode="closed", concurrency=1)
     b1 = raw_batch1_ms(results)
     if one and b1 is not None:
@@ -176,6 +197,28 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                 )
             )
     return out
+
+
+def versus_litserve(
+    ng: dict[str, Any], lit: tuple[float, float] | None, prefix: str, who: str
+) -> list[tuple[str, str, str, str]]:
+    """The throughput (≥ 1.6×) and p99 (≤ 0.7×) rows against LitServe's best and lowest."""
+    more = ratio(ng["samples_per_s"], lit[0] if lit else None)
+    tail = ratio(ng["p99_ms"], lit[1] if lit else None)
+    return [
+        (
+            f"{prefix}throughput vs {who}, best",
+            fmt(more, 2) + "×",
+            "≥ 1.6×",
+            verdict(_ge(more, 1.6)),
+        ),
+        (
+            f"{prefix}p99 vs {who}, lowest",
+            fmt(tail, 2) + "×",
+            "≤ 0.7×",
+            verdict(_le(tail, 0.7)),
+        ),
+    ]
 
 
 def raw_limit(results: dict[str, Any], model: str) -> float | None:
@@ -342,13 +385,23 @@ def markdown(results: dict[str, Any]) -> str:
         row.append(ratio(ng["samples_per_s"], raw_limit(results, workloads_model(workload))))
         for system in ("fastapi", "litserve", "http-ceiling"):
             other = head(results, system, workload)
-            row.append(ratio(ng["samples_per_s"], other["samples_per_s"] if other else None))
+            best = other["samples_per_s"] if other else None
+            if system == "litserve":
+                found = litserve_best(results, workload)
+                best = found[0] if found else None
+            row.append(ratio(ng["samples_per_s"], best))
         ratio_rows.append(row)
     parts += [
         f"### nograd throughput ratios ({tag}, c={c})",
         "",
         table(
-            ("workload", "vs raw best", "vs FastAPI", "vs LitServe best", "vs HTTP ceiling"),
+            (
+                "workload",
+                "vs raw best",
+                "vs FastAPI",
+                "vs LitServe best (sweep included)",
+                "vs HTTP ceiling",
+            ),
             ratio_rows,
         ),
         "",
@@ -436,42 +489,36 @@ def markdown(results: dict[str, Any]) -> str:
             ),
             "",
         ]
-    sweep = results.get("litserve_sweep", [])
-    if sweep:
-        parts += [
-            f"## LitServe configurations ({tag}, c={c})",
-            "",
-            table(
-                (
-                    "workload",
-                    "max_batch_size",
-                    "batch_timeout s",
-                    "req/s",
-                    "samples/s",
-                    "p99 ms",
-                    "errors",
-                ),
-                [
-                    (
-                        s["workload"],
-                        s["max_batch_size"],
-                        str(s["batch_timeout"]),
-                        s["rps"],
-                        s["samples_per_s"],
-                        s["p99_ms"],
-                        s["errors"],
-                    )
-                    for s in sweep
-                ],
-            ),
-            "",
-        ]
+    for key, title in (
+        ("litserve_sweep", "LitServe configurations"),
+        ("litserve_packed_sweep", "LitServe configurations, nograd's packed minilm forward"),
+    ):
+        parts += sweep_section(results.get(key, []), f"{title} ({tag}, c={c})")
     parts += raw_section(results, tag)
     parts += batching_section(results, tag)
     parts += levers_section(results, tag)
     parts += memory_section(results, tag)
     parts += profile_section(results, tag)
     return "\n".join(parts) + "\n"
+
+
+def sweep_section(sweep: list[dict[str, Any]], title: str) -> list[str]:
+    if not sweep:
+        return []
+    header = ("workload", "max_batch_size", "batch_timeout s", "req/s", "samples/s", "p99 ms")
+    rows = [
+        (
+            s["workload"],
+            s["max_batch_size"],
+            str(s["batch_timeout"]),
+            s["rps"],
+            s["samples_per_s"],
+            s["p99_ms"],
+            s["errors"],
+        )
+        for s in sweep
+    ]
+    return [f"## {title}", "", table((*header, "errors"), rows), ""]
 
 
 def workloads_model(workload: str) -> str:

@@ -54,6 +54,7 @@ ALL_PHASES = (
     "ceiling",
     "fastapi",
     "litserve",
+    "litserve_packed",
     "batching_off",
     "threads",
     "levers",
@@ -384,9 +385,9 @@ class Bench:
                 for name in names:
                     self.measure_system(server, "fastapi", name)
 
-    def litserve(self, model: str, batch: int, timeout_s: float) -> Server:
+    def litserve(self, model: str, batch: int, timeout_s: float, packed: bool = False) -> Server:
         return Server(
-            f"litserve-{model}-{batch}-{timeout_s:g}",
+            f"litserve-{model}-{batch}-{timeout_s:g}{'-packed' if packed else ''}",
             [
                 PYTHON,
                 "-m",
@@ -399,6 +400,7 @@ class Bench:
                 str(batch),
                 "--batch-timeout",
                 str(timeout_s),
+                *(["--packed"] if packed else []),
             ],
             "/health",
             cpus=self.plan.server_cpus,
@@ -410,21 +412,7 @@ class Bench:
             names = [n for n in self.plan.workloads if MODEL_OF[n] == model]
             if not names:
                 continue
-            for batch, timeout_s in self.plan.litserve_grid:
-                self.step(f"LitServe {model} mbs={batch} t={timeout_s:g}")
-                with self.litserve(model, batch, timeout_s) as server:
-                    for name in names:
-                        self.warm(server, name)
-                        result = self.load(
-                            server, "litserve-sweep", name, duration_s=self.plan.sweep_s
-                        )
-                        if result is None:
-                            continue
-                        result.extra.update({"max_batch_size": batch, "batch_timeout": timeout_s})
-                        sweep.append(
-                            {"workload": name, "max_batch_size": batch, "batch_timeout": timeout_s}
-                            | result.as_dict()
-                        )
+            sweep += self.litserve_sweep(model, names)
         self.results["litserve_sweep"] = sweep
         best: dict[str, tuple[int, float]] = {}
         for name in self.plan.workloads:
@@ -445,6 +433,36 @@ class Bench:
                     head = self.measure_system(server, "litserve", name)
                     if head is not None:
                         head.extra.update({"max_batch_size": batch, "batch_timeout": timeout_s})
+
+    def phase_litserve_packed(self) -> None:
+        """LitServe running nograd's packed minilm forward: the same sweep at concurrency 32, its
+        best kept as ``litserve-packed``. Separates what nograd's serving adds from what its model
+        code (padding skipped) adds, which a LitServe user could write too."""
+        names = [n for n in self.plan.workloads if MODEL_OF[n] == "minilm"]
+        if not names:
+            return
+        self.results["litserve_packed_sweep"] = self.litserve_sweep("minilm", names, packed=True)
+
+    def litserve_sweep(
+        self, model: str, names: list[str], packed: bool = False
+    ) -> list[dict[str, Any]]:
+        """Every max_batch_size × batch_timeout of the plan at the headline concurrency."""
+        system = "litserve-packed-sweep" if packed else "litserve-sweep"
+        sweep: list[dict[str, Any]] = []
+        for batch, timeout_s in self.plan.litserve_grid:
+            self.step(f"LitServe {model}{' packed' if packed else ''} mbs={batch} t={timeout_s:g}")
+            with self.litserve(model, batch, timeout_s, packed=packed) as server:
+                for name in names:
+                    self.warm(server, name)
+                    result = self.load(server, system, name, duration_s=self.plan.sweep_s)
+                    if result is None:
+                        continue
+                    result.extra.update({"max_batch_size": batch, "batch_timeout": timeout_s})
+                    sweep.append(
+                        {"workload": name, "max_batch_size": batch, "batch_timeout": timeout_s}
+                        | result.as_dict()
+                    )
+        return sweep
 
     def phase_batching_off(self) -> None:
         """nograd with batches of one: digits max_batch_size = 1; minilm's token cap = the
@@ -717,6 +735,7 @@ def count_steps(plan: Plan) -> int:
     steps += (1 + per_system) if has_digits else 0  # ceiling
     steps += models + n_wl * per_system  # fastapi
     steps += models * len(plan.litserve_grid) + n_wl * per_system + 2  # litserve
+    steps += len(plan.litserve_grid) if "minilm" in {MODEL_OF[w] for w in plan.workloads} else 0
     steps += 2 * (2 + n_wl)  # batching off, one torch thread
     steps += int(plan.levers) + int(plan.compile) + int(plan.memory) + int(plan.profile)
     return steps
@@ -798,6 +817,7 @@ def main(argv: list[str] | None = None) -> int:
         "ceiling": bench.phase_ceiling,
         "fastapi": bench.phase_fastapi,
         "litserve": bench.phase_litserve,
+        "litserve_packed": bench.phase_litserve_packed,
         "batching_off": bench.phase_batching_off,
         "threads": bench.phase_threads,
         "levers": bench.phase_levers,

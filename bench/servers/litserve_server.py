@@ -4,7 +4,9 @@ Same route and JSON shape as nograd's V2 infer. ``decode_request`` reads the V2 
 ``batch`` concatenates the requests (remembering each one's row count, so a request of 8
 sentences gets its 8 rows back), ``predict`` runs one forward under ``torch.inference_mode()``
 (tokenising the whole batch first for minilm), ``unbatch`` cuts the rows per request.
-One inference worker on the CPU, LitServe's defaults otherwise.
+One inference worker on the CPU, LitServe's defaults otherwise. ``--packed`` runs minilm through
+nograd's ``PackedEncoder`` instead of transformers' ``BertModel``: the same forward nograd runs,
+so the two servers can be compared on the serving alone.
 """
 
 import argparse
@@ -18,18 +20,21 @@ from bench.models import Digits, MiniLM, load
 
 
 class V2API(ls.LitAPI):  # type: ignore[misc]
-    def __init__(self, model_name: str, max_batch_size: int, batch_timeout: float) -> None:
+    def __init__(
+        self, model_name: str, max_batch_size: int, batch_timeout: float, packed: bool = False
+    ) -> None:
         super().__init__(
             max_batch_size=max_batch_size,
             batch_timeout=batch_timeout,
             api_path=f"/v2/models/{model_name}/infer",
         )
         self.model_name = model_name
+        self.packed = packed
         self.model: Digits | MiniLM | None = None
 
     def setup(self, device: str) -> None:
         del device
-        self.model = load(self.model_name)
+        self.model = load(self.model_name, packed=self.packed)
 
     # No annotation on purpose: LitServe reads it to choose how to parse the body, and an
     # unannotated request is its default path (Starlette's ``request.json()``).
@@ -71,8 +76,9 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--batch-timeout", type=float, default=0.005)
+    parser.add_argument("--packed", action="store_true", help="minilm: nograd's packed forward")
     args = parser.parse_args()
-    api = V2API(args.model, args.max_batch_size, args.batch_timeout)
+    api = V2API(args.model, args.max_batch_size, args.batch_timeout, args.packed)
     server = ls.LitServer(api, accelerator="cpu", devices=1, workers_per_device=1, timeout=30)
     server.run(
         host="127.0.0.1",
