@@ -446,8 +446,8 @@ class DataPlane:
             raise ModelNotReady(f"model {name!r} is not ready ({self._why_not_ready(model)})")
         self.validate(model, inputs)
         try:
-            if model.handler.prepare_offload:
-                # Tokenising or decoding costs CPU per request: keep it off the event loop.
+            if prepare_in_thread(model.handler, inputs):
+                # Tokenising or decoding a large request costs milliseconds: off the event loop.
                 part = await asyncio.to_thread(model.handler.prepare, inputs)
             else:
                 part = model.handler.prepare(inputs)
@@ -484,6 +484,31 @@ class DataPlane:
         for label, device in devices.items():
             reading = read_memory(device)
             yield label, reading.allocated, reading.reserved, reading.peak, reading.total
+
+
+INLINE_PREPARE_BYTES = 4096
+"""Text a heavy ``prepare`` may handle on the event loop: tokenising 4 KiB (about a thousand
+tokens) takes under half a millisecond, less than the hand-off to a thread and back costs in a
+busy server. minilm, one sentence per request at 32 concurrent: 125 -> 138 requests/s and p99
+320 -> 277 ms (2 cores, six runs each, alternated)."""
+
+
+def prepare_in_thread(handler: ModelHandler, inputs: Mapping[str, np.ndarray]) -> bool:
+    """True when ``handler.prepare`` is heavy and this request's text exceeds the inline budget."""
+    if not handler.prepare_offload:
+        return False
+    total = 0
+    for array in inputs.values():
+        if array.dtype != np.object_:
+            total += array.nbytes
+        else:
+            for value in array.reshape(-1):
+                total += len(value) if isinstance(value, (bytes, str)) else INLINE_PREPARE_BYTES
+                if total > INLINE_PREPARE_BYTES:
+                    return True
+        if total > INLINE_PREPARE_BYTES:
+            return True
+    return False
 
 
 def _rejection_reason(exc: BaseException) -> str | None:

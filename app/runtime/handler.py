@@ -85,7 +85,8 @@ class ModelHandler:
     """Default handler: each declared input goes to ``forward`` as a keyword tensor."""
 
     prepare_offload: ClassVar[bool] = False
-    """True when ``prepare`` is heavy (tokenising, decoding): the data plane runs it in a thread."""
+    """True when ``prepare`` is heavy (tokenising, decoding): the data plane runs it in a thread
+    for requests above ``app.dataplane.INLINE_PREPARE_BYTES``, on the event loop below."""
 
     def __init__(self, module: torch.nn.Module, config: ModelConfig, device: torch.device) -> None:
         self.module = module

@@ -5,10 +5,10 @@ nograd), so loading never touches the network. The pipeline is sentence-transfor
 model: BERT (6 layers, 384 wide), mean pooling over the attention mask, L2 normalisation; texts
 longer than ``max_seq_length`` (256 tokens, from ``sentence_bert_config.json``) are truncated.
 
-Tokenisation happens in :meth:`MiniLMHandler.prepare`, in the request path and off the event loop
-(``prepare_offload``), so the batcher sees token counts and a text that cannot be read fails only
-its own request. Each request is padded to its own longest text; the batcher groups requests of
-similar length and ``collate`` pads a batch to its longest.
+Tokenisation happens in :meth:`MiniLMHandler.prepare`, in the request path (in a worker thread
+for large requests: ``prepare_offload``), so the batcher sees token counts and a text that cannot
+be read fails only its own request. Each request is padded to its own longest text; the batcher
+groups requests of similar length and ``collate`` pads a batch to its longest.
 
 The forward is :class:`PackedEncoder`, BERT's arithmetic on the same weights with the padding
 taken out: every per-token layer (the linear layers, layer norms and GELU: over 90% of the
@@ -220,7 +220,8 @@ class MiniLMHandler(ModelHandler):
     """Texts in (one BYTES tensor), unit-length 384-d embeddings and token counts out."""
 
     prepare_offload = True
-    """Tokenising is CPU work proportional to the text; it runs in a worker thread."""
+    """Tokenising is CPU work proportional to the text; large requests run it in a worker thread
+    (small ones on the event loop, where the thread hop would cost more)."""
 
     def __init__(
         self,

@@ -7,14 +7,23 @@ import gc
 import shutil
 import threading
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pytest
 import torch
 
-from app.dataplane import DataPlane, LimitExceeded, ModelNotFound, ModelNotReady
+from app.dataplane import (
+    INLINE_PREPARE_BYTES,
+    DataPlane,
+    LimitExceeded,
+    ModelNotFound,
+    ModelNotReady,
+    prepare_in_thread,
+)
 from app.metrics import Metrics
 from app.runtime.config import ConfigError
+from app.runtime.handler import ModelHandler
 from app.settings import Settings
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "models"
@@ -139,3 +148,25 @@ def test_text_longer_than_the_limit_is_refused(tmp_path: Path) -> None:
     plane.validate(model, {"text": ok})
     with pytest.raises(LimitExceeded, match="11 bytes; the limit is 10 bytes"):
         plane.validate(model, {"text": np.array([b"01234567890"], dtype=object)})
+
+
+def test_heavy_prepare_runs_in_a_thread_only_for_large_requests() -> None:
+    class Heavy:
+        prepare_offload = True
+
+    class Light:
+        prepare_offload = False
+
+    def texts(*sizes: int) -> dict[str, np.ndarray]:
+        array = np.empty(len(sizes), dtype=np.object_)
+        array[:] = [b"x" * size for size in sizes]
+        return {"text": array}
+
+    heavy, light = cast(ModelHandler, Heavy()), cast(ModelHandler, Light())
+    assert not prepare_in_thread(heavy, texts(200))
+    assert not prepare_in_thread(heavy, texts(*[500] * 8))
+    assert prepare_in_thread(heavy, texts(INLINE_PREPARE_BYTES + 1))
+    assert prepare_in_thread(heavy, texts(*[1000] * 5))
+    assert not prepare_in_thread(light, texts(INLINE_PREPARE_BYTES * 10))
+    images = {"image": np.zeros((64, 1, 8, 8), dtype=np.float32)}  # 16 KiB of pixels
+    assert prepare_in_thread(heavy, images)
