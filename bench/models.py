@@ -8,9 +8,10 @@ serving code: the baselines must not borrow its batcher or codec.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -101,9 +102,8 @@ class MiniLM:
         for parameter in self.bert.parameters():
             parameter.requires_grad_(False)
         self._pool = code.mean_pool_normalise
-        self.packed = code.PackedEncoder(self.bert).eval()
-        """nograd's forward of the same weights (padding skipped), for the raw phase only: the
-        baseline servers run ``forward``, the model as transformers ships it."""
+        self._token_tensors: tuple[str, ...] = code.TOKEN_TENSORS
+        self._packed_encoder: Callable[[Any], torch.nn.Module] = code.PackedEncoder
 
     def tokenize(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
         encodings = self.tokenizer.encode_batch(list(texts), add_special_tokens=True)
@@ -123,9 +123,14 @@ class MiniLM:
             embedding = self._pool(self.bert(**tokens).last_hidden_state, mask)
         return {"embedding": embedding, "token_count": mask.sum(dim=1, keepdim=True)}
 
+    @functools.cached_property
+    def packed(self) -> torch.nn.Module:
+        """nograd's forward of the same weights (padding skipped), built on first use only, so
+        a baseline serving ``BertModel`` does not hold a second copy of the weights."""
+        return self._packed_encoder(self.bert).eval()
+
     def forward_packed(self, tokens: dict[str, torch.Tensor]) -> torch.Tensor:
-        names = ("input_ids", "attention_mask", "token_type_ids")
-        embedding: torch.Tensor = self.packed(*(tokens[name] for name in names))
+        embedding: torch.Tensor = self.packed(*(tokens[name] for name in self._token_tensors))
         return embedding
 
     def embed(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:

@@ -189,17 +189,14 @@ class PackedEncoder(torch.nn.Module):
         x = self.embedding_norm(x + self.types(tokens(token_type_ids)))
         for layer in self.layers:
             x = layer(x, keep, index)
-        # Pooling in fp32 whatever the compute precision: a half-precision sum of up to 256
-        # vectors would lose digits.
-        counts = keep.sum(dim=1)
         if index is None:
-            weights = attention_mask.reshape(-1, 1).to(torch.float32)
-            summed = (x.to(torch.float32) * weights).view(rows, length, -1).sum(dim=1)
-        else:
-            owner = torch.repeat_interleave(torch.arange(rows, device=x.device), counts)
-            summed = x.new_zeros(rows, x.shape[-1], dtype=torch.float32).index_add_(
-                0, owner, x.to(torch.float32)
-            )
+            return mean_pool_normalise(x.view(rows, length, -1), attention_mask)
+        # The packed tokens summed per text, in fp32 as ``mean_pool_normalise`` does.
+        counts = keep.sum(dim=1)
+        owner = torch.repeat_interleave(torch.arange(rows, device=x.device), counts)
+        summed = x.new_zeros(rows, x.shape[-1], dtype=torch.float32).index_add_(
+            0, owner, x.to(torch.float32)
+        )
         mean = summed / counts.clamp(min=1).unsqueeze(1).to(torch.float32)
         return torch.nn.functional.normalize(mean, p=2, dim=1)
 
