@@ -57,6 +57,36 @@ def test_a_quota_above_the_affinity_does_not_add_cores(tmp_path: Path) -> None:
     assert usable_cores(tmp_path / "proc", tmp_path / "missing") == affinity()
 
 
+def cgroup_v1_root(tmp_path: Path, quota_us: str, period_us: str = "100000\n") -> Path:
+    """A cgroup v1 hierarchy: the process's group under the ``cpu,cpuacct`` controller."""
+    root = tmp_path / "cgroup"
+    group = root / "cpu" / "docker" / "abc"
+    group.mkdir(parents=True)
+    (tmp_path / "proc" / "self").mkdir(parents=True)
+    (tmp_path / "proc" / "self" / "cgroup").write_text(
+        "5:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n1:name=systemd:/docker/abc\n"
+    )
+    (group / "cpu.cfs_quota_us").write_text(quota_us)
+    (group / "cpu.cfs_period_us").write_text(period_us)
+    return root
+
+
+@pytest.mark.parametrize(
+    ("quota_us", "period_us", "expected"),
+    [
+        ("-1\n", "100000\n", None),  # v1's "no quota"
+        ("100000\n", "100000\n", 1),
+        ("150000\n", "100000\n", 2),  # one and a half cores round up
+        ("50000\n", "0\n", None),  # a broken period is ignored, not a crash
+    ],
+)
+def test_a_cgroup_v1_quota_counts_too(
+    tmp_path: Path, quota_us: str, period_us: str, expected: int | None
+) -> None:
+    root = cgroup_v1_root(tmp_path, quota_us, period_us)
+    assert usable_cores(tmp_path / "proc", root) == min(expected or affinity(), affinity())
+
+
 def test_default_threads_use_every_usable_core() -> None:
     before = torch.get_num_threads()
     try:
