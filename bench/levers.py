@@ -20,7 +20,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 import torch
@@ -33,6 +33,13 @@ DIGITS_BIG = 64
 MINILM_BIG = 32
 FIXED_LENGTH = 48
 """minilm inputs padded to a fixed length here, so compile and eager see the same shapes."""
+
+T = TypeVar("T")
+
+
+def bind(fn: Callable[[T], object], arg: T) -> Callable[[], object]:
+    """``fn(arg)`` as a no-argument step; bound now, so loop-made steps keep their own input."""
+    return lambda: fn(arg)
 
 
 def throughput(step: Callable[[], object], batch: int, seconds: float) -> float:
@@ -90,14 +97,16 @@ def grad_modes(seconds: float) -> dict[str, Any]:
         ("minilm", minilm, (1, MINILM_BIG)),
     ):
         rows = []
-        params = list(model.module.parameters() if name == "digits" else model.bert.parameters())
+        params = list(
+            model.module.parameters() if isinstance(model, Digits) else model.bert.parameters()
+        )
         for batch in batches:
             if name == "digits":
                 x = digits_inputs(batch)
-                step: Callable[[], object] = lambda x=x: digits.forward(x)  # noqa: E731
+                step = bind(digits.forward, x)
             else:
                 tokens = minilm_tokens(minilm, batch)
-                step = lambda t=tokens: minilm.forward(t)  # noqa: E731
+                step = bind(minilm.forward, tokens)
             row: dict[str, Any] = {"batch": batch}
             for mode, factory in MODES.items():
                 # Grad enabled only costs anything when parameters require grad, as a fresh
@@ -113,9 +122,11 @@ def grad_modes(seconds: float) -> dict[str, Any]:
     return out
 
 
-def _rates(step: Callable[[object], object], inputs: dict[int, Any], seconds: float) -> dict:
+def _rates(
+    step: Callable[[object], object], inputs: dict[int, Any], seconds: float
+) -> dict[str, float]:
     """samples/s per batch size, keyed ``batch<N>``."""
-    return {f"batch{b}": throughput(lambda x=x: step(x), b, seconds) for b, x in inputs.items()}
+    return {f"batch{b}": throughput(bind(step, x), b, seconds) for b, x in inputs.items()}
 
 
 def precision(seconds: float) -> dict[str, Any]:
@@ -193,10 +204,10 @@ def thread_counts(seconds: float) -> dict[str, Any]:
     cases: list[tuple[str, int, Callable[[], object]]] = []
     for batch in (1, DIGITS_BIG):
         x = digits_inputs(batch)
-        cases.append(("digits", batch, lambda x=x: digits.forward(x)))
+        cases.append(("digits", batch, bind(digits.forward, x)))
     for batch in (1, MINILM_BIG):
         tokens = minilm_tokens(minilm, batch)
-        cases.append(("minilm", batch, lambda t=tokens: minilm.forward(t)))
+        cases.append(("minilm", batch, bind(minilm.forward, tokens)))
     spin = "import time\nend = time.monotonic() + 120\nwhile time.monotonic() < end: pass\n"
     original = torch.get_num_threads()
     rows = []
@@ -244,13 +255,14 @@ def _compile_one(name: str, seconds: float) -> dict[str, Any]:
     if name == "digits":
         digits = Digits()
         compiled = torch.compile(digits.module, dynamic=False)
-        inputs = {b: digits_inputs(b) for b in (1, DIGITS_BIG)}
+        batches: tuple[int, ...] = (1, DIGITS_BIG)
+        images = {b: digits_inputs(b) for b in batches}
 
         def eager(b: int) -> object:
-            return digits.module(inputs[b])
+            return digits.module(images[b])
 
         def fast(b: int) -> object:
-            return compiled(inputs[b])
+            return compiled(images[b])
 
     else:
         minilm = MiniLM()
@@ -261,17 +273,18 @@ def _compile_one(name: str, seconds: float) -> dict[str, Any]:
             return pool(hidden, tokens["attention_mask"])
 
         compiled_bert = torch.compile(minilm.bert, dynamic=False)
-        inputs = {b: minilm_tokens(minilm, b, fixed=True) for b in (1, MINILM_BIG)}
+        batches = (1, MINILM_BIG)
+        batch_tokens = {b: minilm_tokens(minilm, b, fixed=True) for b in batches}
 
         def eager(b: int) -> object:
-            return run_bert(minilm.bert, inputs[b])
+            return run_bert(minilm.bert, batch_tokens[b])
 
         def fast(b: int) -> object:
-            return run_bert(compiled_bert, inputs[b])
+            return run_bert(compiled_bert, batch_tokens[b])
 
     result: dict[str, Any] = {"shapes": "fixed" if name == "digits" else f"length {FIXED_LENGTH}"}
     with torch.inference_mode():
-        for b in inputs:
+        for b in batches:
             started = time.perf_counter()
             compiled_out = fast(b)
             result[f"compile_s_batch{b}"] = time.perf_counter() - started
@@ -280,8 +293,8 @@ def _compile_one(name: str, seconds: float) -> dict[str, Any]:
                 eager_out, compiled_out = eager_out["logits"], compiled_out["logits"]  # type: ignore[index]
             assert isinstance(eager_out, torch.Tensor) and isinstance(compiled_out, torch.Tensor)
             result[f"max_abs_error_batch{b}"] = float((eager_out - compiled_out).abs().max())
-            result[f"eager_batch{b}"] = throughput(lambda b=b: eager(b), b, seconds)
-            result[f"compiled_batch{b}"] = throughput(lambda b=b: fast(b), b, seconds)
+            result[f"eager_batch{b}"] = throughput(bind(eager, b), b, seconds)
+            result[f"compiled_batch{b}"] = throughput(bind(fast, b), b, seconds)
     return result
 
 

@@ -21,6 +21,7 @@ Part B (served by ``nograd`` under wrk, concurrency 32):
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import re
 import shutil
@@ -118,7 +119,7 @@ def profile_models(names: tuple[str, ...] = ("digits", "minilm")) -> dict[str, A
                 rows = max(1, plan.limit // length) if tokens else plan.limit
                 example = handler.example(rows, length)
                 parts = [example.slice(i, i + 1) for i in range(rows)]
-                peak = probe.measure_peak(lambda p=parts, r=runner: r.run_batch(p))
+                peak = probe.measure_peak(functools.partial(runner.run_batch, parts))
                 row.update(
                     {"measured_rows": rows, "measured_length": length, "measured_peak_bytes": peak}
                 )

@@ -21,16 +21,17 @@ import resource
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
+import aiohttp
 import numpy as np
 import orjson
 
+uvloop: ModuleType | None
 try:
     import uvloop
 except ImportError:  # pragma: no cover - uvloop ships with uvicorn[standard]
     uvloop = None
-
-import aiohttp
 
 
 def arrivals(rate: float, duration: float, seed: int, poisson: bool) -> np.ndarray:
@@ -41,7 +42,8 @@ def arrivals(rate: float, duration: float, seed: int, poisson: bool) -> np.ndarr
     rng = np.random.default_rng(seed)
     gaps = rng.exponential(1.0 / rate, size=int(count * 1.2) + 16)
     times = np.cumsum(gaps) - gaps[0]
-    return times[times < duration]
+    kept: np.ndarray = times[times < duration]
+    return kept
 
 
 async def drive(

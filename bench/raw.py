@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import orjson
@@ -29,6 +29,8 @@ from bench.models import Digits, MiniLM
 
 DIGITS_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MINILM_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+
+T = TypeVar("T")
 
 
 def timed(step: Callable[[int], object], seconds: float, warmup: int = 3) -> tuple[int, float]:
@@ -45,6 +47,11 @@ def timed(step: Callable[[int], object], seconds: float, warmup: int = 3) -> tup
             return calls, elapsed
 
 
+def cycling(fn: Callable[[T], object], items: Sequence[T]) -> Callable[[int], object]:
+    """``timed``'s step over ``items`` in turn; bound now, so loop-made steps keep their own."""
+    return lambda i: fn(items[i % len(items)])
+
+
 def raw_digits(seconds: float) -> dict[str, Any]:
     model = Digits()
     images = torch.from_numpy(workloads.digits_images(4096))
@@ -52,7 +59,7 @@ def raw_digits(seconds: float) -> dict[str, Any]:
     with torch.inference_mode():
         for batch in DIGITS_BATCHES:
             chunks = [images[i : i + batch] for i in range(0, len(images) - batch + 1, batch)]
-            calls, elapsed = timed(lambda i, c=chunks: model.forward(c[i % len(c)]), seconds)
+            calls, elapsed = timed(cycling(model.forward, chunks), seconds)
             rows.append(
                 {
                     "batch": batch,
@@ -72,14 +79,10 @@ def raw_minilm(seconds: float) -> dict[str, Any]:
         for batch in MINILM_BATCHES:
             groups = [texts[i : i + batch] for i in range(0, len(texts) - batch + 1, batch)]
             tokens = [model.tokenize(g) for g in groups]
-            calls, elapsed = timed(
-                lambda i, t=tokens: model.forward(t[i % len(t)]), seconds, warmup=2
-            )
-            calls_tok, elapsed_tok = timed(
-                lambda i, g=groups: model.embed(g[i % len(g)]), seconds / 2, warmup=1
-            )
+            calls, elapsed = timed(cycling(model.forward, tokens), seconds, warmup=2)
+            calls_tok, elapsed_tok = timed(cycling(model.embed, groups), seconds / 2, warmup=1)
             calls_packed, elapsed_packed = timed(
-                lambda i, t=tokens: model.forward_packed(t[i % len(t)]), seconds, warmup=2
+                cycling(model.forward_packed, tokens), seconds, warmup=2
             )
             rows.append(
                 {

@@ -541,7 +541,9 @@ def raw_section(results: dict[str, Any], tag: str) -> list[str]:
         if not data:
             continue
         header: tuple[str, ...] = ("batch", "samples/s", "ms per batch")
-        rows = [(r["batch"], r["samples_per_s"], r["ms_per_batch"]) for r in data["rows"]]
+        rows: list[tuple[Any, ...]] = [
+            (r["batch"], r["samples_per_s"], r["ms_per_batch"]) for r in data["rows"]
+        ]
         if model == "minilm":
             header = (*header, "samples/s incl. tokenisation", "nograd's packed forward samples/s")
             rows = [
@@ -620,7 +622,7 @@ def levers_section(results: dict[str, Any], tag: str) -> list[str]:
             f"Other processes used {fmt(levers.get('foreign_cpu_cores'), 2)} cores meanwhile.",
             "",
         ]
-        rows = []
+        rows: list[tuple[Any, ...]] = []
         for model, entries in levers.get("grad_modes", {}).items():
             for e in entries:
                 rows.append(
@@ -783,7 +785,7 @@ def memory_section(results: dict[str, Any], tag: str) -> list[str]:
     if not memory:
         return []
     out = [f"## Memory-sized batches (issue 3) ({tag})", ""]
-    rows = []
+    rows: list[tuple[Any, ...]] = []
     for model, p in memory["profiles"].items():
         check = p["check"]
         rows.append(
