@@ -72,6 +72,13 @@ class FastPath(Protocol):
         """Collated tensors whose axis 1 is the sequence axis (padded to length buckets)."""
         ...
 
+    @property
+    def fixed_shapes(self) -> bool:
+        """True when batches are padded to bucket shapes (compiled, or captured as CUDA graphs,
+        per shape): the forward must then not change its shapes with the data, as a packed
+        forward's token count does. False for precision alone (autocast)."""
+        ...
+
     def padded_shape(self, rows: int, length: int) -> tuple[int, int]:
         """The (rows, length) a batch of ``rows`` × ``length`` is zero-padded to."""
         ...

@@ -361,6 +361,11 @@ class SpeedPath:
     def sequence_inputs(self) -> frozenset[str]:
         return self._sequence_inputs
 
+    @property
+    def fixed_shapes(self) -> bool:
+        # CUDA graphs need buckets (the config refuses them without), so buckets decide.
+        return self.buckets is not None
+
     def padded_shape(self, rows: int, length: int) -> Shape:
         return (rows, length) if self.buckets is None else self.buckets.fit(rows, length)
 

@@ -270,11 +270,14 @@ class MiniLMHandler(ModelHandler):
     # ----------------------------------------------------------------- device thread
     def forward(self, batch: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         mask = batch["attention_mask"]
-        # A fast path pads batches to fixed bucket shapes; packing would hand it a token count
-        # that changes with every batch, so it runs the padded positions instead.
-        embedding = self.module(
-            *(batch[name] for name in TOKEN_TENSORS), packed=self.fast_path is None
-        )
+        # A fast path with buckets pads batches to fixed shapes (compiled or captured per
+        # shape); packing would hand it a token count that changes with every batch, so it runs
+        # the padded positions instead. Autocast alone keeps packing (bf16, 2 cores: faster at
+        # the ~11-row batches one-sentence requests form, a little slower at 32), and so does
+        # torch.compile with dynamic shapes, which sets no fast path (faster at both sizes).
+        fast = self.fast_path
+        packed = fast is None or not fast.fixed_shapes
+        embedding = self.module(*(batch[name] for name in TOKEN_TENSORS), packed=packed)
         return {EMBEDDING_OUTPUT: embedding, TOKEN_COUNT_OUTPUT: mask.sum(dim=1, keepdim=True)}
 
 

@@ -19,6 +19,7 @@ import torch
 from app.runtime.config import load_config
 from app.runtime.handler import ModelHandler, TensorPart, TorchRunner
 from app.runtime.loader import build_handler, import_model_module
+from app.runtime.speed import Buckets, SpeedPath, sequence_inputs
 
 ROOT = Path(__file__).resolve().parents[2]
 MINILM_DIR = ROOT / "models" / "minilm"
@@ -194,10 +195,14 @@ def test_batches_run_packed_unless_a_fast_path_fixes_the_shapes(handler: ModelHa
     batch = {name: torch.from_numpy(array) for name, array in part.tensors.items()}
     handler.module = spy  # type: ignore[assignment]
     try:
+        handler.forward(batch)  # fp32 eager, or compiled with dynamic shapes: no fast path
+        handler.fast_path = SpeedPath(handler, None, frozenset(), torch.bfloat16)  # autocast
         handler.forward(batch)
-        handler.fast_path = object()  # type: ignore[assignment]
+        handler.fast_path = SpeedPath(
+            handler, Buckets((1, 8), (16, 64)), sequence_inputs(handler), None
+        )
         handler.forward(batch)
     finally:
         handler.module = module
         handler.fast_path = None
-    assert calls == [True, False]
+    assert calls == [True, True, False]

@@ -716,6 +716,33 @@ def test_minilm_bucket_padding_leaves_embeddings_unchanged(monkeypatch: pytest.M
     assert out["token_count"][:, 0].tolist()[1] == 4
 
 
+def test_minilm_bf16_autocast_keeps_packing_and_passes_its_check() -> None:
+    """Autocast fixes no shapes, so minilm's forward still skips padding under it; the accuracy
+    check (against fp32 eager, padded and packed alike) must accept the packed bf16 forward."""
+    handler = shipped("minilm", precision="bf16", autocast=True)
+    metrics = Metrics()
+    served = apply_speed(handler, limit=256, metrics=metrics)
+    assert served.speed_mode == "bf16-autocast"
+    assert served.fast_path is not None and not served.fast_path.fixed_shapes
+    delta = gauge(metrics, "nograd_model_accuracy_delta", "minilm", "bf16-autocast")
+    assert delta is not None and delta < 2e-2
+    calls: list[bool] = []
+    module = served.module
+
+    def spy(*tensors: torch.Tensor, packed: bool) -> torch.Tensor:
+        calls.append(packed)
+        return module(*tensors, packed=packed)
+
+    texts = np.array([b"A man is eating food.", b"Short."], dtype=np.object_)
+    served.module = spy  # type: ignore[assignment]
+    try:
+        out = TorchRunner(served).run_batch([served.prepare({"text": texts})])[0]
+    finally:
+        served.module = module
+    assert calls == [True]
+    assert out["embedding"].shape == (2, 384)
+
+
 def test_digits_bf16_is_within_the_default_tolerance() -> None:
     metrics = Metrics()
     served = apply_speed(shipped("digits", precision="bf16"), limit=64, metrics=metrics)
