@@ -499,15 +499,16 @@ def prepare_in_thread(handler: ModelHandler, inputs: Mapping[str, np.ndarray]) -
         return False
     total = 0
     for array in inputs.values():
-        if array.dtype != np.object_:
-            total += array.nbytes
-        else:
-            for value in array.reshape(-1):
-                total += len(value) if isinstance(value, (bytes, str)) else INLINE_PREPARE_BYTES
-                if total > INLINE_PREPARE_BYTES:
-                    return True
-        if total > INLINE_PREPARE_BYTES:
-            return True
+        # Text is counted value by value, stopping as soon as the budget is passed.
+        sizes = (
+            (len(v) if isinstance(v, (bytes, str)) else INLINE_PREPARE_BYTES for v in array.flat)
+            if array.dtype == np.object_
+            else (array.nbytes,)
+        )
+        for size in sizes:
+            total += size
+            if total > INLINE_PREPARE_BYTES:
+                return True
     return False
 
 

@@ -142,7 +142,8 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             )
         )
     raw_best = raw_limit(results, "minilm")
-    packed = results.get("raw", {}).get("minilm", {}).get("packed_best", {}).get("samples_per_s")
+    raw_minilm = results.get("raw", {}).get("minilm", {})
+    packed = raw_minilm.get("packed_best", {}).get("samples_per_s")
     for workload in ("minilm-1", "minilm-8"):
         ng = head(results, "nograd", workload)
         lit = litserve_best(results, workload)
@@ -186,7 +187,7 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                 verdict(p50 <= b1 + 2.0),
             )
         )
-        packed_b1 = results.get("raw", {}).get("minilm", {}).get("packed_batch1_p50_ms")
+        packed_b1 = raw_minilm.get("packed_batch1_p50_ms")
         if packed_b1:
             out.append(
                 (
