@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import sys
+
 from app.logs import setup_logging
-from app.server import serve
 from app.settings import Settings
 
 
 def main(argv: list[str] | None = None) -> None:
     settings = Settings(_cli_parse_args=argv if argv is not None else True, _cli_prog_name="nograd")
     setup_logging(settings.log_level, settings.log_format)
+    if settings.workers > 1:
+        # The supervisor never imports torch; each worker process loads the models.
+        from app.workers import supervise
+
+        sys.exit(supervise(settings))
+    from app.server import serve
+
     serve(settings)

@@ -159,7 +159,7 @@ class DataPlane:
         weights; a model that fails at any step is reported and left not ready.
         """
         loop = asyncio.get_running_loop()
-        threads = configure_threads(self.settings.torch_threads)
+        threads = configure_threads(self.settings.torch_threads, self.settings.workers)
         logger.info("torch intra-op threads: %d", threads)
         for model in self.models.values():
             try:
@@ -216,12 +216,16 @@ class DataPlane:
                     )
                     continue
                 inputs.append(PlanInput(model.name, model.handler, model.weights_bytes, cap))
+            # Worker processes share the device: each takes an equal part of what it sees free
+            # (a budget reserves nothing, so a later worker sees the earlier ones' budgets as free).
+            workers = self.settings.workers
+            explicit = self.settings.memory_budget_bytes
             budget, plans = plan_device(
                 inputs,
                 profiles,
                 probe,
-                fraction=self.settings.memory_fraction,
-                explicit_bytes=self.settings.memory_budget_bytes,
+                fraction=self.settings.memory_fraction / workers,
+                explicit_bytes=explicit // workers if explicit else None,
             )
             self.metrics.memory_budget.labels(label).set(budget)
             log_plan(label, budget, plans)
@@ -310,10 +314,12 @@ class DataPlane:
         return True
 
     async def watch_workers(self, interval_s: float = 1.0) -> None:
-        """Restart batch loops that died, so a crashed worker costs seconds, not the pod."""
+        """Restart batch loops that died, so a crashed worker costs seconds, not the pod; with
+        several server processes, also publish this one's device memory each interval."""
         while True:
             await asyncio.sleep(interval_s)
             await self.check_workers()
+            self.metrics.sample_device_memory()
 
     async def check_workers(self) -> int:
         restarted = 0

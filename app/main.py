@@ -23,13 +23,15 @@ from app.dataplane import DataPlane
 from app.metrics import Metrics
 from app.runtime.config import ConfigError
 from app.settings import Settings
+from app.workers import WorkerRole
 
 logger = logging.getLogger(__name__)
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, *, worker: WorkerRole | None = None) -> FastAPI:
+    """The app of one server process; ``worker`` when it is one of several sharing a port."""
     settings = settings or Settings()
-    metrics = Metrics()
+    metrics = Metrics(multiprocess_dir=worker.multiprocess_dir if worker else None)
     plane = DataPlane(settings, metrics)
 
     @contextlib.asynccontextmanager
@@ -38,14 +40,21 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         plane.discover()
         if plane.config_errors:
             raise ConfigError("; ".join(plane.config_errors))
-        # Models load after the server starts listening, so liveness answers and readiness tells
-        # the truth (not ready) while weights load and warm up.
-        loading = asyncio.create_task(plane.load_all(), name="load-models")
-        watchdog = asyncio.create_task(plane.watch_workers(), name="watch-workers")
+        tasks = []
+        if worker is None:
+            # Models load after the server starts listening, so liveness answers and readiness
+            # tells the truth (not ready) while weights load and warm up.
+            tasks.append(asyncio.create_task(plane.load_all(), name="load-models"))
+        else:
+            # uvicorn serves the shared socket only after startup: a worker still loading must
+            # not take connections away from a warm one.
+            await plane.load_all()
+            worker.ready()
+        tasks.append(asyncio.create_task(plane.watch_workers(), name="watch-workers"))
         try:
             yield
         finally:
-            for task in (loading, watchdog):
+            for task in tasks:
                 if not task.done():
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
@@ -95,7 +104,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {}}}},
     )
     async def metrics_endpoint() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(metrics.exposition), media_type=CONTENT_TYPE_LATEST)
 
     _document_infer_schemas(app)
     return app

@@ -7,8 +7,10 @@ Histograms, not summaries, so latency tails aggregate across replicas.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Sequence
-from typing import Final
+from pathlib import Path
+from typing import Final, Literal
 
 from prometheus_client import (
     CollectorRegistry,
@@ -16,8 +18,10 @@ from prometheus_client import (
     Gauge,
     Histogram,
     disable_created_metrics,
+    values,
 )
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 # Geometric, factor ~1.33, from 0.5 ms to ~13 s: fine enough to read p50..p99.9 in that range.
@@ -36,6 +40,16 @@ MemoryReader = Callable[[], Iterable[tuple[str, int, int, int, int]]]
 """Yields (device, allocated, reserved, peak, total) bytes at scrape time."""
 
 
+_Mode = Literal["livesum", "livemax"]
+_DEVICE_MEMORY: Final[tuple[tuple[str, str, _Mode], ...]] = (
+    ("allocated", "Bytes in use: torch allocator on CUDA, process resident on CPU.", "livesum"),
+    ("reserved", "Bytes reserved: CUDA caching allocator, process resident on CPU.", "livesum"),
+    ("peak", "Peak bytes in use since start (or last reset).", "livesum"),
+    ("total", "Device capacity: GPU memory, or system memory on CPU.", "livemax"),
+)
+"""Device memory series; with several workers each one's usage is added up, capacity is not."""
+
+
 class _DeviceMemoryCollector(Collector):
     """Reads device memory when Prometheus scrapes, so the numbers are never stale."""
 
@@ -43,31 +57,39 @@ class _DeviceMemoryCollector(Collector):
         self._reader = reader
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
-        families = {
-            key: GaugeMetricFamily(f"nograd_device_memory_{key}_bytes", doc, labels=["device"])
-            for key, doc in (
-                ("allocated", "Bytes in use: torch allocator on CUDA, process resident on CPU."),
-                ("reserved", "Bytes reserved: CUDA caching allocator, process resident on CPU."),
-                ("peak", "Peak bytes in use since start (or last reset)."),
-                ("total", "Device capacity: GPU memory, or system memory on CPU."),
-            )
-        }
-        for device, allocated, reserved, peak, total in self._reader():
-            families["allocated"].add_metric([device], allocated)
-            families["reserved"].add_metric([device], reserved)
-            families["peak"].add_metric([device], peak)
-            families["total"].add_metric([device], total)
-        yield from families.values()
+        families = [
+            GaugeMetricFamily(f"nograd_device_memory_{key}_bytes", doc, labels=["device"])
+            for key, doc, _ in _DEVICE_MEMORY
+        ]
+        for device, *readings in self._reader():
+            for family, value in zip(families, readings, strict=True):
+                family.add_metric([device], value)
+        yield from families
 
     def describe(self) -> Iterable[GaugeMetricFamily]:
         return []
 
 
 class Metrics:
-    """The metric set of one server; tests build several, each on its own registry."""
+    """The metric set of one server; tests build several, each on its own registry.
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    With ``multiprocess_dir`` (one of several worker processes) every value lives in that folder's
+    files, and ``exposition`` reads all workers' files, so any worker that answers a scrape
+    reports the whole server: counters and histograms summed, gauges by their declared mode.
+    """
+
+    def __init__(
+        self, registry: CollectorRegistry | None = None, multiprocess_dir: Path | None = None
+    ) -> None:
         self.registry = registry or CollectorRegistry()
+        self.exposition = self.registry
+        """The registry /metrics renders."""
+        self._memory_reader: MemoryReader | None = None
+        self._memory_gauges: list[Gauge] = []
+        if multiprocess_dir is not None:
+            _require_multiprocess_values(multiprocess_dir)
+            self.exposition = CollectorRegistry()
+            MultiProcessCollector(self.exposition, path=str(multiprocess_dir))  # type: ignore[no-untyped-call]
         r = self.registry
         self._request_children: dict[tuple[str, str, int], tuple[Counter, Histogram]] = {}
         self.requests = Counter(
@@ -102,40 +124,66 @@ class Metrics:
             registry=r,
         )
         self.queue_depth = Gauge(
-            "nograd_queue_depth", "Requests waiting in the model's queue.", ["model"], registry=r
+            "nograd_queue_depth",
+            "Requests waiting in the model's queue.",
+            ["model"],
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.inflight = Gauge(
-            "nograd_inflight_requests", "Inference requests being handled now.", registry=r
+            "nograd_inflight_requests",
+            "Inference requests being handled now.",
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.model_load = Gauge(
-            "nograd_model_load_seconds", "Time to load the model.", ["model"], registry=r
+            "nograd_model_load_seconds",
+            "Time to load the model.",
+            ["model"],
+            registry=r,
+            multiprocess_mode="livemax",
         )
         self.model_warmup = Gauge(
-            "nograd_model_warmup_seconds", "Time to warm the model up.", ["model"], registry=r
+            "nograd_model_warmup_seconds",
+            "Time to warm the model up.",
+            ["model"],
+            registry=r,
+            multiprocess_mode="livemax",
         )
         self.model_ready = Gauge(
-            "nograd_model_ready", "1 when the model serves requests.", ["model"], registry=r
+            "nograd_model_ready",
+            "1 when the model serves requests.",
+            ["model"],
+            registry=r,
+            multiprocess_mode="livemin",
         )
         self.memory_budget = Gauge(
             "nograd_device_memory_budget_bytes",
             "Activation memory batches may use on the device.",
             ["device"],
             registry=r,
+            multiprocess_mode="livesum",
         )
         self.batch_limit = Gauge(
             "nograd_batch_limit",
             "Current batch limit, in the model's unit (samples or padded tokens).",
             ["model"],
             registry=r,
+            multiprocess_mode="livemin",
         )
         self.sample_bytes = Gauge(
             "nograd_model_sample_bytes",
             "Measured activation bytes per sample (or per token).",
             ["model"],
             registry=r,
+            multiprocess_mode="livemax",
         )
         self.weights_bytes = Gauge(
-            "nograd_model_weights_bytes", "Bytes of parameters and buffers.", ["model"], registry=r
+            "nograd_model_weights_bytes",
+            "Bytes of parameters and buffers.",
+            ["model"],
+            registry=r,
+            multiprocess_mode="livemax",
         )
         self.batch_predicted_bytes = Histogram(
             "nograd_batch_predicted_bytes",
@@ -177,12 +225,14 @@ class Metrics:
             "(warmup and held-out inputs); mode is e.g. bf16, compile, bf16+compile.",
             ["model", "mode"],
             registry=r,
+            multiprocess_mode="livemax",
         )
         self.accuracy_cosine_min = Gauge(
             "nograd_model_accuracy_cosine_min",
             "Min per-sample cosine similarity of a speed mode's float outputs vs fp32 eager.",
             ["model", "mode"],
             registry=r,
+            multiprocess_mode="livemin",
         )
         self.batcher_restarts = Counter(
             "nograd_batcher_restarts",
@@ -209,10 +259,45 @@ class Metrics:
         children[1].observe(seconds)
 
     def watch_device_memory(self, reader: MemoryReader) -> None:
-        self.registry.register(_DeviceMemoryCollector(reader))
+        if self.exposition is self.registry:
+            self.registry.register(_DeviceMemoryCollector(reader))
+            return
+        # A collector runs only in the worker that answers the scrape; other workers' memory
+        # reaches the files through gauges, refreshed by sample_device_memory.
+        self._memory_reader = reader
+        self._memory_gauges = [
+            Gauge(
+                f"nograd_device_memory_{key}_bytes",
+                doc,
+                ["device"],
+                registry=self.registry,
+                multiprocess_mode=mode,
+            )
+            for key, doc, mode in _DEVICE_MEMORY
+        ]
+        self.sample_device_memory()
+
+    def sample_device_memory(self) -> None:
+        """Copy this worker's device memory into the shared files (no-op in one process)."""
+        if self._memory_reader is None:
+            return
+        for device, *readings in self._memory_reader():
+            for gauge, value in zip(self._memory_gauges, readings, strict=True):
+                gauge.labels(device).set(value)
 
     def observer(self, model: str) -> ModelObserver:
         return ModelObserver(self, model)
+
+
+def _require_multiprocess_values(directory: Path) -> None:
+    """prometheus_client picks file-backed values once, at import, from PROMETHEUS_MULTIPROC_DIR;
+    a worker that imported it without the variable would count only in its own memory."""
+    file_backed = values.ValueClass is not values.MutexValue
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR") != str(directory) or not file_backed:
+        raise RuntimeError(
+            f"multiprocess metrics need PROMETHEUS_MULTIPROC_DIR={directory} set before "
+            "prometheus_client is imported"
+        )
 
 
 class ModelObserver:

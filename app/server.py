@@ -85,6 +85,6 @@ def build_server(settings: Settings, app: FastAPI | None = None) -> DrainingServ
 def serve(settings: Settings) -> None:
     app = create_app(settings)
     if settings.metrics_port is not None:
-        start_http_server(settings.metrics_port, settings.host, app.state.metrics.registry)
+        start_http_server(settings.metrics_port, settings.host, app.state.metrics.exposition)
         logger.info("metrics also served on port %d", settings.metrics_port)
     build_server(settings, app).run()

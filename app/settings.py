@@ -48,14 +48,21 @@ class Settings(BaseSettings):
     """Default bound on requests queued per model; beyond it requests are refused."""
 
     memory_fraction: float = Field(default=0.9, gt=0.0, le=1.0)
-    """Share of the memory free after loading that batches may use, per device."""
+    """Share of the memory free after loading that batches may use, per device (split evenly
+    among the workers)."""
 
     memory_budget_bytes: int | None = Field(default=None, gt=0)
-    """Explicit per-device activation budget in bytes; overrides memory_fraction."""
+    """Explicit per-device activation budget in bytes, for all workers together; overrides
+    memory_fraction."""
 
     torch_threads: int | None = Field(default=None, ge=1)
-    """Intra-op threads for CPU forwards; unset: the cores this process may use (affinity and
-    cgroup CPU quota)."""
+    """Intra-op threads for CPU forwards, per worker; unset: the cores this process may use
+    (affinity and cgroup CPU quota), divided among the workers."""
+
+    workers: int = Field(default=1, ge=1, le=64)
+    """Server processes sharing the port, each with its own copy of every model. More than one
+    spreads the HTTP and Python work of small, fast models over several cores; memory budgets
+    are split among them and /metrics adds their series up."""
 
     warmup: bool = True
     """Run warmup forwards before a model reports ready."""

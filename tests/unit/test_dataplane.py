@@ -63,6 +63,19 @@ async def test_dead_worker_turns_not_ready_and_is_restarted(tmp_path: Path) -> N
     await plane.stop()
 
 
+async def test_worker_processes_split_the_explicit_memory_budget(tmp_path: Path) -> None:
+    budget = 64 * 2**20
+    for workers in (1, 2, 3):
+        (tmp_path / str(workers)).mkdir()
+        plane = plane_for(
+            tmp_path / str(workers), "poison", memory_budget_bytes=budget, workers=workers
+        )
+        plane.discover()
+        await plane.load_all()
+        assert plane.metrics.memory_budget.labels("cpu")._value.get() == budget // workers
+        await plane.stop()
+
+
 async def test_loading_and_warm_up_run_on_the_device_thread(tmp_path: Path) -> None:
     plane = plane_for(tmp_path, "poison")
     code = tmp_path / "repo" / "poison" / "model.py"

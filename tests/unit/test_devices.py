@@ -93,6 +93,10 @@ def test_default_threads_use_every_usable_core() -> None:
         assert configure_threads(None) == usable_cores()
         assert torch.get_num_threads() == usable_cores()
         assert configure_threads(1) == 1
+        # Worker processes split the cores; each keeps at least one thread.
+        assert configure_threads(None, workers=2) == max(1, usable_cores() // 2)
+        assert configure_threads(None, workers=usable_cores() + 1) == 1
+        assert configure_threads(3, workers=2) == 3
     finally:
         torch.set_num_threads(before)
 

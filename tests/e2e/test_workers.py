@@ -1,0 +1,148 @@
+"""Several worker processes on one port (NOGRAD_WORKERS): shared traffic, whole-server metrics,
+a dead worker restarted, SIGTERM reaching every worker, a failed start-up stopping the server."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.mmap_dict import MmapedDict
+from prometheus_client.parser import text_string_to_metric_families
+
+from app.runtime.devices import usable_cores
+from tests.e2e.serving import ROOT, Server, free_port, run_server
+
+pytestmark = pytest.mark.e2e
+DIGITS = {
+    "inputs": [{"name": "image", "shape": [1, 1, 8, 8], "datatype": "FP32", "data": [4.0] * 64}]
+}
+
+
+def digits_repository(root: Path) -> Path:
+    repo = root / "repo"
+    shutil.copytree(ROOT / "models" / "digits", repo / "digits")
+    return repo
+
+
+def worker_pids(server: Server) -> dict[int, int]:
+    """Worker index -> pid of its latest start, from the supervisor's log."""
+    started = re.findall(r"worker (\d+) started \(pid (\d+)\)", server.log())
+    return {int(index): int(pid) for index, pid in started}
+
+
+def wait_for_log(server: Server, text: str, times: int = 1, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while server.log().count(text) < times:
+        assert server.process.poll() is None, server.log()
+        assert time.monotonic() < deadline, f"{text!r} not logged:\n{server.log()}"
+        time.sleep(0.1)
+
+
+def scrape(url: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def answered_by(directory: Path, pid: int) -> float:
+    """Requests counted in one worker's own metric file."""
+    path = directory / f"counter_{pid}.db"
+    if not path.exists():
+        return 0.0
+    return sum(
+        value
+        for key, value, _, _ in MmapedDict.read_all_values_from_file(str(path))
+        if '"nograd_requests_total"' in key
+    )
+
+
+def infer_on_new_connections(url: str, count: int) -> None:
+    for _ in range(count):
+        # No shared client: every request opens its own connection, which the kernel may hand
+        # to either worker.
+        response = httpx.post(f"{url}/v2/models/digits/infer", json=DIGITS, timeout=30)
+        assert response.status_code == 200, response.text
+        assert response.json()["outputs"][0]["shape"] == [1, 10], response.text
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_workers_share_the_port_metrics_and_restarts(tmp_path: Path) -> None:
+    metrics_dir = tmp_path / "metrics"
+    metrics_dir.mkdir()
+    # Left by an earlier run: were it read, /metrics would fail to parse or count it in.
+    (metrics_dir / "counter_1.db").write_bytes(b"\x07garbage")
+    metrics_port = free_port()
+    env = {
+        "NOGRAD_WORKERS": "2",
+        "NOGRAD_MODEL_REPOSITORY": str(digits_repository(tmp_path)),
+        "NOGRAD_METRICS_PORT": str(metrics_port),
+        "NOGRAD_LOG_FORMAT": "text",
+        "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
+    }
+    with run_server(tmp_path, env) as server:
+        wait_for_log(server, "all 2 workers serve")
+        pids = worker_pids(server)
+        assert sorted(pids) == [0, 1] and len(set(pids.values())) == 2
+        threads = max(1, usable_cores() // 2)
+        assert server.log().count(f"torch intra-op threads: {threads}") == 2
+
+        infer_on_new_connections(server.url, 40)
+        per_worker = [answered_by(metrics_dir, pid) for pid in pids.values()]
+        assert sum(per_worker) == 40
+        assert min(per_worker) > 0, f"one worker took every connection: {per_worker}"
+        for url in (server.url, f"http://127.0.0.1:{metrics_port}"):
+            assert scrape(url, "nograd_requests_total", model="digits", code="200") == 40
+            assert scrape(url, "nograd_model_ready", model="digits") == 1
+            assert scrape(url, "nograd_batch_limit", model="digits") > 0
+        # Both workers' resident memory, added up (each is a whole process with torch loaded).
+        time.sleep(1.2)  # memory is published once a second
+        assert scrape(server.url, "nograd_device_memory_allocated_bytes") > 2 * 100 * 2**20
+
+        # A worker killed outright: the other one serves on, the dead one starts again, and
+        # the counts it had made stay in the totals.
+        os.kill(pids[0], signal.SIGKILL)
+        infer_on_new_connections(server.url, 10)
+        wait_for_log(server, "worker 0 ready after", times=2)
+        restarted = worker_pids(server)[0]
+        assert restarted != pids[0] and alive(restarted)
+        assert "worker 0 (pid" in server.log() and "exited with code -9" in server.log()
+        infer_on_new_connections(server.url, 10)
+        assert scrape(server.url, "nograd_requests_total", model="digits", code="200") == 60
+        assert scrape(server.url, "nograd_model_ready", model="digits") == 1
+
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(40) == 0
+        log = server.log()
+        assert log.count("SIGTERM: draining") == 2
+        assert "all workers stopped" in log
+        assert not alive(restarted) and not alive(pids[1])
+    assert not list(metrics_dir.glob("counter_1.db"))
+
+
+def test_a_worker_that_cannot_start_stops_the_server(tmp_path: Path) -> None:
+    repo = digits_repository(tmp_path)
+    config = repo / "digits" / "config.toml"
+    config.write_text(config.read_text() + '\nunknown_knob = "x"\n')
+    env = {"NOGRAD_WORKERS": "2", "NOGRAD_MODEL_REPOSITORY": str(repo)}
+    with run_server(tmp_path, env, wait_ready=False) as server:
+        assert server.process.wait(120) == 1
+        log = server.log()
+        assert "unknown_knob" in log
+        assert "exited with code 3 while starting" in log
+        assert "worker 1 started" not in log
