@@ -181,6 +181,7 @@ class DataPlane:
                     self._failed(model, exc, "failed to start")
         settle_heap()
         self._loaded.set()
+        self.metrics.workers_ready.set(1)
 
     def _failed(self, model: ServedModel, exc: Exception, what: str) -> None:
         model.state = State.FAILED
@@ -338,6 +339,7 @@ class DataPlane:
             if model.batcher is not None:
                 await model.batcher.stop(drain_timeout_s)
             self.metrics.model_ready.labels(model.name).set(0)
+        self.metrics.workers_ready.set(0)
         self._threads.shutdown()
 
     # ------------------------------------------------------------------ health

@@ -150,6 +150,12 @@ class Metrics:
             registry=r,
             multiprocess_mode="livemax",
         )
+        self.workers_ready = Gauge(
+            "nograd_workers_ready",
+            "Server processes that finished loading their models and serve (NOGRAD_WORKERS).",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
         self.model_ready = Gauge(
             "nograd_model_ready",
             "1 when the model serves requests.",

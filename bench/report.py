@@ -16,6 +16,7 @@ SYSTEM_ORDER = (
     "nograd-batching-off",
     "nograd-threads-1",
     "nograd-threads-fewer",
+    "nograd-workers-2",
 )
 LABELS = {
     "nograd": "nograd",
@@ -25,6 +26,7 @@ LABELS = {
     "nograd-batching-off": "nograd, batching off",
     "nograd-threads-1": "nograd, NOGRAD_TORCH_THREADS=1",
     "nograd-threads-fewer": "nograd, NOGRAD_TORCH_THREADS=cores − 1",
+    "nograd-workers-2": "nograd, NOGRAD_WORKERS=2",
 }
 COLORS = {
     "nograd": "tab:blue",
@@ -113,10 +115,11 @@ def verdict(ok: bool | None) -> str:
 
 
 # ------------------------------------------------------------------------------------- targets
-def targets(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
-    """(target, measured, threshold, verdict) rows for issue 5's targets."""
+def targets(results: dict[str, Any], system: str = "nograd") -> list[tuple[str, str, str, str]]:
+    """(target, measured, threshold, verdict) rows for issue 5's targets, for one nograd
+    configuration (the concurrency-1 rows only for the default one, the only one run there)."""
     out: list[tuple[str, str, str, str]] = []
-    ng = head(results, "nograd", "digits")
+    ng = head(results, system, "digits")
     ceiling = head(results, "http-ceiling", "digits")
     lit = litserve_best(results, "digits")
     if ng:
@@ -145,7 +148,7 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     raw_minilm = results.get("raw", {}).get("minilm", {})
     packed = raw_minilm.get("packed_best", {}).get("samples_per_s")
     for workload in ("minilm-1", "minilm-8"):
-        ng = head(results, "nograd", workload)
+        ng = head(results, system, workload)
         lit = litserve_best(results, workload)
         if not ng:
             continue
@@ -175,7 +178,7 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         if same:
             # LitServe running nograd's own (packed) forward: the serving compared alone.
             out += versus_litserve(ng, same, f"{workload}: ", "LitServe on nograd's packed forward")
-    one = runs(results, system="nograd", workload="minilm-1", mode="closed", concurrency=1)
+    one = runs(results, system=system, workload="minilm-1", mode="closed", concurrency=1)
     b1 = raw_batch1_ms(results)
     if one and b1 is not None:
         p50 = one[0]["p50_ms"]
@@ -320,6 +323,10 @@ def markdown(results: dict[str, Any]) -> str:
     parts += [f"## Targets (issue 5), ratios from this run ({tag}, concurrency {c})", ""]
     parts.append(table(("target", "measured", "target", "verdict"), targets(results)))
     parts.append("")
+    more = targets(results, "nograd-workers-2")
+    if more:
+        parts += [f"### The same targets for {LABELS['nograd-workers-2']} ({tag})", ""]
+        parts += [table(("target", "measured", "target", "verdict"), more), ""]
 
     parts += [f"## Closed loop, concurrency {c} ({tag})", ""]
     for workload in plan["workloads"]:

@@ -8,7 +8,8 @@ Phases (each server is started, measured and stopped in turn; every process is s
    32, 1 and 8, open loop at fixed arrival rates, py-spy under load;
 3. the HTTP ceiling (digits), plain FastAPI, LitServe (a max_batch_size × batch_timeout sweep
    at concurrency 32, then its best configuration at the other loads);
-4. nograd with batching off (a temporary model repository whose configs cap batches at 1);
+4. nograd with batching off (a temporary model repository whose configs cap batches at 1), with
+   one torch thread fewer, and as two worker processes (``NOGRAD_WORKERS=2``);
 5. speed levers (``bench.levers``), issue 3's memory benchmark (``bench.memory_bench``) and
    torch.profiler on nograd's batch path (``bench.profile_nograd``).
 
@@ -57,6 +58,7 @@ ALL_PHASES = (
     "litserve_packed",
     "batching_off",
     "threads",
+    "workers",
     "levers",
     "memory",
     "torch_profile",
@@ -481,6 +483,11 @@ class Bench:
         threads = str(max(1, (os.cpu_count() or 1) - 1))
         self.nograd_variant("nograd-threads-fewer", {}, {"NOGRAD_TORCH_THREADS": threads})
 
+    def phase_workers(self) -> None:
+        """nograd as two server processes (NOGRAD_WORKERS=2, torch's threads split between
+        them): for loads where one process's Python, not the forward, is the limit."""
+        self.nograd_variant("nograd-workers-2", {}, {"NOGRAD_WORKERS": "2"})
+
     def nograd_variant(
         self, system: str, edits: dict[str, dict[str, str]], env: dict[str, str]
     ) -> None:
@@ -489,6 +496,7 @@ class Bench:
             server = nograd_server(repo or ROOT / "models", self.plan.server_cpus, env)
             self.step(f"start {system}")
             with server:
+                wait_workers(server, int(env.get("NOGRAD_WORKERS", "1")))
                 for name in self.plan.workloads:
                     self.warm(server, name)
                     self.step(f"{system} {name}")
@@ -707,6 +715,15 @@ def _tree_cpu_s(pid: int) -> float:
     return total
 
 
+def wait_workers(server: Server, workers: int, timeout_s: float = 300.0) -> None:
+    """Readiness answers once the first worker serves; measure only once all of them do."""
+    deadline = time.monotonic() + timeout_s
+    while metric(scrape(server.url), "nograd_workers_ready") < workers:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{server.name}: {workers} workers not ready after {timeout_s}s")
+        time.sleep(0.5)
+
+
 def temp_repository(edits: dict[str, dict[str, str]]) -> Path:
     from bench.memory_bench import _temp_repository
 
@@ -736,7 +753,7 @@ def count_steps(plan: Plan) -> int:
     steps += models + n_wl * per_system  # fastapi
     steps += models * len(plan.litserve_grid) + n_wl * per_system + 2  # litserve
     steps += len(plan.litserve_grid) if "minilm" in {MODEL_OF[w] for w in plan.workloads} else 0
-    steps += 2 * (2 + n_wl)  # batching off, one torch thread
+    steps += 3 * (2 + n_wl)  # batching off, fewer torch threads, two workers
     steps += int(plan.levers) + int(plan.compile) + int(plan.memory) + int(plan.profile)
     return steps
 
@@ -820,6 +837,7 @@ def main(argv: list[str] | None = None) -> int:
         "litserve_packed": bench.phase_litserve_packed,
         "batching_off": bench.phase_batching_off,
         "threads": bench.phase_threads,
+        "workers": bench.phase_workers,
         "levers": bench.phase_levers,
         "memory": bench.phase_memory,
         "torch_profile": bench.phase_torch_profile,

@@ -249,6 +249,7 @@ def test_metrics_exposition(server: Server) -> None:
         if labels == {"model": "digits", "protocol": "v2", "code": "200"}
     ]
     assert ok and ok[0] >= 1
+    assert [v for _, v, _ in found["nograd_workers_ready"]] == [1.0]
     models = {labels["model"] for labels, _, _ in found["nograd_requests"]}
     assert not any(m.startswith("random-name") for m in models), "raw model names leak into labels"
     buckets = [

@@ -109,6 +109,7 @@ def test_workers_share_the_port_metrics_and_restarts(tmp_path: Path) -> None:
         for url in (server.url, f"http://127.0.0.1:{metrics_port}"):
             assert scrape(url, "nograd_requests_total", model="digits", code="200") == 40
             assert scrape(url, "nograd_model_ready", model="digits") == 1
+            assert scrape(url, "nograd_workers_ready") == 2
             assert scrape(url, "nograd_batch_limit", model="digits") > 0
         # Both workers' resident memory, added up (each is a whole process with torch loaded).
         time.sleep(1.2)  # memory is published once a second
@@ -125,6 +126,7 @@ def test_workers_share_the_port_metrics_and_restarts(tmp_path: Path) -> None:
         infer_on_new_connections(server.url, 10)
         assert scrape(server.url, "nograd_requests_total", model="digits", code="200") == 60
         assert scrape(server.url, "nograd_model_ready", model="digits") == 1
+        assert scrape(server.url, "nograd_workers_ready") == 2
 
         server.process.send_signal(signal.SIGTERM)
         assert server.process.wait(40) == 0
