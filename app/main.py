@@ -50,6 +50,7 @@ def create_app(settings: Settings | None = None, *, worker: WorkerRole | None = 
             # not take connections away from a warm one.
             await plane.load_all()
             worker.ready()
+            await asyncio.to_thread(worker.wait_for_all)
         tasks.append(asyncio.create_task(plane.watch_workers(), name="watch-workers"))
         try:
             yield

@@ -8,9 +8,10 @@ port with ``SO_REUSEPORT``, so the kernel spreads new connections evenly over th
 workers. (One shared listening socket was tried first: an idle worker's event loop accepted a
 whole burst at once, and a client's 32 connections could all land on one worker.)
 
-- Workers start one after another, and one starts listening only when its models are loaded and
-  warm, so no connection is handed to a cold worker (and start-up work never competes for the
-  cores); each budgets an equal share of the device memory it finds free.
+- Workers start one after another (start-up work never competes for the cores), and they start
+  listening together once all are warm, so no connection is handed to a cold worker and clients
+  that connect early spread over all of them; a restarted worker listens once it is warm. Each
+  budgets an equal share of the device memory it finds free.
 - The supervisor holds the port bound (never listening, so the kernel hands it no connection):
   the port is checked once at start, ``--port 0`` picks one port for all, and no other program
   can take the port while a worker restarts.
@@ -66,7 +67,9 @@ class WorkerRole:
     index: int
     multiprocess_dir: Path
     ready: Callable[[], None]
-    """Tells the supervisor the models are loaded and the worker serves."""
+    """Tells the supervisor the models are loaded and warm."""
+    wait_for_all: Callable[[], object]
+    """Blocks until every worker of the first start-up is warm (at once for a restarted one)."""
 
 
 @dataclass
@@ -131,6 +134,10 @@ class Supervisor:
         self._ctx = multiprocessing.get_context("spawn")
         self._slots = [_Slot(i) for i in range(settings.workers)]
         self._stop_signal: int | None = None
+        # Set once every worker of the first start-up is warm: they all start listening
+        # together, since a client's connections opened while only some workers listened would
+        # stay on those for as long as they are kept alive.
+        self._go = self._ctx.Event()
 
     def run(self) -> int:
         previous = {
@@ -144,6 +151,7 @@ class Supervisor:
                 self._start(slot)
                 if not self._wait_ready(slot):
                     return 0 if self._stop_signal is not None else 1
+            self._go.set()
             logger.info("all %d workers serve", len(self._slots))
             while self._stop_signal is None:
                 self._watch(timeout_s=0.5)
@@ -158,7 +166,18 @@ class Supervisor:
         del frame
         if self._stop_signal is None:
             logger.info("%s: stopping the workers", signal.Signals(sig).name)
-        self._stop_signal = sig
+            self._stop_signal = sig
+            return
+        # A second signal: every worker stops at once, as a single server does on its second.
+        logger.info("%s again: stopping the workers now", signal.Signals(sig).name)
+        self._signal_workers(signal.SIGINT)
+
+    def _signal_workers(self, sig: int) -> None:
+        for slot in self._slots:
+            process = slot.process
+            if process is not None and process.pid is not None and process.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, sig)
 
     def _serve_metrics(self) -> None:
         if self._settings.metrics_port is None:
@@ -176,7 +195,7 @@ class Supervisor:
         slot.process = self._ctx.Process(
             target=_worker_main,
             args=(self._settings, self._port, slot.index, self._dir),
-            kwargs={"ready": slot.ready, "supervisor": os.getpid()},
+            kwargs={"ready": slot.ready, "go": self._go, "supervisor": os.getpid()},
             name=f"nograd-worker-{slot.index}",
             daemon=False,
         )
@@ -232,8 +251,7 @@ class Supervisor:
         if pid is not None:
             _mark_dead(pid, self._dir)
         lived = now - slot.started_at
-        slot.failures = 0 if lived >= STABLE_AFTER_S else slot.failures + 1
-        delay = min(RESTART_DELAY_MAX_S, 0.0 if slot.failures == 0 else 2.0 ** (slot.failures - 1))
+        slot.failures, delay = next_restart(lived, slot.failures)
         slot.restart_at = now + delay
         logger.error(
             "worker %d (pid %s) exited with code %s after %.1fs; starting it again in %.0fs",
@@ -246,10 +264,8 @@ class Supervisor:
 
     def _stop_all(self) -> None:
         running = [s.process for s in self._slots if s.process is not None]
-        for process in running:
-            if process.is_alive() and process.pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(process.pid, signal.SIGTERM)
+        self._go.set()  # a worker waiting for the others must not wait through its SIGTERM
+        self._signal_workers(signal.SIGTERM)
         deadline = time.monotonic() + self._settings.drain_timeout_s + 10.0
         for process in running:
             process.join(max(0.0, deadline - time.monotonic()))
@@ -260,6 +276,18 @@ class Supervisor:
         for slot in self._slots:
             slot.process = None
         logger.info("all workers stopped")
+
+
+def next_restart(lived_s: float, failures: int) -> tuple[int, float]:
+    """(failures so far, delay before the next start) for a worker that died after ``lived_s``.
+
+    A worker that served a while restarts at once; one that keeps dying soon after it starts
+    (a bad model, a broken device) waits 1, 2, 4 … up to 30 s, so it cannot spin a core.
+    """
+    if lived_s >= STABLE_AFTER_S:
+        return 0, 0.0
+    failures += 1
+    return failures, min(RESTART_DELAY_MAX_S, 2.0 ** (failures - 1))
 
 
 def _mark_dead(pid: int, directory: Path) -> None:
@@ -276,6 +304,7 @@ def _worker_main(
     multiprocess_dir: Path,
     *,
     ready: Event,
+    go: Event,
     supervisor: int,
 ) -> None:
     _exit_with_supervisor(supervisor)
@@ -285,7 +314,7 @@ def _worker_main(
     from app.main import create_app
     from app.server import build_server
 
-    role = WorkerRole(index, multiprocess_dir, ready.set)
+    role = WorkerRole(index, multiprocess_dir, ready.set, go.wait)
     server = build_server(settings, create_app(settings, worker=role))
     server.run(sockets=[bind_socket(settings.host, port)])
     sys.exit(0 if server.started else STARTUP_FAILURE)

@@ -96,6 +96,8 @@ def test_workers_share_the_port_metrics_and_restarts(tmp_path: Path) -> None:
         "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
     }
     with run_server(tmp_path, env) as server:
+        # Ready answered, so a worker listens: both are warm (they start listening together).
+        assert "worker 1 ready after" in server.log()
         wait_for_log(server, "all 2 workers serve")
         pids = worker_pids(server)
         assert sorted(pids) == [0, 1] and len(set(pids.values())) == 2
