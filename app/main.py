@@ -46,8 +46,8 @@ def create_app(settings: Settings | None = None, *, worker: WorkerRole | None = 
             # tells the truth (not ready) while weights load and warm up.
             tasks.append(asyncio.create_task(plane.load_all(), name="load-models"))
         else:
-            # uvicorn serves the shared socket only after startup: a worker still loading must
-            # not take connections away from a warm one.
+            # uvicorn listens only after startup, so a worker still loading takes no
+            # connection; at the first start-up every worker begins listening at once.
             await plane.load_all()
             worker.ready()
             await asyncio.to_thread(worker.wait_for_all)

@@ -47,7 +47,8 @@ _DEVICE_MEMORY: Final[tuple[tuple[str, str, _Mode], ...]] = (
     ("peak", "Peak bytes in use since start (or last reset).", "livesum"),
     ("total", "Device capacity: GPU memory, or system memory on CPU.", "livemax"),
 )
-"""Device memory series; with several workers each one's usage is added up, capacity is not."""
+"""Device memory series; with several workers each one's usage is added up, capacity is not
+(so ``peak`` is the sum of each worker's own peak: an upper bound of the server's)."""
 
 
 class _DeviceMemoryCollector(Collector):

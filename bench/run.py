@@ -716,7 +716,8 @@ def _tree_cpu_s(pid: int) -> float:
 
 
 def wait_workers(server: Server, workers: int, timeout_s: float = 300.0) -> None:
-    """Readiness answers once the first worker serves; measure only once all of them do."""
+    """Measure only once every worker reports in: a worker that failed or restarted would leave
+    the others serving alone and the numbers would be those of fewer workers."""
     deadline = time.monotonic() + timeout_s
     while metric(scrape(server.url), "nograd_workers_ready") < workers:
         if time.monotonic() > deadline:
