@@ -20,7 +20,8 @@ whole burst at once, and a client's 32 connections could all land on one worker.
   the kernel (unless ``net.ipv4.tcp_migrate_req`` is on).
 - Metrics live in files in one folder (prometheus_client's multiprocess mode), so /metrics on any
   worker, and ``NOGRAD_METRICS_PORT`` on the supervisor, report the whole server.
-- SIGTERM (or Ctrl+C) reaches every worker as SIGTERM: each drains as a single server does. A
+- SIGTERM (or Ctrl+C) reaches every worker as SIGTERM: each drains as a single server does; a
+  second signal kills the workers at once, cutting the requests still in flight. A
   worker that dies while serving is started again, after a delay that grows while it keeps dying;
   one that dies during the first start-up stops the server, as a failed single server would.
 
@@ -168,9 +169,10 @@ class Supervisor:
             logger.info("%s: stopping the workers", signal.Signals(sig).name)
             self._stop_signal = sig
             return
-        # A second signal: every worker stops at once, as a single server does on its second.
-        logger.info("%s again: stopping the workers now", signal.Signals(sig).name)
-        self._signal_workers(signal.SIGINT)
+        # A second signal means "now": a draining uvicorn would still wait for its open
+        # connections, so the workers are killed; requests still in flight are cut.
+        logger.info("%s again: killing the workers now", signal.Signals(sig).name)
+        self._signal_workers(signal.SIGKILL)
 
     def _signal_workers(self, sig: int) -> None:
         for slot in self._slots:

@@ -3,6 +3,7 @@ a dead worker restarted, SIGTERM reaching every worker, a failed start-up stoppi
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import shutil
@@ -150,3 +151,41 @@ def test_a_worker_that_cannot_start_stops_the_server(tmp_path: Path) -> None:
         assert "unknown_knob" in log
         assert "exited with code 3 while starting" in log
         assert "worker 1 started" not in log
+
+
+def test_a_second_signal_stops_the_workers_without_waiting_for_the_drain(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT / "tests" / "fixtures" / "models" / "slow", repo / "slow")
+    config = repo / "slow" / "config.toml"
+    config.write_text(config.read_text().replace("max_queue_size = 4", "max_queue_size = 512"))
+    env = {
+        "NOGRAD_WORKERS": "2",
+        "NOGRAD_MODEL_REPOSITORY": str(repo),
+        "NOGRAD_DRAIN_TIMEOUT_S": "60",
+        "NOGRAD_LOG_FORMAT": "text",
+    }
+    body = {"inputs": [{"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [1.0]}]}
+    with run_server(tmp_path, env) as server:
+
+        async def wave() -> None:
+            limits = httpx.Limits(max_connections=200)
+            async with httpx.AsyncClient(base_url=server.url, timeout=90, limits=limits) as client:
+                # 200 requests in batches of 2 at 100 ms each: ~5 s of work per worker.
+                calls = [client.post("/v2/models/slow/infer", json=body) for _ in range(200)]
+                tasks = [asyncio.ensure_future(call) for call in calls]
+                await asyncio.sleep(1.0)
+                server.process.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.5)
+                server.process.send_signal(signal.SIGTERM)
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+        started = time.monotonic()
+        asyncio.run(wave())
+        assert server.process.wait(30) == 0
+        elapsed = time.monotonic() - started
+        log = server.log()
+        assert "SIGTERM again: killing the workers now" in log
+        assert log.count("SIGTERM: draining") == 2
+        assert "all workers stopped" in log
+        # The drain alone would take ~5 s (60 s allowed); the second signal cut it short.
+        assert elapsed < 4.0, f"took {elapsed:.1f}s:\n{log}"
