@@ -65,7 +65,6 @@ STABLE_AFTER_S = 60.0
 class WorkerRole:
     """What one worker process knows of the others."""
 
-    index: int
     multiprocess_dir: Path
     ready: Callable[[], None]
     """Tells the supervisor the models are loaded and warm."""
@@ -145,8 +144,12 @@ class Supervisor:
             sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)
         }
         try:
-            host, port = self._sock.getsockname()[:2]
-            logger.info("listening on %s:%d with %d worker processes", host, port, len(self._slots))
+            logger.info(
+                "listening on %s:%d with %d worker processes",
+                self._settings.host,
+                self._port,
+                len(self._slots),
+            )
             self._serve_metrics()
             for slot in self._slots:
                 self._start(slot)
@@ -196,7 +199,7 @@ class Supervisor:
         slot.ready = self._ctx.Event()
         slot.process = self._ctx.Process(
             target=_worker_main,
-            args=(self._settings, self._port, slot.index, self._dir),
+            args=(self._settings, self._port, self._dir),
             kwargs={"ready": slot.ready, "go": self._go, "supervisor": os.getpid()},
             name=f"nograd-worker-{slot.index}",
             daemon=False,
@@ -302,7 +305,6 @@ def _mark_dead(pid: int, directory: Path) -> None:
 def _worker_main(
     settings: Settings,
     port: int,
-    index: int,
     multiprocess_dir: Path,
     *,
     ready: Event,
@@ -316,7 +318,7 @@ def _worker_main(
     from app.main import create_app
     from app.server import build_server
 
-    role = WorkerRole(index, multiprocess_dir, ready.set, go.wait)
+    role = WorkerRole(multiprocess_dir, ready.set, go.wait)
     server = build_server(settings, create_app(settings, worker=role))
     server.run(sockets=[bind_socket(settings.host, port)])
     sys.exit(0 if server.started else STARTUP_FAILURE)

@@ -87,3 +87,15 @@ def stop_server(server: Server, timeout_s: float = 30.0) -> int:
             server.process.kill()
             server.process.wait()
     return server.process.returncode
+
+
+def metric_value(url: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` on ``url``/metrics whose labels include ``labels``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total

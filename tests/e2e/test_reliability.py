@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.serving import Server, run_server
+from tests.e2e.serving import Server, metric_value, run_server
 
 pytestmark = pytest.mark.e2e
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "models"
@@ -43,13 +43,7 @@ def body(model: str, value: float, rows: int = 1) -> dict[str, object]:
 
 
 def metric(server: Server, name: str, **labels: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    for family in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return sample.value
-    return 0.0
+    return metric_value(server.url, name, **labels)
 
 
 @pytest.fixture(scope="module")

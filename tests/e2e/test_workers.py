@@ -14,10 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client.mmap_dict import MmapedDict
-from prometheus_client.parser import text_string_to_metric_families
 
 from app.runtime.devices import usable_cores
-from tests.e2e.serving import ROOT, Server, free_port, run_server
+from tests.e2e.serving import ROOT, Server, free_port, metric_value, run_server
 
 pytestmark = pytest.mark.e2e
 DIGITS = {
@@ -43,15 +42,6 @@ def wait_for_log(server: Server, text: str, times: int = 1, timeout_s: float = 1
         assert server.process.poll() is None, server.log()
         assert time.monotonic() < deadline, f"{text!r} not logged:\n{server.log()}"
         time.sleep(0.1)
-
-
-def scrape(url: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
 
 
 def answered_by(directory: Path, pid: int) -> float:
@@ -110,13 +100,13 @@ def test_workers_share_the_port_metrics_and_restarts(tmp_path: Path) -> None:
         assert sum(per_worker) == 40
         assert min(per_worker) > 0, f"one worker took every connection: {per_worker}"
         for url in (server.url, f"http://127.0.0.1:{metrics_port}"):
-            assert scrape(url, "nograd_requests_total", model="digits", code="200") == 40
-            assert scrape(url, "nograd_model_ready", model="digits") == 1
-            assert scrape(url, "nograd_workers_ready") == 2
-            assert scrape(url, "nograd_batch_limit", model="digits") > 0
+            assert metric_value(url, "nograd_requests_total", model="digits", code="200") == 40
+            assert metric_value(url, "nograd_model_ready", model="digits") == 1
+            assert metric_value(url, "nograd_workers_ready") == 2
+            assert metric_value(url, "nograd_batch_limit", model="digits") > 0
         # Both workers' resident memory, added up (each is a whole process with torch loaded).
         time.sleep(1.2)  # memory is published once a second
-        assert scrape(server.url, "nograd_device_memory_allocated_bytes") > 2 * 100 * 2**20
+        assert metric_value(server.url, "nograd_device_memory_allocated_bytes") > 2 * 100 * 2**20
 
         # A worker killed outright: the other one serves on, the dead one starts again, and
         # the counts it had made stay in the totals.
@@ -127,9 +117,9 @@ def test_workers_share_the_port_metrics_and_restarts(tmp_path: Path) -> None:
         assert restarted != pids[0] and alive(restarted)
         assert "worker 0 (pid" in server.log() and "exited with code -9" in server.log()
         infer_on_new_connections(server.url, 10)
-        assert scrape(server.url, "nograd_requests_total", model="digits", code="200") == 60
-        assert scrape(server.url, "nograd_model_ready", model="digits") == 1
-        assert scrape(server.url, "nograd_workers_ready") == 2
+        assert metric_value(server.url, "nograd_requests_total", model="digits", code="200") == 60
+        assert metric_value(server.url, "nograd_model_ready", model="digits") == 1
+        assert metric_value(server.url, "nograd_workers_ready") == 2
 
         server.process.send_signal(signal.SIGTERM)
         assert server.process.wait(40) == 0
