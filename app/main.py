@@ -46,11 +46,9 @@ def create_app(settings: Settings | None = None, *, worker: WorkerRole | None = 
             # tells the truth (not ready) while weights load and warm up.
             tasks.append(asyncio.create_task(plane.load_all(), name="load-models"))
         else:
-            # uvicorn listens only after startup, so a worker still loading takes no
-            # connection; at the first start-up every worker begins listening at once.
+            # The supervisor hands a worker connections only once it is warm.
             await plane.load_all()
             worker.ready()
-            await asyncio.to_thread(worker.wait_for_all)
         tasks.append(asyncio.create_task(plane.watch_workers(), name="watch-workers"))
         try:
             yield

@@ -3,15 +3,20 @@
 On the first SIGTERM nograd turns not-ready at once and refuses new inference with 503 while it
 keeps listening, so load balancers and clients see a clear answer instead of a refused
 connection; every accepted request finishes; then uvicorn shuts down. The whole drain is bounded
-by ``NOGRAD_DRAIN_TIMEOUT_S``. A second signal (or Ctrl+C) exits at once.
+by ``NOGRAD_DRAIN_TIMEOUT_S``. A second signal (SIGTERM or Ctrl+C) exits at once, cutting the
+requests still in flight.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 import logging
 import signal
+import socket
 import time
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
@@ -21,25 +26,105 @@ from prometheus_client import start_http_server
 from app.dataplane import DataPlane
 from app.main import create_app
 from app.settings import Settings
+from app.workers import Handoff
 
 logger = logging.getLogger(__name__)
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, plane: DataPlane, drain_timeout_s: float) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        plane: DataPlane,
+        drain_timeout_s: float,
+        handoff: Handoff | None = None,
+    ) -> None:
         super().__init__(config)
         self._plane = plane
         self._drain_timeout_s = drain_timeout_s
         self._drain_task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._handoff = handoff
+        self._signals = 0
+        self._adopting: set[asyncio.Task[None]] = set()
 
     async def serve(self, sockets: list[object] | None = None) -> None:  # type: ignore[override]
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)  # type: ignore[arg-type]
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        if self._handoff is None:
+            await super().startup(sockets)
+            return
+        # A worker listens on nothing (an empty list keeps uvicorn from binding the port): its
+        # connections come from the supervisor, accepted there and passed over the channel.
+        await super().startup([])
+        loop = asyncio.get_running_loop()
+        protocol = _counting(self.config.http_protocol_class, self._handoff.closed)
+        config, state = self.config, self.server_state
+
+        def create_protocol() -> asyncio.Protocol:
+            return protocol(  # type: ignore[call-arg]
+                config=config, server_state=state, app_state=self.lifespan.state, _loop=loop
+            )
+
+        loop.add_reader(self._handoff.channel.fileno(), self._receive, loop, create_protocol)
+
+    def _receive(
+        self, loop: asyncio.AbstractEventLoop, create_protocol: Callable[[], asyncio.Protocol]
+    ) -> None:
+        """Take every connection waiting in the channel and serve each like an accepted one."""
+        assert self._handoff is not None
+        channel = self._handoff.channel
+        while True:
+            try:
+                message, fds, _, _ = socket.recv_fds(channel, 1, 1)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                message, fds = b"", []
+            if not message and not fds:  # the supervisor is gone: nothing more will come
+                loop.remove_reader(channel.fileno())
+                return
+            for fd in fds:
+                task = loop.create_task(
+                    self._adopt(loop, socket.socket(fileno=fd), create_protocol)
+                )
+                self._adopting.add(task)
+                task.add_done_callback(self._adopting.discard)
+
+    async def _adopt(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        conn: socket.socket,
+        create_protocol: Callable[[], asyncio.Protocol],
+    ) -> None:
+        try:
+            await loop.connect_accepted_socket(create_protocol, conn)
+        except OSError as exc:  # the client left before it could be served
+            assert self._handoff is not None
+            logger.debug("a handed-over connection failed: %s", exc)
+            conn.close()
+            self._handoff.closed.value += 1
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self._handoff is not None and self._loop is not None:
+            # No new connections from here on; the supervisor hands them to the other workers.
+            with contextlib.suppress(ValueError, OSError):
+                self._loop.remove_reader(self._handoff.channel.fileno())
+            self._handoff.channel.close()
+        await super().shutdown(sockets)
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        first_term = sig == signal.SIGTERM and self._drain_task is None and not self.should_exit
-        if first_term and self._loop is not None and self._drain_timeout_s > 0:
+        self._signals += 1
+        if self._signals > 1:
+            # A second signal means "now": uvicorn's own shutdown would still wait for open
+            # connections and the models' queues; requests still in flight are cut.
+            logger.info("%s again: exiting without waiting", signal.Signals(sig).name)
+            self.force_exit = True
+            self.should_exit = True
+            return
+        if sig == signal.SIGTERM and self._loop is not None and self._drain_timeout_s > 0:
             self._loop.call_soon_threadsafe(self._start_drain)
             return
         super().handle_exit(sig, frame)
@@ -66,7 +151,22 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
-def build_server(settings: Settings, app: FastAPI | None = None) -> DrainingServer:
+def _counting(base: type[asyncio.Protocol], closed: ctypes.c_longlong) -> type[asyncio.Protocol]:
+    """``base`` that counts its closed connections, so the supervisor knows which worker has
+    the fewest open."""
+
+    def connection_lost(self: asyncio.Protocol, exc: Exception | None) -> None:
+        try:
+            base.connection_lost(self, exc)
+        finally:
+            closed.value += 1
+
+    return type(f"Counted{base.__name__}", (base,), {"connection_lost": connection_lost})
+
+
+def build_server(
+    settings: Settings, app: FastAPI | None = None, *, handoff: Handoff | None = None
+) -> DrainingServer:
     app = app or create_app(settings)
     plane = app.state.dataplane
     assert isinstance(plane, DataPlane)
@@ -79,7 +179,7 @@ def build_server(settings: Settings, app: FastAPI | None = None) -> DrainingServ
         access_log=False,
         timeout_graceful_shutdown=max(1, int(settings.drain_timeout_s)),
     )
-    return DrainingServer(config, plane, settings.drain_timeout_s)
+    return DrainingServer(config, plane, settings.drain_timeout_s, handoff)
 
 
 def serve(settings: Settings) -> None:

@@ -3,27 +3,28 @@
 One nograd process is bound by Python's GIL: for a small model the event loop, JSON and the
 batcher's bookkeeping fill one core while the forward needs little, so a second core idles. Here
 a supervisor process starts that many workers (spawned, so none inherits torch or OpenMP state);
-each is a whole nograd server with its own models, batchers and device thread, listening on the
-port with ``SO_REUSEPORT``, so the kernel spreads new connections evenly over the listening
-workers. (One shared listening socket was tried first: an idle worker's event loop accepted a
-whole burst at once, and a client's 32 connections could all land on one worker.)
+each is a whole nograd server with its own models, batchers and device thread.
 
-- Workers start one after another (start-up work never competes for the cores), and they start
-  listening together once all are warm, so no connection is handed to a cold worker and clients
-  that connect early spread over all of them; a restarted worker listens once it is warm. Each
-  budgets an equal share of the device memory it finds free.
-- The supervisor holds the port bound (never listening, so the kernel hands it no connection):
-  the port is checked once at start, ``--port 0`` picks one port for all, and no other program
-  can take the port while a worker restarts.
-- Connections stay with the worker that accepted them: requests on one keep-alive connection are
-  served by one worker. Connections still waiting in a dying worker's accept queue are reset by
-  the kernel (unless ``net.ipv4.tcp_migrate_req`` is on).
+- The supervisor listens on the port and hands every connection it accepts to the worker with
+  the fewest open connections (ties in turn), passing the socket over a Unix socket pair. Two
+  ways of letting the kernel spread connections were measured first and dropped: one shared
+  listening socket (an idle worker's event loop accepted a whole burst at once, so a client's 32
+  connections could all land on one worker) and one ``SO_REUSEPORT`` socket per worker (the
+  kernel hashes each connection to a worker: 32 connections split as unevenly as 10/22, at least
+  20/12 about one time in five, and the busier worker's queue sets the tail latency). Handing
+  over costs one ``sendmsg`` per connection, not per request.
+- Workers start one after another (start-up work never competes for the cores); the supervisor
+  starts listening once all are warm, and a restarted worker is handed connections once it is
+  warm. Each budgets an equal share of the device memory it finds free.
+- Connections stay with the worker they were handed to: requests on one keep-alive connection
+  are served by one worker. A connection handed to a worker just as it dies is reset.
 - Metrics live in files in one folder (prometheus_client's multiprocess mode), so /metrics on any
   worker, and ``NOGRAD_METRICS_PORT`` on the supervisor, report the whole server.
-- SIGTERM (or Ctrl+C) reaches every worker as SIGTERM: each drains as a single server does; a
-  second signal kills the workers at once, cutting the requests still in flight. A
-  worker that dies while serving is started again, after a delay that grows while it keeps dying;
-  one that dies during the first start-up stops the server, as a failed single server would.
+- SIGTERM (or Ctrl+C) reaches every worker as SIGTERM: each drains as a single server does while
+  the supervisor keeps handing them connections (answered 503, as a draining server does); a
+  second signal kills the workers at once, cutting the requests still in flight. A worker that
+  dies while serving is started again, after a delay that grows while it keeps dying; one that
+  dies during the first start-up stops the server, as a failed single server would.
 
 This module imports no torch: the supervisor stays small, and only workers load models.
 """
@@ -41,7 +42,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from multiprocessing.context import SpawnProcess
@@ -59,6 +60,10 @@ STARTUP_FAILURE = 3
 RESTART_DELAY_MAX_S = 30.0
 STABLE_AFTER_S = 60.0
 """A worker that served this long before dying is restarted at once."""
+BACKLOG = 2048
+"""Connections the kernel queues for the supervisor to accept (uvicorn's default backlog)."""
+_ACCEPTS_PER_ROUND = 256
+"""Accepted in one go before the supervisor looks at its workers again."""
 
 
 @dataclass(frozen=True)
@@ -68,8 +73,16 @@ class WorkerRole:
     multiprocess_dir: Path
     ready: Callable[[], None]
     """Tells the supervisor the models are loaded and warm."""
-    wait_for_all: Callable[[], object]
-    """Blocks until every worker of the first start-up is warm (at once for a restarted one)."""
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """A worker's end of the way connections reach it from the supervisor."""
+
+    channel: socket.socket
+    """Unix SOCK_SEQPACKET socket: one message per connection, the socket passed along."""
+    closed: ctypes.c_longlong
+    """Shared with the supervisor: connections this worker has closed so far."""
 
 
 @dataclass
@@ -77,11 +90,16 @@ class _Slot:
     index: int
     process: SpawnProcess | None = None
     ready: Event | None = None
+    channel: socket.socket | None = None
+    """The supervisor's end of the worker's Handoff channel."""
+    closed: ctypes.c_longlong | None = None
+    sent: int = 0
+    """Connections handed to this worker; with ``closed``, the ones it has open."""
+    serving: bool = False
+    """Warm and handed connections."""
     started_at: float = 0.0
     failures: int = 0
     restart_at: float | None = None
-    announced: bool = False
-    """Its readiness was logged."""
 
 
 def supervise(settings: Settings) -> int:
@@ -96,14 +114,27 @@ def supervise(settings: Settings) -> int:
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A socket bound with SO_REUSEPORT and not yet listening: until ``listen`` the kernel hands
-    it no connection (uvicorn listens once the worker's start-up is done)."""
+    """The port, bound and not yet listening: until ``listen`` (once the workers are warm) the
+    kernel refuses connections rather than queueing them for a server that cannot answer."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
     return sock
+
+
+def least_loaded(open_connections: Sequence[int | None], last: int) -> int | None:
+    """The worker to hand the next connection: fewest open connections, ties taken in turn
+    after ``last`` (so one-request connections alternate); None marks a worker not serving."""
+    count = len(open_connections)
+    best: int | None = None
+    best_load = 0
+    for step in range(1, count + 1):
+        index = (last + step) % count
+        load = open_connections[index]
+        if load is not None and (best is None or load < best_load):
+            best, best_load = index, load
+    return best
 
 
 def _metrics_dir() -> tuple[Path, bool]:
@@ -134,29 +165,33 @@ class Supervisor:
         self._ctx = multiprocessing.get_context("spawn")
         self._slots = [_Slot(i) for i in range(settings.workers)]
         self._stop_signal: int | None = None
-        # Set once every worker of the first start-up is warm: they all start listening
-        # together, since a client's connections opened while only some workers listened would
-        # stay on those for as long as they are kept alive.
-        self._go = self._ctx.Event()
+        self._listening = False
+        self._closing = False
+        """Stopping: dead workers are not started again."""
+        self._last_pick = -1
+        self._dropped = 0
 
     def run(self) -> int:
         previous = {
             sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)
         }
         try:
+            self._serve_metrics()
+            for slot in self._slots:
+                self._start(slot)
+                if not self._wait_ready(slot):
+                    return 0 if self._stop_signal is not None else 1
+            # Listening only once every worker is warm: a client's connections opened while
+            # some workers were still loading would stay on the others while kept alive.
+            self._sock.setblocking(False)
+            self._sock.listen(BACKLOG)
+            self._listening = True
             logger.info(
                 "listening on %s:%d with %d worker processes",
                 self._settings.host,
                 self._port,
                 len(self._slots),
             )
-            self._serve_metrics()
-            for slot in self._slots:
-                self._start(slot)
-                if not self._wait_ready(slot):
-                    return 0 if self._stop_signal is not None else 1
-            self._go.set()
-            logger.info("all %d workers serve", len(self._slots))
             while self._stop_signal is None:
                 self._watch(timeout_s=0.5)
             return 0
@@ -165,6 +200,8 @@ class Supervisor:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             self._sock.close()
+            for slot in self._slots:
+                self._close_channel(slot)
 
     def _on_signal(self, sig: int, frame: FrameType | None) -> None:
         del frame
@@ -197,17 +234,26 @@ class Supervisor:
 
     def _start(self, slot: _Slot) -> None:
         slot.ready = self._ctx.Event()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        ours.setblocking(False)
+        closed = self._ctx.RawValue(ctypes.c_longlong, 0)
         slot.process = self._ctx.Process(
             target=_worker_main,
-            args=(self._settings, self._port, self._dir),
-            kwargs={"ready": slot.ready, "go": self._go, "supervisor": os.getpid()},
+            args=(self._settings, self._dir),
+            kwargs={
+                "ready": slot.ready,
+                "handoff": Handoff(theirs, closed),
+                "supervisor": os.getpid(),
+            },
             name=f"nograd-worker-{slot.index}",
             daemon=False,
         )
         slot.process.start()
+        theirs.close()
+        slot.channel, slot.closed, slot.sent = ours, closed, 0
         slot.started_at = time.monotonic()
         slot.restart_at = None
-        slot.announced = False
+        slot.serving = False
         logger.info("worker %d started (pid %s)", slot.index, slot.process.pid)
 
     def _wait_ready(self, slot: _Slot) -> bool:
@@ -222,39 +268,103 @@ class Supervisor:
                     slot.process.exitcode,
                 )
                 return False
-        self._announce(slot)
+        self._serve(slot)
         return True
 
-    def _announce(self, slot: _Slot) -> None:
-        slot.announced = True
+    def _serve(self, slot: _Slot) -> None:
+        slot.serving = True
         logger.info("worker %d ready after %.1fs", slot.index, time.monotonic() - slot.started_at)
 
     def _watch(self, timeout_s: float) -> None:
-        """Wait for a worker to exit or a restart to fall due, then handle either."""
+        """Wait for a connection, a worker's exit or a due restart, then handle each."""
         live = [s.process.sentinel for s in self._slots if s.process is not None]
         due = [s.restart_at for s in self._slots if s.restart_at is not None]
         if due:
             timeout_s = max(0.0, min(timeout_s, min(due) - time.monotonic()))
-        wait(live, timeout_s)
-        if self._stop_signal is not None:
+        # Only a listening socket: one that is merely bound polls as hung up, always ready.
+        wait([*live, self._sock] if self._listening else live, timeout_s)
+        self._bury_dead()
+        self._hand_over()
+        if self._closing:
             return
+        now = time.monotonic()
+        for slot in self._slots:
+            if slot.restart_at is not None and now >= slot.restart_at:
+                self._start(slot)
+            ready = slot.ready is not None and slot.ready.is_set()
+            if slot.process is not None and ready and not slot.serving:
+                self._serve(slot)
+
+    def _bury_dead(self) -> None:
         now = time.monotonic()
         for slot in self._slots:
             if slot.process is not None and not slot.process.is_alive():
                 self._buried(slot, now)
-            if slot.restart_at is not None and now >= slot.restart_at:
-                self._start(slot)
-            ready = slot.ready is not None and slot.ready.is_set()
-            if slot.process is not None and ready and not slot.announced:
-                self._announce(slot)
+
+    def _hand_over(self) -> None:
+        """Accept waiting connections and hand each to the least busy serving worker."""
+        if not self._listening:
+            return
+        for _ in range(_ACCEPTS_PER_ROUND):
+            try:
+                conn, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # out of file descriptors, a connection reset while queued
+                logger.warning("accepting a connection failed: %s", exc)
+                return
+            with conn:
+                if not self._send(conn):
+                    self._dropped += 1
+                    logger.warning(
+                        "no worker could take a connection; closed it (%d so far)", self._dropped
+                    )
+
+    def _send(self, conn: socket.socket) -> bool:
+        tried: set[int] = set()
+        while True:
+            loads = [
+                self._open_connections(s) if s.index not in tried else None for s in self._slots
+            ]
+            index = least_loaded(loads, self._last_pick)
+            if index is None:
+                return False
+            slot = self._slots[index]
+            assert slot.channel is not None
+            try:
+                socket.send_fds(slot.channel, [b"c"], [conn.fileno()])
+            except BlockingIOError:
+                tried.add(index)  # its inbox is full: the worker is stuck; try another
+                continue
+            except OSError:
+                tried.add(index)  # its end is closed: the worker is exiting or gone
+                slot.serving = False
+                continue
+            slot.sent += 1
+            self._last_pick = index
+            return True
+
+    @staticmethod
+    def _open_connections(slot: _Slot) -> int | None:
+        if not slot.serving or slot.channel is None or slot.closed is None:
+            return None
+        return slot.sent - slot.closed.value
+
+    def _close_channel(self, slot: _Slot) -> None:
+        if slot.channel is not None:
+            slot.channel.close()
+        slot.channel, slot.closed, slot.serving = None, None, False
 
     def _buried(self, slot: _Slot, now: float) -> None:
         assert slot.process is not None
         pid, code = slot.process.pid, slot.process.exitcode
         slot.process.close()
         slot.process = None
+        self._close_channel(slot)
         if pid is not None:
             _mark_dead(pid, self._dir)
+        if self._closing:
+            return
         lived = now - slot.started_at
         slot.failures, delay = next_restart(lived, slot.failures)
         slot.restart_at = now + delay
@@ -268,18 +378,19 @@ class Supervisor:
         )
 
     def _stop_all(self) -> None:
-        running = [s.process for s in self._slots if s.process is not None]
-        self._go.set()  # a worker waiting for the others must not wait through its SIGTERM
+        """SIGTERM every worker and wait for them; connections arriving meanwhile are still
+        handed to the workers that drain (they answer 503, as a draining server does)."""
+        self._closing = True
         self._signal_workers(signal.SIGTERM)
         deadline = time.monotonic() + self._settings.drain_timeout_s + 10.0
-        for process in running:
-            process.join(max(0.0, deadline - time.monotonic()))
-            if process.is_alive():
-                logger.error("worker pid %s did not stop in time; killing it", process.pid)
-                process.kill()
-                process.join()
+        while any(s.process is not None for s in self._slots) and time.monotonic() < deadline:
+            self._watch(timeout_s=max(0.0, min(0.5, deadline - time.monotonic())))
         for slot in self._slots:
-            slot.process = None
+            if slot.process is not None:
+                logger.error("worker pid %s did not stop in time; killing it", slot.process.pid)
+                slot.process.kill()
+                slot.process.join()
+                slot.process = None
         logger.info("all workers stopped")
 
 
@@ -304,11 +415,10 @@ def _mark_dead(pid: int, directory: Path) -> None:
 
 def _worker_main(
     settings: Settings,
-    port: int,
     multiprocess_dir: Path,
     *,
     ready: Event,
-    go: Event,
+    handoff: Handoff,
     supervisor: int,
 ) -> None:
     _exit_with_supervisor(supervisor)
@@ -318,9 +428,9 @@ def _worker_main(
     from app.main import create_app
     from app.server import build_server
 
-    role = WorkerRole(multiprocess_dir, ready.set, go.wait)
-    server = build_server(settings, create_app(settings, worker=role))
-    server.run(sockets=[bind_socket(settings.host, port)])
+    role = WorkerRole(multiprocess_dir, ready.set)
+    server = build_server(settings, create_app(settings, worker=role), handoff=handoff)
+    server.run()
     sys.exit(0 if server.started else STARTUP_FAILURE)
 
 

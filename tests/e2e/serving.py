@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -99,3 +100,33 @@ def metric_value(url: str, name: str, **labels: str) -> float:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 total += sample.value
     return total
+
+
+SLOW_BODY = {"inputs": [{"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [1.0]}]}
+"""One row for the ``slow`` fixture model (100 ms per batch of at most 2 rows)."""
+
+
+def signal_twice_under_load(server: Server, requests: int) -> float:
+    """Send ``requests`` to the slow model at once, SIGTERM after 1 s, check that a connection
+    opened during the drain gets 503, SIGTERM again; the seconds until the server exited."""
+
+    async def wave() -> None:
+        limits = httpx.Limits(max_connections=requests)
+        async with httpx.AsyncClient(base_url=server.url, timeout=90, limits=limits) as client:
+            calls = [client.post("/v2/models/slow/infer", json=SLOW_BODY) for _ in range(requests)]
+            tasks = [asyncio.ensure_future(call) for call in calls]
+            await asyncio.sleep(1.0)
+            server.process.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.2)
+            # A connection opened during the drain is still served, with a clear 503.
+            async with httpx.AsyncClient(base_url=server.url, timeout=10) as fresh:
+                late = await fresh.post("/v2/models/slow/infer", json=SLOW_BODY)
+            assert late.status_code == 503, late.text
+            await asyncio.sleep(0.3)
+            server.process.send_signal(signal.SIGTERM)
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    started = time.monotonic()
+    asyncio.run(wave())
+    assert server.process.wait(30) == 0, server.log()
+    return time.monotonic() - started

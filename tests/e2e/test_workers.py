@@ -1,9 +1,9 @@
-"""Several worker processes on one port (NOGRAD_WORKERS): shared traffic, whole-server metrics,
-a dead worker restarted, SIGTERM reaching every worker, a failed start-up stopping the server."""
+"""Several worker processes on one port (NOGRAD_WORKERS): connections split evenly, whole-server
+metrics, a dead worker restarted, SIGTERM reaching every worker (new connections answered 503
+while they drain), a failed start-up stopping the server."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import shutil
@@ -16,7 +16,14 @@ import pytest
 from prometheus_client.mmap_dict import MmapedDict
 
 from app.runtime.devices import usable_cores
-from tests.e2e.serving import ROOT, Server, free_port, metric_value, run_server
+from tests.e2e.serving import (
+    ROOT,
+    Server,
+    free_port,
+    metric_value,
+    run_server,
+    signal_twice_under_load,
+)
 
 pytestmark = pytest.mark.e2e
 DIGITS = {
@@ -58,11 +65,22 @@ def answered_by(directory: Path, pid: int) -> float:
 
 def infer_on_new_connections(url: str, count: int) -> None:
     for _ in range(count):
-        # No shared client: every request opens its own connection, which the kernel may hand
-        # to either worker.
+        # No shared client: every request opens its own connection, handed to either worker.
         response = httpx.post(f"{url}/v2/models/digits/infer", json=DIGITS, timeout=30)
         assert response.status_code == 200, response.text
         assert response.json()["outputs"][0]["shape"] == [1, 10], response.text
+
+
+def infer_on_open_connections(url: str, count: int) -> None:
+    """One request on each of ``count`` connections kept open together, as a pool would."""
+    clients = [httpx.Client(base_url=url, timeout=30) for _ in range(count)]
+    try:
+        for client in clients:
+            response = client.post("/v2/models/digits/infer", json=DIGITS)
+            assert response.status_code == 200, response.text
+    finally:
+        for client in clients:
+            client.close()
 
 
 def alive(pid: int) -> bool:
@@ -87,20 +105,22 @@ def test_workers_share_the_port_metrics_and_restarts(tmp_path: Path) -> None:
         "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
     }
     with run_server(tmp_path, env) as server:
-        # Ready answered, so a worker listens: both are warm (they start listening together).
+        # Ready answered, so the supervisor listens: both workers are warm.
         assert "worker 1 ready after" in server.log()
-        wait_for_log(server, "all 2 workers serve")
+        assert "with 2 worker processes" in server.log()
         pids = worker_pids(server)
         assert sorted(pids) == [0, 1] and len(set(pids.values())) == 2
         threads = max(1, usable_cores() // 2)
         assert server.log().count(f"torch intra-op threads: {threads}") == 2
 
+        # Connections go to the worker with the fewest open, in turn when even: one request per
+        # connection alternates, and 32 connections kept open split 16/16.
         infer_on_new_connections(server.url, 40)
-        per_worker = [answered_by(metrics_dir, pid) for pid in pids.values()]
-        assert sum(per_worker) == 40
-        assert min(per_worker) > 0, f"one worker took every connection: {per_worker}"
+        assert [answered_by(metrics_dir, pid) for pid in pids.values()] == [20, 20]
+        infer_on_open_connections(server.url, 32)
+        assert [answered_by(metrics_dir, pid) for pid in pids.values()] == [36, 36]
         for url in (server.url, f"http://127.0.0.1:{metrics_port}"):
-            assert metric_value(url, "nograd_requests_total", model="digits", code="200") == 40
+            assert metric_value(url, "nograd_requests_total", model="digits", code="200") == 72
             assert metric_value(url, "nograd_model_ready", model="digits") == 1
             assert metric_value(url, "nograd_workers_ready") == 2
             assert metric_value(url, "nograd_batch_limit", model="digits") > 0
@@ -111,13 +131,16 @@ def test_workers_share_the_port_metrics_and_restarts(tmp_path: Path) -> None:
         # A worker killed outright: the other one serves on, the dead one starts again, and
         # the counts it had made stay in the totals.
         os.kill(pids[0], signal.SIGKILL)
+        while alive(pids[0]):
+            time.sleep(0.01)
         infer_on_new_connections(server.url, 10)
         wait_for_log(server, "worker 0 ready after", times=2)
         restarted = worker_pids(server)[0]
         assert restarted != pids[0] and alive(restarted)
         assert "worker 0 (pid" in server.log() and "exited with code -9" in server.log()
         infer_on_new_connections(server.url, 10)
-        assert metric_value(server.url, "nograd_requests_total", model="digits", code="200") == 60
+        assert answered_by(metrics_dir, restarted) == 5  # served as soon as it was warm
+        assert metric_value(server.url, "nograd_requests_total", model="digits", code="200") == 92
         assert metric_value(server.url, "nograd_model_ready", model="digits") == 1
         assert metric_value(server.url, "nograd_workers_ready") == 2
 
@@ -154,25 +177,9 @@ def test_a_second_signal_stops_the_workers_without_waiting_for_the_drain(tmp_pat
         "NOGRAD_DRAIN_TIMEOUT_S": "60",
         "NOGRAD_LOG_FORMAT": "text",
     }
-    body = {"inputs": [{"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [1.0]}]}
     with run_server(tmp_path, env) as server:
-
-        async def wave() -> None:
-            limits = httpx.Limits(max_connections=200)
-            async with httpx.AsyncClient(base_url=server.url, timeout=90, limits=limits) as client:
-                # 200 requests in batches of 2 at 100 ms each: ~5 s of work per worker.
-                calls = [client.post("/v2/models/slow/infer", json=body) for _ in range(200)]
-                tasks = [asyncio.ensure_future(call) for call in calls]
-                await asyncio.sleep(1.0)
-                server.process.send_signal(signal.SIGTERM)
-                await asyncio.sleep(0.5)
-                server.process.send_signal(signal.SIGTERM)
-                await asyncio.gather(*tasks, return_exceptions=True)
-
-        started = time.monotonic()
-        asyncio.run(wave())
-        assert server.process.wait(30) == 0
-        elapsed = time.monotonic() - started
+        # 200 requests in batches of 2 at 100 ms each: ~5 s of work per worker.
+        elapsed = signal_twice_under_load(server, 200)
         log = server.log()
         assert "SIGTERM again: killing the workers now" in log
         assert log.count("SIGTERM: draining") == 2

@@ -1,15 +1,28 @@
-"""The worker supervisor's pieces that need no processes: restart back-off, socket binding,
-and metrics that refuse to run multiprocess without file-backed values."""
+"""The worker supervisor's pieces that need no worker processes: restart back-off, the port,
+handing connections to the least busy worker, and metrics that refuse to run multiprocess
+without file-backed values."""
 
 from __future__ import annotations
 
+import ctypes
 import socket
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from app.metrics import Metrics
-from app.workers import RESTART_DELAY_MAX_S, STABLE_AFTER_S, bind_socket, next_restart
+from app.settings import Settings
+from app.workers import (
+    RESTART_DELAY_MAX_S,
+    STABLE_AFTER_S,
+    Supervisor,
+    _Slot,
+    bind_socket,
+    least_loaded,
+    next_restart,
+)
 
 
 def test_a_worker_that_served_long_restarts_at_once() -> None:
@@ -25,18 +38,133 @@ def test_a_worker_that_keeps_dying_waits_longer_each_time_up_to_a_cap() -> None:
     assert failures == 8
 
 
-def test_worker_sockets_share_a_port_and_take_no_connection_before_listening() -> None:
-    first = bind_socket("127.0.0.1", 0)
-    port = first.getsockname()[1]
-    second = bind_socket("127.0.0.1", port)  # SO_REUSEPORT: a second worker binds the same port
+def test_the_port_takes_no_connection_before_listening() -> None:
+    sock = bind_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
     try:
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection(("127.0.0.1", port), timeout=2)
-        second.listen()
+        sock.listen()
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
     finally:
-        first.close()
-        second.close()
+        sock.close()
+
+
+def test_the_worker_with_fewest_open_connections_is_picked() -> None:
+    assert least_loaded([5, 2, 7], last=1) == 1
+    assert least_loaded([None, 9, 3], last=2) == 2
+    assert least_loaded([None, None], last=0) is None
+    assert least_loaded([], last=-1) is None
+
+
+def test_ties_are_taken_in_turn_after_the_last_pick() -> None:
+    picks, last = [], -1
+    for _ in range(6):
+        chosen = least_loaded([0, 0, 0], last)
+        assert chosen is not None
+        picks.append(chosen)
+        last = chosen
+    assert picks == [0, 1, 2, 0, 1, 2]
+    assert least_loaded([1, None, 1], last=0) == 2
+
+
+class Workers:
+    """A supervisor over a real listening port whose workers are the test's socket pairs."""
+
+    def __init__(self, count: int) -> None:
+        self.sock = bind_socket("127.0.0.1", 0)
+        self.port = self.sock.getsockname()[1]
+        self.supervisor = Supervisor(Settings(workers=count), self.sock, Path("/nonexistent"))
+        self.inboxes: list[socket.socket] = []
+        self.closed: list[ctypes.c_longlong] = []
+        for slot in self.supervisor._slots:
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            ours.setblocking(False)
+            theirs.setblocking(False)
+            closed = ctypes.c_longlong(0)
+            slot.channel, slot.closed, slot.serving = ours, closed, True
+            self.inboxes.append(theirs)
+            self.closed.append(closed)
+        self.sock.setblocking(False)
+        self.sock.listen()
+        self.supervisor._listening = True
+        self.clients: list[socket.socket] = []
+
+    @property
+    def slots(self) -> list[_Slot]:
+        return self.supervisor._slots
+
+    def connect(self, count: int) -> None:
+        for _ in range(count):
+            self.clients.append(socket.create_connection(("127.0.0.1", self.port), timeout=2))
+        # Let the kernel finish the handshakes, then hand over everything that is queued.
+        for _ in range(50):
+            self.supervisor._hand_over()
+            if sum(s.sent for s in self.slots) + self.supervisor._dropped >= len(self.clients):
+                return
+            time.sleep(0.01)
+        raise AssertionError("connections were not handed over")
+
+    def received(self, index: int) -> list[socket.socket]:
+        """The connections waiting in one worker's inbox, as the worker would take them."""
+        conns = []
+        while True:
+            try:
+                _, fds, _, _ = socket.recv_fds(self.inboxes[index], 1, 1)
+            except BlockingIOError:
+                return conns
+            conns.extend(socket.socket(fileno=fd) for fd in fds)
+
+    def close(self) -> None:
+        for sock in [self.sock, *self.inboxes, *self.clients]:
+            sock.close()
+        for slot in self.slots:
+            self.supervisor._close_channel(slot)
+
+
+@pytest.fixture
+def workers() -> Iterator[Workers]:
+    made = Workers(2)
+    yield made
+    made.close()
+
+
+def test_a_burst_of_connections_is_split_evenly(workers: Workers) -> None:
+    workers.connect(32)
+    first, second = workers.received(0), workers.received(1)
+    assert (len(first), len(second)) == (16, 16)
+    # What a worker receives is the client's connection itself.
+    first[0].sendall(b"hello")
+    replies = [c for c in workers.clients if c.getsockname() == first[0].getpeername()]
+    assert len(replies) == 1 and replies[0].recv(5) == b"hello"
+    for conn in first + second:
+        conn.close()
+
+
+def test_a_worker_that_closed_connections_gets_the_next_ones(workers: Workers) -> None:
+    workers.connect(8)
+    workers.closed[1].value = 4  # worker 1 served its four and closed them
+    workers.connect(6)
+    # Worker 1 takes four to catch up with worker 0's four open, then ties alternate.
+    assert [s.sent for s in workers.slots] == [5, 9]
+
+
+def test_a_worker_whose_channel_is_gone_is_skipped(workers: Workers) -> None:
+    workers.inboxes[0].close()  # the worker died or shut down
+    workers.connect(4)
+    assert [s.sent for s in workers.slots] == [0, 4]
+    assert not workers.slots[0].serving
+    assert len(workers.received(1)) == 4
+
+
+def test_with_no_worker_serving_a_connection_is_closed_not_left_hanging(
+    workers: Workers,
+) -> None:
+    for slot in workers.slots:
+        slot.serving = False
+    workers.connect(1)
+    assert workers.supervisor._dropped == 1
+    assert workers.clients[0].recv(1) == b""  # the client sees the connection closed
 
 
 def test_multiprocess_metrics_need_the_directory_set_before_import(tmp_path: Path) -> None:
