@@ -77,6 +77,10 @@ class ModelConfig(BaseModel):
     autocast: bool = False
     """With ``precision`` bf16/fp16: run the forward under ``torch.autocast`` (fp32 weights, low
     precision matmuls) instead of casting the weights and float inputs."""
+    channels_last: bool = False
+    """Convolution models: weights and 4-D float inputs in channels-last (NHWC) memory order,
+    the layout oneDNN's CPU convolutions (and GPU tensor cores) run fastest on. A model that
+    reshapes feature maps with ``.view`` fails in this layout and is refused (fp32 eager serves)."""
     compile: bool = False
     """``torch.compile`` the model during warmup (every bucket, or dynamic shapes, once)."""
     compile_mode: CompileMode = "default"
@@ -92,7 +96,7 @@ class ModelConfig(BaseModel):
     ``compile_buckets``; ignored with a warning on CPU)."""
     accuracy_tolerance: float | None = Field(default=None, gt=0.0)
     """Largest max-abs error of any float output vs fp32 eager; unset: 1e-2 when precision is
-    bf16/fp16, 1e-4 for fp32 with compile or CUDA graphs."""
+    bf16/fp16, 1e-4 for fp32 with channels-last, compile or CUDA graphs."""
     min_cosine: float = Field(default=0.999, ge=-1.0, le=1.0)
     """Smallest per-sample cosine similarity of any float output vs fp32 eager."""
     accuracy_sample: str | None = None

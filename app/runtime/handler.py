@@ -101,6 +101,8 @@ class ModelHandler:
         self.device = device
         self.compute_dtype = torch.float32
         """Dtype floating inputs are cast to; fp32 until ``apply_speed`` casts the weights."""
+        self.memory_format = torch.contiguous_format
+        """Layout of 4-D float inputs: channels-last once ``apply_speed`` converts the weights."""
         self._inputs: dict[str, TensorSpec] = {spec.name: spec for spec in config.inputs}
         self._outputs: tuple[TensorSpec, ...] = config.outputs
         self.fast_path: FastPath | None = None
@@ -161,6 +163,8 @@ class ModelHandler:
             tensor = tensor.to(self.device, non_blocking=cuda)
             if tensor.is_floating_point():
                 tensor = tensor.to(self.compute_dtype)
+                if tensor.ndim == 4 and self.memory_format is not torch.contiguous_format:
+                    tensor = tensor.contiguous(memory_format=self.memory_format)
             batch[name] = tensor
         return batch
 

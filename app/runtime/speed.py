@@ -1,7 +1,9 @@
-"""Speed levers, each behind an accuracy guard: lower precision, torch.compile, CUDA graphs.
+"""Speed levers, each behind an accuracy guard: lower precision, channels-last, torch.compile,
+CUDA graphs.
 
 A model is loaded as fp32 eager. When its config asks for a faster mode (``precision`` bf16 or
-fp16, weights cast or ``autocast``; ``compile``; ``cuda_graphs``), :func:`apply_speed` builds that
+fp16, weights cast or ``autocast``; ``channels_last``; ``compile``; ``cuda_graphs``),
+:func:`apply_speed` builds that
 mode on the same handler, compiles it during warmup by running every shape it will see once, and
 compares its outputs with fp32 eager on the warmup inputs and on a held-out batch drawn with
 another seed. The mode serves only when every float output stays within ``accuracy_tolerance``
@@ -47,8 +49,8 @@ LOW_PRECISION_TOLERANCE: Final = 1e-2
 """Default max abs error for bf16/fp16: bf16 keeps 8 significant bits (~0.4% relative), so
 outputs of order 1 drift by a few 1e-3 (docs/speed.md has the measured values)."""
 FP32_TOLERANCE: Final = 1e-4
-"""Default max abs error for fp32 with compile or CUDA graphs: reordered reductions and fused
-kernels, not lost precision, so the drift is near fp32 rounding."""
+"""Default max abs error for fp32 with channels-last, compile or CUDA graphs: other kernels,
+reordered reductions and fused ops, not lost precision, so the drift is near fp32 rounding."""
 HELD_OUT_SEED: Final = 1
 """``ModelHandler.example`` seed of the held-out batch; seed 0 draws the warmup inputs."""
 GRAPH_WARMUP_RUNS: Final = 3
@@ -96,6 +98,7 @@ class SpeedPlan:
 
     precision: str
     autocast: bool
+    channels_last: bool
     compile: bool
     compile_mode: str
     buckets: Buckets | None
@@ -105,7 +108,7 @@ class SpeedPlan:
 
     @property
     def requested(self) -> bool:
-        return self.precision != "fp32" or self.compile or self.cuda_graphs
+        return self.precision != "fp32" or self.channels_last or self.compile or self.cuda_graphs
 
     @property
     def casts_weights(self) -> bool:
@@ -113,10 +116,13 @@ class SpeedPlan:
 
     @property
     def mode(self) -> str:
-        """The ``mode`` label: e.g. ``bf16``, ``bf16-autocast``, ``compile``, ``bf16+compile``."""
+        """The ``mode`` label: e.g. ``bf16``, ``bf16-autocast``, ``channels_last``,
+        ``bf16+compile``."""
         parts = []
         if self.precision != "fp32":
             parts.append(self.precision + ("-autocast" if self.autocast else ""))
+        if self.channels_last:
+            parts.append("channels_last")
         if self.compile:
             parts.append("compile" if self.compile_mode == "default" else self.compile_mode)
         if self.cuda_graphs:
@@ -143,6 +149,7 @@ def plan_for(config: ModelConfig, device: torch.device) -> SpeedPlan:
     return SpeedPlan(
         precision=config.precision,
         autocast=config.autocast,
+        channels_last=config.channels_last,
         compile=config.compile,
         compile_mode=config.compile_mode,
         buckets=buckets,
@@ -452,6 +459,8 @@ class _Original:
         if self.snapshot is not None:
             self.snapshot.restore(handler.device)
         handler.compute_dtype = self.compute_dtype
+        if handler.memory_format is not torch.contiguous_format:
+            _set_memory_format(handler, torch.contiguous_format)
 
 
 @dataclass(frozen=True)
@@ -539,6 +548,8 @@ def _build(handler: ModelHandler, plan: SpeedPlan, warm_shapes: int) -> SpeedPat
     if plan.casts_weights:
         handler.module.to(dtype)
         handler.compute_dtype = dtype
+    if plan.channels_last:
+        _set_memory_format(handler, torch.channels_last)
     if plan.compile:
         handler.module = _compile(handler.module, plan, warm_shapes)
     autocast = dtype if plan.autocast else None
@@ -547,6 +558,14 @@ def _build(handler: ModelHandler, plan: SpeedPlan, warm_shapes: int) -> SpeedPat
     path = SpeedPath(handler, plan.buckets, sequence_inputs(handler), autocast)
     handler.fast_path = path
     return path
+
+
+def _set_memory_format(handler: ModelHandler, memory_format: torch.memory_format) -> None:
+    """The weights (4-D ones; others have no such layout) and the inputs ``collate`` builds."""
+    # Module.to takes memory_format at run time; its typed overloads leave it out.
+    to = cast(Callable[..., torch.nn.Module], handler.module.to)
+    to(memory_format=memory_format)
+    handler.memory_format = memory_format
 
 
 def _compile(module: torch.nn.Module, plan: SpeedPlan, warm_shapes: int) -> torch.nn.Module:

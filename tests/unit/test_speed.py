@@ -450,6 +450,9 @@ def test_mode_labels_and_default_tolerances() -> None:
     both = tiny_config(precision="fp16", compile=True, compile_mode="max-autotune")
     assert plan_for(both, CPU).mode == "fp16+max-autotune"
     assert plan_for(tiny_config(precision="bf16", accuracy_tolerance=0.5), CPU).tolerance == 0.5
+    layout = plan_for(tiny_config(channels_last=True, precision="bf16", compile=True), CPU)
+    assert layout.mode == "bf16+channels_last+compile"
+    assert plan_for(tiny_config(channels_last=True), CPU).tolerance == 1e-4
 
 
 def test_cuda_graphs_on_cpu_are_ignored_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
@@ -743,9 +746,63 @@ def test_minilm_bf16_autocast_keeps_packing_and_passes_its_check() -> None:
     assert out["embedding"].shape == (2, 384)
 
 
+def test_shipped_digits_channels_last_converts_weights_and_inputs_and_passes_its_check() -> None:
+    metrics = Metrics()
+    reference = shipped("digits", channels_last=False)
+    served = apply_speed(shipped("digits"), 64, metrics, ROOT / "models" / "digits")
+    assert served.speed_mode == "channels_last"
+    conv = served.module.features[2].weight
+    assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()
+    part = served.example(rows=5)
+    batch = served.collate([part])
+    assert batch["image"].is_contiguous(memory_format=torch.channels_last)
+    assert reference.collate([part])["image"].is_contiguous()
+    out = TorchRunner(served).run_batch([part])[0]
+    expected = TorchRunner(reference).run_batch([part])[0]
+    np.testing.assert_allclose(out["logits"], expected["logits"], atol=1e-5)
+    assert (out["label"] == expected["label"]).all()
+    delta = gauge(metrics, "nograd_model_accuracy_delta", "digits", "channels_last")
+    assert delta is not None and delta < 1e-4
+
+
+class FlattensWithView(torch.nn.Module):
+    """A convolution model written for contiguous feature maps: ``view`` cannot flatten NHWC."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv2d(1, 2, kernel_size=3, padding=1)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        features = self.conv(image)
+        return features.view(features.shape[0], -1).sum(dim=1, keepdim=True)
+
+
+def test_channels_last_on_a_model_that_views_feature_maps_falls_back(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    config = ModelConfig(
+        name="viewer",
+        weights=None,
+        inputs=(TensorSpec(name="image", datatype="FP32", shape=(1, 4, 4)),),
+        outputs=(TensorSpec(name="total", datatype="FP32", shape=(1,)),),
+        channels_last=True,
+    )
+    handler = ModelHandler(FlattensWithView().eval(), config, CPU)
+    with caplog.at_level(logging.WARNING, "app.runtime.speed"):
+        served = apply_speed(handler, limit=8)
+    assert served.speed_mode == "fp32"
+    assert "speed mode channels_last refused, serving fp32 eager: building it failed" in caplog.text
+    assert served.memory_format is torch.contiguous_format
+    assert served.module.conv.weight.is_contiguous()
+    out = TorchRunner(served).run_batch([served.example(rows=3)])[0]
+    assert out["total"].shape == (3, 1)
+
+
 def test_digits_bf16_is_within_the_default_tolerance() -> None:
     metrics = Metrics()
-    served = apply_speed(shipped("digits", precision="bf16"), limit=64, metrics=metrics)
+    handler = shipped("digits", precision="bf16", channels_last=False)
+    served = apply_speed(handler, limit=64, metrics=metrics)
     assert served.speed_mode == "bf16"
     delta = gauge(metrics, "nograd_model_accuracy_delta", "digits", "bf16")
     assert delta is not None and delta < 1e-2
@@ -755,7 +812,7 @@ def test_digits_bf16_is_refused_on_its_real_sample(caplog: pytest.LogCaptureFixt
     """Synthetic pixels (0..1) pass bf16; the two real digits of sample.json (0..16) do not:
     logits of real inputs are larger, and so is their bf16 rounding."""
     metrics = Metrics()
-    handler = shipped("digits", precision="bf16", accuracy_sample="sample.json")
+    handler = shipped("digits", precision="bf16", channels_last=False)
     with caplog.at_level(logging.WARNING, "app.runtime.speed"):
         served = apply_speed(handler, 64, metrics, ROOT / "models" / "digits")
     assert served.speed_mode == "fp32"
