@@ -64,6 +64,9 @@ BACKLOG = 2048
 """Connections the kernel queues for the supervisor to accept (uvicorn's default backlog)."""
 _ACCEPTS_PER_ROUND = 256
 """Accepted in one go before the supervisor looks at its workers again."""
+ACCEPT_RETRY_S = 1.0
+"""Pause after accept itself fails (out of file descriptors): the queued connection stays
+readable, so accepting again at once would spin a core (asyncio waits as long)."""
 
 
 @dataclass(frozen=True)
@@ -170,6 +173,7 @@ class Supervisor:
         """Stopping: dead workers are not started again."""
         self._last_pick = -1
         self._dropped = 0
+        self._accept_resume_at = 0.0
 
     def run(self) -> int:
         previous = {
@@ -279,10 +283,13 @@ class Supervisor:
         """Wait for a connection, a worker's exit or a due restart, then handle each."""
         live = [s.process.sentinel for s in self._slots if s.process is not None]
         due = [s.restart_at for s in self._slots if s.restart_at is not None]
+        accepting = self._accepting()
+        if not accepting and self._listening:
+            due.append(self._accept_resume_at)
         if due:
             timeout_s = max(0.0, min(timeout_s, min(due) - time.monotonic()))
         # Only a listening socket: one that is merely bound polls as hung up, always ready.
-        wait([*live, self._sock] if self._listening else live, timeout_s)
+        wait([*live, self._sock] if accepting else live, timeout_s)
         self._bury_dead()
         self._hand_over()
         if self._closing:
@@ -303,15 +310,22 @@ class Supervisor:
 
     def _hand_over(self) -> None:
         """Accept waiting connections and hand each to the least busy serving worker."""
-        if not self._listening:
+        if not self._accepting():
             return
         for _ in range(_ACCEPTS_PER_ROUND):
             try:
                 conn, _ = self._sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # out of file descriptors, a connection reset while queued
-                logger.warning("accepting a connection failed: %s", exc)
+            except ConnectionAbortedError:  # reset by its client while queued
+                continue
+            except OSError as exc:  # out of file descriptors or memory
+                logger.warning(
+                    "accepting a connection failed: %s; accepting again in %.0fs",
+                    exc,
+                    ACCEPT_RETRY_S,
+                )
+                self._accept_resume_at = time.monotonic() + ACCEPT_RETRY_S
                 return
             with conn:
                 if not self._send(conn):
@@ -319,6 +333,9 @@ class Supervisor:
                     logger.warning(
                         "no worker could take a connection; closed it (%d so far)", self._dropped
                     )
+
+    def _accepting(self) -> bool:
+        return self._listening and time.monotonic() >= self._accept_resume_at
 
     def _send(self, conn: socket.socket) -> bool:
         tried: set[int] = set()

@@ -5,6 +5,8 @@ without file-backed values."""
 from __future__ import annotations
 
 import ctypes
+import errno
+import logging
 import socket
 import time
 from collections.abc import Iterator
@@ -122,6 +124,24 @@ class Workers:
             self.supervisor._close_channel(slot)
 
 
+class OutOfDescriptors:
+    """A listening socket whose accept fails as when the process has no file descriptor left."""
+
+    def __init__(self, real: socket.socket) -> None:
+        self.real = real
+        self.accepts = 0
+
+    def accept(self) -> tuple[socket.socket, object]:
+        self.accepts += 1
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    def fileno(self) -> int:
+        return self.real.fileno()
+
+    def close(self) -> None:
+        self.real.close()
+
+
 @pytest.fixture
 def workers() -> Iterator[Workers]:
     made = Workers(2)
@@ -172,3 +192,22 @@ def test_multiprocess_metrics_need_the_directory_set_before_import(tmp_path: Pat
     # live in memory, and a worker built so would count only for itself.
     with pytest.raises(RuntimeError, match="PROMETHEUS_MULTIPROC_DIR"):
         Metrics(multiprocess_dir=tmp_path)
+
+
+def test_a_failing_accept_pauses_accepting_instead_of_spinning(
+    workers: Workers, caplog: pytest.LogCaptureFixture
+) -> None:
+    failing = OutOfDescriptors(workers.sock)
+    workers.supervisor._sock = failing  # type: ignore[assignment]
+    with caplog.at_level(logging.WARNING, "app.workers"):
+        workers.supervisor._hand_over()
+        workers.supervisor._hand_over()  # within the pause: accept is not tried again
+    assert failing.accepts == 1
+    assert "Too many open files; accepting again in 1s" in caplog.text
+    # A connection waits in the queue, so the port polls readable: the supervisor must still
+    # sleep out its pause rather than wake for it over and over.
+    workers.clients.append(socket.create_connection(("127.0.0.1", workers.port), timeout=2))
+    started = time.monotonic()
+    workers.supervisor._watch(timeout_s=0.3)
+    assert time.monotonic() - started >= 0.25
+    assert failing.accepts == 1
