@@ -47,6 +47,8 @@ class DrainingServer(uvicorn.Server):
         self._handoff = handoff
         self._signals = 0
         self._adopting: set[asyncio.Task[None]] = set()
+        self._create_protocol: Callable[[], asyncio.Protocol] = asyncio.Protocol
+        """Builds uvicorn's protocol for a handed-over connection (set at start-up)."""
 
     async def serve(self, sockets: list[object] | None = None) -> None:  # type: ignore[override]
         self._loop = asyncio.get_running_loop()
@@ -68,13 +70,12 @@ class DrainingServer(uvicorn.Server):
                 config=config, server_state=state, app_state=self.lifespan.state, _loop=loop
             )
 
-        loop.add_reader(self._handoff.channel.fileno(), self._receive, loop, create_protocol)
+        self._create_protocol = create_protocol
+        loop.add_reader(self._handoff.channel.fileno(), self._receive)
 
-    def _receive(
-        self, loop: asyncio.AbstractEventLoop, create_protocol: Callable[[], asyncio.Protocol]
-    ) -> None:
+    def _receive(self) -> None:
         """Take every connection waiting in the channel and serve each like an accepted one."""
-        assert self._handoff is not None
+        assert self._handoff is not None and self._loop is not None
         channel = self._handoff.channel
         while True:
             try:
@@ -84,25 +85,18 @@ class DrainingServer(uvicorn.Server):
             except OSError:
                 message, fds = b"", []
             if not message and not fds:  # the supervisor is gone: nothing more will come
-                loop.remove_reader(channel.fileno())
+                self._loop.remove_reader(channel.fileno())
                 return
             for fd in fds:
-                task = loop.create_task(
-                    self._adopt(loop, socket.socket(fileno=fd), create_protocol)
-                )
+                task = self._loop.create_task(self._adopt(socket.socket(fileno=fd)))
                 self._adopting.add(task)
                 task.add_done_callback(self._adopting.discard)
 
-    async def _adopt(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        conn: socket.socket,
-        create_protocol: Callable[[], asyncio.Protocol],
-    ) -> None:
+    async def _adopt(self, conn: socket.socket) -> None:
+        assert self._handoff is not None and self._loop is not None
         try:
-            await loop.connect_accepted_socket(create_protocol, conn)
+            await self._loop.connect_accepted_socket(self._create_protocol, conn)
         except OSError as exc:  # the client left before it could be served
-            assert self._handoff is not None
             logger.debug("a handed-over connection failed: %s", exc)
             conn.close()
             self._handoff.closed.value += 1
@@ -130,8 +124,8 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
     def _start_drain(self) -> None:
-        if self._drain_task is None:
-            self._drain_task = asyncio.create_task(self._drain(), name="drain")
+        # Scheduled once (the first signal); the reference keeps the task alive.
+        self._drain_task = asyncio.create_task(self._drain(), name="drain")
 
     async def _drain(self) -> None:
         # Whatever happens while draining, the process must still exit: should_exit is set in

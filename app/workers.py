@@ -363,7 +363,8 @@ class Supervisor:
 
     @staticmethod
     def _open_connections(slot: _Slot) -> int | None:
-        if not slot.serving or slot.channel is None or slot.closed is None:
+        # A serving slot always has its channel and counter (_close_channel clears all three).
+        if not slot.serving or slot.closed is None:
             return None
         return slot.sent - slot.closed.value
 
