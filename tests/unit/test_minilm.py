@@ -183,6 +183,36 @@ def test_packed_encoder_matches_bert_on_a_padded_batch(handler: ModelHandler) ->
         torch.testing.assert_close(ours, expected, atol=1e-5, rtol=0)
 
 
+def test_one_text_skips_the_packing_gathers_and_still_matches_bert(
+    handler: ModelHandler,
+) -> None:
+    """A single text has no padding, so the encoder runs it in the padded layout: no token
+    scatter (``index_copy``) or search for real tokens (``nonzero``), and the same embedding as
+    BertModel. Two texts of different lengths still pack."""
+    minilm = import_model_module(
+        ROOT / "models", MINILM_DIR, load_config(MINILM_DIR / "config.toml")
+    )
+    bert = minilm.load_bert(minilm.package_model_dir())
+
+    def run(texts: list[str]) -> tuple[torch.Tensor, torch.Tensor, set[str]]:
+        part = handler.prepare(_texts(texts))
+        tensors = {name: torch.from_numpy(array) for name, array in part.tensors.items()}
+        with torch.inference_mode():
+            expected = minilm.mean_pool_normalise(
+                bert(**tensors).last_hidden_state, tensors["attention_mask"]
+            )
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                ours = handler.module(*(tensors[name] for name in minilm.TOKEN_TENSORS))
+        return ours, expected, {event.key for event in prof.key_averages()}
+
+    ours, expected, ops = run([TEXTS[2]])
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=0)
+    assert not ops & {"aten::index_copy_", "aten::nonzero"}
+    ours, expected, ops = run([TEXTS[0], TEXTS[2]])
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=0)
+    assert {"aten::index_copy_", "aten::nonzero"} <= ops
+
+
 def test_batches_run_packed_unless_a_fast_path_fixes_the_shapes(handler: ModelHandler) -> None:
     calls: list[bool] = []
     module = handler.module
