@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -40,6 +41,18 @@ TEXTS = [
 def handler() -> ModelHandler:
     config = load_config(MINILM_DIR / "config.toml")
     return build_handler(ROOT / "models", MINILM_DIR, config, torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def minilm() -> ModuleType:
+    """models/minilm/model.py as the loader imports it: its BERT loader, pooling and names."""
+    return import_model_module(ROOT / "models", MINILM_DIR, load_config(MINILM_DIR / "config.toml"))
+
+
+@pytest.fixture(scope="module")
+def bert(minilm: ModuleType) -> Any:
+    """transformers' BertModel on the package's weights: the reference for the packed forward."""
+    return minilm.load_bert(minilm.package_model_dir())
 
 
 @pytest.fixture(scope="module")
@@ -158,16 +171,14 @@ def test_config_that_names_a_weights_file_is_refused(tmp_path: Path) -> None:
         module.build_handler(MINILM_DIR, config, torch.device("cpu"))
 
 
-def test_packed_encoder_matches_bert_on_a_padded_batch(handler: ModelHandler) -> None:
+def test_packed_encoder_matches_bert_on_a_padded_batch(
+    handler: ModelHandler, minilm: ModuleType, bert: Any
+) -> None:
     """The packed forward skips padding; packed or not, it must compute what BertModel computes.
 
     The batch mixes lengths 2..256 and ends with a row that is all padding, as a fixed-shape speed
     mode pads a batch: real rows must come out as BertModel's and finite.
     """
-    minilm = import_model_module(
-        ROOT / "models", MINILM_DIR, load_config(MINILM_DIR / "config.toml")
-    )
-    bert = minilm.load_bert(minilm.package_model_dir())
     part = handler.prepare(_texts(TEXTS))
     tensors = {name: torch.from_numpy(array) for name, array in part.tensors.items()}
     padded = {name: torch.cat([t, torch.zeros_like(t[:1])]) for name, t in tensors.items()}
@@ -184,15 +195,11 @@ def test_packed_encoder_matches_bert_on_a_padded_batch(handler: ModelHandler) ->
 
 
 def test_one_text_skips_the_packing_gathers_and_still_matches_bert(
-    handler: ModelHandler,
+    handler: ModelHandler, minilm: ModuleType, bert: Any
 ) -> None:
     """A single text has no padding, so the encoder runs it in the padded layout: no token
     scatter (``index_copy``) or search for real tokens (``nonzero``), and the same embedding as
     BertModel. Two texts of different lengths still pack."""
-    minilm = import_model_module(
-        ROOT / "models", MINILM_DIR, load_config(MINILM_DIR / "config.toml")
-    )
-    bert = minilm.load_bert(minilm.package_model_dir())
 
     def run(texts: list[str]) -> tuple[torch.Tensor, torch.Tensor, set[str]]:
         part = handler.prepare(_texts(texts))
