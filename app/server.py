@@ -61,7 +61,8 @@ class DrainingServer(uvicorn.Server):
         # A worker listens on nothing (an empty list keeps uvicorn from binding the port): its
         # connections come from the supervisor, accepted there and passed over the channel.
         await super().startup([])
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        assert loop is not None  # set by serve()
         protocol = _counting(self.config.http_protocol_class, self._handoff.closed)
         config, state = self.config, self.server_state
 

@@ -408,7 +408,7 @@ class Supervisor:
                 logger.error("worker pid %s did not stop in time; killing it", slot.process.pid)
                 slot.process.kill()
                 slot.process.join()
-                slot.process = None
+                self._buried(slot, time.monotonic())
         logger.info("all workers stopped")
 
 

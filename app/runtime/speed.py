@@ -3,14 +3,14 @@ CUDA graphs.
 
 A model is loaded as fp32 eager. When its config asks for a faster mode (``precision`` bf16 or
 fp16, weights cast or ``autocast``; ``channels_last``; ``compile``; ``cuda_graphs``),
-:func:`apply_speed` builds that
-mode on the same handler, compiles it during warmup by running every shape it will see once, and
-compares its outputs with fp32 eager on the warmup inputs and on a held-out batch drawn with
-another seed. The mode serves only when every float output stays within ``accuracy_tolerance``
-(max abs error) and ``min_cosine`` (per-sample cosine similarity); otherwise, or when building it
-raises (a compiler that cannot run, an op without a low-precision kernel), the handler goes back
-to fp32 eager and a WARNING says why. The measured numbers are logged, and exported as
-``nograd_model_accuracy_delta{model,mode}`` and ``nograd_model_accuracy_cosine_min{model,mode}``.
+:func:`apply_speed` builds that mode on the same handler, compiles it during warmup by running
+every shape it will see once, and compares its outputs with fp32 eager on the warmup inputs and on
+a held-out batch drawn with another seed. The mode serves only when every float output stays within
+``accuracy_tolerance`` (max abs error) and ``min_cosine`` (per-sample cosine similarity);
+otherwise, or when building it raises (a compiler that cannot run, an op without a low-precision
+kernel), the handler goes back to fp32 eager and a WARNING says why. The measured numbers are
+logged, and exported as ``nograd_model_accuracy_delta{model,mode}`` and
+``nograd_model_accuracy_cosine_min{model,mode}``.
 
 Fixed shapes (``compile_buckets``, and ``compile_length_buckets`` for token models): every batch is
 zero-padded up to the next bucket and the padding rows are sliced off the outputs, so the compiled
