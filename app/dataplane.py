@@ -115,7 +115,9 @@ class ServedModel:
 class DataPlane:
     """Owns every model of the repository and runs inference on them."""
 
-    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+    def __init__(
+        self, settings: Settings, metrics: Metrics, statistics: Statistics | None = None
+    ) -> None:
         self.settings = settings
         self.metrics = metrics
         self.models: dict[str, ServedModel] = {}
@@ -125,7 +127,7 @@ class DataPlane:
         self._inflight = 0
         self._idle: asyncio.Event | None = None
         self._loaded = asyncio.Event()
-        self.statistics = Statistics()
+        self.statistics = statistics or Statistics()
         metrics.watch_device_memory(self._memory_readings)
 
     # ------------------------------------------------------------------ discovery and loading

@@ -23,6 +23,7 @@ from app.dataplane import DataPlane
 from app.metrics import Metrics
 from app.runtime.config import ConfigError
 from app.settings import Settings
+from app.stats import Statistics
 from app.workers import WorkerRole
 
 logger = logging.getLogger(__name__)
@@ -31,8 +32,9 @@ logger = logging.getLogger(__name__)
 def create_app(settings: Settings | None = None, *, worker: WorkerRole | None = None) -> FastAPI:
     """The app of one server process; ``worker`` when it is one of several sharing a port."""
     settings = settings or Settings()
-    metrics = Metrics(multiprocess_dir=worker.multiprocess_dir if worker else None)
-    plane = DataPlane(settings, metrics)
+    shared_dir = worker.multiprocess_dir if worker else None
+    metrics = Metrics(multiprocess_dir=shared_dir)
+    plane = DataPlane(settings, metrics, Statistics(shared_dir))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

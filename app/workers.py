@@ -19,7 +19,8 @@ each is a whole nograd server with its own models, batchers and device thread.
 - Connections stay with the worker they were handed to: requests on one keep-alive connection
   are served by one worker. A connection handed to a worker just as it dies is reset.
 - Metrics live in files in one folder (prometheus_client's multiprocess mode), so /metrics on any
-  worker, and ``NOGRAD_METRICS_PORT`` on the supervisor, report the whole server.
+  worker, and ``NOGRAD_METRICS_PORT`` on the supervisor, report the whole server; so do the V2
+  statistics (``app.stats``), from files of their own in the same folder.
 - SIGTERM (or Ctrl+C) reaches every worker as SIGTERM: each drains as a single server does while
   the supervisor keeps handing them connections (answered 503, as a draining server does); a
   second signal kills the workers at once, cutting the requests still in flight. A worker that
@@ -55,6 +56,8 @@ from app.settings import Settings
 logger = logging.getLogger(__name__)
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+STATS_PREFIX = "v2stats_"
+"""Workers' V2 statistics files in the metrics folder (``app.stats``), next to the metric files."""
 STARTUP_FAILURE = 3
 """Exit code of a worker whose start-up failed (uvicorn's own code for it)."""
 RESTART_DELAY_MAX_S = 30.0
@@ -141,7 +144,8 @@ def least_loaded(open_connections: Sequence[int | None], last: int) -> int | Non
 
 
 def _metrics_dir() -> tuple[Path, bool]:
-    """The folder for the workers' metric files, emptied: an operator's, or a private one.
+    """The folder for the workers' metric and statistics files, emptied: an operator's, or a
+    private one.
 
     Files left by an earlier run would add its counts to this one's.
     """
@@ -149,7 +153,7 @@ def _metrics_dir() -> tuple[Path, bool]:
     if given:
         directory = Path(given)
         directory.mkdir(parents=True, exist_ok=True)
-        for stale in directory.glob("*.db"):
+        for stale in (*directory.glob("*.db"), *directory.glob(f"{STATS_PREFIX}*")):
             stale.unlink()
         return directory, False
     directory = Path(tempfile.mkdtemp(prefix="nograd-metrics-"))

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 from prometheus_client.mmap_dict import MmapedDict
 
@@ -83,6 +84,18 @@ def infer_on_open_connections(url: str, count: int) -> None:
             client.close()
 
 
+def v2_statistics_on_each_worker(url: str) -> list[tuple[int, int]]:
+    """(inference count, successful requests) from the statistics extension, asked on two new
+    connections in a row: one is handed to each worker."""
+    answers = []
+    for _ in range(2):
+        response = httpx.get(f"{url}/v2/models/digits/stats", timeout=30)
+        assert response.status_code == 200, response.text
+        stats = response.json()["model_stats"][0]
+        answers.append((stats["inference_count"], stats["inference_stats"]["success"]["count"]))
+    return answers
+
+
 def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
@@ -94,8 +107,11 @@ def alive(pid: int) -> bool:
 def test_workers_share_the_port_metrics_and_restarts(tmp_path: Path) -> None:
     metrics_dir = tmp_path / "metrics"
     metrics_dir.mkdir()
-    # Left by an earlier run: were it read, /metrics would fail to parse or count it in.
+    # Left by an earlier run: were it read, /metrics would fail to parse or count it in, and
+    # the V2 statistics would count another 1,000 inferences.
     (metrics_dir / "counter_1.db").write_bytes(b"\x07garbage")
+    stale_stats = metrics_dir / f"v2stats_{b'digits'.hex()}_1.i64"
+    stale_stats.write_bytes(np.full(11, 1000, dtype=np.int64).tobytes())
     metrics_port = free_port()
     env = {
         "NOGRAD_WORKERS": "2",
@@ -124,6 +140,7 @@ def test_workers_share_the_port_metrics_and_restarts(tmp_path: Path) -> None:
             assert metric_value(url, "nograd_model_ready", model="digits") == 1
             assert metric_value(url, "nograd_workers_ready") == 2
             assert metric_value(url, "nograd_batch_limit", model="digits") > 0
+        assert v2_statistics_on_each_worker(server.url) == [(72, 72)] * 2
         # Both workers' resident memory, added up (each is a whole process with torch loaded).
         time.sleep(1.2)  # memory is published once a second
         assert metric_value(server.url, "nograd_device_memory_allocated_bytes") > 2 * 100 * 2**20
@@ -141,6 +158,8 @@ def test_workers_share_the_port_metrics_and_restarts(tmp_path: Path) -> None:
         infer_on_new_connections(server.url, 10)
         assert answered_by(metrics_dir, restarted) == 5  # served as soon as it was warm
         assert metric_value(server.url, "nograd_requests_total", model="digits", code="200") == 92
+        # The killed worker's statistics stay in the totals, as its counters do.
+        assert v2_statistics_on_each_worker(server.url) == [(92, 92)] * 2
         assert metric_value(server.url, "nograd_model_ready", model="digits") == 1
         assert metric_value(server.url, "nograd_workers_ready") == 2
 
@@ -150,7 +169,7 @@ def test_workers_share_the_port_metrics_and_restarts(tmp_path: Path) -> None:
         assert log.count("SIGTERM: draining") == 2
         assert "all workers stopped" in log
         assert not alive(restarted) and not alive(pids[1])
-    assert not list(metrics_dir.glob("counter_1.db"))
+    assert not list(metrics_dir.glob("counter_1.db")) and not stale_stats.exists()
 
 
 def test_a_worker_that_cannot_start_stops_the_server(tmp_path: Path) -> None:

@@ -7,7 +7,10 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Self
+
+import pytest
 
 from app.batching import Batcher, BatchLimit
 from app.stats import FanOutObserver, ModelStatistics, Statistics
@@ -61,8 +64,9 @@ def test_requests_and_batches_accumulate() -> None:
     ]
 
 
-def test_counters_are_exact_under_concurrent_updates() -> None:
-    stats = ModelStatistics()
+@pytest.mark.parametrize("shared", [False, True], ids=["memory", "file"])
+def test_counters_are_exact_under_concurrent_updates(shared: bool, tmp_path: Path) -> None:
+    stats = ModelStatistics((tmp_path, "v2stats_6d") if shared else None)
 
     def hammer() -> None:
         for _ in range(2000):
@@ -86,6 +90,65 @@ def test_statistics_creates_each_model_once() -> None:
     statistics = Statistics()
     assert statistics.of("a") is statistics.of("a")
     assert statistics.of("a") is not statistics.of("b")
+
+
+def _as_process(monkeypatch: pytest.MonkeyPatch, pid: int, shared: Path) -> Statistics:
+    """The statistics of one worker process of a server sharing ``shared``."""
+    monkeypatch.setattr("app.stats.os.getpid", lambda: pid)
+    statistics = Statistics(shared)
+    statistics.of("digits")  # the file is named when the model's counters are made
+    return statistics
+
+
+def test_workers_sharing_a_folder_report_the_whole_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = _as_process(monkeypatch, 101, tmp_path)
+    second = _as_process(monkeypatch, 102, tmp_path)
+    first.of("digits").request_succeeded(rows=2, seconds=0.5)
+    first.of("digits").batch_started([0.001, 0.001])
+    first.of("digits").batch_finished(rows=2, seconds=0.01, ok=True)
+    second.of("digits").request_succeeded(rows=1, seconds=0.25)
+    second.of("digits").request_failed(seconds=0.125)
+    second.of("digits").batch_started([0.002])
+    second.of("digits").batch_finished(rows=200, seconds=0.02, ok=True)  # past the first table
+    second.of("other").request_succeeded(rows=7, seconds=1.0)
+
+    # Either worker answers with both workers' counts; another model's stay apart.
+    documents = [s.of("digits").document("digits", "1") for s in (first, second)]
+    assert documents[0] == documents[1]
+    document = documents[0]
+    inference = document["inference_stats"]
+    assert inference["success"] == {"count": 2, "ns": 750_000_000}
+    assert inference["fail"] == {"count": 1, "ns": 125_000_000}
+    assert inference["queue"] == {"count": 3, "ns": 4_000_000}
+    assert inference["compute_infer"] == {"count": 3, "ns": 2 * 10_000_000 + 20_000_000}
+    assert document["inference_count"] == 3 and document["execution_count"] == 2
+    assert [(b["batch_size"], b["compute_infer"]) for b in document["batch_stats"]] == [
+        (2, {"count": 1, "ns": 10_000_000}),
+        (200, {"count": 1, "ns": 20_000_000}),
+    ]
+    assert document["last_inference"] > 0
+    assert first.of("other").document("other", "1")["inference_count"] == 7
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        f"v2stats_{name.encode().hex()}_{pid}.i64"
+        for name, pid in (("digits", 101), ("digits", 102), ("other", 102))
+    )
+
+    # A worker started again under a pid seen before carries on from that file's counts.
+    again = _as_process(monkeypatch, 102, tmp_path)
+    again.of("digits").request_succeeded(rows=1, seconds=0.0)
+    assert again.of("digits").document("digits", "1")["inference_count"] == 4
+    assert again.of("digits").document("digits", "1")["batch_stats"][-1]["batch_size"] == 200
+
+
+def test_batch_sizes_past_the_first_table_in_memory() -> None:
+    stats = ModelStatistics()
+    for rows in (1, 64, 65, 1000):
+        stats.batch_started([0.0])
+        stats.batch_finished(rows=rows, seconds=0.001, ok=True)
+    sizes = [b["batch_size"] for b in stats.document("m", "1")["batch_stats"]]
+    assert sizes == [1, 64, 65, 1000]
 
 
 @dataclass(frozen=True)
