@@ -212,6 +212,44 @@ async def test_busy_model_waits_at_most_the_delay_to_fill(executor: ThreadPoolEx
     await batcher.stop()
 
 
+async def test_a_staged_batch_keeps_filling_until_the_device_is_expected_to_free(
+    executor: ThreadPoolExecutor,
+) -> None:
+    runner = FakeRunner(delay_s=0.2)
+    batcher = make(runner, executor, limit=64, delay_s=0.02)
+    await batcher.start()
+    await batcher.submit(Rows((0,)))  # measures the model: 0.2 s per row
+    running = asyncio.create_task(batcher.submit(Rows((1,))))  # expected to end in 0.2 s
+    staged = []
+    for pause in (0.02, 0.06, 0.06):  # at 20, 80 and 140 ms
+        await asyncio.sleep(pause)
+        staged.append(asyncio.create_task(batcher.submit(Rows((2,)))))
+    await asyncio.gather(running, *staged)
+    # Cut at its delay (40 ms) the staged batch would have held one request and waited for the
+    # device all the same; it took all three, cut 20 ms before the running batch was to end.
+    assert [sum(p.rows for p in b) for b in runner.batches] == [1, 1, 3]
+    await batcher.stop()
+
+
+async def test_a_staged_batch_leaves_when_the_device_frees_before_it_was_expected_to(
+    executor: ThreadPoolExecutor,
+) -> None:
+    runner = FakeRunner(delay_s=0.5)
+    batcher = make(runner, executor, limit=64, delay_s=0.02)
+    await batcher.start()
+    await batcher.submit(Rows((0,)))  # measured at 0.5 s per row
+    runner.delay_s = 0.05  # now the model is ten times faster than measured
+    started = time.monotonic()
+    running = asyncio.create_task(batcher.submit(Rows((1,))))
+    await asyncio.sleep(0.01)
+    assert await batcher.submit(Rows((2,))) == (4,)
+    await running
+    # Not held until the expected end (0.48 s): dispatched once the device was free.
+    assert time.monotonic() - started < 0.3
+    assert [sum(p.rows for p in b) for b in runner.batches] == [1, 1, 1]
+    await batcher.stop()
+
+
 async def test_a_failing_sample_fails_only_its_own_request(executor: ThreadPoolExecutor) -> None:
     runner = FakeRunner(poison=13)
     runner.gate = threading.Event()
