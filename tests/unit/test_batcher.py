@@ -212,13 +212,21 @@ async def test_busy_model_waits_at_most_the_delay_to_fill(executor: ThreadPoolEx
     await batcher.stop()
 
 
+async def measured(
+    executor: ThreadPoolExecutor, seconds_per_row: float
+) -> tuple[FakeRunner, Batcher[Rows, tuple[int, ...]]]:
+    """A started batcher (delay 20 ms) that has run one row, taking ``seconds_per_row``."""
+    runner = FakeRunner(delay_s=seconds_per_row)
+    batcher = make(runner, executor, limit=64, delay_s=0.02)
+    await batcher.start()
+    await batcher.submit(Rows((0,)))
+    return runner, batcher
+
+
 async def test_a_staged_batch_keeps_filling_until_the_device_is_expected_to_free(
     executor: ThreadPoolExecutor,
 ) -> None:
-    runner = FakeRunner(delay_s=0.2)
-    batcher = make(runner, executor, limit=64, delay_s=0.02)
-    await batcher.start()
-    await batcher.submit(Rows((0,)))  # measures the model: 0.2 s per row
+    runner, batcher = await measured(executor, 0.2)
     running = asyncio.create_task(batcher.submit(Rows((1,))))  # expected to end in 0.2 s
     staged = []
     for pause in (0.02, 0.06, 0.06):  # at 20, 80 and 140 ms
@@ -234,10 +242,7 @@ async def test_a_staged_batch_keeps_filling_until_the_device_is_expected_to_free
 async def test_a_staged_batch_leaves_when_the_device_frees_before_it_was_expected_to(
     executor: ThreadPoolExecutor,
 ) -> None:
-    runner = FakeRunner(delay_s=0.5)
-    batcher = make(runner, executor, limit=64, delay_s=0.02)
-    await batcher.start()
-    await batcher.submit(Rows((0,)))  # measured at 0.5 s per row
+    runner, batcher = await measured(executor, 0.5)
     runner.delay_s = 0.05  # now the model is ten times faster than measured
     started = time.monotonic()
     running = asyncio.create_task(batcher.submit(Rows((1,))))
