@@ -297,14 +297,12 @@ class Batcher(Generic[P, R]):
                 await self._wakeup.wait()
             await self._fill_while_busy()
             await self._slots.acquire()
-            batch = self._take_batch()
+            batch, cost = self._take_batch()
             if not batch:
                 self._slots.release()
                 continue
             self._in_flight += 1
-            estimate = self._seconds_per_cost * cost_of(
-                [it.part for it in batch], self._unit_tokens
-            )
+            estimate = self._seconds_per_cost * cost
             self._estimates.append(estimate)
             self._free_at = max(self._free_at, time.monotonic()) + estimate
             task = asyncio.create_task(self._run(batch), name=f"batch-{self.name}")
@@ -340,8 +338,9 @@ class Batcher(Generic[P, R]):
                 return True
         return False
 
-    def _take_batch(self) -> list[_Item[P, R]]:
-        """Oldest live item first (no starvation), then the queued items closest to its length."""
+    def _take_batch(self) -> tuple[list[_Item[P, R]], int]:
+        """Oldest live item first (no starvation), then the queued items closest to its length;
+        with the batch's cost."""
         now = time.monotonic()
         first: _Item[P, R] | None = None
         while self._queue and first is None:
@@ -349,7 +348,7 @@ class Batcher(Generic[P, R]):
             first = item if self._admit(item, now) else None
         if first is None:
             self._observer.queue_depth(len(self._queue))
-            return []
+            return [], 0
         batch = [first]
         limit = self.limit.current
         rows, longest = first.part.rows, first.part.length
@@ -373,7 +372,7 @@ class Batcher(Generic[P, R]):
         if taken:
             self._queue = deque(it for it in self._queue if id(it) not in taken)
         self._observer.queue_depth(len(self._queue))
-        return batch
+        return batch, rows * longest if self._unit_tokens else rows
 
     def _admit(self, item: _Item[P, R], now: float) -> bool:
         """Drop work nobody waits for, or whose deadline passed, before it costs compute."""
