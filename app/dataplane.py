@@ -41,7 +41,7 @@ from app.runtime.handler import ModelHandler, Outputs, TensorPart, TorchRunner
 from app.runtime.loader import build_handler, weights_bytes
 from app.runtime.memory import Profile, probe_for
 from app.runtime.planner import ModelPlan, PlanInput, log_plan, plan_device, profile_handler
-from app.runtime.speed import apply_speed
+from app.runtime.speed import apply_speed, batch_cap
 from app.runtime.warmup import warm_up
 from app.settings import Settings
 from app.stats import FanOutObserver, Statistics
@@ -276,6 +276,9 @@ class DataPlane:
             observer.predict_bytes = model.plan.predict_bytes
         else:
             limit = BatchLimit(self._measured_limit(config))
+        # Fixed shapes: a batch above the largest bucket would run as several forwards, every
+        # caller waiting for all of them; capped, the later callers form the next batch instead.
+        limit.set_cap(batch_cap(model.handler))
         delay_ms = config.max_queue_delay_ms
         batcher: Batcher[TensorPart, Outputs] = Batcher(
             model.name,

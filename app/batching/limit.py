@@ -15,7 +15,8 @@ class BatchLimit:
     ``measured`` is the ceiling derived from memory measurement (or ``max_batch_size``); the
     current limit never exceeds it. After an OOM at cost ``c`` the limit halves below ``c`` and
     ``c`` becomes a ceiling that is only lifted after a long run of successes, so a real memory
-    wall is not probed over and over while a transient one is eventually forgotten.
+    wall is not probed over and over while a transient one is eventually forgotten. A ``cap``
+    (the throughput knee) bounds ``current`` further without touching what memory taught.
     """
 
     def __init__(
@@ -40,10 +41,22 @@ class BatchLimit:
         self._successes = 0
         self._since_oom = 0
         self._reported = measured
+        self._cap: int | None = None
 
     @property
     def current(self) -> int:
-        return self._current
+        return self._current if self._cap is None else min(self._current, self._cap)
+
+    @property
+    def cap(self) -> int | None:
+        return self._cap
+
+    def set_cap(self, cap: int | None) -> None:
+        """Cap batches below the memory limit (the throughput knee); None lifts the cap."""
+        if cap is not None and cap < 1:
+            raise ValueError(f"batch cap {cap} must be at least 1")
+        with self._lock:
+            self._cap = cap
 
     @property
     def measured(self) -> int:
@@ -84,7 +97,8 @@ class BatchLimit:
     def changed(self) -> bool:
         """True once per change of ``current``, so observers export only real changes."""
         with self._lock:
-            if self._current == self._reported:
+            current = self.current
+            if current == self._reported:
                 return False
-            self._reported = self._current
+            self._reported = current
             return True
