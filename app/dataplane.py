@@ -30,6 +30,7 @@ from app.batching import (
 from app.datatypes import datatype_of, shape_matches
 from app.metrics import Metrics, ModelObserver
 from app.runtime.config import ConfigError, ModelConfig, find_config, load_config
+from app.runtime.cores import CoreLedger, CoreShare
 from app.runtime.devices import (
     DeviceThreads,
     configure_threads,
@@ -116,7 +117,12 @@ class DataPlane:
     """Owns every model of the repository and runs inference on them."""
 
     def __init__(
-        self, settings: Settings, metrics: Metrics, statistics: Statistics | None = None
+        self,
+        settings: Settings,
+        metrics: Metrics,
+        statistics: Statistics | None = None,
+        *,
+        cores: CoreShare | None = None,
     ) -> None:
         self.settings = settings
         self.metrics = metrics
@@ -128,6 +134,9 @@ class DataPlane:
         self._idle: asyncio.Event | None = None
         self._loaded = asyncio.Event()
         self.statistics = statistics or Statistics()
+        self._core_share = cores
+        self._cores: CoreLedger | None = None
+        """Joined at load: the CPU cores shared with the other workers, batch by batch."""
         metrics.watch_device_memory(self._memory_readings)
 
     # ------------------------------------------------------------------ discovery and loading
@@ -161,8 +170,20 @@ class DataPlane:
         weights; a model that fails at any step is reported and left not ready.
         """
         loop = asyncio.get_running_loop()
-        threads = configure_threads(self.settings.torch_threads, self.settings.workers)
-        logger.info("torch intra-op threads: %d", threads)
+        shared = self._core_share is not None
+        threads = configure_threads(
+            self.settings.torch_threads, self.settings.workers, shared=shared
+        )
+        if self._core_share is not None:
+            self._cores = CoreLedger(self._core_share, threads)
+            logger.info(
+                "torch intra-op threads: up to %d per batch, the cores the other %d workers' "
+                "batches leave free",
+                threads,
+                self.settings.workers - 1,
+            )
+        else:
+            logger.info("torch intra-op threads: %d", threads)
         for model in self.models.values():
             try:
                 # On the thread that will run the model's batches: torch's OpenMP workers belong
@@ -282,7 +303,7 @@ class DataPlane:
         delay_ms = config.max_queue_delay_ms
         batcher: Batcher[TensorPart, Outputs] = Batcher(
             model.name,
-            TorchRunner(model.handler),
+            TorchRunner(model.handler, self._cores),
             self._threads.executor(model.handler.device),
             limit,
             max_queue_delay_s=(self.settings.max_queue_delay_ms if delay_ms is None else delay_ms)
@@ -433,6 +454,8 @@ class DataPlane:
         # Statistics extension: every request that names a served model counts, failed or not.
         stats = self.statistics.of(model.name)
         started = time.perf_counter()
+        if self._inflight == 0 and self._cores is not None:
+            self._cores.set_active(True)
         self._inflight += 1
         try:
             outputs = await self._infer(model, inputs, deadline)
@@ -444,8 +467,11 @@ class DataPlane:
             raise
         finally:
             self._inflight -= 1
-            if self._inflight == 0 and self._idle is not None:
-                self._idle.set()
+            if self._inflight == 0:
+                if self._cores is not None:
+                    self._cores.set_active(False)
+                if self._idle is not None:
+                    self._idle.set()
         stats.request_succeeded(len(next(iter(inputs.values()))), time.perf_counter() - started)
         return model, outputs
 

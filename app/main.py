@@ -34,7 +34,9 @@ def create_app(settings: Settings | None = None, *, worker: WorkerRole | None = 
     settings = settings or Settings()
     shared_dir = worker.multiprocess_dir if worker else None
     metrics = Metrics(multiprocess_dir=shared_dir)
-    plane = DataPlane(settings, metrics, Statistics(shared_dir))
+    plane = DataPlane(
+        settings, metrics, Statistics(shared_dir), cores=worker.cores if worker else None
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

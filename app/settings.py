@@ -64,6 +64,11 @@ class Settings(BaseSettings):
     spreads the HTTP and Python work of small, fast models over several cores; memory budgets
     are split among them and /metrics adds their series up."""
 
+    share_cores: bool = True
+    """With several workers and ``torch_threads`` unset: each CPU batch runs on every core the
+    other workers' batches leave free (all of them when those are idle), never more in total.
+    Off: a fixed share each, cores divided by workers."""
+
     warmup: bool = True
     """Run warmup forwards before a model reports ready."""
 

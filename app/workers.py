@@ -16,6 +16,9 @@ each is a whole nograd server with its own models, batchers and device thread.
 - Workers start one after another (start-up work never competes for the cores); the supervisor
   starts listening once all are warm, and a restarted worker is handed connections once it is
   warm. Each budgets an equal share of the device memory it finds free.
+- CPU cores for torch are shared batch by batch through a ledger file in the metrics folder
+  (``app.runtime.cores``): a lone busy worker's batch runs on every core, busy workers on their
+  share. The supervisor creates it and clears a dead worker's slot.
 - Connections stay with the worker they were handed to: requests on one keep-alive connection
   are served by one worker. A connection handed to a worker just as it dies is reset.
 - Metrics live in files in one folder (prometheus_client's multiprocess mode), so /metrics on any
@@ -51,12 +54,15 @@ from multiprocessing.synchronize import Event
 from pathlib import Path
 from types import FrameType
 
+from app.runtime.cores import CoreShare, clear_slot, create_ledger
 from app.settings import Settings
 
 logger = logging.getLogger(__name__)
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 STATS_PREFIX = "v2stats_"
+CORES_FILE = "cores.i64"
+"""The shared ledger of CPU cores (``app.runtime.cores``), in the metrics folder."""
 """Workers' V2 statistics files in the metrics folder (``app.stats``), next to the metric files."""
 STARTUP_FAILURE = 3
 """Exit code of a worker whose start-up failed (uvicorn's own code for it)."""
@@ -79,6 +85,8 @@ class WorkerRole:
     multiprocess_dir: Path
     ready: Callable[[], None]
     """Tells the supervisor the models are loaded and warm."""
+    cores: CoreShare | None = None
+    """This worker's slot in the ledger of CPU cores the workers share (``share_cores``)."""
 
 
 @dataclass(frozen=True)
@@ -178,6 +186,10 @@ class Supervisor:
         self._last_pick = -1
         self._dropped = 0
         self._accept_resume_at = 0.0
+        self._cores: Path | None = None
+        """The ledger of shared CPU cores, created when the workers start (``share_cores``)."""
+        if settings.share_cores and settings.torch_threads is None:
+            self._cores = multiprocess_dir / CORES_FILE
 
     def run(self) -> int:
         previous = {
@@ -185,6 +197,8 @@ class Supervisor:
         }
         try:
             self._serve_metrics()
+            if self._cores is not None:
+                create_ledger(self._cores, len(self._slots))
             for slot in self._slots:
                 self._start(slot)
                 if not self._wait_ready(slot):
@@ -252,6 +266,7 @@ class Supervisor:
                 "ready": slot.ready,
                 "handoff": Handoff(theirs, closed),
                 "supervisor": os.getpid(),
+                "cores": None if self._cores is None else CoreShare(self._cores, slot.index),
             },
             name=f"nograd-worker-{slot.index}",
             daemon=False,
@@ -385,6 +400,8 @@ class Supervisor:
         self._close_channel(slot)
         if pid is not None:
             _mark_dead(pid, self._dir)
+        if self._cores is not None:
+            clear_slot(self._cores, slot.index)
         if self._closing:
             return
         lived = now - slot.started_at
@@ -442,6 +459,7 @@ def _worker_main(
     ready: Event,
     handoff: Handoff,
     supervisor: int,
+    cores: CoreShare | None,
 ) -> None:
     _exit_with_supervisor(supervisor)
     from app.logs import setup_logging
@@ -450,7 +468,7 @@ def _worker_main(
     from app.main import create_app
     from app.server import build_server
 
-    role = WorkerRole(multiprocess_dir, ready.set)
+    role = WorkerRole(multiprocess_dir, ready.set, cores)
     server = build_server(settings, create_app(settings, worker=role), handoff=handoff)
     server.run()
     sys.exit(0 if server.started else STARTUP_FAILURE)

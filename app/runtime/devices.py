@@ -73,15 +73,19 @@ def _cpu_quotas(proc_root: Path, cgroup_root: Path) -> list[float]:
     return quotas
 
 
-def configure_threads(count: int | None, workers: int = 1) -> int:
+def configure_threads(count: int | None, workers: int = 1, *, shared: bool = False) -> int:
     """Intra-op threads for CPU forwards; by default the cores the process may use, divided
-    among the server's worker processes (at least one each).
+    among the server's worker processes (at least one each). ``shared``: workers take cores
+    batch by batch (app/runtime/cores.py), so a worker starts with all of them.
 
     A compute-bound model is limited by its forward: on 2 cores minilm served 129 sentences/s
     with 2 threads against 87 with 1 (32 concurrent requests), while digits, bound by the event
     loop, served the same with either. torch's own default ignores a container's CPU quota.
     """
-    threads = count if count is not None else max(1, usable_cores() // workers)
+    if count is not None:
+        threads = count
+    else:
+        threads = usable_cores() if shared else max(1, usable_cores() // workers)
     torch.set_num_threads(threads)
     return threads
 

@@ -9,6 +9,7 @@ the forward to call.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Final, Protocol
@@ -18,6 +19,7 @@ import torch
 
 from app.datatypes import NUMPY_DTYPES
 from app.runtime.config import ModelConfig, TensorSpec
+from app.runtime.cores import CoreLedger
 from app.runtime.memory import is_out_of_memory
 
 Outputs = dict[str, np.ndarray]
@@ -36,6 +38,11 @@ TORCH_DTYPES: Final[dict[str, torch.dtype]] = {
     "FP32": torch.float32,
     "FP64": torch.float64,
 }
+WIDE_FORWARD_S: Final = 0.003
+"""With shared cores, a batch runs on more than one thread only when the model's last batch took
+this long: digits' sub-millisecond forwards gained nothing from a second thread, whose spinning
+between ops took the core the event loop and the client needed (p99 at concurrency 1 went from
+4-6 to 8-10 ms)."""
 PRECISION_DTYPES: Final[dict[str, torch.dtype]] = {
     "fp32": torch.float32,
     "bf16": torch.bfloat16,
@@ -208,11 +215,30 @@ class ModelHandler:
 class TorchRunner:
     """The batcher's ``Runner`` for torch: collate, forward under inference_mode, fan out."""
 
-    def __init__(self, handler: ModelHandler) -> None:
+    def __init__(self, handler: ModelHandler, cores: CoreLedger | None = None) -> None:
         self.handler = handler
         self.device = handler.device
+        self._cores = cores if handler.device.type == "cpu" else None
+        self._seconds = float("inf")
+        """This model's last batch, timed when cores are shared; unknown counts as long."""
 
     def run_batch(self, parts: Sequence[TensorPart]) -> list[Outputs]:
+        cores = self._cores
+        if cores is None:
+            return self._run_batch(parts)
+        # Several workers share the cores (app/runtime/cores.py): this batch's width is what
+        # the others leave free. A forward too short to gain from more threads keeps one.
+        threads = cores.acquire(None if self._seconds >= WIDE_FORWARD_S else 1)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        started = time.perf_counter()
+        try:
+            return self._run_batch(parts)
+        finally:
+            cores.release()
+            self._seconds = time.perf_counter() - started
+
+    def _run_batch(self, parts: Sequence[TensorPart]) -> list[Outputs]:
         rows = [part.rows for part in parts]
         fast = self.handler.fast_path
         most = None if fast is None else fast.max_rows

@@ -40,6 +40,20 @@ def test_a_worker_that_keeps_dying_waits_longer_each_time_up_to_a_cap() -> None:
     assert failures == 8
 
 
+def test_cores_are_shared_unless_turned_off_or_fixed_by_a_thread_count() -> None:
+    def ledger(**settings: object) -> Path | None:
+        sock = bind_socket("127.0.0.1", 0)
+        try:
+            supervisor = Supervisor(Settings(workers=2, **settings), sock, Path("/tmp/m"))  # type: ignore[arg-type]
+            return supervisor._cores
+        finally:
+            sock.close()
+
+    assert ledger() == Path("/tmp/m/cores.i64")
+    assert ledger(share_cores=False) is None
+    assert ledger(torch_threads=1) is None
+
+
 def test_the_port_takes_no_connection_before_listening() -> None:
     sock = bind_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]

@@ -1,0 +1,157 @@
+"""The ledger of CPU cores shared by worker processes: each "worker" here is a CoreLedger on the
+same file, as each process opens its own."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from app.runtime import cores as cores_module
+from app.runtime.config import ModelConfig, TensorSpec
+from app.runtime.cores import CoreLedger, CoreShare, clear_slot, create_ledger
+from app.runtime.handler import ModelHandler, TensorPart, TorchRunner
+
+
+@pytest.fixture
+def ledger_path(tmp_path: Path) -> Path:
+    path = tmp_path / "cores.i64"
+    create_ledger(path, 3)
+    return path
+
+
+@pytest.fixture
+def workers(ledger_path: Path) -> Iterator[list[CoreLedger]]:
+    ledgers = [CoreLedger(CoreShare(ledger_path, i), cores=4) for i in range(3)]
+    yield ledgers
+    for ledger in ledgers:
+        ledger.close()
+
+
+def test_a_lone_worker_takes_every_core_and_gives_them_back(workers: list[CoreLedger]) -> None:
+    a = workers[0]
+    assert a.acquire() == 4
+    assert a.held() == [4, 0, 0]
+    a.release()
+    assert a.held() == [0, 0, 0]
+    assert a.acquire(most=1) == 1, "a short forward asks for one thread"
+
+
+def test_busy_workers_leave_each_other_a_core(workers: list[CoreLedger]) -> None:
+    a, b, c = workers
+    b.set_active(True)
+    c.set_active(True)
+    assert a.try_acquire() == 2, "4 cores, two other workers with requests in flight"
+    assert b.try_acquire() == 1, "a's batch holds 2, c is busy: 1 of the 2 left"
+    assert c.try_acquire() == 1
+    assert a.held() == [2, 1, 1]
+    assert sum(a.held()) <= a.cores
+
+
+def test_with_every_core_held_a_worker_waits_and_the_holder_leaves_it_one(
+    workers: list[CoreLedger],
+) -> None:
+    a, b, _ = workers
+    assert a.try_acquire() == 4
+    assert b.try_acquire() == 0, "nothing free: b waits"
+    a.release()
+    assert a.try_acquire() == 3, "b is waiting: a leaves it a core"
+    assert b.try_acquire() == 1
+    assert b.held() == [3, 1, 0]
+
+
+def test_acquire_blocks_until_a_core_is_released(workers: list[CoreLedger]) -> None:
+    a, b, _ = workers
+    assert a.acquire() == 4
+    got: list[int] = []
+    waiter = threading.Thread(target=lambda: got.append(b.acquire()))
+    waiter.start()
+    time.sleep(0.05)
+    assert got == [] and waiter.is_alive()
+    a.release()
+    waiter.join(timeout=5)
+    assert got == [4], "a left and is idle: b may take every core"
+
+
+def test_a_worker_stays_busy_for_a_while_after_its_last_request(
+    workers: list[CoreLedger], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, b, _ = workers
+    monkeypatch.setattr(cores_module, "BUSY_HOLD_S", 0.2)
+    b.set_active(True)
+    b.set_active(False)
+    assert a.try_acquire() == 3, "b's requests just left: more are likely on their way"
+    a.release()
+    time.sleep(0.25)
+    assert a.try_acquire() == 4
+
+
+def test_a_dead_workers_slot_is_cleared(ledger_path: Path, workers: list[CoreLedger]) -> None:
+    a, b, _ = workers
+    assert a.try_acquire() == 4
+    a.set_active(True)
+    clear_slot(ledger_path, 0)
+    assert b.held() == [0, 0, 0]
+    assert b.try_acquire() == 4, "nothing is left held or busy by the dead worker"
+
+
+def test_a_slot_outside_the_ledger_is_refused(ledger_path: Path) -> None:
+    with pytest.raises(ValueError, match="slot 3 is outside"):
+        CoreLedger(CoreShare(ledger_path, 3), cores=2)
+
+
+class Slow(torch.nn.Module):
+    """A forward long enough to count as worth widening, or not."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self.threads: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.threads.append(torch.get_num_threads())
+        time.sleep(self.seconds)
+        return x * 2
+
+
+def runner_with(ledger: CoreLedger, seconds: float) -> tuple[TorchRunner, Slow]:
+    module = Slow(seconds)
+    config = ModelConfig(
+        name="slow",
+        weights=None,
+        inputs=(TensorSpec(name="x", datatype="FP32", shape=(2,)),),
+        outputs=(TensorSpec(name="y", datatype="FP32", shape=(2,)),),
+    )
+    return TorchRunner(ModelHandler(module, config, torch.device("cpu")), ledger), module
+
+
+def part() -> TensorPart:
+    return TensorPart({"x": np.ones((1, 2), dtype=np.float32)}, 1)
+
+
+def test_the_runner_sets_each_batchs_threads_from_the_ledger(
+    ledger_path: Path, workers: list[CoreLedger]
+) -> None:
+    a, b, _ = workers
+    before = torch.get_num_threads()
+    try:
+        runner, module = runner_with(a, seconds=0.01)
+        runner.run_batch([part()])
+        b.set_active(True)
+        runner.run_batch([part()])
+        b.set_active(False)
+        b.clear()
+        assert module.threads == [4, 3], "alone: every core; b busy: its core left to it"
+        assert a.held() == [0, 0, 0], "released after each batch"
+
+        quick, fast_module = runner_with(a, seconds=0.0)
+        quick.run_batch([part()])
+        quick.run_batch([part()])
+        assert fast_module.threads == [4, 1], "a sub-3 ms forward stays on one thread"
+    finally:
+        torch.set_num_threads(before)
