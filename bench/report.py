@@ -117,7 +117,7 @@ def verdict(ok: bool | None) -> str:
 # ------------------------------------------------------------------------------------- targets
 def targets(results: dict[str, Any], system: str = "nograd") -> list[tuple[str, str, str, str]]:
     """(target, measured, threshold, verdict) rows for issue 5's targets, for one nograd
-    configuration (the concurrency-1 rows only for the default one, the only one run there)."""
+    configuration (the concurrency-1 rows for those run there: the default and two workers)."""
     out: list[tuple[str, str, str, str]] = []
     ng = head(results, system, "digits")
     ceiling = head(results, "http-ceiling", "digits")

@@ -484,12 +484,18 @@ class Bench:
         self.nograd_variant("nograd-threads-fewer", {}, {"NOGRAD_TORCH_THREADS": threads})
 
     def phase_workers(self) -> None:
-        """nograd as two server processes (NOGRAD_WORKERS=2, torch's threads split between
-        them): for loads where one process's Python, not the forward, is the limit."""
-        self.nograd_variant("nograd-workers-2", {}, {"NOGRAD_WORKERS": "2"})
+        """nograd as two server processes (NOGRAD_WORKERS=2, sharing the cores batch by batch):
+        for loads where one process's Python, not the forward, is the limit. minilm-1 also at
+        concurrency 1, where a lone request's forward may take every core."""
+        self.nograd_variant("nograd-workers-2", {}, {"NOGRAD_WORKERS": "2"}, low_load=True)
 
     def nograd_variant(
-        self, system: str, edits: dict[str, dict[str, str]], env: dict[str, str]
+        self,
+        system: str,
+        edits: dict[str, dict[str, str]],
+        env: dict[str, str],
+        *,
+        low_load: bool = False,
     ) -> None:
         repo = temp_repository(edits) if edits else None
         try:
@@ -509,6 +515,16 @@ class Bench:
                     )
                     if result is not None:
                         result.extra["config"] = edits.get(MODEL_OF[name], {}) | env
+                    if low_load and name == "minilm-1":
+                        self.step(f"{system} {name} c=1")
+                        self.load(
+                            server,
+                            system,
+                            name,
+                            concurrency=1,
+                            duration_s=self.plan.short_s,
+                            nograd_metrics=True,
+                        )
         finally:
             if repo is not None:
                 shutil.rmtree(repo, ignore_errors=True)
@@ -755,6 +771,7 @@ def count_steps(plan: Plan) -> int:
     steps += models * len(plan.litserve_grid) + n_wl * per_system + 2  # litserve
     steps += len(plan.litserve_grid) if "minilm" in {MODEL_OF[w] for w in plan.workloads} else 0
     steps += 3 * (2 + n_wl)  # batching off, fewer torch threads, two workers
+    steps += int("minilm-1" in plan.workloads)  # two workers at concurrency 1
     steps += int(plan.levers) + int(plan.compile) + int(plan.memory) + int(plan.profile)
     return steps
 
