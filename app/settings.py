@@ -56,8 +56,9 @@ class Settings(BaseSettings):
     memory_fraction."""
 
     torch_threads: int | None = Field(default=None, ge=1)
-    """Intra-op threads for CPU forwards, per worker; unset: the cores this process may use
-    (affinity and cgroup CPU quota), divided among the workers."""
+    """Intra-op threads for CPU forwards, fixed, per worker; unset: the cores this process may
+    use (affinity and cgroup CPU quota), shared among the workers batch by batch
+    (``share_cores``) or divided among them."""
 
     workers: int = Field(default=1, ge=1, le=64)
     """Server processes sharing the port, each with its own copy of every model. More than one
