@@ -16,7 +16,8 @@ class BatchLimit:
     current limit never exceeds it. After an OOM at cost ``c`` the limit halves below ``c`` and
     ``c`` becomes a ceiling that is only lifted after a long run of successes, so a real memory
     wall is not probed over and over while a transient one is eventually forgotten. A ``cap``
-    (the throughput knee) bounds ``current`` further without touching what memory taught.
+    (the largest fixed-shape bucket) bounds ``current`` further without touching what memory
+    and OOMs taught.
     """
 
     def __init__(
@@ -52,7 +53,8 @@ class BatchLimit:
         return self._cap
 
     def set_cap(self, cap: int | None) -> None:
-        """Cap batches below the memory limit (the throughput knee); None lifts the cap."""
+        """Cap batches below the memory limit (no batch worth forming is bigger); None lifts
+        the cap."""
         if cap is not None and cap < 1:
             raise ValueError(f"batch cap {cap} must be at least 1")
         with self._lock:

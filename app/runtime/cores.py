@@ -2,7 +2,8 @@
 
 With several workers on a CPU, a fixed share of the cores each (cores / workers intra-op
 threads) wastes them whenever the other workers are idle: at concurrency 1 on 2 cores, minilm's
-forward ran on one thread with the second core idle (p50 32-39 ms against 17 with both). Every
+forward ran on one thread with the second core idle (p50 19.7-30.6 ms against 11.9-15.0 with
+both). Every
 worker taking every core is worse under load: two OpenMP teams of 2 on 2 cores wait at each
 barrier for a thread the kernel has descheduled (minilm at 32 concurrent requests fell from
 ~170 to 34-51 sentences/s).
@@ -43,6 +44,13 @@ CELL: Final = 8
 POLL_S: Final = 0.0002
 """How often a waiting worker looks again. A wait lasts until another worker's batch ends (a
 millisecond for digits, tens for minilm), so a finer poll would only burn the core it waits for."""
+BUSY_HOLD_S: Final = 0.1
+"""A worker stays busy this long after its last request left (see the module's docstring)."""
+FIELDS: Final = 3
+"""Per worker: threads held, waiting for a core (0/1), and busy until (``time.monotonic_ns``,
+the same clock in every process; 0 when idle); one row per field."""
+ALWAYS: Final = 2**62
+"""Busy-until while requests are in flight."""
 
 
 @dataclass(frozen=True)
@@ -51,15 +59,6 @@ class CoreShare:
 
     path: Path
     index: int
-
-
-BUSY_HOLD_S: Final = 0.1
-"""A worker stays busy this long after its last request left (see the module's docstring)."""
-FIELDS: Final = 3
-"""Per worker: threads held, waiting for a core (0/1), and busy until (``time.monotonic_ns``,
-the same clock in every process; 0 when idle); one row per field."""
-ALWAYS: Final = 2**62
-"""Busy-until while requests are in flight."""
 
 
 def create_ledger(path: Path, workers: int) -> None:
