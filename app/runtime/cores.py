@@ -16,7 +16,9 @@ with a fixed share, digits 1,360-1,659 against 3,429-3,558 requests/s).
 So the workers keep a ledger in a small shared file: for each worker the threads its running
 batch uses, a flag while it waits for a core, and a flag while it has requests in flight. Before
 a batch, a worker takes the cores no other worker's batch holds, less one for each other worker
-that holds none but has requests in flight or waits; with none free it waits for one.
+that holds none but has requests in flight or waits, and no more than its fair share (cores
+divided among it and the other workers holding cores or busy, rounded up); with none free it
+waits for one.
 The threads of running batches never add up to more than the cores, a lone busy worker (the
 low-load case) runs at full width, and under load every worker runs at its share. A worker
 counts as busy for ``BUSY_HOLD_S`` after its last request left: under load a worker's requests
@@ -128,17 +130,22 @@ class CoreLedger:
         with self._locked():
             held = 0
             reserve = 0
+            others = 0
             for other in range(slots):
                 if other == me:
                     continue
                 held += cells[other]
-                if cells[other] == 0 and (cells[slots + other] or cells[2 * slots + other] > now):
+                wants = bool(cells[slots + other]) or cells[2 * slots + other] > now
+                if cells[other] or wants:
+                    others += 1
+                if cells[other] == 0 and wants:
                     reserve += 1  # busy or waiting without a core: it will want one soon
             free = self.cores - held
             if free < 1:
                 cells[slots + me] = 1
                 return 0
-            take = max(1, min(free - reserve, most or self.cores))
+            fair = -(-self.cores // (1 + others))  # with others busy, no more than a fair share
+            take = max(1, min(free - reserve, fair, most or self.cores))
             cells[me] = take
             cells[slots + me] = 0
             return take
