@@ -170,12 +170,12 @@ class DataPlane:
         weights; a model that fails at any step is reported and left not ready.
         """
         loop = asyncio.get_running_loop()
-        shared = self._core_share is not None
+        share = self._core_share
         threads = configure_threads(
-            self.settings.torch_threads, self.settings.workers, shared=shared
+            self.settings.torch_threads, self.settings.workers, shared=share is not None
         )
-        if self._core_share is not None:
-            self._cores = CoreLedger(self._core_share, threads)
+        if share is not None:
+            self._cores = CoreLedger(share, threads)
             logger.info(
                 "torch intra-op threads: up to %d per batch, the cores the other %d workers' "
                 "batches leave free",

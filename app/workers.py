@@ -61,9 +61,9 @@ logger = logging.getLogger(__name__)
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 STATS_PREFIX = "v2stats_"
+"""Workers' V2 statistics files in the metrics folder (``app.stats``), next to the metric files."""
 CORES_FILE = "cores.i64"
 """The shared ledger of CPU cores (``app.runtime.cores``), in the metrics folder."""
-"""Workers' V2 statistics files in the metrics folder (``app.stats``), next to the metric files."""
 STARTUP_FAILURE = 3
 """Exit code of a worker whose start-up failed (uvicorn's own code for it)."""
 RESTART_DELAY_MAX_S = 30.0
