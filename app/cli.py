@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 
 from app.logs import setup_logging
+from app.runtime.openmp import SPIN_COUNT, tune_openmp_wait
 from app.settings import Settings
 
 
@@ -16,6 +19,10 @@ def main(argv: list[str] | None = None) -> None:
         from app.workers import supervise
 
         sys.exit(supervise(settings))
+    if tune_openmp_wait(os.environ, settings.workers):
+        logging.getLogger("app").info(
+            "OpenMP threads spin up to %s iterations between batches (GOMP_SPINCOUNT)", SPIN_COUNT
+        )
     from app.server import serve
 
     serve(settings)
