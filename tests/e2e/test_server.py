@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 
 import httpx
@@ -62,6 +63,15 @@ def test_health_and_server_metadata(server: Server) -> None:
     meta = httpx.get(f"{server.url}/v2").json()
     assert meta["name"] == "nograd"
     assert isinstance(meta["extensions"], list)
+
+
+@pytest.mark.skipif(
+    "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ,
+    reason="the environment sets the OpenMP wait policy itself, which the server keeps",
+)
+def test_a_single_process_keeps_openmp_threads_spinning(server: Server) -> None:
+    """Set by the command before torch loads (app/runtime/openmp.py); the log says so."""
+    assert "OpenMP threads spin up to 1000000 iterations between batches" in server.log()
 
 
 def test_model_metadata_shows_batch_dimension(server: Server) -> None:

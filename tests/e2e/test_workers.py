@@ -129,6 +129,8 @@ def test_workers_share_the_port_metrics_and_restarts(tmp_path: Path) -> None:
         # The cores are shared batch by batch: each worker may use all of them when alone.
         shared = f"torch intra-op threads: up to {usable_cores()} per batch"
         assert server.log().count(shared) == 2
+        # A thread spinning after its batch would hold a core the ledger gave another worker.
+        assert "OpenMP threads spin" not in server.log()
         ledger = np.frombuffer((metrics_dir / "cores.i64").read_bytes(), dtype=np.int64)
         assert ledger.shape == (6,) and (ledger[:2] == 0).all(), "idle: no core held"
 
