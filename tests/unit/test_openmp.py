@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -34,9 +35,10 @@ def test_workers_sharing_cores_keep_the_default() -> None:
 @pytest.mark.usefixtures("torch_not_loaded")
 @pytest.mark.parametrize("name", ["GOMP_SPINCOUNT", "OMP_WAIT_POLICY"])
 def test_the_operators_setting_wins(name: str) -> None:
-    environ = {name: "PASSIVE" if name == "OMP_WAIT_POLICY" else "42"}
+    value = "PASSIVE" if name == "OMP_WAIT_POLICY" else "42"
+    environ = {name: value}
     assert not tune_openmp_wait(environ, workers=1)
-    assert environ == ({name: "PASSIVE"} if name == "OMP_WAIT_POLICY" else {name: "42"})
+    assert environ == {name: value}
 
 
 def test_too_late_once_torch_is_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -51,6 +53,11 @@ def test_the_cli_tunes_before_torch_loads() -> None:
     read by nobody."""
     code = "import sys, app.cli; print('torch' in sys.modules)"
     result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
     )
     assert result.stdout.strip() == "False"
