@@ -7,7 +7,10 @@ than small batches took: one process serving digits at 32 concurrent requests on
 0.35-0.45 cores idle. Spinning up to a million iterations (about 25 ms here) kept them busy:
 2,027-2,791 against 1,785-2,293 requests/s, p99 23-30 against 35-48 ms (four alternated runs);
 minilm (forwards of tens of milliseconds, back to back under load) served the same either way.
-An idle server stops spinning within those milliseconds.
+An idle server stops spinning within those milliseconds. Under a CPU quota (a Kubernetes limit)
+the spin is charged to the quota, and still paid: in a 1.8-CPU CFS quota with 2 threads, digits
+served 2,122-2,702 against 1,783-2,011 requests/s (p99 24-28 against 36-38 ms), throttled in
+nearly every period either way; minilm 162 / 167 against 153 / 160 sentences/s.
 
 Only for a single process: with several workers sharing the cores batch by batch
 (app/runtime/cores.py), a thread still spinning after its batch would hold a core the ledger
