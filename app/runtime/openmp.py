@@ -13,8 +13,11 @@ served 2,122-2,702 against 1,783-2,011 requests/s (p99 24-28 against 36-38 ms), 
 nearly every period either way; minilm 162 / 167 against 153 / 160 sentences/s.
 
 Only for a single process: with several workers sharing the cores batch by batch
-(app/runtime/cores.py), a thread still spinning after its batch would hold a core the ledger
-has handed to another worker. A ``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY`` the operator set wins.
+(app/runtime/cores.py), a thread still spinning after its batch holds a core the ledger has
+handed to another worker. Two workers with the spin (alternated, c=32): digits gained (3,245 /
+4,021 / 3,941 against 3,323 / 3,592 / 3,062 requests/s) but minilm lost its tail (minilm-1 p99
+228 / 159 / 210 against 156 / 164 / 154 ms; minilm-8 32.9 / 30.6 against 38.6 / 31.9 requests/s).
+A ``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY`` the operator set wins.
 
 This module imports no torch.
 """
