@@ -163,5 +163,5 @@ class CoreLedger:
         self._cells[self._me] = 0
 
     def held(self) -> list[int]:
-        """Threads each worker holds now (for tests and logs)."""
+        """Threads each worker holds now; the tests read it to check every state's exact split."""
         return [self._cells[i] for i in range(self._slots)]
