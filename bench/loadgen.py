@@ -111,8 +111,12 @@ def run_closed(
     duration_s: float,
     cpus: str | None,
     timeout_s: float = 10.0,
+    pause_ms: float | None = None,
 ) -> LoadResult:
-    """``wrk -c N`` for ``duration_s``; a single wrk thread drives up to 64 connections."""
+    """``wrk -c N`` for ``duration_s``; a single wrk thread drives up to 64 connections.
+
+    ``pause_ms``: each connection waits that long after every answer (paced, not saturating).
+    """
     threads = 1 if connections < 64 else 2
     command = [
         "wrk",
@@ -129,6 +133,9 @@ def run_closed(
         url,
     ]
     env = {**os.environ, "NOGRAD_BENCH_BODIES": str(bodies)}
+    env.pop("NOGRAD_BENCH_PAUSE_MS", None)
+    if pause_ms is not None:
+        env["NOGRAD_BENCH_PAUSE_MS"] = f"{pause_ms:g}"
     cpu_before = os.times()
     out = subprocess.run(
         pinned(command, cpus),

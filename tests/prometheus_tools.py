@@ -1,9 +1,9 @@
 """Shared by the Prometheus-facing tests: the real binaries, the rule files, PromQL metric names.
 
-The tests run Debian's ``prometheus`` and ``promtool`` rather than re-implementing their checks.
-``scripts/install_prometheus.sh`` installs them on a fresh machine; only where that cannot work
-(no root, no apt) do the tests skip, saying why. The metric names nograd exports are read from
-``app.metrics.Metrics()``'s registry, never listed by hand.
+The tests run Debian's ``prometheus``, ``promtool`` and ``wrk`` rather than re-implementing them.
+``scripts/install_debian_package.sh`` installs them on a fresh machine; only where that cannot
+work (no root, no apt) do the tests skip, saying why. The metric names nograd exports are read
+from ``app.metrics.Metrics()``'s registry, never listed by hand.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import yaml
 from app.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[1]
-INSTALL_SCRIPT = ROOT / "scripts" / "install_prometheus.sh"
+INSTALL_SCRIPT = ROOT / "scripts" / "install_debian_package.sh"
 PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
 RULES_DIR = PROMETHEUS_DIR / "rules"
 RULE_TESTS_DIR = PROMETHEUS_DIR / "tests"
@@ -29,40 +29,43 @@ GRAFANA_DIR = ROOT / "deploy" / "grafana"
 
 
 @functools.cache
-def _install() -> tuple[str | None, str | None, str]:
-    """Paths of prometheus and promtool after one install attempt per test session, and its log."""
-    log = ""
-    if shutil.which("prometheus") is None or shutil.which("promtool") is None:
-        try:
-            done = subprocess.run(
-                ["bash", str(INSTALL_SCRIPT)],
-                capture_output=True,
-                text=True,
-                timeout=600,
-                stdin=subprocess.DEVNULL,
-            )
-            log = f"exit {done.returncode}: {done.stderr.strip()[-800:]}"
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            log = f"{type(exc).__name__}: {exc}"
-    return shutil.which("prometheus"), shutil.which("promtool"), log
+def _install(package: str, *commands: str) -> str:
+    """One install attempt per package and test session when a command is missing; its log."""
+    if all(shutil.which(command) for command in commands):
+        return ""
+    try:
+        done = subprocess.run(
+            ["bash", str(INSTALL_SCRIPT), package, *commands],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            stdin=subprocess.DEVNULL,
+        )
+        return f"exit {done.returncode}: {done.stderr.strip()[-800:]}"
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _tool(command: str, package: str, *commands: str) -> str:
+    """The path of ``command``, installing Debian's ``package`` (which provides ``commands``)
+    if any of them is missing; else skip."""
+    log = _install(package, *commands)
+    path = shutil.which(command)
+    if path is None:
+        pytest.skip(f"{command} unavailable and {INSTALL_SCRIPT.name} could not install it ({log})")
+    return path
 
 
 def promtool() -> str:
-    """The promtool binary, installing Debian's prometheus package if needed; else skip."""
-    _, path, log = _install()
-    if path is None:
-        pytest.skip(f"promtool unavailable and {INSTALL_SCRIPT.name} could not install it ({log})")
-    return path
+    return _tool("promtool", "prometheus", "prometheus", "promtool")
 
 
 def prometheus() -> str:
-    """The prometheus server binary, installing it if needed; else skip."""
-    path, _, log = _install()
-    if path is None:
-        pytest.skip(
-            f"prometheus unavailable and {INSTALL_SCRIPT.name} could not install it ({log})"
-        )
-    return path
+    return _tool("prometheus", "prometheus", "prometheus", "promtool")
+
+
+def wrk() -> str:
+    return _tool("wrk", "wrk", "wrk")
 
 
 def rule_files() -> list[Path]:

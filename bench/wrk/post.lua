@@ -32,6 +32,14 @@ function init(args)
    index = ((id or 0) * 97) % #requests + 1
 end
 
+local pause = tonumber(os.getenv("NOGRAD_BENCH_PAUSE_MS") or "")
+if pause then
+   -- wrk looks for a global delay() after loading the script; defined only when pacing.
+   function delay()
+      return pause
+   end
+end
+
 function request()
    local req = requests[index]
    index = index + 1
