@@ -180,11 +180,27 @@ def targets(results: dict[str, Any], system: str = "nograd") -> list[tuple[str, 
             out += versus_litserve(ng, same, f"{workload}: ", "LitServe on nograd's packed forward")
     one = runs(results, system=system, workload="minilm-1", mode="closed", concurrency=1)
     b1 = raw_batch1_ms(results)
+    if one and one[0].get("extra", {}).get("raw_batch1_p50_ms"):
+        # The same sentences' batch-1 forward, measured just before and just after this load.
+        p50 = one[0]["p50_ms"]
+        beside = [float(v) for v in one[0]["extra"]["raw_batch1_p50_ms"]]
+        alongside = sum(beside) / len(beside)
+        out.append(
+            (
+                "minilm-1 at c=1: p50 vs raw batch-1 forward (same sentences, measured before "
+                "and after this load) + 2 ms",
+                f"{fmt(p50, 2)} ms vs {fmt(alongside, 2)} "
+                f"({' / '.join(fmt(v, 2) for v in beside)}) + 2 ms",
+                "p50 ≤ raw + 2 ms",
+                verdict(p50 <= alongside + 2.0),
+            )
+        )
     if one and b1 is not None:
         p50 = one[0]["p50_ms"]
         out.append(
             (
-                "minilm-1 at c=1: p50 vs raw batch-1 forward + 2 ms",
+                "minilm-1 at c=1: p50 vs the fastest batch-1 forward any phase measured + 2 ms "
+                "(stricter: other minutes, one repeated sentence included)",
                 f"{fmt(p50, 2)} ms vs {fmt(b1, 2)} + 2 ms",
                 "p50 ≤ raw + 2 ms",
                 verdict(p50 <= b1 + 2.0),

@@ -213,6 +213,10 @@ class Bench:
         """One measured run against ``server``: closed loop (wrk) or open loop (rate)."""
         wl = self.workload(name)
         url = server.url + wl.path
+        # The concurrency-1 target's yardstick, measured beside the load (before and after it):
+        # the forward's speed moves with the machine's between a run's phases.
+        paired = system.startswith("nograd") and name == "minilm-1" and concurrency == 1
+        raw_before = self.raw_batch1() if paired else None
         cpu = CpuWatch(server.pid)
         before = scrape(server.url) if nograd_metrics else {}
         if rate is None:
@@ -238,6 +242,9 @@ class Bench:
                 cpus=self.plan.generator_cpus,
             )
         result.extra.update(cpu.finish(result))
+        if raw_before is not None:
+            raw_after = self.raw_batch1()
+            result.extra["raw_batch1_p50_ms"] = [raw_before, raw_after]
         if system.startswith("nograd"):
             from bench.common import code_hash
 
@@ -658,6 +665,16 @@ class Bench:
         summary["load"] = result.as_dict()
         summary["raw_file"] = raw.name
         return summary
+
+    def raw_batch1(self) -> float:
+        """minilm's batch-1 forward p50 (ms) over the workload's sentences, in its own process
+        pinned like the server (``bench.raw --batch1``), while the server idles."""
+        out = RESULTS / f"{self.stamp}-raw-batch1.json"
+        command = [PYTHON, "-m", "bench.raw", "--batch1", "--out", str(out)]
+        self.subprocess(command, timeout_s=300, cpus=self.plan.server_cpus)
+        p50 = float(orjson.loads(out.read_bytes())["minilm"]["batch1_p50_ms"])
+        out.unlink(missing_ok=True)
+        return p50
 
     def subprocess(self, command: list[str], timeout_s: float, cpus: str | None = None) -> float:
         """Run a bench step in its own process; returns other processes' CPU (cores) meanwhile."""
