@@ -115,6 +115,23 @@ def test_deployment_env_names_real_settings(path: Path) -> None:
     assert _env(container)["NOGRAD_PORT"] == "8000"
 
 
+@pytest.mark.parametrize("path", DEPLOYMENTS, ids=lambda p: p.name)
+def test_workers_share_the_cpu_quota(path: Path) -> None:
+    """Several workers take their torch threads from the container's CPU quota, batch by batch:
+    a fixed NOGRAD_TORCH_THREADS would give each worker that many and oversubscribe the limit.
+    One worker per GPU: more would hold several copies of the weights on one device."""
+    (container,) = _one("Deployment", path)["spec"]["template"]["spec"]["containers"]
+    env = _env(container)
+    workers = int(env.get("NOGRAD_WORKERS", Settings.model_fields["workers"].default))
+    if "nvidia.com/gpu" in container["resources"].get("limits", {}):
+        assert workers == 1
+    else:
+        cpus = float(container["resources"]["limits"]["cpu"])
+        assert 1 <= workers <= cpus
+    if workers > 1:
+        assert "NOGRAD_TORCH_THREADS" not in env
+
+
 def test_gpu_variant_requests_a_gpu() -> None:
     spec = _one("Deployment", K8S / "deployment-gpu.yaml")["spec"]["template"]["spec"]
     (container,) = spec["containers"]
