@@ -126,7 +126,8 @@ def test_workers_share_the_cpu_quota(path: Path) -> None:
     if "nvidia.com/gpu" in container["resources"].get("limits", {}):
         assert workers == 1
     else:
-        cpus = float(container["resources"]["limits"]["cpu"])
+        limit = str(container["resources"]["limits"]["cpu"])  # "2", or millicores: "1500m"
+        cpus = float(limit[:-1]) / 1000 if limit.endswith("m") else float(limit)
         assert 1 <= workers <= cpus
     if workers > 1:
         assert "NOGRAD_TORCH_THREADS" not in env
