@@ -28,9 +28,14 @@ RULE_TESTS_DIR = PROMETHEUS_DIR / "tests"
 GRAFANA_DIR = ROOT / "deploy" / "grafana"
 
 
+PACKAGES = {"prometheus": ("prometheus", "promtool"), "wrk": ("wrk",)}
+"""Debian packages the tests run, and the commands each provides."""
+
+
 @functools.cache
-def _install(package: str, *commands: str) -> str:
+def _install(package: str) -> str:
     """One install attempt per package and test session when a command is missing; its log."""
+    commands = PACKAGES[package]
     if all(shutil.which(command) for command in commands):
         return ""
     try:
@@ -46,10 +51,9 @@ def _install(package: str, *commands: str) -> str:
         return f"{type(exc).__name__}: {exc}"
 
 
-def _tool(command: str, package: str, *commands: str) -> str:
-    """The path of ``command``, installing Debian's ``package`` (which provides ``commands``)
-    if any of them is missing; else skip."""
-    log = _install(package, *commands)
+def _tool(command: str, package: str) -> str:
+    """The path of ``command``, installing Debian's ``package`` if needed; else skip."""
+    log = _install(package)
     path = shutil.which(command)
     if path is None:
         pytest.skip(f"{command} unavailable and {INSTALL_SCRIPT.name} could not install it ({log})")
@@ -57,15 +61,15 @@ def _tool(command: str, package: str, *commands: str) -> str:
 
 
 def promtool() -> str:
-    return _tool("promtool", "prometheus", "prometheus", "promtool")
+    return _tool("promtool", "prometheus")
 
 
 def prometheus() -> str:
-    return _tool("prometheus", "prometheus", "prometheus", "promtool")
+    return _tool("prometheus", "prometheus")
 
 
 def wrk() -> str:
-    return _tool("wrk", "wrk", "wrk")
+    return _tool("wrk", "wrk")
 
 
 def rule_files() -> list[Path]:
