@@ -241,6 +241,14 @@ class Metrics:
             registry=r,
             multiprocess_mode="livemin",
         )
+        self.speedup = Gauge(
+            "nograd_model_speedup",
+            "A speed mode's speed over fp32 eager's on the warmup batches, timed at load on this "
+            "machine (above 1 is faster); a mode under its min_speedup is refused.",
+            ["model", "mode"],
+            registry=r,
+            multiprocess_mode="livemin",
+        )
         self.batcher_restarts = Counter(
             "nograd_batcher_restarts",
             "Batch loops found dead and restarted.",

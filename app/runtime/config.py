@@ -73,7 +73,8 @@ class ModelConfig(BaseModel):
     """Cap on padded tokens per batch for token-unit models."""
 
     # Speed levers (app/runtime/speed.py; docs/speed.md). Each one is checked against fp32 eager
-    # before it serves, and refused (fp32 eager serves instead) when its outputs drift too far.
+    # before it serves, and refused (fp32 eager serves instead) when its outputs drift too far or
+    # it runs slower.
     autocast: bool = False
     """With ``precision`` bf16/fp16: run the forward under ``torch.autocast`` (fp32 weights, low
     precision matmuls) instead of casting the weights and float inputs."""
@@ -99,6 +100,11 @@ class ModelConfig(BaseModel):
     bf16/fp16, 1e-4 for fp32 with channels-last, compile or CUDA graphs."""
     min_cosine: float = Field(default=0.999, ge=-1.0, le=1.0)
     """Smallest per-sample cosine similarity of any float output vs fp32 eager."""
+    min_speedup: float = Field(default=0.9, ge=0.0)
+    """The mode must run the warmup batches at least this many times as fast as fp32 eager on
+    this machine, timed at load, or it is refused: bf16 that is 2x faster on a CPU with native bf16
+    can be 7x slower on one without. The default leaves room for timing noise (a mode as fast as
+    fp32 eager serves); 0 turns the check off, for a mode wanted for its memory, not its speed."""
     accuracy_sample: str | None = None
     """A V2 inference request body (JSON) inside the model folder, e.g. ``sample.json``: real
     inputs the accuracy check compares on too, as synthetic ones may miss the model's real range."""

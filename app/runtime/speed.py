@@ -8,9 +8,13 @@ every shape it will see once, and compares its outputs with fp32 eager on the wa
 a held-out batch drawn with another seed. The mode serves only when every float output stays within
 ``accuracy_tolerance`` (max abs error) and ``min_cosine`` (per-sample cosine similarity);
 otherwise, or when building it raises (a compiler that cannot run, an op without a low-precision
-kernel), the handler goes back to fp32 eager and a WARNING says why. The measured numbers are
-logged, and exported as ``nograd_model_accuracy_delta{model,mode}`` and
-``nograd_model_accuracy_cosine_min{model,mode}``.
+kernel), the handler goes back to fp32 eager and a WARNING says why. A mode within tolerance must
+also be fast on this machine: the warmup batches are timed in fp32 eager and in the mode, and a mode
+under ``min_speedup`` times fp32 eager's speed is refused the same way (bf16 casts run 4-7x slower
+than fp32 on a CPU without native bf16 arithmetic, measured on an AVX2-only AMD EPYC, while the
+accuracy check passes them). The measured numbers are logged, and exported as
+``nograd_model_accuracy_delta{model,mode}``, ``nograd_model_accuracy_cosine_min{model,mode}`` and
+``nograd_model_speedup{model,mode}``.
 
 Fixed shapes (``compile_buckets``, and ``compile_length_buckets`` for token models): every batch is
 zero-padded up to the next bucket and the padding rows are sliced off the outputs, so the compiled
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -53,6 +58,9 @@ FP32_TOLERANCE: Final = 1e-4
 reordered reductions and fused ops, not lost precision, so the drift is near fp32 rounding."""
 HELD_OUT_SEED: Final = 1
 """``ModelHandler.example`` seed of the held-out batch; seed 0 draws the warmup inputs."""
+SPEED_PASSES: Final = 3
+"""Timed passes over the warmup batches, for fp32 eager and for the mode; each batch counts at its
+fastest pass, since another process on the machine can only slow a pass down."""
 GRAPH_WARMUP_RUNS: Final = 3
 """Forwards on a side stream before a capture: lazy init (cuBLAS handles, autotuning) must not
 happen inside the graph."""
@@ -105,6 +113,7 @@ class SpeedPlan:
     cuda_graphs: bool
     tolerance: float
     min_cosine: float
+    min_speedup: float
 
     @property
     def requested(self) -> bool:
@@ -156,6 +165,7 @@ def plan_for(config: ModelConfig, device: torch.device) -> SpeedPlan:
         cuda_graphs=cuda_graphs,
         tolerance=tolerance,
         min_cosine=config.min_cosine,
+        min_speedup=config.min_speedup,
     )
 
 
@@ -542,6 +552,59 @@ def sequence_inputs(handler: ModelHandler) -> frozenset[str]:
     )
 
 
+# -------------------------------------------------------------------------------- speed check
+@dataclass(frozen=True)
+class SpeedReport:
+    """The warmup batches timed in fp32 eager and in the mode (seconds, fastest pass of each)."""
+
+    fp32_seconds: tuple[float, ...]
+    mode_seconds: tuple[float, ...]
+
+    @property
+    def speedup(self) -> float:
+        """fp32 eager's time over the mode's, for all the batches together: above 1 is faster."""
+        return sum(self.fp32_seconds) / max(sum(self.mode_seconds), 1e-12)
+
+    def summary(self) -> str:
+        pairs = zip(self.fp32_seconds, self.mode_seconds, strict=True)
+        each = [fp32 / max(mode, 1e-12) for fp32, mode in pairs]
+        return (
+            f"{self.speedup:.2f}x fp32 eager's speed over {len(each)} warmup batches "
+            f"({_ms(sum(self.mode_seconds))} ms against fp32 eager's "
+            f"{_ms(sum(self.fp32_seconds))} ms; "
+            f"per batch {min(each):.2f}x to {max(each):.2f}x)"
+        )
+
+
+def _ms(seconds: float) -> str:
+    milliseconds = 1e3 * seconds
+    return f"{milliseconds:,.0f}" if milliseconds >= 100 else f"{milliseconds:.3g}"
+
+
+def time_batches(
+    runner: TorchRunner,
+    batches: Sequence[CheckBatch],
+    passes: int = SPEED_PASSES,
+    give_up_above: float = math.inf,
+) -> tuple[float, ...]:
+    """Seconds of each batch at its fastest of ``passes`` passes, collate and copy back included
+    (``run_batch`` returns host arrays, so a GPU forward has finished when it returns).
+
+    Stops after a pass once the batches' fastest times already add up to more than
+    ``give_up_above``: more passes could only lower them by the noise, and a mode that far behind
+    is refused anyway, so a bf16 model on a CPU without bf16 costs start-up only one slow pass.
+    """
+    best = [math.inf] * len(batches)
+    for _ in range(passes):
+        for index, batch in enumerate(batches):
+            started = time.perf_counter()
+            runner.run_batch([batch.part])
+            best[index] = min(best[index], time.perf_counter() - started)
+        if sum(best) > give_up_above:
+            break
+    return tuple(best)
+
+
 def _build(handler: ModelHandler, plan: SpeedPlan, warm_shapes: int) -> SpeedPath | None:
     """Turn the fp32 eager handler into ``plan``'s mode (before any forward compiles it)."""
     dtype = PRECISION_DTYPES[plan.precision]
@@ -640,8 +703,10 @@ def apply_speed(
         return handler
     mode = plan.mode
     batches = check_batches(handler, plan, limit, model_dir)
+    warmup = [b for b in batches if b.kind == "warmup"]
     runner = TorchRunner(handler)
     reference = _run_all(runner, batches)
+    fp32_seconds = time_batches(runner, warmup) if plan.min_speedup > 0 else None
     original = _Original(
         handler.module,
         handler.compute_dtype,
@@ -649,15 +714,19 @@ def apply_speed(
         if plan.casts_weights
         else None,
     )
-    warm = sum(1 for b in batches if b.kind == "warmup")
     started = time.perf_counter()
+    speed: SpeedReport | None = None
     try:
-        path = _build(handler, plan, warm)
+        path = _build(handler, plan, len(warmup))
         candidate = _run_all(runner, batches)
         if plan.cuda_graphs and path is not None:
             _capture_graphs(handler, path, batches)
             candidate = _run_all(runner, batches)
         report = compare(reference, candidate)
+        problems = report.problems(plan.tolerance, plan.min_cosine)
+        if fp32_seconds is not None and not problems:
+            hopeless = 2 * sum(fp32_seconds) / plan.min_speedup
+            speed = SpeedReport(fp32_seconds, time_batches(runner, warmup, give_up_above=hopeless))
     except Exception as exc:
         original.restore(handler)
         _release(handler.device)
@@ -675,36 +744,37 @@ def apply_speed(
     if metrics is not None:
         metrics.accuracy_delta.labels(config.name, mode).set(report.max_abs_error)
         metrics.accuracy_cosine_min.labels(config.name, mode).set(report.min_cosine)
-    problems = report.problems(plan.tolerance, plan.min_cosine)
-    held = sum(1 for b in batches if b.kind == "held-out")
+        if speed is not None:
+            metrics.speedup.labels(config.name, mode).set(speed.speedup)
+    if speed is not None and not speed.speedup >= plan.min_speedup:
+        problems.append(f"{speed.summary()}, under min_speedup {plan.min_speedup:g}")
+    checked = f"{len(warmup)} warmup + {len(batches) - len(warmup)} held-out batches"
     if problems:
         original.restore(handler)
         _release(handler.device)
         logger.warning(
-            "model %s: speed mode %s refused, serving fp32 eager: %s (%s; %d warmup + %d held-out "
-            "batches)",
+            "model %s: speed mode %s refused, serving fp32 eager: %s (%s; %s)",
             config.name,
             mode,
             "; ".join(problems),
             report.summary(),
-            warm,
-            held,
+            checked,
         )
         return handler
     handler.speed_mode = mode
     original.snapshot = None  # the fp32 copy is only needed while the mode can still be refused
     _release(handler.device)
     logger.info(
-        "model %s: speed mode %s accepted: %s (tolerance %.3g, min cosine %.6f; %d warmup + %d "
-        "held-out batches; built%s in %.1fs)",
+        "model %s: speed mode %s accepted: %s (tolerance %.3g, min cosine %.6f; %s; built%s in "
+        "%.1fs); %s",
         config.name,
         mode,
         report.summary(),
         plan.tolerance,
         plan.min_cosine,
-        warm,
-        held,
+        checked,
         " and compiled" if plan.compile else "",
         seconds,
+        "speed not checked (min_speedup 0)" if speed is None else speed.summary(),
     )
     return handler

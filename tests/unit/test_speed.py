@@ -4,6 +4,9 @@ Everything here runs on CPU. torch.compile is either monkeypatched (to raise, or
 outputs) or run with dynamo's ``eager`` backend, which traces for real but skips inductor's C++
 compile, so the default run stays fast. CUDA graphs are driven through fakes of the torch.cuda
 pieces they use: capture and replay bookkeeping is checked; kernels are not (that needs a GPU).
+The speed check's timing is replaced by a fake that times every mode as fast as fp32 eager
+(autouse), so whether a mode is accepted for its accuracy does not depend on this machine's CPU;
+the speed check's own tests script the timings.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import logging
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import numpy as np
 import pytest
@@ -21,11 +24,13 @@ import torch
 
 from app.dataplane import DataPlane
 from app.metrics import Metrics
+from app.runtime import speed
 from app.runtime.config import ConfigError, ModelConfig, TensorSpec, load_config
 from app.runtime.handler import ModelHandler, TensorPart, TorchRunner, _pad_concat, chunk_rows
 from app.runtime.loader import build_handler
 from app.runtime.speed import (
     Buckets,
+    CheckBatch,
     CudaGraphs,
     SpeedPath,
     apply_speed,
@@ -35,6 +40,7 @@ from app.runtime.speed import (
     next_bucket,
     plan_for,
     sequence_inputs,
+    time_batches,
 )
 from app.settings import Settings
 
@@ -140,6 +146,26 @@ def rows_of(*values: float) -> TensorPart:
 
 def gauge(metrics: Metrics, name: str, model: str, mode: str) -> float | None:
     return metrics.registry.get_sample_value(name, {"model": model, "mode": mode})
+
+
+def scripted_timings(*totals: float) -> Callable[..., tuple[float, ...]]:
+    """A stand-in for ``time_batches``: its n-th call times every batch at ``totals[n]`` / count
+    (the first call times fp32 eager, the second the mode); more calls fail the test."""
+    calls = iter(totals)
+
+    def fake(
+        runner: TorchRunner, batches: list[CheckBatch], passes: int = 3, give_up_above: float = 0.0
+    ) -> tuple[float, ...]:
+        del runner, passes, give_up_above
+        total = next(calls)
+        return tuple(total / len(batches) for _ in batches)
+
+    return fake
+
+
+@pytest.fixture(autouse=True)
+def every_mode_as_fast_as_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(speed, "time_batches", lambda _runner, batches, **_: (1e-3,) * len(batches))
 
 
 # ------------------------------------------------------------------------------ buckets
@@ -295,6 +321,104 @@ def test_beyond_tolerance_is_refused_and_fp32_weights_restored_exactly(
     assert "exceeds accuracy_tolerance 1e-06" in message
     delta = gauge(metrics, "nograd_model_accuracy_delta", "tiny", "bf16")
     assert delta is not None and delta > 1e-6, "the refused mode's delta is still exported"
+
+
+def test_a_mode_slower_than_fp32_eager_is_refused_and_its_speed_exported(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """bf16 casts pass the accuracy check on any CPU, and ran 4-7x slower than fp32 on one
+    without native bf16: within tolerance is not enough to serve."""
+    monkeypatch.setattr(speed, "time_batches", scripted_timings(0.010, 0.050))
+    original = {k: v.clone() for k, v in Tiny().state_dict().items()}
+    metrics = Metrics()
+    with caplog.at_level(logging.WARNING, "app.runtime.speed"):
+        handler = apply_speed(tiny(precision="bf16"), limit=16, metrics=metrics)
+    assert handler.speed_mode == "fp32" and handler.compute_dtype == torch.float32
+    for name, tensor in handler.module.state_dict().items():
+        assert tensor.dtype == original[name].dtype and torch.equal(tensor, original[name]), name
+    message = caplog.records[-1].getMessage()
+    assert "speed mode bf16 refused, serving fp32 eager: 0.20x fp32 eager's speed" in message
+    assert "(50 ms against fp32 eager's 10 ms" in message and "under min_speedup 0.9" in message
+    assert "max abs error" in message, "the accuracy it did have is still reported"
+    assert gauge(metrics, "nograd_model_speedup", "tiny", "bf16") == pytest.approx(0.2)
+    assert gauge(metrics, "nograd_model_accuracy_delta", "tiny", "bf16") is not None
+
+
+def test_a_faster_mode_is_accepted_with_its_speed_logged(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(speed, "time_batches", scripted_timings(0.030, 0.010))
+    metrics = Metrics()
+    with caplog.at_level(logging.INFO, "app.runtime.speed"):
+        handler = apply_speed(tiny(precision="bf16"), limit=16, metrics=metrics)
+    assert handler.speed_mode == "bf16"
+    message = caplog.records[-1].getMessage()
+    assert "speed mode bf16 accepted" in message and "3.00x fp32 eager's speed" in message
+    assert gauge(metrics, "nograd_model_speedup", "tiny", "bf16") == pytest.approx(3.0)
+
+
+def test_min_speedup_is_the_bar_and_zero_turns_the_timing_off(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(speed, "time_batches", scripted_timings(0.012, 0.010))
+    assert apply_speed(tiny(precision="bf16", min_speedup=1.5), limit=16).speed_mode == "fp32"
+    monkeypatch.setattr(speed, "time_batches", scripted_timings())  # any call fails
+    metrics = Metrics()
+    with caplog.at_level(logging.INFO, "app.runtime.speed"):
+        handler = apply_speed(tiny(precision="bf16", min_speedup=0), limit=16, metrics=metrics)
+    assert handler.speed_mode == "bf16"
+    assert "speed not checked (min_speedup 0)" in caplog.records[-1].getMessage()
+    assert gauge(metrics, "nograd_model_speedup", "tiny", "bf16") is None
+
+
+def test_a_mode_refused_for_accuracy_is_not_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(speed, "time_batches", scripted_timings(0.010))  # fp32 eager's only
+    handler = apply_speed(tiny(precision="bf16", accuracy_tolerance=1e-6), limit=16)
+    assert handler.speed_mode == "fp32"
+
+
+class ClockedRunner:
+    """A runner whose n-th ``run_batch`` takes ``durations[n]`` seconds on a fake clock."""
+
+    def __init__(self, durations: list[float]) -> None:
+        self.now = 0.0
+        self.durations = iter(durations)
+        self.calls = 0
+
+    def clock(self) -> float:
+        return self.now
+
+    def run_batch(self, parts: list[TensorPart]) -> list[dict[str, np.ndarray]]:
+        self.calls += 1
+        self.now += next(self.durations)
+        return [{} for _ in parts]
+
+
+def test_time_batches_keeps_each_batch_at_its_fastest_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    batches = [CheckBatch("warmup", rows_of(1)), CheckBatch("warmup", rows_of(1, 2))]
+    runner = ClockedRunner([3, 5, 2, 6, 4, 4])  # pass by pass, batch by batch
+    monkeypatch.setattr(speed.time, "perf_counter", runner.clock)
+    assert time_batches(cast(TorchRunner, runner), batches) == (2, 4)
+    assert runner.calls == 6
+
+
+def test_time_batches_gives_up_after_a_pass_already_too_slow(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    batches = [CheckBatch("warmup", rows_of(1)), CheckBatch("warmup", rows_of(1, 2))]
+    runner = ClockedRunner([5, 5, 1, 1, 1, 1])
+    monkeypatch.setattr(speed.time, "perf_counter", runner.clock)
+    assert time_batches(cast(TorchRunner, runner), batches, give_up_above=7) == (5, 5)
+    assert runner.calls == 2, "one pass over the batches, then it stopped"
+
+
+def test_time_batches_times_a_real_forward() -> None:
+    handler = tiny()
+    batches = check_batches(handler, plan_for(handler.config, CPU), limit=16)
+    seconds = time_batches(TorchRunner(handler), batches, passes=2)
+    assert len(seconds) == len(batches) and all(0 < s < 5 for s in seconds)
 
 
 def lossy_compile(noise: float) -> Callable[..., torch.nn.Module]:
@@ -503,6 +627,7 @@ shape = [2]
         ('compile = true\ncompile_mode = "turbo"', "compile_mode", "turbo"),
         ("accuracy_tolerance = 0", "accuracy_tolerance", "greater than 0"),
         ("min_cosine = 1.5", "min_cosine", "less than or equal to 1"),
+        ("min_speedup = -1", "min_speedup", "greater than or equal to 0"),
     ],
 )
 def test_config_errors_name_the_field(tmp_path: Path, extra: str, field: str, words: str) -> None:
