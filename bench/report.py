@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -306,6 +307,125 @@ def _le(value: float | None, bound: float) -> bool | None:
     return None if value is None else value <= bound
 
 
+# ------------------------------------------------------------------------------- paired rounds
+def paired_runs(results: dict[str, Any], system: str, workload: str) -> dict[int, dict[str, Any]]:
+    """The paired phase's runs of one system on one workload, by round."""
+    found = results.get("paired", {}).get("runs", [])
+    return {r["round"]: r for r in found if r["system"] == system and r["workload"] == workload}
+
+
+def paired_ratios(
+    results: dict[str, Any], workload: str, system: str, other: str, key: str
+) -> list[float]:
+    """``system``'s ``key`` over ``other``'s, one ratio per round in which both were measured."""
+    mine = paired_runs(results, system, workload)
+    theirs = paired_runs(results, other, workload)
+    out = []
+    for index in sorted(mine.keys() & theirs.keys()):
+        value = ratio(float(mine[index][key]), float(theirs[index][key]))
+        if value is not None:
+            out.append(value)
+    return out
+
+
+def _median_of(values: Sequence[float], unit: str) -> tuple[float | None, str]:
+    """The median and the text showing it with every round's value."""
+    if not values:
+        return None, "–"
+    middle = statistics.median(values)
+    return middle, f"{fmt(middle, 2)}{unit} ({' / '.join(fmt(v, 2) for v in values)})"
+
+
+def paired_targets(
+    results: dict[str, Any], system: str = "nograd"
+) -> list[tuple[str, str, str, str]]:
+    """Issue 5's targets that compare servers, from the paired rounds: the median over rounds of
+    each round's ratio (every ratio's two runs minutes apart at most, at the same machine speed).
+    """
+    out: list[tuple[str, str, str, str]] = []
+    checks: list[tuple[str, str, str, str, float, bool]] = []
+    if paired_runs(results, system, "digits"):
+        checks += [
+            ("digits", "http-ceiling", "rps", "throughput vs HTTP ceiling", 0.7, True),
+            ("digits", "litserve", "samples_per_s", "throughput vs LitServe", 3.0, True),
+        ]
+    for workload in ("minilm-1", "minilm-8"):
+        if paired_runs(results, system, workload):
+            checks += [
+                (workload, "litserve", "samples_per_s", "throughput vs LitServe", 1.6, True),
+                (workload, "litserve", "p99_ms", "p99 vs LitServe", 0.7, False),
+            ]
+    for workload, other, key, label, bound, at_least in checks:
+        middle, shown = _median_of(paired_ratios(results, workload, system, other, key), "×")
+        ok = _ge(middle, bound) if at_least else _le(middle, bound)
+        sign = "≥" if at_least else "≤"
+        out.append((f"{workload}: {label}", shown, f"{sign} {bound:g}×", verdict(ok)))
+        if workload == "digits" and other == "litserve":
+            p99s = [
+                float(r["p99_ms"])
+                for _, r in sorted(paired_runs(results, system, workload).items())
+            ]
+            middle, shown = _median_of(p99s, " ms")
+            out.append(("digits: p99 latency", shown, "≤ 20 ms", verdict(_le(middle, 20.0))))
+    return out
+
+
+def paired_section(results: dict[str, Any], tag: str) -> list[str]:
+    found = results.get("paired", {}).get("runs", [])
+    if not found:
+        return []
+    c = results["meta"]["plan"]["concurrency"]
+    rounds = max(r["round"] for r in found)
+    parts = [
+        f"## Targets from paired rounds ({tag}, concurrency {c}, {rounds} rounds)",
+        "",
+        "Every system below was started once and measured in turn on each workload (the others "
+        "paused with SIGSTOP, so an idle server that polls takes no CPU from the one under "
+        "load), round after round, the order reversed each round. Each round "
+        "gives its own ratio of two runs at most minutes apart; the verdict takes the median "
+        "over rounds (every round's value in brackets). LitServe runs the best configuration "
+        "its sweep found. The raw-model and concurrency-1 targets are in the per-phase table.",
+        "",
+    ]
+    for system in ("nograd", "nograd-workers-2"):
+        rows = paired_targets(results, system)
+        if rows:
+            parts += [f"### {LABELS[system]}", ""]
+            parts += [table(("target", "median of rounds", "target", "verdict"), rows), ""]
+    every: list[Sequence[Any]] = []
+    for r in sorted(found, key=lambda r: (r["workload"], r["round"], r["position"])):
+        extra = r["extra"]
+        every.append(
+            (
+                r["workload"],
+                r["round"],
+                LABELS.get(r["system"], r["system"]),
+                r["rps"],
+                r["samples_per_s"],
+                r["p50_ms"],
+                r["p99_ms"],
+                r["errors"],
+                fmt(extra["mean_batch_size"], 1) if "mean_batch_size" in extra else "",
+                noise(r),
+            )
+        )
+    header = (
+        "workload",
+        "round",
+        "system",
+        "req/s",
+        "samples/s",
+        "p50 ms",
+        "p99 ms",
+        "errors",
+        "mean batch",
+        "foreign CPU",
+    )
+    parts += [f"### Every paired run ({tag}, c={c}; within a round, in the order run)", ""]
+    parts += [table(header, every), ""]
+    return parts
+
+
 # ------------------------------------------------------------------------------------- markdown
 def markdown(results: dict[str, Any]) -> str:
     meta = results["meta"]
@@ -358,7 +478,8 @@ def markdown(results: dict[str, Any]) -> str:
             "",
         ]
 
-    parts += [f"## Targets (issue 5), ratios from this run ({tag}, concurrency {c})", ""]
+    parts += paired_section(results, tag)
+    parts += [f"## Targets (issue 5), ratios from this run's phases ({tag}, concurrency {c})", ""]
     parts.append(table(("target", "measured", "target", "verdict"), targets(results)))
     parts.append("")
     more = targets(results, "nograd-workers-2")

@@ -1,7 +1,7 @@
 """``make bench``: nograd against the servers users would pick instead, side by side, in one run.
 
-Phases (each server is started, measured and stopped in turn; every process is stopped in a
-``finally``):
+Phases (each server is started, measured and stopped in turn, except in the paired rounds; every
+process is stopped in a ``finally``):
 
 1. raw model: the same forward in a tight loop, no HTTP, per batch size (``bench.raw``);
 2. nograd (``nograd`` command, ``NOGRAD_MODEL_REPOSITORY=models``): closed loop at concurrency
@@ -10,7 +10,10 @@ Phases (each server is started, measured and stopped in turn; every process is s
    at concurrency 32, then its best configuration at the other loads);
 4. nograd with batching off (a temporary model repository whose configs cap batches at 1), with
    one torch thread fewer, and as two worker processes (``NOGRAD_WORKERS=2``);
-5. speed levers (``bench.levers``), issue 3's memory benchmark (``bench.memory_bench``) and
+5. paired rounds: nograd (one process and two workers), LitServe's best configuration and the
+   HTTP ceiling all started once and measured in turn (the others paused), round after round,
+   order reversed each round, so each round's ratios compare systems at the same machine speed;
+6. speed levers (``bench.levers``), issue 3's memory benchmark (``bench.memory_bench``) and
    torch.profiler on nograd's batch path (``bench.profile_nograd``).
 
 Results: ``bench/results/<timestamp>.json``, ``.png`` (latency vs throughput) and ``.md`` (the
@@ -59,6 +62,7 @@ ALL_PHASES = (
     "batching_off",
     "threads",
     "workers",
+    "paired",
     "levers",
     "memory",
     "torch_profile",
@@ -66,6 +70,9 @@ ALL_PHASES = (
 QUIET_CORES = 0.3
 """Other processes' CPU (in cores) above which a run counts as disturbed."""
 MODEL_OF = {"digits": "digits", "minilm-1": "minilm", "minilm-8": "minilm"}
+WORKERS_2 = {"NOGRAD_WORKERS": "2"}
+PAIRED_ROUNDS = 3
+"""Rounds of the paired phase: the median of three per-round ratios ignores one disturbed round."""
 
 
 @dataclass
@@ -86,6 +93,7 @@ class Plan:
     compile: bool
     memory: bool
     profile: bool
+    paired_rounds: int  # interleaved rounds of the paired phase
     attempts: int  # per measured run, while other processes disturb it
     quiet_wait_s: float  # per attempt, waiting for a quiet machine
     quiet_budget_s: float  # in all
@@ -111,6 +119,7 @@ class Plan:
             compile=not args.skip_compile and not quick,
             memory=not args.skip_memory,
             profile=not args.skip_profile,
+            paired_rounds=args.paired_rounds or (2 if quick else PAIRED_ROUNDS),
             attempts=args.attempts if args.attempts is not None else (1 if quick else 3),
             quiet_wait_s=args.quiet_wait,
             quiet_budget_s=args.quiet_budget,
@@ -156,6 +165,9 @@ class Bench:
         run records the foreign CPU it saw.
         """
         record = bool(kwargs.pop("record", True))
+        # keep=False: retried like a recorded run, but returned only (the paired phase keeps its
+        # runs apart, so the per-phase tables and their verdicts are unchanged).
+        keep = bool(kwargs.pop("keep", record))
         attempts = self.plan.attempts if record else 1
         best: LoadResult | None = None
         for attempt in range(1, attempts + 1):
@@ -179,7 +191,7 @@ class Bench:
             self.noisy_retries += 1
         assert best is not None
         best.extra["attempts"] = attempt
-        if record:
+        if keep:
             self.runs.append(best)
         return best
 
@@ -278,19 +290,20 @@ class Bench:
     def warm(self, server: Server, name: str) -> None:
         self.load(server, "warmup", name, duration_s=self.plan.warmup_s, record=False)
 
+    def headline(
+        self, server: Server, system: str, name: str, label: str, **kwargs: Any
+    ) -> LoadResult | None:
+        """A warm-up, then one run at the plan's concurrency and headline duration."""
+        self.warm(server, name)
+        self.step(label)
+        return self.load(server, system, name, duration_s=self.plan.duration_s, **kwargs)
+
     def measure_system(
         self, server: Server, system: str, name: str, *, nograd_metrics: bool = False
     ) -> LoadResult | None:
         """Headline run at the plan's concurrency, then the others, then the open loop."""
-        self.warm(server, name)
-        self.step(f"{system} {name} c={self.plan.concurrency}")
-        head = self.load(
-            server,
-            system,
-            name,
-            duration_s=self.plan.duration_s,
-            nograd_metrics=nograd_metrics,
-        )
+        label = f"{system} {name} c={self.plan.concurrency}"
+        head = self.headline(server, system, name, label, nograd_metrics=nograd_metrics)
         for c in self.plan.sweep_concurrencies:
             self.step(f"{system} {name} c={c}")
             self.load(
@@ -368,12 +381,7 @@ class Bench:
     def phase_ceiling(self) -> None:
         if "digits" not in self.plan.workloads:
             return
-        server = Server(
-            "ceiling",
-            [PYTHON, "-m", "bench.servers.http_ceiling", "--port", "{port}"],
-            "/v2/health/ready",
-            cpus=self.plan.server_cpus,
-        )
+        server = self.ceiling_server()
         self.step("start HTTP ceiling")
         with server:
             self.measure_system(server, "http-ceiling", "digits")
@@ -494,7 +502,95 @@ class Bench:
         """nograd as two server processes (NOGRAD_WORKERS=2, sharing the cores batch by batch):
         for loads where one process's Python, not the forward, is the limit. minilm-1 also at
         concurrency 1, where a lone request's forward may take every core."""
-        self.nograd_variant("nograd-workers-2", {}, {"NOGRAD_WORKERS": "2"}, low_load=True)
+        self.nograd_variant("nograd-workers-2", {}, WORKERS_2, low_load=True)
+
+    def phase_paired(self) -> None:
+        """Interleaved rounds: every system of a workload's targets measured in turn, round
+        after round, all of them started once and the ones not under load paused (SIGSTOP).
+
+        On a shared host the machine's speed can move two-fold between phases minutes apart
+        (a paired batch-1 yardstick read 13.6-15.1 ms in one phase and 30.4-31.4 ms in a later
+        one, with no foreign CPU in the guest), so a ratio of two phases can be a ratio of two
+        machine speeds. Here nograd (one process and two workers), LitServe at the best
+        configuration its sweep found, and the HTTP ceiling run back to back on each workload,
+        the order reversed every round (ABBA), and each round gives its own ratios; the report
+        takes their median. Paused, an idle server takes no CPU from the one measured (LitServe's
+        idle workers poll: 0.23 cores of 2, measured).
+        """
+        best = self.results.get("litserve_best") or {}
+        if not best:
+            self.note("paired rounds need the litserve phase's best configurations; skipped")
+            return
+        cpus = self.plan.server_cpus
+        lineup: dict[str, list[tuple[str, Server]]] = {}
+        with contextlib.ExitStack() as stack:
+
+            def up(label: str, server: Server) -> Server:
+                self.step(f"paired: start {label}")
+                stack.enter_context(server)
+                return server
+
+            one = up("nograd", nograd_server(ROOT / "models", cpus))
+            two = up("nograd-workers-2", nograd_server(ROOT / "models", cpus, WORKERS_2))
+            wait_workers(two, 2)
+            litservers: dict[tuple[str, int, float], Server] = {}
+            ceiling = (
+                up("HTTP ceiling", self.ceiling_server())
+                if "digits" in self.plan.workloads
+                else None
+            )
+            for name in self.plan.workloads:
+                config = best.get(name)
+                if config is None:
+                    continue
+                key = (
+                    MODEL_OF[name],
+                    int(config["max_batch_size"]),
+                    float(config["batch_timeout"]),
+                )
+                if key not in litservers:
+                    litservers[key] = up(
+                        f"LitServe {key[0]} {key[1]}/{key[2]:g}", self.litserve(*key)
+                    )
+                lineup[name] = [
+                    ("nograd", one),
+                    ("nograd-workers-2", two),
+                    ("litserve", litservers[key]),
+                ]
+                if name == "digits" and ceiling is not None:
+                    lineup[name].append(("http-ceiling", ceiling))
+            everyone = [one, two, *litservers.values(), *([ceiling] if ceiling else [])]
+            rounds: list[dict[str, Any]] = []
+            for index in range(self.plan.paired_rounds):
+                for name, systems in lineup.items():
+                    order = systems if index % 2 == 0 else systems[::-1]
+                    for position, (system, server) in enumerate(order):
+                        # Only the server under load runs; the others are paused (SIGSTOP).
+                        for other in everyone:
+                            if other is server:
+                                other.resume()
+                            else:
+                                other.pause()
+                        result = self.headline(
+                            server,
+                            system,
+                            name,
+                            f"paired round {index + 1}: {system} {name}",
+                            nograd_metrics=system.startswith("nograd"),
+                            keep=False,
+                        )
+                        if result is None:
+                            continue
+                        rounds.append({"round": index + 1, "position": position} | result.as_dict())
+        self.results["paired"] = {"litserve_best": best, "runs": rounds}
+
+    def ceiling_server(self) -> Server:
+        return Server(
+            "ceiling",
+            [PYTHON, "-m", "bench.servers.http_ceiling", "--port", "{port}"],
+            "/v2/health/ready",
+            cpus=self.plan.server_cpus,
+        )
 
     def nograd_variant(
         self,
@@ -511,14 +607,8 @@ class Bench:
             with server:
                 wait_workers(server, int(env.get("NOGRAD_WORKERS", "1")))
                 for name in self.plan.workloads:
-                    self.warm(server, name)
-                    self.step(f"{system} {name}")
-                    result = self.load(
-                        server,
-                        system,
-                        name,
-                        duration_s=self.plan.duration_s,
-                        nograd_metrics=True,
+                    result = self.headline(
+                        server, system, name, f"{system} {name}", nograd_metrics=True
                     )
                     if result is not None:
                         result.extra["config"] = edits.get(MODEL_OF[name], {}) | env
@@ -789,6 +879,8 @@ def count_steps(plan: Plan) -> int:
     steps += len(plan.litserve_grid) if "minilm" in {MODEL_OF[w] for w in plan.workloads} else 0
     steps += 3 * (2 + n_wl)  # batching off, fewer torch threads, two workers
     steps += int("minilm-1" in plan.workloads)  # two workers at concurrency 1
+    systems = 3 * n_wl + int(has_digits)  # nograd, two workers, LitServe (+ the ceiling)
+    steps += 3 + models + int(has_digits) + plan.paired_rounds * systems  # paired rounds
     steps += int(plan.levers) + int(plan.compile) + int(plan.memory) + int(plan.profile)
     return steps
 
@@ -834,6 +926,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--quiet-wait", type=float, default=20.0, metavar="S")
     parser.add_argument("--quiet-budget", type=float, default=600.0, metavar="S")
+    parser.add_argument(
+        "--paired-rounds",
+        type=int,
+        default=None,
+        help=f"interleaved rounds of the paired phase (default {PAIRED_ROUNDS}; 2 with --quick)",
+    )
     parser.add_argument("--skip-levers", action="store_true")
     parser.add_argument("--skip-compile", action="store_true")
     parser.add_argument("--skip-memory", action="store_true")
@@ -873,6 +971,7 @@ def main(argv: list[str] | None = None) -> int:
         "batching_off": bench.phase_batching_off,
         "threads": bench.phase_threads,
         "workers": bench.phase_workers,
+        "paired": bench.phase_paired,
         "levers": bench.phase_levers,
         "memory": bench.phase_memory,
         "torch_profile": bench.phase_torch_profile,

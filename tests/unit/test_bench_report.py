@@ -1,0 +1,113 @@
+"""The benchmark's paired-round verdicts: per-round ratios, then their median.
+
+A phase-to-phase ratio can be a ratio of two machine speeds on a shared host; the paired rounds
+exist so a verdict compares runs made minutes apart. These tests pin the arithmetic that turns
+the rounds into verdicts, since a wrong pairing would silently compare different rounds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.report import markdown, paired_ratios, paired_targets
+
+
+def run(system: str, workload: str, round_: int, rps: float, p99: float) -> dict[str, Any]:
+    samples = rps * (8 if workload == "minilm-8" else 1)
+    return {
+        "round": round_,
+        "position": 0,
+        "system": system,
+        "workload": workload,
+        "mode": "closed",
+        "concurrency": 32,
+        "rate": None,
+        "rps": rps,
+        "samples_per_s": samples,
+        "p50_ms": p99 / 2,
+        "p90_ms": p99 * 0.8,
+        "p99_ms": p99,
+        "p999_ms": p99 * 1.2,
+        "errors": 0,
+        "extra": {"foreign_cpu_cores": 0.01},
+    }
+
+
+def results_with(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "meta": {
+            "cores": 2,
+            "cpu": "test CPU",
+            "torch": "2.13.0",
+            "torch_threads": 2,
+            "python": "3.13",
+            "git": {"commit": "abc", "app_dirty": False},
+            "started": "2026-11-23T00:00:00",
+            "command": "python -m bench.run",
+            "loadavg_at_start": [0.1],
+            "loadavg_at_end": [0.1],
+            "elapsed_s": 60.0,
+            "plan": {"concurrency": 32, "workloads": ["digits", "minilm-1"], "server_cpus": None},
+        },
+        "runs": [],
+        "paired": {"litserve_best": {}, "runs": runs},
+    }
+
+
+def test_each_ratio_pairs_runs_of_the_same_round() -> None:
+    # The machine halves its speed in round 2: both systems slow down together, so each round's
+    # ratio stays 2x, while pairing round 1's nograd with round 2's LitServe would read 4x.
+    results = results_with(
+        [
+            run("nograd", "minilm-1", 1, 200, 100),
+            run("litserve", "minilm-1", 1, 100, 200),
+            run("nograd", "minilm-1", 2, 100, 200),
+            run("litserve", "minilm-1", 2, 50, 400),
+            run("litserve", "minilm-1", 3, 50, 400),  # nograd missing in round 3: not paired
+        ]
+    )
+    assert paired_ratios(results, "minilm-1", "nograd", "litserve", "samples_per_s") == [2.0, 2.0]
+    assert paired_ratios(results, "minilm-1", "nograd", "litserve", "p99_ms") == [0.5, 0.5]
+
+
+def test_verdicts_take_the_median_round() -> None:
+    # digits vs the ceiling: 0.9, 0.5 (a disturbed round), 0.8 -> median 0.8, met; p99s 12, 30,
+    # 18 ms -> median 18, met; minilm-1 vs LitServe 1.5, 1.7, 1.55 -> 1.55, not met.
+    runs = []
+    for round_, (ours, ceiling, p99) in enumerate(
+        ((900, 1000, 12), (500, 1000, 30), (800, 1000, 18)), 1
+    ):
+        runs += [
+            run("nograd", "digits", round_, ours, p99),
+            run("http-ceiling", "digits", round_, ceiling, 5),
+            run("litserve", "digits", round_, ours / 4, 60),
+        ]
+    for round_, (more, tail) in enumerate(((1.5, 0.6), (1.7, 0.8), (1.55, 0.65)), 1):
+        runs += [
+            run("nograd", "minilm-1", round_, 100 * more, 100 * tail),
+            run("litserve", "minilm-1", round_, 100, 100),
+        ]
+    rows = {
+        target: (shown, verdict) for target, shown, _, verdict in paired_targets(results_with(runs))
+    }
+
+    assert rows["digits: throughput vs HTTP ceiling"] == ("0.80× (0.90 / 0.50 / 0.80)", "**met**")
+    assert rows["digits: throughput vs LitServe"][1] == "**met**"
+    assert rows["digits: p99 latency"] == ("18.00 ms (12.00 / 30.00 / 18.00)", "**met**")
+    assert rows["minilm-1: throughput vs LitServe"] == ("1.55× (1.50 / 1.70 / 1.55)", "**not met**")
+    assert rows["minilm-1: p99 vs LitServe"] == ("0.65× (0.60 / 0.80 / 0.65)", "**met**")
+    # Two workers were not in these rounds: no rows, rather than rows without numbers.
+    assert paired_targets(results_with(runs), "nograd-workers-2") == []
+
+
+def test_report_leads_with_the_paired_targets() -> None:
+    runs = [
+        run("nograd", "digits", 1, 900, 12),
+        run("http-ceiling", "digits", 1, 1000, 5),
+        run("litserve", "digits", 1, 200, 40),
+    ]
+    text = markdown(results_with(runs))
+    paired = text.index("## Targets from paired rounds")
+    assert paired < text.index("## Targets (issue 5), ratios from this run's phases")
+    assert "| digits: throughput vs HTTP ceiling | 0.90× (0.90) | ≥ 0.7× | **met** |" in text
+    assert "### Every paired run" in text
