@@ -9,6 +9,11 @@ over the workload's sentences) is the reference for the concurrency-1 target. A 
 nograd's own forward of the same weights (``PackedEncoder``, padding skipped) on the same
 batches: the limit for nograd's forward, which does less arithmetic than the padded model.
 
+Batch sizes are measured in rounds (``--rounds``), the order reversed every other round, and each
+keeps its best round: the machine's speed drifts within minutes here, and measured one after
+another the batch sizes were ranked partly by when each ran (minilm's packed forward read fastest
+at 8 rows in one run; interleaved, 8 rows ran 153 sentences/s against 187-196 at 32-128).
+
 Run as ``python -m bench.raw --out FILE`` (in its own process, pinned like the server).
 """
 
@@ -30,7 +35,9 @@ from bench.models import Digits, MiniLM
 DIGITS_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MINILM_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
+ROUNDS = 3
 T = TypeVar("T")
+K = TypeVar("K")
 
 
 def timed(step: Callable[[int], object], seconds: float, warmup: int = 3) -> tuple[int, float]:
@@ -52,63 +59,108 @@ def cycling(fn: Callable[[T], object], items: Sequence[T]) -> Callable[[int], ob
     return lambda i: fn(items[i % len(items)])
 
 
-def raw_digits(seconds: float) -> dict[str, Any]:
+def rate(
+    step: Callable[[int], object], seconds: float, batch: int, warmup: int
+) -> Callable[[], float]:
+    """A measurement for :func:`interleaved`: samples per second of ``step`` over ``seconds``."""
+
+    def measure() -> float:
+        calls, elapsed = timed(step, seconds, warmup)
+        return calls * batch / elapsed
+
+    return measure
+
+
+def interleaved(
+    measures: Sequence[tuple[K, Callable[[], float]]], rounds: int
+) -> dict[K, list[float]]:
+    """Every measurement once per round, the order reversed every other round; each key's values
+    in round order. A slow stretch of the machine then falls on every batch size alike."""
+    values: dict[K, list[float]] = {key: [] for key, _ in measures}
+    for index in range(max(1, rounds)):
+        for key, measure in measures if index % 2 == 0 else measures[::-1]:
+            values[key].append(measure())
+    return values
+
+
+def raw_digits(
+    seconds: float, rounds: int, batches: Sequence[int] = DIGITS_BATCHES
+) -> dict[str, Any]:
     model = Digits()
     images = torch.from_numpy(workloads.digits_images(4096))
-    rows: list[dict[str, Any]] = []
+    measures = []
+    for batch in batches:
+        chunks = [images[i : i + batch] for i in range(0, len(images) - batch + 1, batch)]
+        measures.append((batch, rate(cycling(model.forward, chunks), seconds, batch, warmup=3)))
     with torch.inference_mode():
-        for batch in DIGITS_BATCHES:
-            chunks = [images[i : i + batch] for i in range(0, len(images) - batch + 1, batch)]
-            calls, elapsed = timed(cycling(model.forward, chunks), seconds)
-            rows.append(
-                {
-                    "batch": batch,
-                    "samples_per_s": calls * batch / elapsed,
-                    "ms_per_batch": 1e3 * elapsed / calls,
-                }
-            )
+        values = interleaved(measures, rounds)
+    rows: list[dict[str, Any]] = [
+        {
+            "batch": batch,
+            "samples_per_s": max(values[batch]),
+            "ms_per_batch": 1e3 * batch / max(values[batch]),
+            "rounds": values[batch],
+        }
+        for batch in batches
+    ]
     best = max(rows, key=lambda r: r["samples_per_s"])
     return {"model": "digits", "rows": rows, "best": best}
 
 
-def raw_minilm(seconds: float) -> dict[str, Any]:
+MINILM_KINDS = {
+    "samples_per_s": "transformers' BertModel on padded batches",
+    "samples_per_s_with_tokenize": "the same with tokenisation",
+    "packed_samples_per_s": "nograd's PackedEncoder, padding skipped",
+}
+
+
+def raw_minilm(
+    seconds: float, rounds: int, batches: Sequence[int] = MINILM_BATCHES, batch1: bool = True
+) -> dict[str, Any]:
     model = MiniLM()
     texts = workloads.sentences(512)
-    rows: list[dict[str, Any]] = []
+    measures: list[tuple[tuple[int, str], Callable[[], float]]] = []
+    for batch in batches:
+        groups = [texts[i : i + batch] for i in range(0, len(texts) - batch + 1, batch)]
+        tokens = [model.tokenize(g) for g in groups]
+        measures += [
+            ((batch, "samples_per_s"), rate(cycling(model.forward, tokens), seconds, batch, 2)),
+            (
+                (batch, "samples_per_s_with_tokenize"),
+                rate(cycling(model.embed, groups), seconds / 2, batch, 1),
+            ),
+            (
+                (batch, "packed_samples_per_s"),
+                rate(cycling(model.forward_packed, tokens), seconds, batch, 2),
+            ),
+        ]
     with torch.inference_mode():
-        for batch in MINILM_BATCHES:
-            groups = [texts[i : i + batch] for i in range(0, len(texts) - batch + 1, batch)]
-            tokens = [model.tokenize(g) for g in groups]
-            calls, elapsed = timed(cycling(model.forward, tokens), seconds, warmup=2)
-            calls_tok, elapsed_tok = timed(cycling(model.embed, groups), seconds / 2, warmup=1)
-            calls_packed, elapsed_packed = timed(
-                cycling(model.forward_packed, tokens), seconds, warmup=2
-            )
-            rows.append(
-                {
-                    "batch": batch,
-                    "samples_per_s": calls * batch / elapsed,
-                    "samples_per_s_with_tokenize": calls_tok * batch / elapsed_tok,
-                    "ms_per_batch": 1e3 * elapsed / calls,
-                    "packed_samples_per_s": calls_packed * batch / elapsed_packed,
-                }
-            )
-        single = batch1_inputs(model, texts)
-        batch1 = batch1_summary(batch1_latencies(model.forward, single))
-        packed_latencies = batch1_latencies(model.forward_packed, single)
+        values = interleaved(measures, rounds)
+        single = batch1_inputs(model, texts) if batch1 else []
+        batch1_figures = batch1_summary(batch1_latencies(model.forward, single)) if batch1 else {}
+        packed_latencies = batch1_latencies(model.forward_packed, single) if batch1 else []
+    rows = []
+    for batch in batches:
+        row: dict[str, Any] = {"batch": batch}
+        row |= {kind: max(values[(batch, kind)]) for kind in MINILM_KINDS}
+        row["ms_per_batch"] = 1e3 * batch / row["samples_per_s"]
+        row["rounds"] = {kind: values[(batch, kind)] for kind in MINILM_KINDS}
+        rows.append(row)
     best = max(rows, key=lambda r: r["samples_per_s"])
     packed_best = max(rows, key=lambda r: r["packed_samples_per_s"])
-    return {
+    out = {
         "model": "minilm",
         "rows": rows,
         "best": best,
-        **batch1,
+        **batch1_figures,
         "packed_best": {
             "batch": packed_best["batch"],
             "samples_per_s": packed_best["packed_samples_per_s"],
         },
-        "packed_batch1_p50_ms": 1e3 * float(np.median(packed_latencies)),
     }
+    if packed_latencies:
+        out["packed_batch1_p50_ms"] = 1e3 * float(np.median(packed_latencies))
+    return out
 
 
 def batch1_inputs(model: MiniLM, texts: Sequence[str]) -> list[dict[str, torch.Tensor]]:
@@ -152,20 +204,31 @@ def batch1_latencies(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--seconds", type=float, default=1.0, help="per batch size")
+    parser.add_argument("--seconds", type=float, default=1.0, help="per batch size and round")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="interleaved rounds")
     parser.add_argument("--models", default="digits,minilm")
+    parser.add_argument(
+        "--batches", default=None, help="comma-separated batch sizes (default: every size)"
+    )
     parser.add_argument(
         "--batch1", action="store_true", help="only minilm's batch-1 forward latencies"
     )
+    parser.add_argument(
+        "--skip-batch1", action="store_true", help="no batch-1 latencies after the batch sizes"
+    )
     args = parser.parse_args(argv)
-    result: dict[str, Any] = {"torch_threads": torch.get_num_threads()}
+    chosen = tuple(int(b) for b in args.batches.split(",")) if args.batches else None
+    result: dict[str, Any] = {"torch_threads": torch.get_num_threads(), "rounds": args.rounds}
     if args.batch1:
         result["minilm"] = minilm_batch1()
     else:
         for name in args.models.split(","):
-            result[name] = (
-                raw_digits(args.seconds) if name == "digits" else raw_minilm(args.seconds)
-            )
+            if name == "digits":
+                result[name] = raw_digits(args.seconds, args.rounds, chosen or DIGITS_BATCHES)
+            else:
+                result[name] = raw_minilm(
+                    args.seconds, args.rounds, chosen or MINILM_BATCHES, not args.skip_batch1
+                )
     args.out.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
 
 

@@ -309,20 +309,30 @@ def _le(value: float | None, bound: float) -> bool | None:
 
 # ------------------------------------------------------------------------------- paired rounds
 def paired_runs(results: dict[str, Any], system: str, workload: str) -> dict[int, dict[str, Any]]:
-    """The paired phase's runs of one system on one workload, by round."""
-    found = results.get("paired", {}).get("runs", [])
+    """The paired phase's runs of one system on one workload, by round (``raw``: the raw
+    forward's measurement beside that workload)."""
+    paired = results.get("paired", {})
+    found = paired.get("raw", []) if system == "raw" else paired.get("runs", [])
+    if system == "raw":
+        return {r["round"]: r for r in found if r["workload"] == workload}
     return {r["round"]: r for r in found if r["system"] == system and r["workload"] == workload}
 
 
 def paired_ratios(
-    results: dict[str, Any], workload: str, system: str, other: str, key: str
+    results: dict[str, Any],
+    workload: str,
+    system: str,
+    other: str,
+    key: str,
+    other_key: str | None = None,
 ) -> list[float]:
-    """``system``'s ``key`` over ``other``'s, one ratio per round in which both were measured."""
+    """``system``'s ``key`` over ``other``'s (``other_key``, default the same), one ratio per
+    round in which both were measured."""
     mine = paired_runs(results, system, workload)
     theirs = paired_runs(results, other, workload)
     out = []
     for index in sorted(mine.keys() & theirs.keys()):
-        value = ratio(float(mine[index][key]), float(theirs[index][key]))
+        value = ratio(float(mine[index][key]), float(theirs[index][other_key or key]))
         if value is not None:
             out.append(value)
     return out
@@ -343,20 +353,35 @@ def paired_targets(
     each round's ratio (every ratio's two runs minutes apart at most, at the same machine speed).
     """
     out: list[tuple[str, str, str, str]] = []
-    checks: list[tuple[str, str, str, str, float, bool]] = []
+    # (workload, other system, key, other's key, label, bound, at least)
+    checks: list[tuple[str, str, str, str, str, float, bool]] = []
+    rps, samples = "rps", "samples_per_s"
     if paired_runs(results, system, "digits"):
         checks += [
-            ("digits", "http-ceiling", "rps", "throughput vs HTTP ceiling", 0.7, True),
-            ("digits", "litserve", "samples_per_s", "throughput vs LitServe", 3.0, True),
+            ("digits", "http-ceiling", rps, rps, "throughput vs HTTP ceiling", 0.7, True),
+            ("digits", "litserve", samples, samples, "throughput vs LitServe", 3.0, True),
         ]
     for workload in ("minilm-1", "minilm-8"):
         if paired_runs(results, system, workload):
             checks += [
-                (workload, "litserve", "samples_per_s", "throughput vs LitServe", 1.6, True),
-                (workload, "litserve", "p99_ms", "p99 vs LitServe", 0.7, False),
+                (workload, "raw", samples, samples, "throughput vs raw model best", 0.85, True),
+                (
+                    workload,
+                    "raw",
+                    samples,
+                    "packed_samples_per_s",
+                    "throughput vs nograd's packed forward, raw loop (stricter)",
+                    0.85,
+                    True,
+                ),
+                (workload, "litserve", samples, samples, "throughput vs LitServe", 1.6, True),
+                (workload, "litserve", "p99_ms", "p99_ms", "p99 vs LitServe", 0.7, False),
             ]
-    for workload, other, key, label, bound, at_least in checks:
-        middle, shown = _median_of(paired_ratios(results, workload, system, other, key), "×")
+    for workload, other, key, other_key, label, bound, at_least in checks:
+        values = paired_ratios(results, workload, system, other, key, other_key)
+        if not values:
+            continue
+        middle, shown = _median_of(values, "×")
         ok = _ge(middle, bound) if at_least else _le(middle, bound)
         sign = "≥" if at_least else "≤"
         out.append((f"{workload}: {label}", shown, f"{sign} {bound:g}×", verdict(ok)))
@@ -384,7 +409,9 @@ def paired_section(results: dict[str, Any], tag: str) -> list[str]:
         "load), round after round, the order reversed each round. Each round "
         "gives its own ratio of two runs at most minutes apart; the verdict takes the median "
         "over rounds (every round's value in brackets). LitServe runs the best configuration "
-        "its sweep found. The raw-model and concurrency-1 targets are in the per-phase table.",
+        "its sweep found; the raw minilm forward (padded, and nograd's packed one, at 16, 32 and "
+        "64 rows, its best) runs in its own process beside each minilm workload, every server "
+        "paused. The concurrency-1 target is in the per-phase table.",
         "",
     ]
     for system in ("nograd", "nograd-workers-2"):
@@ -423,6 +450,31 @@ def paired_section(results: dict[str, Any], tag: str) -> list[str]:
     )
     parts += [f"### Every paired run ({tag}, c={c}; within a round, in the order run)", ""]
     parts += [table(header, every), ""]
+    raw = results.get("paired", {}).get("raw", [])
+    if raw:
+        raw_rows = [
+            (
+                r["workload"],
+                r["round"],
+                r["samples_per_s"],
+                r["batch"],
+                r["packed_samples_per_s"],
+                r["packed_batch"],
+                fmt(r["foreign_cpu_cores"], 2),
+            )
+            for r in sorted(raw, key=lambda r: (r["workload"], r["round"]))
+        ]
+        raw_header = (
+            "beside workload",
+            "round",
+            "raw samples/s",
+            "at batch",
+            "packed samples/s",
+            "at batch",
+            "foreign CPU",
+        )
+        parts += [f"### The raw minilm forward in the paired rounds ({tag})", ""]
+        parts += [table(raw_header, raw_rows), ""]
     return parts
 
 

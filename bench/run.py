@@ -10,9 +10,10 @@ process is stopped in a ``finally``):
    at concurrency 32, then its best configuration at the other loads);
 4. nograd with batching off (a temporary model repository whose configs cap batches at 1), with
    one torch thread fewer, and as two worker processes (``NOGRAD_WORKERS=2``);
-5. paired rounds: nograd (one process and two workers), LitServe's best configuration and the
-   HTTP ceiling all started once and measured in turn (the others paused), round after round,
-   order reversed each round, so each round's ratios compare systems at the same machine speed;
+5. paired rounds: nograd (one process and two workers), LitServe's best configuration, the HTTP
+   ceiling and (for minilm) the raw forward, all started once and measured in turn (the others
+   paused), round after round, order reversed each round, so each round's ratios compare systems
+   at the same machine speed;
 6. speed levers (``bench.levers``), issue 3's memory benchmark (``bench.memory_bench``) and
    torch.profiler on nograd's batch path (``bench.profile_nograd``).
 
@@ -71,6 +72,9 @@ QUIET_CORES = 0.3
 """Other processes' CPU (in cores) above which a run counts as disturbed."""
 MODEL_OF = {"digits": "digits", "minilm-1": "minilm", "minilm-8": "minilm"}
 WORKERS_2 = {"NOGRAD_WORKERS": "2"}
+PAIRED_RAW_BATCHES = "16,32,64"
+"""Where the raw minilm forward peaked in every run so far, on both CPUs: the paired rounds time
+only these, to keep a round short."""
 PAIRED_ROUNDS = 3
 """Rounds of the paired phase: the median of three per-round ratios ignores one disturbed round."""
 
@@ -346,8 +350,11 @@ class Bench:
     def phase_raw(self) -> None:
         """The raw limit, retried like the load runs when other processes disturbed it."""
         out = RESULTS / f"{self.stamp}-raw.json"
-        seconds = "0.3" if self.plan.quick else "1.0"
+        # Full: three interleaved rounds of 0.5 s per batch size (bench.raw keeps each size's
+        # best round); quick: one round.
+        seconds, rounds = ("0.3", "1") if self.plan.quick else ("0.5", "3")
         command = [PYTHON, "-m", "bench.raw", "--out", str(out), "--seconds", seconds]
+        command += ["--rounds", rounds]
         best: dict[str, Any] | None = None
         for attempt in range(1, self.plan.attempts + 1):
             self.step(f"raw model (no HTTP), attempt {attempt}")
@@ -522,7 +529,7 @@ class Bench:
             self.note("paired rounds need the litserve phase's best configurations; skipped")
             return
         cpus = self.plan.server_cpus
-        lineup: dict[str, list[tuple[str, Server]]] = {}
+        lineup: dict[str, list[tuple[str, Server | None]]] = {}
         with contextlib.ExitStack() as stack:
 
             def up(label: str, server: Server) -> Server:
@@ -559,8 +566,13 @@ class Bench:
                 ]
                 if name == "digits" and ceiling is not None:
                     lineup[name].append(("http-ceiling", ceiling))
+                if MODEL_OF[name] == "minilm":
+                    # The raw forward in its own process, every server paused: the yardstick of
+                    # the raw-model target, at this round's machine speed.
+                    lineup[name].append(("raw", None))
             everyone = [one, two, *litservers.values(), *([ceiling] if ceiling else [])]
             rounds: list[dict[str, Any]] = []
+            raw: list[dict[str, Any]] = []
             for index in range(self.plan.paired_rounds):
                 for name, systems in lineup.items():
                     order = systems if index % 2 == 0 else systems[::-1]
@@ -571,6 +583,13 @@ class Bench:
                                 other.resume()
                             else:
                                 other.pause()
+                        if server is None:
+                            self.step(f"paired round {index + 1}: raw model for {name}")
+                            raw.append(
+                                {"round": index + 1, "position": position, "workload": name}
+                                | self.raw_limit_now()
+                            )
+                            continue
                         result = self.headline(
                             server,
                             system,
@@ -582,7 +601,7 @@ class Bench:
                         if result is None:
                             continue
                         rounds.append({"round": index + 1, "position": position} | result.as_dict())
-        self.results["paired"] = {"litserve_best": best, "runs": rounds}
+        self.results["paired"] = {"litserve_best": best, "runs": rounds, "raw": raw}
 
     def ceiling_server(self) -> Server:
         return Server(
@@ -756,6 +775,26 @@ class Bench:
         summary["raw_file"] = raw.name
         return summary
 
+    def raw_limit_now(self) -> dict[str, Any]:
+        """minilm's raw forward (padded, and nograd's packed one) at the batch sizes where it
+        peaks, in its own process pinned like the servers: one paired round's raw limit."""
+        out = RESULTS / f"{self.stamp}-raw-paired.json"
+        command = [
+            *(PYTHON, "-m", "bench.raw", "--models", "minilm", "--skip-batch1"),
+            *("--batches", PAIRED_RAW_BATCHES, "--rounds", "1", "--seconds", "1.0"),
+            *("--out", str(out)),
+        ]
+        foreign = self.subprocess(command, timeout_s=300, cpus=self.plan.server_cpus)
+        data = orjson.loads(out.read_bytes())["minilm"]
+        out.unlink(missing_ok=True)
+        return {
+            "samples_per_s": data["best"]["samples_per_s"],
+            "batch": data["best"]["batch"],
+            "packed_samples_per_s": data["packed_best"]["samples_per_s"],
+            "packed_batch": data["packed_best"]["batch"],
+            "foreign_cpu_cores": foreign,
+        }
+
     def raw_batch1(self) -> float:
         """minilm's batch-1 forward p50 (ms) over the workload's sentences, in its own process
         pinned like the server (``bench.raw --batch1``), while the server idles."""
@@ -880,6 +919,8 @@ def count_steps(plan: Plan) -> int:
     steps += 3 * (2 + n_wl)  # batching off, fewer torch threads, two workers
     steps += int("minilm-1" in plan.workloads)  # two workers at concurrency 1
     systems = 3 * n_wl + int(has_digits)  # nograd, two workers, LitServe (+ the ceiling)
+    minilm_workloads = sum(1 for w in plan.workloads if MODEL_OF[w] == "minilm")
+    systems += minilm_workloads  # the raw forward beside each minilm workload
     steps += 3 + models + int(has_digits) + plan.paired_rounds * systems  # paired rounds
     steps += int(plan.levers) + int(plan.compile) + int(plan.memory) + int(plan.profile)
     return steps

@@ -1,14 +1,16 @@
-"""The benchmark's paired-round verdicts: per-round ratios, then their median.
+"""The benchmark's interleaving: the raw forward's rounds, and the paired-round verdicts.
 
 A phase-to-phase ratio can be a ratio of two machine speeds on a shared host; the paired rounds
-exist so a verdict compares runs made minutes apart. These tests pin the arithmetic that turns
-the rounds into verdicts, since a wrong pairing would silently compare different rounds.
+exist so a verdict compares runs made minutes apart, and the raw forward's batch sizes are timed
+in rounds so a slow stretch does not rank them. These tests pin the ordering and the arithmetic
+that turns rounds into verdicts, since a wrong pairing would silently compare different rounds.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from bench.raw import interleaved
 from bench.report import markdown, paired_ratios, paired_targets
 
 
@@ -33,7 +35,9 @@ def run(system: str, workload: str, round_: int, rps: float, p99: float) -> dict
     }
 
 
-def results_with(runs: list[dict[str, Any]]) -> dict[str, Any]:
+def results_with(
+    runs: list[dict[str, Any]], raw: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     return {
         "meta": {
             "cores": 2,
@@ -50,7 +54,7 @@ def results_with(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "plan": {"concurrency": 32, "workloads": ["digits", "minilm-1"], "server_cpus": None},
         },
         "runs": [],
-        "paired": {"litserve_best": {}, "runs": runs},
+        "paired": {"litserve_best": {}, "runs": runs, "raw": raw or []},
     }
 
 
@@ -111,3 +115,49 @@ def test_report_leads_with_the_paired_targets() -> None:
     assert paired < text.index("## Targets (issue 5), ratios from this run's phases")
     assert "| digits: throughput vs HTTP ceiling | 0.90× (0.90) | ≥ 0.7× | **met** |" in text
     assert "### Every paired run" in text
+
+
+def test_raw_rounds_reverse_their_order_and_keep_every_value() -> None:
+    calls: list[str] = []
+
+    def measure(key: str) -> tuple[str, Any]:
+        def run() -> float:
+            calls.append(key)
+            return float(len(calls))
+
+        return key, run
+
+    values = interleaved([measure("a"), measure("b"), measure("c")], rounds=3)
+    # ABC, CBA, ABC: each batch size sees the start, the middle and the end of the stretch.
+    assert calls == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
+    assert values == {"a": [1.0, 6.0, 7.0], "b": [2.0, 5.0, 8.0], "c": [3.0, 4.0, 9.0]}
+
+
+def test_raw_target_pairs_each_round_with_its_own_raw_forward() -> None:
+    runs = [run("nograd", "minilm-1", r, rps, 300) for r, rps in ((1, 90), (2, 180), (3, 100))]
+    runs += [run("litserve", "minilm-1", r, 50, 600) for r in (1, 2, 3)]
+    raw = [
+        {
+            "round": r,
+            "workload": "minilm-1",
+            "samples_per_s": padded,
+            "packed_samples_per_s": packed,
+        }
+        for r, padded, packed in ((1, 100, 150), (2, 200, 300), (3, 100, 125))
+    ]
+    # The machine ran twice as fast in round 2: nograd and the raw forward both doubled.
+    raw += [{"round": 1, "workload": "minilm-8", "samples_per_s": 1, "packed_samples_per_s": 1}]
+    rows = {
+        target: (shown, verdict)
+        for target, shown, _, verdict in paired_targets(results_with(runs, raw))
+    }
+
+    assert rows["minilm-1: throughput vs raw model best"] == (
+        "0.90× (0.90 / 0.90 / 1.00)",
+        "**met**",
+    )
+    stricter = rows["minilm-1: throughput vs nograd's packed forward, raw loop (stricter)"]
+    assert stricter == ("0.60× (0.60 / 0.60 / 0.80)", "**not met**")
+    assert (
+        paired_ratios(results_with(runs, raw), "minilm-8", "nograd", "raw", "samples_per_s") == []
+    )
