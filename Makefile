@@ -47,7 +47,7 @@ format: install-dev
 # --- make bench --------------------------------------------------------------------------------
 # nograd against the raw model, plain FastAPI, LitServe and the HTTP ceiling, in one run
 # (bench/run.py; tables in bench/results/<timestamp>.md, quoted by BENCHMARKS.md).
-# Takes ~15 minutes on 2 cores; `make bench BENCH_ARGS=--quick` is a ~5 minute smoke run.
+# Takes ~45 minutes on 2 cores; `make bench BENCH_ARGS=--quick` is a shorter smoke run.
 # wrk is a Debian package: installed here when missing (as root, or through sudo).
 BENCH_ARGS ?=
 
