@@ -107,11 +107,9 @@ def raw_digits(
     return {"model": "digits", "rows": rows, "best": best}
 
 
-MINILM_KINDS = {
-    "samples_per_s": "transformers' BertModel on padded batches",
-    "samples_per_s_with_tokenize": "the same with tokenisation",
-    "packed_samples_per_s": "nograd's PackedEncoder, padding skipped",
-}
+MINILM_KINDS = ("samples_per_s", "samples_per_s_with_tokenize", "packed_samples_per_s")
+"""transformers' BertModel on padded batches; the same with tokenisation; nograd's PackedEncoder
+(padding skipped) on the same batches."""
 
 
 def raw_minilm(

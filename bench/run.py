@@ -73,8 +73,9 @@ QUIET_CORES = 0.3
 MODEL_OF = {"digits": "digits", "minilm-1": "minilm", "minilm-8": "minilm"}
 WORKERS_2 = {"NOGRAD_WORKERS": "2"}
 PAIRED_RAW_BATCHES = "16,32,64"
-"""Where the raw minilm forward peaked in every run so far, on both CPUs: the paired rounds time
-only these, to keep a round short."""
+"""The paired rounds time the raw minilm forward at these batch sizes only, to keep a round short:
+timed in interleaved rounds its best lay at 32-64 rows (transformers' forward) and was flat from
+32 rows up (the packed one) on the AMD EPYC, and at 32-64 rows on the Xeon."""
 PAIRED_ROUNDS = 3
 """Rounds of the paired phase: the median of three per-round ratios ignores one disturbed round."""
 
@@ -519,10 +520,11 @@ class Bench:
         (a paired batch-1 yardstick read 13.6-15.1 ms in one phase and 30.4-31.4 ms in a later
         one, with no foreign CPU in the guest), so a ratio of two phases can be a ratio of two
         machine speeds. Here nograd (one process and two workers), LitServe at the best
-        configuration its sweep found, and the HTTP ceiling run back to back on each workload,
-        the order reversed every round (ABBA), and each round gives its own ratios; the report
-        takes their median. Paused, an idle server takes no CPU from the one measured (LitServe's
-        idle workers poll: 0.23 cores of 2, measured).
+        configuration its sweep found, the HTTP ceiling (digits) and the raw forward in its own
+        process (minilm) run back to back on each workload, the order reversed every round
+        (ABBA), and each round gives its own ratios; the report takes their median. Paused, an
+        idle server takes no CPU from the one measured (LitServe's idle workers poll: 0.23 cores
+        of 2, measured).
         """
         best = self.results.get("litserve_best") or {}
         if not best:

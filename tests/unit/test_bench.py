@@ -161,3 +161,14 @@ def test_raw_target_pairs_each_round_with_its_own_raw_forward() -> None:
     assert (
         paired_ratios(results_with(runs, raw), "minilm-8", "nograd", "raw", "samples_per_s") == []
     )
+
+
+def test_digits_p99_is_judged_without_a_litserve_run() -> None:
+    # LitServe failed to start: the ceiling ratio and nograd's own p99 still get their verdicts.
+    runs = [run("nograd", "digits", 1, 900, 25), run("http-ceiling", "digits", 1, 1000, 5)]
+    rows = paired_targets(results_with(runs))
+    assert [target for target, *_ in rows] == [
+        "digits: throughput vs HTTP ceiling",
+        "digits: p99 latency",
+    ]
+    assert rows[1][1:] == ("25.00 ms (25.00)", "≤ 20 ms", "**not met**")
