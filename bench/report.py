@@ -356,7 +356,8 @@ def paired_targets(
     # (workload, other system, key, other's key, label, bound, at least)
     checks: list[tuple[str, str, str, str, str, float, bool]] = []
     rps, samples = "rps", "samples_per_s"
-    if paired_runs(results, system, "digits"):
+    digits = paired_runs(results, system, "digits")
+    if digits:
         checks += [
             ("digits", "http-ceiling", rps, rps, "throughput vs HTTP ceiling", 0.7, True),
             ("digits", "litserve", samples, samples, "throughput vs LitServe", 3.0, True),
@@ -385,7 +386,6 @@ def paired_targets(
         ok = _ge(middle, bound) if at_least else _le(middle, bound)
         sign = "≥" if at_least else "≤"
         out.append((f"{workload}: {label}", shown, f"{sign} {bound:g}×", verdict(ok)))
-    digits = paired_runs(results, system, "digits")
     if digits:
         # An absolute bound, not a ratio: the median of nograd's own p99 over the rounds.
         middle, shown = _median_of([float(r["p99_ms"]) for _, r in sorted(digits.items())], " ms")

@@ -350,19 +350,15 @@ class Bench:
     # ----------------------------------------------------------------------------- phases
     def phase_raw(self) -> None:
         """The raw limit, retried like the load runs when other processes disturbed it."""
-        out = RESULTS / f"{self.stamp}-raw.json"
         # Full: three interleaved rounds of 0.5 s per batch size (bench.raw keeps each size's
         # best round); quick: one round.
         seconds, rounds = ("0.3", "1") if self.plan.quick else ("0.5", "3")
-        command = [PYTHON, "-m", "bench.raw", "--out", str(out), "--seconds", seconds]
-        command += ["--rounds", rounds]
         best: dict[str, Any] | None = None
         for attempt in range(1, self.plan.attempts + 1):
             self.step(f"raw model (no HTTP), attempt {attempt}")
             if self.plan.attempts > 1:
                 self.quiet()
-            foreign = self.subprocess(command, timeout_s=600, cpus=self.plan.server_cpus)
-            result = orjson.loads(out.read_bytes())
+            result, foreign = self.run_raw(["--seconds", seconds, "--rounds", rounds], 600)
             result["foreign_cpu_cores"] = foreign
             result["attempt"] = attempt
             if best is None or foreign < best["foreign_cpu_cores"]:
@@ -370,7 +366,6 @@ class Bench:
             if foreign <= QUIET_CORES:
                 break
             self.noisy_retries += 1
-        out.unlink(missing_ok=True)
         self.results["raw"] = best
 
     def phase_nograd(self) -> None:
@@ -780,15 +775,14 @@ class Bench:
     def raw_limit_now(self) -> dict[str, Any]:
         """minilm's raw forward (padded, and nograd's packed one) at the batch sizes where it
         peaks, in its own process pinned like the servers: one paired round's raw limit."""
-        out = RESULTS / f"{self.stamp}-raw-paired.json"
-        command = [
-            *(PYTHON, "-m", "bench.raw", "--models", "minilm", "--skip-batch1"),
-            *("--batches", PAIRED_RAW_BATCHES, "--rounds", "1", "--seconds", "1.0"),
-            *("--out", str(out)),
-        ]
-        foreign = self.subprocess(command, timeout_s=300, cpus=self.plan.server_cpus)
-        data = orjson.loads(out.read_bytes())["minilm"]
-        out.unlink(missing_ok=True)
+        result, foreign = self.run_raw(
+            [
+                *("--models", "minilm", "--skip-batch1", "--batches", PAIRED_RAW_BATCHES),
+                *("--rounds", "1", "--seconds", "1.0"),
+            ],
+            300,
+        )
+        data = result["minilm"]
         return {
             "samples_per_s": data["best"]["samples_per_s"],
             "batch": data["best"]["batch"],
@@ -800,12 +794,19 @@ class Bench:
     def raw_batch1(self) -> float:
         """minilm's batch-1 forward p50 (ms) over the workload's sentences, in its own process
         pinned like the server (``bench.raw --batch1``), while the server idles."""
-        out = RESULTS / f"{self.stamp}-raw-batch1.json"
-        command = [PYTHON, "-m", "bench.raw", "--batch1", "--out", str(out)]
-        self.subprocess(command, timeout_s=300, cpus=self.plan.server_cpus)
-        p50 = float(orjson.loads(out.read_bytes())["minilm"]["batch1_p50_ms"])
-        out.unlink(missing_ok=True)
-        return p50
+        result, _ = self.run_raw(["--batch1"], 300)
+        return float(result["minilm"]["batch1_p50_ms"])
+
+    def run_raw(self, args: list[str], timeout_s: float) -> tuple[dict[str, Any], float]:
+        """``bench.raw`` with ``args`` in its own process pinned like the servers: its results,
+        and other processes' CPU (cores) meanwhile."""
+        out = RESULTS / f"{self.stamp}-raw-{os.getpid()}.json"
+        command = [PYTHON, "-m", "bench.raw", *args, "--out", str(out)]
+        try:
+            foreign = self.subprocess(command, timeout_s=timeout_s, cpus=self.plan.server_cpus)
+            return orjson.loads(out.read_bytes()), foreign
+        finally:
+            out.unlink(missing_ok=True)
 
     def subprocess(self, command: list[str], timeout_s: float, cpus: str | None = None) -> float:
         """Run a bench step in its own process; returns other processes' CPU (cores) meanwhile."""
