@@ -402,7 +402,10 @@ class Supervisor:
             _mark_dead(pid, self._dir)
         if self._cores is not None:
             clear_slot(self._cores, slot.index)
-        if self._closing:
+        if self._closing or self._stop_signal is not None:
+            # Ctrl+C in a terminal signals the whole process group: a worker may finish its
+            # own drain before the supervisor's stop reaches it. That is the stop, not a crash.
+            logger.info("worker %d (pid %s) stopped with code %s", slot.index, pid, code)
             return
         lived = now - slot.started_at
         slot.failures, delay = next_restart(lived, slot.failures)

@@ -7,6 +7,9 @@ from __future__ import annotations
 import ctypes
 import errno
 import logging
+import multiprocessing
+import os
+import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -225,3 +228,22 @@ def test_a_failing_accept_pauses_accepting_instead_of_spinning(
     workers.supervisor._watch(timeout_s=0.3)
     assert time.monotonic() - started >= 0.25
     assert failing.accepts == 1
+
+
+def test_a_worker_that_exits_after_the_stop_signal_is_not_started_again(
+    workers: Workers, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Ctrl+C in a terminal reaches the workers too (one process group): one may be gone before
+    # the supervisor stops it. Before, that logged an error and scheduled a restart mid-stop.
+    slot = workers.slots[0]
+    process = multiprocessing.get_context("spawn").Process(target=os._exit, args=(0,))
+    process.start()
+    process.join()
+    slot.process = process
+    with caplog.at_level(logging.INFO, "app.workers"):
+        workers.supervisor._on_signal(signal.SIGINT, None)
+        workers.supervisor._bury_dead()
+    assert slot.process is None
+    assert slot.restart_at is None
+    assert "starting it again" not in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
