@@ -172,7 +172,7 @@ class DataPlane:
         loop = asyncio.get_running_loop()
         share = self._core_share
         threads = configure_threads(
-            self.settings.torch_threads, self.settings.workers, shared=share is not None
+            self.settings.torch_threads, self.settings.worker_count, shared=share is not None
         )
         if share is not None:
             self._cores = CoreLedger(share, threads)
@@ -180,7 +180,7 @@ class DataPlane:
                 "torch intra-op threads: up to %d per batch, the cores the other %d workers' "
                 "batches leave free",
                 threads,
-                self.settings.workers - 1,
+                self.settings.worker_count - 1,
             )
         else:
             logger.info("torch intra-op threads: %d", threads)
@@ -242,7 +242,7 @@ class DataPlane:
                 inputs.append(PlanInput(model.name, model.handler, model.weights_bytes, cap))
             # Worker processes share the device: each takes an equal part of what it sees free
             # (a budget reserves nothing, so a later worker sees the earlier ones' budgets as free).
-            workers = self.settings.workers
+            workers = self.settings.worker_count
             explicit = self.settings.memory_budget_bytes
             budget, plans = plan_device(
                 inputs,

@@ -7,7 +7,7 @@ Settings are read once, when the app is built (never at import time), from the e
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -60,10 +60,13 @@ class Settings(BaseSettings):
     use (affinity and cgroup CPU quota), shared among the workers batch by batch
     (``share_cores``) or divided among them."""
 
-    workers: int = Field(default=1, ge=1, le=64)
+    workers: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = "auto"
     """Server processes sharing the port, each with its own copy of every model. More than one
     spreads the HTTP and Python work of small, fast models over several cores; memory budgets
-    are split among them and /metrics adds their series up."""
+    are split among them and /metrics adds their series up. ``auto``: two when the process may
+    use at least two CPU cores (two times ``torch_threads`` when that is set) and no GPU is
+    visible, the second started only if another copy of the models fits in the memory left
+    (measured on the first); one otherwise."""
 
     share_cores: bool = True
     """With several workers and ``torch_threads`` unset: each CPU batch runs on every core the
@@ -103,6 +106,12 @@ class Settings(BaseSettings):
 
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
     """Serve /metrics on this separate port as well (e.g. one not exposed outside the pod)."""
+
+    @property
+    def worker_count(self) -> int:
+        """``workers`` as a number. ``auto`` is resolved by the ``nograd`` command before it
+        starts any server; an app built in-process (tests, an ASGI server's factory) is one."""
+        return self.workers if isinstance(self.workers, int) else 1
 
     @property
     def api_key_list(self) -> tuple[str, ...]:

@@ -55,6 +55,7 @@ from pathlib import Path
 from types import FrameType
 
 from app.runtime.cores import CoreShare, clear_slot, create_ledger
+from app.runtime.host import HostMemory, gpu_visible, resident_bytes, usable_cores
 from app.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -116,12 +117,50 @@ class _Slot:
     restart_at: float | None = None
 
 
-def supervise(settings: Settings) -> int:
-    """Run ``settings.workers`` server processes until SIGTERM/SIGINT; the process exit code."""
+AUTO_MAX_WORKERS = 2
+"""``NOGRAD_WORKERS=auto`` starts at most this many: measured on 2 cores, where the second
+process roughly doubled a small model's requests/s; above that, memory grows with every copy
+while the gain is unmeasured, so more is an explicit choice."""
+AUTO_MEMORY_SHARE = 0.8
+"""``auto`` starts another worker only if the first one's resident memory fits in this share
+of the memory still available (the rest is left for the batches and the page cache)."""
+
+
+def auto_workers(cores: int, gpu: bool, torch_threads: int | None = None) -> tuple[int, str]:
+    """How many workers ``NOGRAD_WORKERS=auto`` plans, and why (for the start-up log).
+
+    A fixed ``NOGRAD_TORCH_THREADS`` is every worker's count: workers are then limited to as
+    many as the cores hold at that count, so torch's threads never outnumber the cores.
+    """
+    if gpu:
+        # Each worker would hold a CUDA context and a copy of the weights on the same device.
+        return 1, "a GPU is visible"
+    plural = "s" if cores != 1 else ""
+    reason = f"{cores} usable CPU core{plural}, no GPU"
+    room = cores
+    if torch_threads is not None:
+        room = cores // torch_threads
+        reason += f", NOGRAD_TORCH_THREADS={torch_threads} per worker"
+    return max(1, min(room, AUTO_MAX_WORKERS)), reason
+
+
+def resolve_workers(settings: Settings) -> tuple[Settings, bool]:
+    """``settings`` with ``workers`` a number, and whether it was planned by ``auto`` (then
+    workers after the first are started only while another copy of the models fits)."""
+    if settings.workers != "auto":
+        return settings, False
+    count, reason = auto_workers(usable_cores(), gpu_visible(), settings.torch_threads)
+    logger.info("workers: auto, %d (%s)", count, reason)
+    return settings.model_copy(update={"workers": count}), True
+
+
+def supervise(settings: Settings, *, fit_to_memory: bool = False) -> int:
+    """Run ``settings.workers`` server processes until SIGTERM/SIGINT; the process exit code.
+    ``fit_to_memory``: start a worker after the first only if another copy fits in memory."""
     directory, owned = _metrics_dir()
     try:
         sock = bind_socket(settings.host, settings.port)
-        return Supervisor(settings, sock, directory).run()
+        return Supervisor(settings, sock, directory, fit_to_memory=fit_to_memory).run()
     finally:
         if owned:
             shutil.rmtree(directory, ignore_errors=True)
@@ -172,13 +211,23 @@ def _metrics_dir() -> tuple[Path, bool]:
 
 
 class Supervisor:
-    def __init__(self, settings: Settings, sock: socket.socket, multiprocess_dir: Path) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        sock: socket.socket,
+        multiprocess_dir: Path,
+        *,
+        fit_to_memory: bool = False,
+        host: HostMemory | None = None,
+    ) -> None:
         self._settings = settings
+        self._fit_to_memory = fit_to_memory
+        self._host = host or HostMemory()
         self._sock = sock
         self._port = int(sock.getsockname()[1])
         self._dir = multiprocess_dir
         self._ctx = multiprocessing.get_context("spawn")
-        self._slots = [_Slot(i) for i in range(settings.workers)]
+        self._slots = [_Slot(i) for i in range(settings.worker_count)]
         self._stop_signal: int | None = None
         self._listening = False
         self._closing = False
@@ -199,10 +248,8 @@ class Supervisor:
             self._serve_metrics()
             if self._cores is not None:
                 create_ledger(self._cores, len(self._slots))
-            for slot in self._slots:
-                self._start(slot)
-                if not self._wait_ready(slot):
-                    return 0 if self._stop_signal is not None else 1
+            if not self._start_all():
+                return 0 if self._stop_signal is not None else 1
             # Listening only once every worker is warm: a client's connections opened while
             # some workers were still loading would stay on the others while kept alive.
             self._sock.setblocking(False)
@@ -224,6 +271,18 @@ class Supervisor:
             self._sock.close()
             for slot in self._slots:
                 self._close_channel(slot)
+
+    def _start_all(self) -> bool:
+        """Start the workers one after another, each once the one before is warm; False when
+        one failed or a stop signal came first."""
+        for slot in list(self._slots):
+            if slot.index > 0 and self._fit_to_memory and not self._another_fits():
+                del self._slots[slot.index :]
+                break
+            self._start(slot)
+            if not self._wait_ready(slot):
+                return False
+        return True
 
     def _on_signal(self, sig: int, frame: FrameType | None) -> None:
         del frame
@@ -296,7 +355,36 @@ class Supervisor:
 
     def _serve(self, slot: _Slot) -> None:
         slot.serving = True
-        logger.info("worker %d ready after %.1fs", slot.index, time.monotonic() - slot.started_at)
+        logger.info(
+            "worker %d ready after %.1fs, %s resident",
+            slot.index,
+            time.monotonic() - slot.started_at,
+            _gigabytes(self._resident(slot)),
+        )
+
+    @staticmethod
+    def _resident(slot: _Slot) -> int | None:
+        pid = slot.process.pid if slot.process is not None else None
+        return None if pid is None else resident_bytes(pid)
+
+    def _another_fits(self) -> bool:
+        """Whether one more copy of the first worker, as measured warm, fits in the memory left.
+        Without it a second worker on a tight memory limit would be OOM-killed during start-up,
+        which stops the whole server; one worker serves instead."""
+        footprint = self._resident(self._slots[0])
+        available = self._host.available_bytes()
+        if footprint is None or footprint <= AUTO_MEMORY_SHARE * available:
+            return True
+        logger.warning(
+            "workers: auto, serving with %d: another worker would hold %s more (the first one's "
+            "resident memory) and %s is available, of which %.0f%% may go to it; set "
+            "NOGRAD_WORKERS to choose",
+            len([s for s in self._slots if s.process is not None]),
+            _gigabytes(footprint),
+            _gigabytes(available),
+            AUTO_MEMORY_SHARE * 100,
+        )
+        return False
 
     def _watch(self, timeout_s: float) -> None:
         """Wait for a connection, a worker's exit or a due restart, then handle each."""
@@ -448,6 +536,10 @@ def next_restart(lived_s: float, failures: int) -> tuple[int, float]:
     return failures, min(RESTART_DELAY_MAX_S, 2.0 ** (failures - 1))
 
 
+def _gigabytes(value: int | None) -> str:
+    return "?" if value is None else f"{value / 1e9:.2f} GB"
+
+
 def _mark_dead(pid: int, directory: Path) -> None:
     """Drop a dead worker's live gauges; its counters stay, so totals never go backwards."""
     from prometheus_client import multiprocess
@@ -464,6 +556,11 @@ def _worker_main(
     supervisor: int,
     cores: CoreShare | None,
 ) -> None:
+    # Ctrl+C in a terminal reaches every process of the group. The supervisor turns it into
+    # SIGTERM for each worker; uvicorn still drains on the SIGINT it catches while serving, but
+    # re-raised after the drain (or arriving during imports) it would end the worker with a
+    # KeyboardInterrupt traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_with_supervisor(supervisor)
     from app.logs import setup_logging
 

@@ -51,8 +51,14 @@ def machine() -> dict[str, Any]:
                 break
     import torch
 
+    from app.runtime.host import gpu_visible, usable_cores
+    from app.workers import auto_workers
+
+    auto, auto_reason = auto_workers(usable_cores(), gpu_visible())
     return {
         "cores": cores(),
+        "auto_workers": auto,
+        "auto_workers_reason": auto_reason,
         "cpu": model or platform.processor(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -219,9 +225,13 @@ class Server:
 def nograd_server(
     repository: Path, cpus: str | None, extra_env: Mapping[str, str] | None = None
 ) -> Server:
-    """nograd exactly as users start it: the ``nograd`` command with NOGRAD_* settings."""
+    """nograd exactly as users start it: the ``nograd`` command with NOGRAD_* settings, one
+    process unless ``extra_env`` asks for workers (the default, ``auto``, picks per machine:
+    the bench measures one process and two workers as separate systems, and its report says
+    which of them ``auto`` chose here)."""
     env = {
         "NOGRAD_HOST": "127.0.0.1",
+        "NOGRAD_WORKERS": "1",
         "NOGRAD_MODEL_REPOSITORY": str(repository),
         "NOGRAD_LOG_LEVEL": "warning",
         # The benchmark stops servers between phases; no drain wait is wanted there.

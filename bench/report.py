@@ -20,15 +20,17 @@ SYSTEM_ORDER = (
     "nograd-workers-2",
 )
 LABELS = {
-    "nograd": "nograd",
+    "nograd": "nograd, one process",
     "litserve": "LitServe (best config)",
     "fastapi": "plain FastAPI",
     "http-ceiling": "HTTP ceiling (no model)",
     "nograd-batching-off": "nograd, batching off",
     "nograd-threads-1": "nograd, NOGRAD_TORCH_THREADS=1",
     "nograd-threads-fewer": "nograd, NOGRAD_TORCH_THREADS=cores − 1",
-    "nograd-workers-2": "nograd, NOGRAD_WORKERS=2",
+    "nograd-workers-2": "nograd, two workers (NOGRAD_WORKERS=2)",
 }
+AUTO_SYSTEM = {1: "nograd", 2: "nograd-workers-2"}
+"""The bench's nograd system that matches what ``NOGRAD_WORKERS=auto`` starts."""
 COLORS = {
     "nograd": "tab:blue",
     "litserve": "tab:orange",
@@ -118,7 +120,7 @@ def verdict(ok: bool | None) -> str:
 # ------------------------------------------------------------------------------------- targets
 def targets(results: dict[str, Any], system: str = "nograd") -> list[tuple[str, str, str, str]]:
     """(target, measured, threshold, verdict) rows for issue 5's targets, for one nograd
-    configuration (the concurrency-1 rows for those run there: the default and two workers)."""
+    configuration (the concurrency-1 rows for those run there: one process and two workers)."""
     out: list[tuple[str, str, str, str]] = []
     ng = head(results, system, "digits")
     ceiling = head(results, "http-ceiling", "digits")
@@ -499,6 +501,16 @@ def markdown(results: dict[str, Any]) -> str:
         f"Command: `{meta['command']}`",
         "",
     ]
+    if "auto_workers" in meta:
+        auto = meta["auto_workers"]
+        same = AUTO_SYSTEM.get(auto)
+        parts += [
+            f"nograd's default (`NOGRAD_WORKERS=auto`) starts **{auto} worker"
+            f"{'s' if auto != 1 else ''}** on this machine ({meta['auto_workers_reason']}): "
+            + (f"the rows labelled “{LABELS[same]}”." if same else "not a system measured here.")
+            + " Every nograd system sets NOGRAD_WORKERS explicitly.",
+            "",
+        ]
     foreign = [r["extra"].get("foreign_cpu_cores", 0.0) for r in results.get("runs", [])]
     if foreign:
         noisy = sum(1 for f in foreign if f > NOISY_CORES)

@@ -9,7 +9,8 @@ process is stopped in a ``finally``):
 3. the HTTP ceiling (digits), plain FastAPI, LitServe (a max_batch_size × batch_timeout sweep
    at concurrency 32, then its best configuration at the other loads);
 4. nograd with batching off (a temporary model repository whose configs cap batches at 1), with
-   one torch thread fewer, and as two worker processes (``NOGRAD_WORKERS=2``);
+   one torch thread fewer, and as two worker processes (``NOGRAD_WORKERS=2``; every nograd
+   server sets the count, the default ``auto`` picking per machine);
 5. paired rounds: nograd (one process and two workers), LitServe's best configuration, the HTTP
    ceiling and (for minilm) the raw forward, all started once and measured in turn (the others
    paused), round after round, order reversed each round, so each round's ratios compare systems

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import math
 import os
 import resource
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from app.runtime.memory import cgroup_dirs
+from app.runtime.host import usable_cores
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -31,46 +29,6 @@ def resolve_device(spec: str) -> torch.device:
             )
         return torch.device("cuda", index)
     return device
-
-
-def usable_cores(
-    proc_root: Path = Path("/proc"), cgroup_root: Path = Path("/sys/fs/cgroup")
-) -> int:
-    """Cores this process may use: its CPU affinity, capped by a cgroup CPU quota (v2 or v1).
-
-    A container limited to 2 CPUs on a 64-core node still sees 64 cores; torch threads beyond
-    the quota only get the whole process throttled by the kernel. The quota is looked up in the
-    same cgroup directories the memory probe reads its limit from.
-    """
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    for quota in _cpu_quotas(proc_root, cgroup_root):
-        cores = min(cores, max(1, math.ceil(quota)))
-    return cores
-
-
-def _cpu_quotas(proc_root: Path, cgroup_root: Path) -> list[float]:
-    """Every CPU quota (in cores) visible to the process: cgroup v2 ``cpu.max``, and cgroup v1
-    ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` (still what older nodes and runtimes give)."""
-    quotas: list[float] = []
-    for directory in cgroup_dirs("", proc_root, cgroup_root):
-        try:
-            quota, period = (directory / "cpu.max").read_text().split()[:2]
-            if quota != "max":
-                quotas.append(int(quota) / int(period))
-        except (OSError, ValueError, ZeroDivisionError):
-            continue
-    for directory in cgroup_dirs("cpu", proc_root, cgroup_root):
-        try:
-            v1_quota = int((directory / "cpu.cfs_quota_us").read_text())
-            v1_period = int((directory / "cpu.cfs_period_us").read_text())
-            if v1_quota > 0:  # -1: no quota
-                quotas.append(v1_quota / v1_period)
-        except (OSError, ValueError, ZeroDivisionError):
-            continue
-    return quotas
 
 
 def configure_threads(count: int | None, workers: int = 1, *, shared: bool = False) -> int:

@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from types import TracebackType
 from typing import Final, Protocol, Self, runtime_checkable
 
@@ -27,6 +25,8 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from app.runtime.host import HostMemory
 
 __all__ = [
     "UNBOUNDED_ROWS",
@@ -51,9 +51,6 @@ __all__ = [
 
 # A point measured by the profiler: (rows, padded length, peak extra bytes).
 Point = tuple[int, int, int]
-
-# "Unlimited" marker used by cgroup v1 (and a sane upper bound for anything larger).
-_CGROUP_UNLIMITED: Final = 1 << 60
 
 # Returned by CostModel.max_rows when memory does not bound the batch at all.
 UNBOUNDED_ROWS: Final = 1 << 62
@@ -216,105 +213,10 @@ class MemoryProbe(Protocol):
         ...
 
 
-def _page_size() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return 4096
-
-
-def cgroup_dirs(
-    controller: str, proc_root: Path = Path("/proc"), cgroup_root: Path = Path("/sys/fs/cgroup")
-) -> list[Path]:
-    """The process's own cgroup directory (when visible) and the mount root.
-
-    With a cgroup namespace the root *is* the container's group; without one the own group sits
-    below the root under the path listed in /proc/self/cgroup. ``controller`` is "" for cgroup
-    v2 and the v1 controller's name (``memory``, ``cpu``) otherwise.
-    """
-    dirs: list[Path] = []
-    try:
-        lines = (proc_root / "self" / "cgroup").read_text().splitlines()
-    except OSError:
-        lines = []
-    for line in lines:
-        if line.count(":") < 2:
-            continue
-        _, controllers, path = line.split(":", 2)
-        if controller in controllers.split(",") and path not in ("", "/"):
-            dirs.append(cgroup_root / (controller or ".") / path.lstrip("/"))
-    dirs.append(cgroup_root / (controller or "."))
-    return dirs
-
-
-def _read_int(path: Path) -> int | None:
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    if text == "max":
-        return _CGROUP_UNLIMITED
-    try:
-        return int(text)
-    except ValueError:
-        return None
-
-
-def _read_stat_field(path: Path, field: str) -> int | None:
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        name, _, value = line.partition(" ")
-        if name == field:
-            try:
-                return int(value)
-            except ValueError:
-                return None
-    return None
-
-
-class CpuMemoryProbe:
-    """Host memory probe; peaks come from :class:`LiveTensorTracker`, not from RSS.
-
-    Capacity honours the container's cgroup memory limit as well as ``/proc/meminfo``: inside
-    Kubernetes/Docker, MemTotal reports the *host*, and budgeting from it is how a server gets
-    OOM-killed.  Paths are injectable so the parsing can be tested without a container.
-    """
+class CpuMemoryProbe(HostMemory):
+    """Host memory probe; peaks come from :class:`LiveTensorTracker`, not from RSS."""
 
     device = "cpu"
-
-    def __init__(
-        self,
-        proc_root: Path | str = "/proc",
-        cgroup_root: Path | str = "/sys/fs/cgroup",
-    ) -> None:
-        self._proc = Path(proc_root)
-        self._cgroup = Path(cgroup_root)
-
-    def total_bytes(self) -> int:
-        total = self._meminfo("MemTotal")
-        if total is None:
-            total = self._sysconf_bytes("SC_PHYS_PAGES")
-        limit = self._cgroup_limit()
-        return total if limit is None else min(total, limit[0])
-
-    def available_bytes(self) -> int:
-        available = self._meminfo("MemAvailable")
-        if available is None:
-            available = self._sysconf_bytes("SC_AVPHYS_PAGES")
-        limit = self._cgroup_limit()
-        if limit is None:
-            return available
-        return max(0, min(available, limit[1]))
-
-    def allocated_bytes(self) -> int:
-        try:
-            fields = (self._proc / "self" / "statm").read_text().split()
-            return int(fields[1]) * _page_size()
-        except (OSError, IndexError, ValueError):
-            return 0
 
     def measure_peak(self, fn: Callable[[], object]) -> int:
         with LiveTensorTracker("cpu") as tracker:
@@ -324,57 +226,6 @@ class CpuMemoryProbe:
 
     def release_cache(self) -> None:
         """Nothing to do: the CPU allocator returns memory to the system itself."""
-
-    def _meminfo(self, field: str) -> int | None:
-        try:
-            lines = (self._proc / "meminfo").read_text().splitlines()
-        except OSError:
-            return None
-        for line in lines:
-            name, _, rest = line.partition(":")
-            parts = rest.split()
-            if name == field and parts and parts[0].isdigit():
-                return int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
-        return None
-
-    @staticmethod
-    def _sysconf_bytes(name: str) -> int:
-        try:
-            return os.sysconf(name) * _page_size()
-        except (AttributeError, ValueError, OSError):
-            return 0
-
-    def _cgroup_dirs(self, controller: str) -> list[Path]:
-        return cgroup_dirs(controller, self._proc, self._cgroup)
-
-    def _cgroup_limit(self) -> tuple[int, int] | None:
-        """(smallest limit, smallest headroom) among the visible memory cgroups, if any."""
-        candidates: list[tuple[int, int]] = []
-        v2 = [
-            (d / "memory.max", d / "memory.current", d / "memory.stat", "inactive_file")
-            for d in self._cgroup_dirs("")
-        ]
-        v1 = [
-            (
-                d / "memory.limit_in_bytes",
-                d / "memory.usage_in_bytes",
-                d / "memory.stat",
-                "total_inactive_file",
-            )
-            for d in self._cgroup_dirs("memory")
-        ]
-        for limit_path, usage_path, stat_path, reclaimable in v2 + v1:
-            limit = _read_int(limit_path)
-            if limit is None or limit >= _CGROUP_UNLIMITED:
-                continue
-            usage = _read_int(usage_path) or 0
-            # Inactive page cache is reclaimed before the OOM killer fires, so it is not
-            # really "used" (the same working-set definition the kubelet uses).
-            usage -= _read_stat_field(stat_path, reclaimable) or 0
-            candidates.append((limit, limit - max(0, usage)))
-        if not candidates:
-            return None
-        return min(c[0] for c in candidates), min(c[1] for c in candidates)
 
 
 class CudaMemoryProbe:

@@ -50,6 +50,9 @@ def run_server(
         "NOGRAD_PORT": str(port),
         "NOGRAD_MODEL_REPOSITORY": str(ROOT / "models"),
         "NOGRAD_LOG_LEVEL": "info",
+        # One process unless a test asks for more: the auto plan has tests of its own, and
+        # two workers per server would double every start-up in the suite.
+        "NOGRAD_WORKERS": "1",
         **(env or {}),
     }
     with log_path.open("wb") as log:

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from prometheus_client.mmap_dict import MmapedDict
 
-from app.runtime.devices import usable_cores
+from app.runtime.host import gpu_visible, usable_cores
+from app.workers import auto_workers
 from tests.e2e.serving import (
     ROOT,
     Server,
@@ -178,6 +179,36 @@ def test_workers_share_the_port_metrics_and_restarts(tmp_path: Path) -> None:
         assert "all workers stopped" in log
         assert not alive(restarted) and not alive(pids[1])
     assert not list(metrics_dir.glob("counter_1.db")) and not stale_stats.exists()
+
+
+def test_auto_starts_the_workers_it_plans_and_logs_their_memory(tmp_path: Path) -> None:
+    """The default: two workers on this machine's 2 cores (one where a GPU is visible or one
+    core is usable), each ready with its resident memory in the log."""
+    expected, reason = auto_workers(usable_cores(), gpu_visible())
+    env = {"NOGRAD_WORKERS": "auto", "NOGRAD_MODEL_REPOSITORY": str(digits_repository(tmp_path))}
+    with run_server(tmp_path, env) as server:
+        log = server.log()
+        assert f"workers: auto, {expected} ({reason})" in log
+        assert metric_value(server.url, "nograd_workers_ready") == expected
+        if expected > 1:
+            assert len(re.findall(r"worker \d ready after [0-9.]+s, [0-9.]+ GB resident", log)) == (
+                expected
+            )
+        infer_on_new_connections(server.url, 2 * expected)
+
+
+def test_ctrl_c_stops_every_worker_cleanly(tmp_path: Path) -> None:
+    """A terminal's Ctrl+C signals the supervisor and every worker at once."""
+    env = {"NOGRAD_WORKERS": "2", "NOGRAD_MODEL_REPOSITORY": str(digits_repository(tmp_path))}
+    with run_server(tmp_path, env) as server:
+        infer_on_new_connections(server.url, 2)
+        for pid in [server.process.pid, *worker_pids(server).values()]:
+            os.kill(pid, signal.SIGINT)
+        assert server.process.wait(60) == 0
+        log = server.log()
+    assert "all workers stopped" in log
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log, log
+    assert "starting it again" not in log
 
 
 def test_a_worker_that_cannot_start_stops_the_server(tmp_path: Path) -> None:

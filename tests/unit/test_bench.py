@@ -172,3 +172,14 @@ def test_digits_p99_is_judged_without_a_litserve_run() -> None:
         "digits: p99 latency",
     ]
     assert rows[1][1:] == ("25.00 ms (25.00)", "≤ 20 ms", "**not met**")
+
+
+def test_report_names_the_system_that_the_default_worker_count_runs() -> None:
+    results = results_with([run("nograd-workers-2", "digits", 1, 900, 12)])
+    results["meta"] |= {"auto_workers": 2, "auto_workers_reason": "2 usable CPU cores, no GPU"}
+    text = markdown(results)
+    assert (
+        "nograd's default (`NOGRAD_WORKERS=auto`) starts **2 workers** on this machine "
+        "(2 usable CPU cores, no GPU): the rows labelled “nograd, two workers (NOGRAD_WORKERS=2)”."
+    ) in text
+    assert "NOGRAD_WORKERS=auto" not in markdown(results_with([]))  # runs from before it existed

@@ -7,6 +7,7 @@ those are checked for the structure KServe needs, and their containers are valid
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import pytest
 import yaml
 
 from app.settings import Settings
+from app.workers import auto_workers
 from tests.prometheus_tools import ROOT, exported_metric_names, promql_metric_names
 
 K8S = ROOT / "deploy" / "k8s"
@@ -122,12 +124,17 @@ def test_workers_share_the_cpu_quota(path: Path) -> None:
     One worker per GPU: more would hold several copies of the weights on one device."""
     (container,) = _one("Deployment", path)["spec"]["template"]["spec"]["containers"]
     env = _env(container)
-    workers = int(env.get("NOGRAD_WORKERS", Settings.model_fields["workers"].default))
-    if "nvidia.com/gpu" in container["resources"].get("limits", {}):
+    setting = env.get("NOGRAD_WORKERS", Settings.model_fields["workers"].default)
+    gpu = "nvidia.com/gpu" in container["resources"].get("limits", {})
+    limit = str(container["resources"]["limits"]["cpu"])  # "2", or millicores: "1500m"
+    cpus = float(limit[:-1]) / 1000 if limit.endswith("m") else float(limit)
+    # auto plans from the same cgroup quota the pod gets (rounded up, as usable_cores does).
+    threads = env.get("NOGRAD_TORCH_THREADS")
+    fixed = int(threads) if isinstance(threads, str) else None
+    workers = auto_workers(math.ceil(cpus), gpu, fixed)[0] if setting == "auto" else int(setting)
+    if gpu:
         assert workers == 1
     else:
-        limit = str(container["resources"]["limits"]["cpu"])  # "2", or millicores: "1500m"
-        cpus = float(limit[:-1]) / 1000 if limit.endswith("m") else float(limit)
         assert 1 <= workers <= cpus
     if workers > 1:
         assert "NOGRAD_TORCH_THREADS" not in env

@@ -1,4 +1,5 @@
-"""Core counts under CPU quotas, and the heap settled after loading."""
+"""Core counts under CPU quotas, GPUs seen without torch, resident memory, and the heap settled
+after loading."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 import torch
 
 from app.dataplane import settle_heap
-from app.runtime.devices import configure_threads, usable_cores
+from app.runtime.devices import configure_threads
+from app.runtime.host import gpu_visible, resident_bytes, usable_cores
 
 
 def affinity() -> int:
@@ -115,3 +117,34 @@ def test_settled_heap_is_frozen_and_new_garbage_still_collected() -> None:
         assert gc.collect() >= 2, "a cycle created after the freeze was not collected"
     finally:
         gc.unfreeze()
+
+
+@pytest.mark.parametrize(
+    ("nodes", "environ", "expected"),
+    [
+        ([], {}, False),
+        (["nvidia0", "nvidiactl", "nvidia-uvm"], {}, True),
+        (["nvidiactl", "nvidia-uvm"], {}, False),  # the driver without a device
+        (["kfd", "dri"], {}, True),  # AMD ROCm
+        (["nvidia0"], {"CUDA_VISIBLE_DEVICES": ""}, False),
+        (["nvidia0"], {"CUDA_VISIBLE_DEVICES": "-1"}, False),
+        (["nvidia0"], {"CUDA_VISIBLE_DEVICES": "0"}, True),
+        (["kfd"], {"HIP_VISIBLE_DEVICES": ""}, False),
+    ],
+)
+def test_a_gpu_is_seen_from_its_device_nodes_and_visibility_variables(
+    tmp_path: Path, nodes: list[str], environ: dict[str, str], expected: bool
+) -> None:
+    for node in nodes:
+        (tmp_path / node).touch()
+    assert gpu_visible(tmp_path, environ) is expected
+    assert gpu_visible(tmp_path / "missing", {}) is False
+
+
+def test_resident_memory_of_a_process(tmp_path: Path) -> None:
+    ours = resident_bytes(os.getpid())
+    assert ours is not None and ours > 10 * 1024 * 1024  # this process has torch loaded
+    (tmp_path / "7").mkdir()
+    (tmp_path / "7" / "status").write_text("Name:\tpython\nVmRSS:\t  2048 kB\n")
+    assert resident_bytes(7, tmp_path) == 2048 * 1024
+    assert resident_bytes(8, tmp_path) is None  # gone

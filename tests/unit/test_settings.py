@@ -24,7 +24,12 @@ def test_environment_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize(
     ("variable", "value"),
-    [("NOGRAD_PORT", "70000"), ("NOGRAD_MEMORY_FRACTION", "1.5"), ("NOGRAD_LOG_LEVEL", "loud")],
+    [
+        ("NOGRAD_PORT", "70000"),
+        ("NOGRAD_MEMORY_FRACTION", "1.5"),
+        ("NOGRAD_LOG_LEVEL", "loud"),
+        ("NOGRAD_WORKERS", "many"),
+    ],
 )
 def test_bad_value_is_named(monkeypatch: pytest.MonkeyPatch, variable: str, value: str) -> None:
     monkeypatch.setenv(variable, value)
@@ -33,6 +38,17 @@ def test_bad_value_is_named(monkeypatch: pytest.MonkeyPatch, variable: str, valu
     message = str(info.value)
     assert variable.removeprefix("NOGRAD_").lower() in message
     assert value in message
+
+
+def test_workers_are_a_count_or_auto(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert Settings().workers == "auto"
+    # An app built in-process, not through the nograd command, is one process.
+    assert Settings().worker_count == 1
+    monkeypatch.setenv("NOGRAD_WORKERS", "3")
+    assert (Settings().workers, Settings().worker_count) == (3, 3)
+    monkeypatch.setenv("NOGRAD_WORKERS", "0")
+    with pytest.raises(ValidationError, match="workers"):
+        Settings()
 
 
 def test_cli_help_lists_every_setting() -> None:

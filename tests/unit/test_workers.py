@@ -20,13 +20,16 @@ import pytest
 from app.metrics import Metrics
 from app.settings import Settings
 from app.workers import (
+    AUTO_MAX_WORKERS,
     RESTART_DELAY_MAX_S,
     STABLE_AFTER_S,
     Supervisor,
     _Slot,
+    auto_workers,
     bind_socket,
     least_loaded,
     next_restart,
+    resolve_workers,
 )
 
 
@@ -247,3 +250,80 @@ def test_a_worker_that_exits_after_the_stop_signal_is_not_started_again(
     assert slot.restart_at is None
     assert "starting it again" not in caplog.text
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+@pytest.mark.parametrize(
+    ("cores", "gpu", "threads", "expected"),
+    [
+        (1, False, None, 1),
+        (2, False, None, 2),
+        (16, False, None, AUTO_MAX_WORKERS),
+        (16, True, None, 1),
+        (1, True, None, 1),
+        # A fixed thread count per worker: no more workers than the cores hold at that count.
+        (2, False, 2, 1),
+        (2, False, 1, 2),
+        (4, False, 3, 1),
+        (8, False, 4, 2),
+    ],
+)
+def test_auto_plans_two_workers_on_a_cpu_machine_with_two_cores_or_more(
+    cores: int, gpu: bool, threads: int | None, expected: int
+) -> None:
+    count, reason = auto_workers(cores, gpu, threads)
+    assert count == expected
+    assert ("GPU is visible" in reason) is gpu
+
+
+def test_a_worker_count_given_is_kept_and_auto_is_resolved_to_one() -> None:
+    assert resolve_workers(Settings(workers=3)) == (Settings(workers=3), False)
+    settings, planned = resolve_workers(Settings(workers="auto"))
+    assert planned
+    assert isinstance(settings.workers, int) and 1 <= settings.workers <= AUTO_MAX_WORKERS
+
+
+class FixedMemory:
+    def __init__(self, available: int) -> None:
+        self.available = available
+
+    def available_bytes(self) -> int:
+        return self.available
+
+
+class Started:
+    """Stands in for a warm worker process: this test process, whose memory is real."""
+
+    pid = os.getpid()
+
+
+@pytest.mark.parametrize(("available_gb", "started"), [(1000, 2), (0.001, 1)])
+def test_auto_starts_a_second_worker_only_if_another_copy_fits_in_memory(
+    available_gb: float, started: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    sock = bind_socket("127.0.0.1", 0)
+    supervisor = Supervisor(
+        Settings(workers=2),
+        sock,
+        Path("/nonexistent"),
+        fit_to_memory=True,
+        host=FixedMemory(int(available_gb * 1e9)),  # type: ignore[arg-type]
+    )
+    starts: list[int] = []
+
+    def start(slot: _Slot) -> None:
+        starts.append(slot.index)
+        slot.process = Started()  # type: ignore[assignment]
+
+    supervisor._start = start  # type: ignore[method-assign]
+    supervisor._wait_ready = lambda slot: True  # type: ignore[method-assign]
+    try:
+        with caplog.at_level(logging.WARNING, "app.workers"):
+            assert supervisor._start_all()
+    finally:
+        sock.close()
+    assert starts == list(range(started))
+    assert len(supervisor._slots) == started
+    if started == 1:
+        assert "workers: auto, serving with 1: another worker would hold" in caplog.text
+    else:
+        assert caplog.text == ""
