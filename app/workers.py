@@ -1,4 +1,5 @@
-"""Several server processes on one port (``NOGRAD_WORKERS`` > 1).
+"""Several server processes on one port (``NOGRAD_WORKERS`` > 1; the default, ``auto``, plans two
+on a CPU machine with two usable cores, see ``auto_workers``).
 
 One nograd process is bound by Python's GIL: for a small model the event loop, JSON and the
 batcher's bookkeeping fill one core while the forward needs little, so a second core idles. Here

@@ -391,8 +391,14 @@ def paired_targets(
     if digits:
         # An absolute bound, not a ratio: the median of nograd's own p99 over the rounds.
         middle, shown = _median_of([float(r["p99_ms"]) for _, r in sorted(digits.items())], " ms")
-        row = ("digits: p99 latency", shown, "≤ 20 ms", verdict(_le(middle, 20.0)))
-        out.insert(sum(1 for target, *_ in out if target.startswith("digits")), row)
+        rows = [("digits: p99 latency", shown, "≤ 20 ms", verdict(_le(middle, 20.0)))]
+        ceiling = paired_runs(results, "http-ceiling", "digits")
+        if ceiling:
+            # Context for the bound: the bare HTTP stack's own tail in the same rounds.
+            _, bare = _median_of([float(r["p99_ms"]) for _, r in sorted(ceiling.items())], " ms")
+            rows.append(("digits: the HTTP ceiling's own p99 (context)", bare, "–", "–"))
+        at = sum(1 for target, *_ in out if target.startswith("digits"))
+        out[at:at] = rows
     return out
 
 

@@ -170,8 +170,10 @@ def test_digits_p99_is_judged_without_a_litserve_run() -> None:
     assert [target for target, *_ in rows] == [
         "digits: throughput vs HTTP ceiling",
         "digits: p99 latency",
+        "digits: the HTTP ceiling's own p99 (context)",
     ]
     assert rows[1][1:] == ("25.00 ms (25.00)", "≤ 20 ms", "**not met**")
+    assert rows[2][1:] == ("5.00 ms (5.00)", "–", "–")  # the bare stack's tail, no verdict
 
 
 def test_report_names_the_system_that_the_default_worker_count_runs() -> None:
