@@ -374,10 +374,14 @@ fi
 log "PASS image HEALTHCHECK (exit 0 when ready, non-zero with no server)"
 
 # ---------------------------------------------------------------------------------------------------
-# 6. Stop the server as `docker stop` does: SIGTERM to the server process itself (the leaf under
-#    buildah run, PID 1 in a real container), then check it shuts down by itself.
+# 6. Stop the server as `docker stop` does: SIGTERM to the image's command itself (below buildah
+#    run's wrappers; PID 1 in a real container), then check it shuts down by itself. It is found
+#    by name, not as the leaf: with worker processes its children are the workers and
+#    multiprocessing's resource tracker, which ignores SIGTERM.
+server_name="$(basename "${server_argv[0]}")"
 server_proc="$SERVER_PID"
-while child="$(ps -o pid= --ppid "$server_proc" | head -n1 | tr -d ' ')" && [[ -n "$child" ]]; do
+while [[ "$(ps -o comm= -p "$server_proc" | tr -d ' ')" != "${server_name:0:15}" ]] \
+    && child="$(ps -o pid= --ppid "$server_proc" | head -n1 | tr -d ' ')" && [[ -n "$child" ]]; do
     server_proc="$child"
 done
 kill -TERM "$server_proc" 2>/dev/null || true
