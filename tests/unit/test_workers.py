@@ -275,7 +275,7 @@ def test_auto_plans_two_workers_on_a_cpu_machine_with_two_cores_or_more(
     assert ("GPU is visible" in reason) is gpu
 
 
-def test_a_worker_count_given_is_kept_and_auto_is_resolved_to_one() -> None:
+def test_a_worker_count_given_is_kept_and_auto_is_resolved_to_a_count() -> None:
     assert resolve_workers(Settings(workers=3)) == (Settings(workers=3), False)
     settings, planned = resolve_workers(Settings(workers="auto"))
     assert planned
