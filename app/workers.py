@@ -145,12 +145,17 @@ def auto_workers(cores: int, gpu: bool, torch_threads: int | None = None) -> tup
     return max(1, min(room, AUTO_MAX_WORKERS)), reason
 
 
+def auto_plan(torch_threads: int | None = None) -> tuple[int, str]:
+    """``auto_workers`` for this process: its usable cores and the GPUs it can see."""
+    return auto_workers(usable_cores(), gpu_visible(), torch_threads)
+
+
 def resolve_workers(settings: Settings) -> tuple[Settings, bool]:
     """``settings`` with ``workers`` a number, and whether it was planned by ``auto`` (then
     workers after the first are started only while another copy of the models fits)."""
     if settings.workers != "auto":
         return settings, False
-    count, reason = auto_workers(usable_cores(), gpu_visible(), settings.torch_threads)
+    count, reason = auto_plan(settings.torch_threads)
     logger.info("workers: auto, %d (%s)", count, reason)
     return settings.model_copy(update={"workers": count}), True
 
@@ -232,7 +237,8 @@ class Supervisor:
         self._stop_signal: int | None = None
         self._listening = False
         self._closing = False
-        """Stopping: dead workers are not started again."""
+        """Stopping (a stop signal came, or the workers are being stopped): dead workers are
+        not started again."""
         self._last_pick = -1
         self._dropped = 0
         self._accept_resume_at = 0.0
@@ -277,7 +283,7 @@ class Supervisor:
         """Start the workers one after another, each once the one before is warm; False when
         one failed or a stop signal came first."""
         for slot in list(self._slots):
-            if slot.index > 0 and self._fit_to_memory and not self._another_fits():
+            if slot.index > 0 and self._fit_to_memory and not self._another_fits(slot.index):
                 del self._slots[slot.index :]
                 break
             self._start(slot)
@@ -290,6 +296,7 @@ class Supervisor:
         if self._stop_signal is None:
             logger.info("%s: stopping the workers", signal.Signals(sig).name)
             self._stop_signal = sig
+            self._closing = True
             return
         # A second signal means "now": a draining uvicorn would still wait for its open
         # connections, so the workers are killed; requests still in flight are cut.
@@ -368,7 +375,7 @@ class Supervisor:
         pid = slot.process.pid if slot.process is not None else None
         return None if pid is None else resident_bytes(pid)
 
-    def _another_fits(self) -> bool:
+    def _another_fits(self, started: int) -> bool:
         """Whether one more copy of the first worker, as measured warm, fits in the memory left.
         Without it a second worker on a tight memory limit would be OOM-killed during start-up,
         which stops the whole server; one worker serves instead."""
@@ -380,7 +387,7 @@ class Supervisor:
             "workers: auto, serving with %d: another worker would hold %s more (the first one's "
             "resident memory) and %s is available, of which %.0f%% may go to it; set "
             "NOGRAD_WORKERS to choose",
-            len([s for s in self._slots if s.process is not None]),
+            started,
             _gigabytes(footprint),
             _gigabytes(available),
             AUTO_MEMORY_SHARE * 100,
@@ -491,7 +498,7 @@ class Supervisor:
             _mark_dead(pid, self._dir)
         if self._cores is not None:
             clear_slot(self._cores, slot.index)
-        if self._closing or self._stop_signal is not None:
+        if self._closing:
             # Ctrl+C in a terminal signals the whole process group: a worker may finish its
             # own drain before the supervisor's stop reaches it. That is the stop, not a crash.
             logger.info("worker %d (pid %s) stopped with code %s", slot.index, pid, code)

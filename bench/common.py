@@ -51,10 +51,9 @@ def machine() -> dict[str, Any]:
                 break
     import torch
 
-    from app.runtime.host import gpu_visible, usable_cores
-    from app.workers import auto_workers
+    from app.workers import auto_plan
 
-    auto, auto_reason = auto_workers(usable_cores(), gpu_visible())
+    auto, auto_reason = auto_plan()
     return {
         "cores": cores(),
         "auto_workers": auto,

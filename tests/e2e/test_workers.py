@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from prometheus_client.mmap_dict import MmapedDict
 
-from app.runtime.host import gpu_visible, usable_cores
-from app.workers import auto_workers
+from app.runtime.host import usable_cores
+from app.workers import auto_plan
 from tests.e2e.serving import (
     ROOT,
     Server,
@@ -184,7 +184,7 @@ def test_workers_share_the_port_metrics_and_restarts(tmp_path: Path) -> None:
 def test_auto_starts_the_workers_it_plans_and_logs_their_memory(tmp_path: Path) -> None:
     """The default: two workers on this machine's 2 cores (one where a GPU is visible or one
     core is usable), each ready with its resident memory in the log."""
-    expected, reason = auto_workers(usable_cores(), gpu_visible())
+    expected, reason = auto_plan()
     env = {"NOGRAD_WORKERS": "auto", "NOGRAD_MODEL_REPOSITORY": str(digits_repository(tmp_path))}
     with run_server(tmp_path, env) as server:
         log = server.log()
