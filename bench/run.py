@@ -12,9 +12,9 @@ process is stopped in a ``finally``):
    one torch thread fewer, and as two worker processes (``NOGRAD_WORKERS=2``; every nograd
    server sets the count, the default ``auto`` picking per machine);
 5. paired rounds: nograd (one process and two workers), LitServe's best configuration, the HTTP
-   ceiling and (for minilm) the raw forward, all started once and measured in turn (the others
-   paused), round after round, order reversed each round, so each round's ratios compare systems
-   at the same machine speed;
+   ceiling (and, as context, the same app in two processes) and (for minilm) the raw forward,
+   all started once and measured in turn (the others paused), round after round, order reversed
+   each round, so each round's ratios compare systems at the same machine speed;
 6. speed levers (``bench.levers``), issue 3's memory benchmark (``bench.memory_bench``) and
    torch.profiler on nograd's batch path (``bench.profile_nograd``).
 
@@ -516,11 +516,11 @@ class Bench:
         (a paired batch-1 yardstick read 13.6-15.1 ms in one phase and 30.4-31.4 ms in a later
         one, with no foreign CPU in the guest), so a ratio of two phases can be a ratio of two
         machine speeds. Here nograd (one process and two workers), LitServe at the best
-        configuration its sweep found, the HTTP ceiling (digits) and the raw forward in its own
-        process (minilm) run back to back on each workload, the order reversed every round
-        (ABBA), and each round gives its own ratios; the report takes their median. Paused, an
-        idle server takes no CPU from the one measured (LitServe's idle workers poll: 0.23 cores
-        of 2, measured).
+        configuration its sweep found, the HTTP ceiling (digits; one process, and two as context)
+        and the raw forward in its own process (minilm) run back to back on each workload, the
+        order reversed every round (ABBA), and each round gives its own ratios; the report takes
+        their median. Paused, an idle server takes no CPU from the one measured (LitServe's idle
+        workers poll: 0.23 cores of 2, measured).
         """
         best = self.results.get("litserve_best") or {}
         if not best:
@@ -539,11 +539,17 @@ class Bench:
             two = up("nograd-workers-2", nograd_server(ROOT / "models", cpus, WORKERS_2))
             wait_workers(two, 2)
             litservers: dict[tuple[str, int, float], Server] = {}
-            ceiling = (
-                up("HTTP ceiling", self.ceiling_server())
-                if "digits" in self.plan.workloads
-                else None
-            )
+            ceilings: list[tuple[str, Server]] = []
+            if "digits" in self.plan.workloads:
+                # The issue's ceiling (one process), and as context the same app in two
+                # processes: the stack's own limit on two cores, where nograd runs two workers.
+                ceilings = [
+                    ("http-ceiling", up("HTTP ceiling", self.ceiling_server())),
+                    (
+                        "http-ceiling-2",
+                        up("HTTP ceiling, two processes", self.ceiling_server(processes=2)),
+                    ),
+                ]
             for name in self.plan.workloads:
                 config = best.get(name)
                 if config is None:
@@ -562,13 +568,13 @@ class Bench:
                     ("nograd-workers-2", two),
                     ("litserve", litservers[key]),
                 ]
-                if name == "digits" and ceiling is not None:
-                    lineup[name].append(("http-ceiling", ceiling))
+                if name == "digits":
+                    lineup[name] += ceilings
                 if MODEL_OF[name] == "minilm":
                     # The raw forward in its own process, every server paused: the yardstick of
                     # the raw-model target, at this round's machine speed.
                     lineup[name].append(("raw", None))
-            everyone = [one, two, *litservers.values(), *([ceiling] if ceiling else [])]
+            everyone = [one, two, *litservers.values(), *(server for _, server in ceilings)]
             rounds: list[dict[str, Any]] = []
             raw: list[dict[str, Any]] = []
             for index in range(self.plan.paired_rounds):
@@ -601,10 +607,13 @@ class Bench:
                         rounds.append({"round": index + 1, "position": position} | result.as_dict())
         self.results["paired"] = {"litserve_best": best, "runs": rounds, "raw": raw}
 
-    def ceiling_server(self) -> Server:
+    def ceiling_server(self, processes: int = 1) -> Server:
         return Server(
-            "ceiling",
-            [PYTHON, "-m", "bench.servers.http_ceiling", "--port", "{port}"],
+            "ceiling" if processes == 1 else f"ceiling-{processes}",
+            [
+                *(PYTHON, "-m", "bench.servers.http_ceiling"),
+                *("--port", "{port}", "--processes", str(processes)),
+            ],
             "/v2/health/ready",
             cpus=self.plan.server_cpus,
         )
@@ -922,10 +931,10 @@ def count_steps(plan: Plan) -> int:
     steps += len(plan.litserve_grid) if "minilm" in {MODEL_OF[w] for w in plan.workloads} else 0
     steps += 3 * (2 + n_wl)  # batching off, fewer torch threads, two workers
     steps += int("minilm-1" in plan.workloads)  # two workers at concurrency 1
-    systems = 3 * n_wl + int(has_digits)  # nograd, two workers, LitServe (+ the ceiling)
+    systems = 3 * n_wl + 2 * int(has_digits)  # nograd, two workers, LitServe (+ 2 ceilings)
     minilm_workloads = sum(1 for w in plan.workloads if MODEL_OF[w] == "minilm")
     systems += minilm_workloads  # the raw forward beside each minilm workload
-    steps += 3 + models + int(has_digits) + plan.paired_rounds * systems  # paired rounds
+    steps += 3 + models + 2 * int(has_digits) + plan.paired_rounds * systems  # paired rounds
     steps += int(plan.levers) + int(plan.compile) + int(plan.memory) + int(plan.profile)
     return steps
 

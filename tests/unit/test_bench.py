@@ -8,10 +8,19 @@ that turns rounds into verdicts, since a wrong pairing would silently compare di
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 from typing import Any
+
+import httpx
 
 from bench.raw import interleaved
 from bench.report import markdown, paired_ratios, paired_targets
+from tests.e2e.serving import ROOT, free_port
 
 
 def run(system: str, workload: str, round_: int, rps: float, p99: float) -> dict[str, Any]:
@@ -176,6 +185,31 @@ def test_digits_p99_is_judged_without_a_litserve_run() -> None:
     assert rows[2][1:] == ("5.00 ms (5.00)", "–", "–")  # the bare stack's tail, no verdict
 
 
+def test_the_two_process_ceiling_is_context_beside_the_issues_ceiling() -> None:
+    # The issue's ceiling is one process; the same app in two processes shows the stack's limit
+    # on two cores: its ratio and its p99 are printed, without verdicts.
+    runs = []
+    for round_, (ours, two) in enumerate(((900, 1800), (1000, 2500), (800, 2000)), 1):
+        runs += [
+            run("nograd-workers-2", "digits", round_, ours, 22),
+            run("http-ceiling", "digits", round_, 1000, 20),
+            run("http-ceiling-2", "digits", round_, two, 12 + round_),
+        ]
+    rows = {
+        target: rest for target, *rest in paired_targets(results_with(runs), "nograd-workers-2")
+    }
+    assert rows["digits: throughput vs HTTP ceiling"][2] == "**met**"
+    assert rows["digits: throughput vs the two-process HTTP ceiling (context)"] == [
+        "0.40× (0.50 / 0.40 / 0.40)",
+        "–",
+        "–",
+    ]
+    assert rows["digits: the two-process HTTP ceiling's own p99 (context)"][0] == (
+        "14.00 ms (13.00 / 14.00 / 15.00)"
+    )
+    assert "| HTTP ceiling, two processes (no model) |" in markdown(results_with(runs))
+
+
 def test_report_names_the_system_that_the_default_worker_count_runs() -> None:
     results = results_with([run("nograd-workers-2", "digits", 1, 900, 12)])
     results["meta"] |= {"auto_workers": 2, "auto_workers_reason": "2 usable CPU cores, no GPU"}
@@ -185,3 +219,73 @@ def test_report_names_the_system_that_the_default_worker_count_runs() -> None:
         "(2 usable CPU cores, no GPU): the rows labelled “nograd, two workers (NOGRAD_WORKERS=2)”."
     ) in text
     assert "NOGRAD_WORKERS=auto" not in markdown(results_with([]))  # runs from before it existed
+
+
+def test_the_two_process_ceiling_serves_from_two_processes_and_stops_with_its_parent() -> None:
+    port = free_port()
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "bench.servers.http_ceiling",
+            "--port",
+            str(port),
+            "--processes",
+            "2",
+        ],
+        cwd=ROOT,
+    )
+    try:
+        children = _children(parent.pid, 2)
+        body = {"inputs": [{"name": "image", "datatype": "FP32", "shape": [2, 1, 8, 8]}]}
+        body["inputs"][0]["data"] = [0.5] * 128
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                answer = httpx.post(f"http://127.0.0.1:{port}/v2/models/digits/infer", json=body)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "the ceiling never answered"
+                time.sleep(0.2)
+        assert answer.status_code == 200
+        assert [o["shape"] for o in answer.json()["outputs"]] == [[2, 10], [2, 10], [2, 1]]
+        # Each child listens on a socket of its own (SO_REUSEPORT), inherited from the parent.
+        listening = [_listens_on(child, port) for child in children]
+        assert listening == [True, True]
+        parent.send_signal(signal.SIGTERM)
+        assert parent.wait(timeout=30) == 0
+        for child in children:
+            assert not Path(f"/proc/{child}").exists() or _zombie(child)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+
+
+def _children(pid: int, count: int) -> list[int]:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        found = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        if len(found) == count:
+            return [int(child) for child in found]
+        time.sleep(0.1)
+    raise AssertionError(f"{pid} did not start {count} children")
+
+
+def _listens_on(pid: int, port: int) -> bool:
+    """Whether a socket open in ``pid`` is the listening socket on ``port`` (/proc/net/tcp)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        target = os.readlink(fd)
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, state, inode = fields[1], fields[3], fields[9]
+        if state == "0A" and int(local.split(":")[1], 16) == port and inode in inodes:
+            return True
+    return False
+
+
+def _zombie(pid: int) -> bool:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
