@@ -116,6 +116,8 @@ class _Slot:
     started_at: float = 0.0
     failures: int = 0
     restart_at: float | None = None
+    resident: int | None = None
+    """Resident memory (bytes) when the worker last became ready; None if unreadable."""
 
 
 AUTO_MAX_WORKERS = 2
@@ -363,23 +365,20 @@ class Supervisor:
 
     def _serve(self, slot: _Slot) -> None:
         slot.serving = True
+        pid = slot.process.pid if slot.process is not None else None
+        slot.resident = None if pid is None else resident_bytes(pid)
         logger.info(
             "worker %d ready after %.1fs, %s resident",
             slot.index,
             time.monotonic() - slot.started_at,
-            _gigabytes(self._resident(slot)),
+            _gigabytes(slot.resident),
         )
-
-    @staticmethod
-    def _resident(slot: _Slot) -> int | None:
-        pid = slot.process.pid if slot.process is not None else None
-        return None if pid is None else resident_bytes(pid)
 
     def _another_fits(self, started: int) -> bool:
         """Whether one more copy of the first worker, as measured warm, fits in the memory left.
         Without it a second worker on a tight memory limit would be OOM-killed during start-up,
         which stops the whole server; one worker serves instead."""
-        footprint = self._resident(self._slots[0])
+        footprint = self._slots[0].resident
         available = self._host.available_bytes()
         if footprint is None or footprint <= AUTO_MEMORY_SHARE * available:
             return True

@@ -350,6 +350,11 @@ def _median_of(values: Sequence[float], unit: str) -> tuple[float | None, str]:
     return middle, f"{fmt(middle, 2)}{unit} ({' / '.join(fmt(v, 2) for v in values)})"
 
 
+def _median_p99(runs: dict[int, dict[str, Any]]) -> tuple[float | None, str]:
+    """The median p99 over rounds (runs keyed by round), with every round's value."""
+    return _median_of([float(r["p99_ms"]) for _, r in sorted(runs.items())], " ms")
+
+
 def paired_targets(
     results: dict[str, Any], system: str = "nograd"
 ) -> list[tuple[str, str, str, str]]:
@@ -392,7 +397,7 @@ def paired_targets(
         out.append((f"{workload}: {label}", shown, f"{sign} {bound:g}×", verdict(ok)))
     if digits:
         # An absolute bound, not a ratio: the median of nograd's own p99 over the rounds.
-        middle, shown = _median_of([float(r["p99_ms"]) for _, r in sorted(digits.items())], " ms")
+        middle, shown = _median_p99(digits)
         rows = [("digits: p99 latency", shown, "≤ 20 ms", verdict(_le(middle, 20.0)))]
         # Context, no verdicts: the bare HTTP stack in the same rounds, as the issue defines its
         # ceiling (one process) and in two processes (its limit on two cores).
@@ -407,7 +412,7 @@ def paired_targets(
                 values = paired_ratios(results, "digits", system, ceiling, rps)
                 label = f"digits: throughput vs the {name} (context)"
                 rows.append((label, _median_of(values, "×")[1], "–", "–"))
-            _, tail = _median_of([float(r["p99_ms"]) for _, r in sorted(bare.items())], " ms")
+            _, tail = _median_p99(bare)
             rows.append((f"digits: the {name}'s own p99 (context)", tail, "–", "–"))
         at = sum(1 for target, *_ in out if target.startswith("digits"))
         out[at:at] = rows

@@ -61,18 +61,18 @@ def _read_int(path: Path) -> int | None:
         return None
 
 
-def _read_stat_field(path: Path, field: str) -> int | None:
+def _field(path: Path, field: str, separator: str = ":") -> int | None:
+    """A numeric ``name<separator> value [kB]`` line of a /proc or cgroup file (``kB``: in
+    bytes): /proc/meminfo and /proc/<pid>/status with ":", memory.stat with " "."""
     try:
         lines = path.read_text().splitlines()
     except OSError:
         return None
     for line in lines:
-        name, _, value = line.partition(" ")
-        if name == field:
-            try:
-                return int(value)
-            except ValueError:
-                return None
+        name, _, rest = line.partition(separator)
+        parts = rest.split()
+        if name == field and parts and parts[0].isdigit():
+            return int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
     return None
 
 
@@ -116,16 +116,7 @@ class HostMemory:
             return 0
 
     def _meminfo(self, field: str) -> int | None:
-        try:
-            lines = (self._proc / "meminfo").read_text().splitlines()
-        except OSError:
-            return None
-        for line in lines:
-            name, _, rest = line.partition(":")
-            parts = rest.split()
-            if name == field and parts and parts[0].isdigit():
-                return int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
-        return None
+        return _field(self._proc / "meminfo", field)
 
     @staticmethod
     def _sysconf_bytes(name: str) -> int:
@@ -160,7 +151,7 @@ class HostMemory:
             usage = _read_int(usage_path) or 0
             # Inactive page cache is reclaimed before the OOM killer fires, so it is not
             # really "used" (the same working-set definition the kubelet uses).
-            usage -= _read_stat_field(stat_path, reclaimable) or 0
+            usage -= _field(stat_path, reclaimable, " ") or 0
             candidates.append((limit, limit - max(0, usage)))
         if not candidates:
             return None
@@ -227,13 +218,4 @@ def gpu_visible(dev_root: Path = Path("/dev"), environ: Mapping[str, str] = os.e
 
 def resident_bytes(pid: int, proc_root: Path = Path("/proc")) -> int | None:
     """A process's resident memory (VmRSS), or None when it is gone or unreadable."""
-    try:
-        lines = (proc_root / str(pid) / "status").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        name, _, rest = line.partition(":")
-        parts = rest.split()
-        if name == "VmRSS" and parts and parts[0].isdigit():
-            return int(parts[0]) * 1024
-    return None
+    return _field(proc_root / str(pid) / "status", "VmRSS")

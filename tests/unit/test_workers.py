@@ -315,7 +315,12 @@ def test_auto_starts_a_second_worker_only_if_another_copy_fits_in_memory(
         slot.process = Started()  # type: ignore[assignment]
 
     supervisor._start = start  # type: ignore[method-assign]
-    supervisor._wait_ready = lambda slot: True  # type: ignore[method-assign]
+
+    def ready(slot: _Slot) -> bool:
+        supervisor._serve(slot)  # as a warm worker does: its resident memory is read
+        return True
+
+    supervisor._wait_ready = ready  # type: ignore[method-assign]
     try:
         with caplog.at_level(logging.WARNING, "app.workers"):
             assert supervisor._start_all()
