@@ -77,7 +77,7 @@ def create_app(settings: Settings | None = None, *, worker: WorkerRole | None = 
     app.state.dataplane = plane
     install_error_handlers(app)
     known = plane.models.__contains__
-    app.add_middleware(HotRoutes)
+    app.add_middleware(HotRoutes, plane=plane, metrics=metrics)
     # Starlette wraps the last-added middleware outermost: the size limit runs before auth
     # reads headers only, and both run before any route.
     if settings.api_key_list:

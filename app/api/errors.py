@@ -51,12 +51,20 @@ def status_of(exc: BaseException) -> int:
     return 500
 
 
+def error_headers(status: int) -> list[tuple[str, str]]:
+    """A 503 says when to come back: every cause of one (not ready, queue full) is transient."""
+    return [("Retry-After", RETRY_AFTER_S)] if status == 503 else []
+
+
+def error_body(message: str) -> bytes:
+    return orjson.dumps({"error": message})
+
+
 def error_response(status: int, message: str) -> Response:
-    headers = {"Retry-After": RETRY_AFTER_S} if status == 503 else None
     return Response(
-        orjson.dumps({"error": message}),
+        error_body(message),
         status_code=status,
-        headers=headers,
+        headers=dict(error_headers(status)),
         media_type="application/json",
     )
 

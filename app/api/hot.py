@@ -5,39 +5,46 @@ FastAPI's exception middlewares, exit stacks, router scan and dependency solver 
 them on every call (about half of the event loop's time for a small model in profiles), though
 the routes parse their own bodies and handle their own errors. This layer sits inside nograd's
 own middlewares (start time, body limit, auth), so those still apply, and hands the call to the
-very functions the FastAPI routes use; the routes stay registered for the OpenAPI schema and for
-every path this layer does not claim.
+very functions the FastAPI routes use, without Starlette's request and response objects (see
+``app.api.calls``); the routes stay registered for the OpenAPI schema and for every path this
+layer does not claim.
 """
 
 from __future__ import annotations
 
 import re
 
-from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.api import openai, v2
+from app.api.calls import Incoming
+from app.dataplane import DataPlane
+from app.metrics import Metrics
 
 _V2_INFER = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?/infer$")
 _EMBEDDINGS = "/v1/embeddings"
 
 
 class HotRoutes:
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, plane: DataPlane, metrics: Metrics) -> None:
         self.app = app
+        self._plane = plane
+        self._metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             path = _route_path(scope)
             if path == _EMBEDDINGS:
-                response = await openai.create_embeddings(Request(scope, receive))
-                await response(scope, receive, send)
+                incoming = Incoming(scope, receive)
+                reply = await openai.embeddings_call(incoming, self._plane, self._metrics)
+                await reply.send(send)
                 return
             match = _V2_INFER.match(path)
             if match is not None:
                 name, version = match.group(1), match.group(2)
-                response = await v2.infer_call(Request(scope, receive), name, version)
-                await response(scope, receive, send)
+                incoming = Incoming(scope, receive)
+                reply = await v2.infer_call(incoming, self._plane, self._metrics, name, version)
+                await reply.send(send)
                 return
         await self.app(scope, receive, send)
 

@@ -19,10 +19,11 @@ import orjson
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from app.api.calls import Call, run_call
-from app.api.errors import RETRY_AFTER_S
-from app.api.state import dataplane_of
+from app.api.calls import Call, Incoming, Reply, run_call
+from app.api.errors import error_headers
+from app.api.state import dataplane_of, metrics_of
 from app.dataplane import DataPlane, ServedModel
+from app.metrics import Metrics
 
 logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["OpenAI-compatible"])
@@ -195,20 +196,14 @@ def _encode(vector: np.ndarray, encoding: str) -> Any:
     return vector  # orjson writes float32 arrays directly, shortest round-trip form
 
 
-def _error(status: int, message: str, param: str | None = None) -> Response:
+def _error_reply(status: int, message: str, param: str | None = None) -> Reply:
     detail = {
         "message": message,
         "type": _ERROR_TYPES.get(status, "server_error"),
         "param": param,
         "code": _ERROR_CODES.get(status),
     }
-    headers = {"Retry-After": RETRY_AFTER_S} if status == 503 else None
-    return Response(
-        orjson.dumps({"error": detail}),
-        status_code=status,
-        headers=headers,
-        media_type="application/json",
-    )
+    return Reply(status, orjson.dumps({"error": detail}), headers=error_headers(status))
 
 
 async def _embeddings(plane: DataPlane, body: EmbeddingRequest, timeout_s: float | None) -> bytes:
@@ -253,20 +248,25 @@ async def _embeddings(plane: DataPlane, body: EmbeddingRequest, timeout_s: float
     },
 )
 async def create_embeddings(request: Request) -> Response:
-    plane = dataplane_of(request)
+    incoming = Incoming(request.scope, request.receive)
+    reply = await embeddings_call(incoming, dataplane_of(request), metrics_of(request))
+    return reply.response()
 
-    async def work(call: Call) -> Response:
-        body = _parse(await request.body())
+
+async def embeddings_call(incoming: Incoming, plane: DataPlane, metrics: Metrics) -> Reply:
+    """One embeddings call; served by ``app.api.hot`` ahead of the router, and by the route."""
+
+    async def work(call: Call) -> Reply:
+        body = _parse(await incoming.body())
         if body.model in plane.models:
             call.model = body.model
-        content = await _embeddings(plane, body, call.timeout_s)
-        return Response(content=content, media_type="application/json")
+        return Reply(200, await _embeddings(plane, body, call.timeout_s))
 
-    def on_error(status: int, exc: Exception) -> Response:
+    def on_error(status: int, exc: Exception) -> Reply:
         param = exc.param if isinstance(exc, _ClientError) else None
-        return _error(status, str(exc), param or ("model" if status == 404 else None))
+        return _error_reply(status, str(exc), param or ("model" if status == 404 else None))
 
-    return await run_call(request, PROTOCOL, work, on_error)
+    return await run_call(incoming, metrics, PROTOCOL, work, on_error)
 
 
 def _card(model: ServedModel) -> ModelCard:
@@ -287,5 +287,5 @@ async def list_models(request: Request) -> ModelList:
 async def retrieve_model(request: Request, name: str) -> Response:
     model = dataplane_of(request).models.get(name)
     if model is None:
-        return _error(404, f"model {name!r} is not in the repository", "model")
+        return _error_reply(404, f"model {name!r} is not in the repository", "model").response()
     return Response(content=_card(model).model_dump_json(), media_type="application/json")

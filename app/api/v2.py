@@ -12,8 +12,8 @@ from fastapi.concurrency import run_in_threadpool
 
 from app import __version__
 from app.api import binary
-from app.api.calls import Call, adopt_request_id, run_call
-from app.api.errors import error_response
+from app.api.calls import Call, Incoming, Reply, adopt_request_id, run_call
+from app.api.errors import error_body, error_headers
 from app.api.schemas import (
     ERROR_RESPONSES,
     INFER_REQUEST_BODY,
@@ -25,7 +25,7 @@ from app.api.schemas import (
     ServerMetadata,
     StatisticsResponse,
 )
-from app.api.state import dataplane_of
+from app.api.state import dataplane_of, metrics_of
 from app.api.v2_codec import (
     DecodeError,
     InferRequest,
@@ -35,6 +35,7 @@ from app.api.v2_codec import (
     select_outputs,
 )
 from app.dataplane import DataPlane, ServedModel
+from app.metrics import Metrics
 
 logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v2", tags=["Open Inference Protocol"])
@@ -171,12 +172,12 @@ async def model_version_ready(request: Request, name: str, version: str) -> Resp
     return _model_ready(request, name, version)
 
 
-async def _decode(request: Request) -> InferRequest:
-    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+async def _decode(incoming: Incoming) -> InferRequest:
+    encoding = incoming.headers.get("content-encoding", "identity").strip().lower()
     if encoding != "identity":
         raise DecodeError(f"Content-Encoding {encoding!r} is not supported; send the body as is")
-    body = await request.body()
-    header_length = request.headers.get(binary.HEADER_LENGTH)
+    body = await incoming.body()
+    header_length = incoming.headers.get(binary.HEADER_LENGTH.lower())
     if len(body) > _OFFLOAD_DECODE_BYTES:
         return await run_in_threadpool(decode_body, body, header_length)
     return decode_body(body, header_length)
@@ -192,9 +193,9 @@ def _timeout_s(parameters: Mapping[str, Any]) -> float | None:
     return value / 1e6 if value else None
 
 
-def _infer_response(
+def _infer_reply(
     model: ServedModel, decoded: InferRequest, outputs: Mapping[str, np.ndarray]
-) -> Response:
+) -> Reply:
     """JSON, or with any binary output JSON + raw bytes and ``Inference-Header-Content-Length``."""
     selected = select_outputs(list(outputs), decoded.outputs, decoded.parameters)
     tensors, chunks = encode_outputs(outputs, selected)
@@ -207,30 +208,40 @@ def _infer_response(
         document["id"] = decoded.id
     header = dumps(document)
     if not chunks:
-        return Response(content=header, media_type="application/json")
-    return Response(
-        content=binary.join_body(header, chunks),
-        media_type=binary.CONTENT_TYPE,
-        headers={binary.HEADER_LENGTH: str(len(header))},
+        return Reply(200, header)
+    return Reply(
+        200,
+        binary.join_body(header, chunks),
+        binary.CONTENT_TYPE,
+        [(binary.HEADER_LENGTH, str(len(header)))],
     )
 
 
-async def infer_call(request: Request, name: str, version: str | None) -> Response:
-    """One V2 inference call; served by ``app.api.hot`` ahead of the router, and by the routes."""
-    plane = dataplane_of(request)
+def _error_reply(status: int, exc: Exception) -> Reply:
+    return Reply(status, error_body(str(exc)), headers=error_headers(status))
 
-    async def work(call: Call) -> Response:
+
+async def infer_call(
+    incoming: Incoming, plane: DataPlane, metrics: Metrics, name: str, version: str | None
+) -> Reply:
+    """One V2 inference call; served by ``app.api.hot`` ahead of the router, and by the routes."""
+
+    async def work(call: Call) -> Reply:
         if name in plane.models:
             call.model = name
-        decoded = await _decode(request)
+        decoded = await _decode(incoming)
         adopt_request_id(call, decoded.id)
         timeout = _timeout_s(decoded.parameters) or call.timeout_s
         model, outputs = await plane.infer(name, version, decoded.inputs, timeout_s=timeout)
-        return _infer_response(model, decoded, outputs)
+        return _infer_reply(model, decoded, outputs)
 
-    return await run_call(
-        request, PROTOCOL, work, lambda status, exc: error_response(status, str(exc))
-    )
+    return await run_call(incoming, metrics, PROTOCOL, work, _error_reply)
+
+
+async def _routed_infer(request: Request, name: str, version: str | None) -> Response:
+    incoming = Incoming(request.scope, request.receive)
+    reply = await infer_call(incoming, dataplane_of(request), metrics_of(request), name, version)
+    return reply.response()
 
 
 @router.post(
@@ -241,7 +252,7 @@ async def infer_call(request: Request, name: str, version: str | None) -> Respon
     responses=ERROR_RESPONSES,
 )
 async def infer(request: Request, name: str) -> Response:
-    return await infer_call(request, name, None)
+    return await _routed_infer(request, name, None)
 
 
 @router.post(
@@ -252,4 +263,4 @@ async def infer(request: Request, name: str) -> Response:
     responses=ERROR_RESPONSES,
 )
 async def infer_version(request: Request, name: str, version: str) -> Response:
-    return await infer_call(request, name, version)
+    return await _routed_infer(request, name, version)

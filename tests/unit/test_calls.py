@@ -1,18 +1,19 @@
-"""``until_disconnect`` with a scripted ASGI ``receive``: who cancelled a call decides its end."""
+"""The ASGI side of an inference call with a scripted ``receive``: the body read once, headers
+decoded once, and who cancelled a call deciding its end."""
 
 from __future__ import annotations
 
 import asyncio
 
 import pytest
-from starlette.requests import Request
-from starlette.responses import Response
 from starlette.types import Message
 
-from app.api.calls import ClientGone, until_disconnect
+from app.api.calls import ClientGone, Incoming, Reply, until_disconnect
 
 
-def _request(disconnect: asyncio.Event, body: bytes = b"{}") -> Request:
+def _incoming(
+    disconnect: asyncio.Event, body: bytes = b"{}", headers: list[tuple[bytes, bytes]] | None = None
+) -> Incoming:
     """A POST whose body arrives in two chunks; ``receive`` then blocks until ``disconnect``."""
     chunks: list[Message] = [
         {"type": "http.request", "body": body[:1], "more_body": True},
@@ -26,26 +27,77 @@ def _request(disconnect: asyncio.Event, body: bytes = b"{}") -> Request:
         await disconnect.wait()
         return {"type": "http.disconnect"}
 
-    scope = {"type": "http", "method": "POST", "path": "/", "headers": [], "query_string": b""}
-    return Request(scope, receive)
+    scope = {"type": "http", "method": "POST", "path": "/", "headers": headers or []}
+    return Incoming(scope, receive)
 
 
-async def test_work_sees_the_whole_body_and_its_answer_is_returned() -> None:
-    request = _request(asyncio.Event(), b'{"a": 1}')
-
-    async def work() -> Response:
-        return Response(await request.body())
-
-    response = await until_disconnect(request, work)
-    assert response.body == b'{"a": 1}'
+async def test_the_body_is_joined_from_its_chunks_and_read_once() -> None:
+    incoming = _incoming(asyncio.Event(), b'{"a": 1}')
+    assert await incoming.body() == b'{"a": 1}'
+    assert await incoming.body() == b'{"a": 1}'  # a second read does not reach ``receive``
 
 
-async def test_a_client_that_leaves_cancels_the_work_and_raises_client_gone() -> None:
+async def test_a_client_that_leaves_before_its_body_ends_is_gone() -> None:
+    async def receive() -> Message:
+        return {"type": "http.disconnect"}
+
+    incoming = Incoming({"type": "http", "headers": []}, receive)
+    with pytest.raises(ClientGone):
+        await incoming.body()
+
+
+def test_headers_are_decoded_once_and_the_first_of_a_repeated_name_wins() -> None:
+    headers = [(b"x-request-id", b"first"), (b"content-type", b"a/b"), (b"x-request-id", b"2nd")]
+    incoming = _incoming(asyncio.Event(), headers=headers)
+    assert incoming.headers == {"x-request-id": "first", "content-type": "a/b"}
+
+
+async def test_a_reply_goes_out_as_two_asgi_messages_with_lower_case_headers() -> None:
+    sent: list[Message] = []
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    await Reply(503, b'{"error": "x"}', headers=[("Retry-After", "1")]).send(send)
+    assert sent == [
+        {
+            "type": "http.response.start",
+            "status": 503,
+            "headers": [
+                (b"content-length", b"14"),
+                (b"content-type", b"application/json"),
+                (b"retry-after", b"1"),
+            ],
+        },
+        {"type": "http.response.body", "body": b'{"error": "x"}'},
+    ]
+    response = Reply(200, b"raw", "application/octet-stream", [("A-B", "c")]).response()
+    assert (response.status_code, response.body) == (200, b"raw")
+    assert response.headers["a-b"] == "c"
+    assert response.headers["content-type"] == "application/octet-stream"
+
+
+async def test_work_runs_and_its_answer_is_returned() -> None:
+    incoming = _incoming(asyncio.Event(), b'{"a": 1}')
+    body = await incoming.body()
+
+    async def work() -> Reply:
+        return Reply(200, body)
+
+    reply = await until_disconnect(incoming.receive, work)
+    assert reply.body == b'{"a": 1}'
+
+
+@pytest.mark.parametrize("grace_s", [0.0, 0.02])
+async def test_a_client_that_leaves_cancels_the_work_and_raises_client_gone(
+    grace_s: float,
+) -> None:
     disconnect = asyncio.Event()
-    request = _request(disconnect)
+    incoming = _incoming(disconnect)
+    await incoming.body()
     reached: list[str] = []
 
-    async def work() -> Response:
+    async def work() -> Reply:
         reached.append("started")
         disconnect.set()
         try:
@@ -53,9 +105,9 @@ async def test_a_client_that_leaves_cancels_the_work_and_raises_client_gone() ->
         except asyncio.CancelledError:
             reached.append("cancelled")
             raise
-        return Response(b"too late")
+        return Reply(200, b"too late")
 
-    call = asyncio.create_task(until_disconnect(request, work))
+    call = asyncio.create_task(until_disconnect(incoming.receive, work, grace_s))
     with pytest.raises(ClientGone):
         await asyncio.wait_for(call, 2)
     assert reached == ["started", "cancelled"]
@@ -63,17 +115,42 @@ async def test_a_client_that_leaves_cancels_the_work_and_raises_client_gone() ->
     assert call.cancelling() == 0
 
 
+async def test_no_watcher_reads_receive_for_a_call_answered_within_the_grace() -> None:
+    """The watcher task, the costly part, starts only for calls that outlive the grace."""
+    reads: list[str] = []
+
+    async def receive() -> Message:
+        reads.append("receive")
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    async def quick() -> Reply:
+        await asyncio.sleep(0.001)
+        return Reply(200, b"ok")
+
+    assert (await until_disconnect(receive, quick, 0.5)).body == b"ok"
+    assert reads == []
+
+    async def slow() -> Reply:
+        await asyncio.sleep(0.1)
+        return Reply(200, b"late")
+
+    assert (await until_disconnect(receive, slow, 0.02)).body == b"late"
+    assert reads == ["receive"]
+
+
 async def test_a_cancel_from_elsewhere_still_propagates() -> None:
     """Server shutdown cancels the call's task: that is not a client leaving."""
-    request = _request(asyncio.Event())
+    incoming = _incoming(asyncio.Event())
+    await incoming.body()
     started = asyncio.Event()
 
-    async def work() -> Response:
+    async def work() -> Reply:
         started.set()
         await asyncio.sleep(5)
-        return Response(b"never")
+        return Reply(200, b"never")
 
-    call = asyncio.create_task(until_disconnect(request, work))
+    call = asyncio.create_task(until_disconnect(incoming.receive, work))
     await started.wait()
     call.cancel()
     with pytest.raises(asyncio.CancelledError):

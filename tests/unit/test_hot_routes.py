@@ -6,39 +6,49 @@ from typing import Any
 
 import httpx
 import pytest
-from fastapi import Request, Response
+from fastapi import Response
 from starlette.types import Receive, Scope, Send
 
 from app.api import hot
+from app.api.calls import Incoming, Reply
 
 
 class Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple[str, ...]] = []
 
-    async def v2(self, request: Request, name: str, version: str | None) -> Response:
-        self.calls.append(("v2", name, str(version), await request.body()))  # type: ignore[arg-type]
-        return Response(b"v2", media_type="text/plain")
+    async def v2(
+        self, incoming: Incoming, plane: Any, metrics: Any, name: str, version: str | None
+    ) -> Reply:
+        assert (plane, metrics) == (PLANE, METRICS)
+        self.calls.append(("v2", name, str(version), await incoming.body()))  # type: ignore[arg-type]
+        return Reply(200, b"v2", "text/plain", [("X-Request-ID", "r-1")])
 
-    async def embeddings(self, request: Request) -> Response:
-        self.calls.append(("openai", (await request.body()).decode()))
-        return Response(b"openai", media_type="text/plain")
+    async def embeddings(self, incoming: Incoming, plane: Any, metrics: Any) -> Reply:
+        assert (plane, metrics) == (PLANE, METRICS)
+        self.calls.append(("openai", (await incoming.body()).decode()))
+        return Reply(200, b"openai", "text/plain")
 
     async def framework(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.calls.append(("framework", scope["method"], scope["path"]))
         await Response(b"framework", media_type="text/plain")(scope, receive, send)
 
 
+PLANE, METRICS = object(), object()
+"""Stand-ins: the layer hands the data plane and metrics it was built with to every call."""
+
+
 @pytest.fixture
 def recorder(monkeypatch: pytest.MonkeyPatch) -> Recorder:
     recorder = Recorder()
     monkeypatch.setattr(hot.v2, "infer_call", recorder.v2)
-    monkeypatch.setattr(hot.openai, "create_embeddings", recorder.embeddings)
+    monkeypatch.setattr(hot.openai, "embeddings_call", recorder.embeddings)
     return recorder
 
 
 async def send(recorder: Recorder, method: str, path: str, **kwargs: Any) -> httpx.Response:
-    transport = httpx.ASGITransport(app=hot.HotRoutes(recorder.framework), **kwargs)
+    layer = hot.HotRoutes(recorder.framework, PLANE, METRICS)  # type: ignore[arg-type]
+    transport = httpx.ASGITransport(app=layer, **kwargs)
     async with httpx.AsyncClient(transport=transport, base_url="http://nograd") as client:
         return await client.request(method, path, content=b"{}")
 
@@ -46,6 +56,9 @@ async def send(recorder: Recorder, method: str, path: str, **kwargs: Any) -> htt
 async def test_infer_paths_are_served_directly(recorder: Recorder) -> None:
     answer = await send(recorder, "POST", "/v2/models/digits/infer")
     assert answer.text == "v2"
+    assert answer.headers["x-request-id"] == "r-1"
+    assert answer.headers["content-type"] == "text/plain"
+    assert answer.headers["content-length"] == "2"
     answer = await send(recorder, "POST", "/v2/models/digits/versions/7/infer")
     assert answer.text == "v2"
     answer = await send(recorder, "POST", "/v1/embeddings")
