@@ -8,7 +8,16 @@ import asyncio
 import pytest
 from starlette.types import Message
 
-from app.api.calls import ClientGone, Incoming, Reply, until_disconnect
+from app.api.calls import (
+    CLIENT_CLOSED,
+    Call,
+    ClientGone,
+    Incoming,
+    Reply,
+    run_call,
+    until_disconnect,
+)
+from app.metrics import UNKNOWN_MODEL, Metrics
 
 
 def _incoming(
@@ -155,3 +164,35 @@ async def test_a_cancel_from_elsewhere_still_propagates() -> None:
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
         await call
+
+
+async def test_a_client_gone_mid_body_is_counted_499_and_no_work_runs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Not a 500 with a traceback in the log: nothing failed but the connection."""
+    sent: list[Message] = [{"type": "http.request", "body": b'{"in', "more_body": True}]
+
+    async def receive() -> Message:
+        return sent.pop(0) if sent else {"type": "http.disconnect"}
+
+    metrics = Metrics()
+    ran: list[Call] = []
+
+    async def work(call: Call) -> Reply:
+        ran.append(call)
+        return Reply(200)
+
+    def on_error(status: int, exc: Exception) -> Reply:
+        raise AssertionError(f"no error reply expected, got {status}: {exc}")
+
+    scope = {"type": "http", "method": "POST", "path": "/v2/models/m/infer", "headers": []}
+    reply = await run_call(Incoming(scope, receive), metrics, "v2", work, on_error)
+    assert reply.status == CLIENT_CLOSED and ran == []
+    assert reply.headers[-1][0] == "X-Request-ID"
+    assert (
+        metrics.registry.get_sample_value(
+            "nograd_requests_total", {"model": UNKNOWN_MODEL, "protocol": "v2", "code": "499"}
+        )
+        == 1
+    )
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
