@@ -117,7 +117,7 @@ class Reply:
 
 def request_id_of(incoming: Incoming) -> str | None:
     """The caller's X-Request-ID when it is a sane token (junk is never echoed)."""
-    given = incoming.headers.get("x-request-id")
+    given = incoming.headers.get(REQUEST_ID_HEADER.lower())
     return given if given is not None and _SAFE_ID.match(given) else None
 
 
@@ -128,7 +128,7 @@ def adopt_request_id(call: Call, protocol_id: str | None) -> None:
 
 
 def header_timeout_s(incoming: Incoming) -> float | None:
-    raw = incoming.headers.get("x-request-timeout")
+    raw = incoming.headers.get(TIMEOUT_HEADER.lower())
     if raw is None:
         return None
     try:

@@ -34,16 +34,14 @@ class HotRoutes:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             path = _route_path(scope)
-            if path == _EMBEDDINGS:
+            match = None if path == _EMBEDDINGS else _V2_INFER.match(path)
+            if path == _EMBEDDINGS or match is not None:
                 incoming = Incoming(scope, receive)
-                reply = await openai.embeddings_call(incoming, self._plane, self._metrics)
-                await reply.send(send)
-                return
-            match = _V2_INFER.match(path)
-            if match is not None:
-                name, version = match.group(1), match.group(2)
-                incoming = Incoming(scope, receive)
-                reply = await v2.infer_call(incoming, self._plane, self._metrics, name, version)
+                if match is None:
+                    reply = await openai.embeddings_call(incoming, self._plane, self._metrics)
+                else:
+                    name, version = match.group(1), match.group(2)
+                    reply = await v2.infer_call(incoming, self._plane, self._metrics, name, version)
                 await reply.send(send)
                 return
         await self.app(scope, receive, send)
