@@ -71,7 +71,7 @@ RUN --mount=type=bind,source=${TORCH_WHEEL_DIR:-constraints.txt},target=/tmp/tor
         pip install --no-cache-dir --no-deps --index-url "$index" -c constraints.txt torch; \
     fi
 
-# Layer 2: the rest of the dependencies (no app code yet, so editing app/ does not reinstall them).
+# Layer 2: the rest of the dependencies (no nograd code yet, so editing nograd/ does not reinstall them).
 # torch is already there and satisfies the pin; its own dependencies come from PyPI. Then check the
 # torch build matches VARIANT, and trim it.
 COPY --from=requirements /src/requirements.txt ./
@@ -86,9 +86,9 @@ sys.exit(0 if (sys.argv[1] == "cpu") == (cuda is None) else "torch build does no
     fi
 
 # Layer 3: the app itself, built as a wheel without its dependencies. The runtime stage installs it on
-# top of the venv layer, so editing app/ leaves the big venv layer cached.
+# top of the venv layer, so editing nograd/ leaves the big venv layer cached.
 COPY pyproject.toml README.md* ./
-COPY app/ ./app/
+COPY nograd/ ./nograd/
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /dist . && rm -rf build ./*.egg-info
 
 # ---------------------------------------------------------------------------------------------------
@@ -102,15 +102,15 @@ ENV PATH=/opt/venv/bin:$PATH \
     TRANSFORMERS_OFFLINE=1 \
     NOGRAD_HOST=0.0.0.0 \
     NOGRAD_PORT=8000 \
-    NOGRAD_MODEL_REPOSITORY=/app/models
+    NOGRAD_MODEL_REPOSITORY=/srv/nograd/models
 # The venv with every dependency (one big layer that app changes do not touch), then the app package
 # and its `nograd` console script from the builder's wheel, then the model repository.
 COPY --from=builder /opt/venv /opt/venv
 COPY --from=builder /dist/ /tmp/dist/
 RUN pip install --no-cache-dir --no-deps --no-index --disable-pip-version-check /tmp/dist/*.whl \
     && rm -rf /tmp/dist
-WORKDIR /app
-COPY models/ /app/models/
+WORKDIR /srv/nograd
+COPY models/ /srv/nograd/models/
 USER 10001:10001
 EXPOSE 8000
 HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \

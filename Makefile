@@ -39,6 +39,8 @@ lint: install-dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
+	$(BIN)/python scripts/check_structure.py
 
 format: install-dev
 	$(BIN)/ruff format .

@@ -51,7 +51,7 @@ def machine() -> dict[str, Any]:
                 break
     import torch
 
-    from app.workers import auto_plan
+    from nograd.supervisor.workers import auto_plan
 
     auto, auto_reason = auto_plan()
     return {
@@ -77,8 +77,8 @@ def git_state() -> dict[str, Any]:
             return ""
         return out.stdout.strip()
 
-    dirty = run("status", "--short", "app", "models")
-    return {"commit": run("rev-parse", "--short", "HEAD"), "app_dirty": bool(dirty)}
+    dirty = run("status", "--short", "nograd", "models")
+    return {"commit": run("rev-parse", "--short", "HEAD"), "code_dirty": bool(dirty)}
 
 
 def code_hash() -> str:
@@ -91,7 +91,9 @@ def code_hash() -> str:
 
     digest = hashlib.sha256()
     models = ROOT / "models"
-    files = sorted([*(ROOT / "app").rglob("*.py"), *models.rglob("*.py"), *models.rglob("*.toml")])
+    files = sorted(
+        [*(ROOT / "nograd").rglob("*.py"), *models.rglob("*.py"), *models.rglob("*.toml")]
+    )
     for path in files:
         with contextlib.suppress(OSError):
             digest.update(str(path.relative_to(ROOT)).encode())

@@ -1,6 +1,7 @@
 """Issue 3's benchmark: measured memory cost, derived batch limits, and serving under a budget.
 
-Part A (in process, nograd's own code paths, as ``app/dataplane.py`` calls them): for each shipped
+Part A (in process, nograd's own code paths, as ``nograd/serving/dataplane.py`` calls them): for
+each shipped
 model, ``build_handler`` → ``profile_handler`` with a ``CpuMemoryProbe`` (live tensor bytes during
 the forward) → the fitted cost model, its points and its check-point error; then ``plan_device``
 with explicit budgets → the batch limit each budget gives, and the measured peak of a batch at
@@ -40,12 +41,12 @@ OOMY = ROOT / "tests" / "fixtures" / "models" / "oomy"
 
 
 def profile_models(names: tuple[str, ...] = ("digits", "minilm")) -> dict[str, Any]:
-    from app.runtime.config import find_config, load_config
-    from app.runtime.handler import TorchRunner
-    from app.runtime.loader import build_handler, weights_bytes
-    from app.runtime.memory import CpuMemoryProbe
-    from app.runtime.planner import PlanInput, plan_device, profile_handler
-    from app.settings import Settings
+    from nograd.runtime.config import find_config, load_config
+    from nograd.runtime.handler import TorchRunner
+    from nograd.runtime.loader import build_handler, weights_bytes
+    from nograd.runtime.memory import CpuMemoryProbe
+    from nograd.runtime.planner import PlanInput, plan_device, profile_handler
+    from nograd.settings import Settings
 
     repository = ROOT / "models"
     device = torch.device("cpu")

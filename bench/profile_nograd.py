@@ -41,15 +41,23 @@ CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     ("collate / to_numpy / split", ("collate (", "_pad_concat", "to_numpy", "split_rows")),
-    ("JSON encode (V2 answer)", ("encode_outputs", "encode_tensor", "dumps (app/", "join_body")),
+    ("JSON encode (V2 answer)", ("encode_outputs", "encode_tensor", "dumps (nograd/", "join_body")),
     (
         "JSON decode + validation",
-        ("(app/api/v2_codec.py", "(app/api/binary.py", "validate (app/", "(app/datatypes.py"),
+        (
+            "(nograd/protocol/v2.py",
+            "(nograd/protocol/binary.py",
+            "validate (nograd/",
+            "(nograd/core/datatypes.py",
+        ),
     ),
-    ("metrics (prometheus)", ("prometheus_client", "(app/metrics.py", "(app/stats.py")),
-    ("batcher", ("(app/batching/",)),
-    ("nograd middleware", ("(app/api/middleware.py",)),
-    ("nograd routes / data plane", ("(app/",)),
+    (
+        "metrics (prometheus)",
+        ("prometheus_client", "(nograd/observability/metrics.py", "(nograd/observability/stats.py"),
+    ),
+    ("batcher", ("(nograd/batching/",)),
+    ("nograd middleware", ("(nograd/http/middleware.py",)),
+    ("nograd routes / data plane", ("(nograd/",)),
     ("FastAPI telemetry check (opentelemetry)", ("(fastapi/telemetry/", "(opentelemetry/")),
     ("FastAPI routing / dependencies", ("(fastapi/",)),
     ("Starlette (request, response, middleware)", ("(starlette/", "(anyio/")),
@@ -152,11 +160,11 @@ def _profile_model(name: str, batch: int, workload: str) -> dict[str, Any]:
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from app.runtime.config import find_config, load_config
-    from app.runtime.handler import split_rows
-    from app.runtime.loader import build_handler
     from bench import workloads
     from bench.common import ROOT
+    from nograd.runtime.config import find_config, load_config
+    from nograd.runtime.handler import split_rows
+    from nograd.runtime.loader import build_handler
 
     repository = ROOT / "models"
     path = find_config(repository / name)
@@ -167,7 +175,7 @@ def _profile_model(name: str, batch: int, workload: str) -> dict[str, Any]:
     # nograd's codec on one request body and one answer, in µs (run on one thread here).
     decoded: list[Any] = []
     try:
-        from app.api.v2_codec import decode_body
+        from nograd.protocol.v2 import decode_body
 
         decoded = [decode_body(body, None) for body in bodies[:batch]]
         entry["v2_decode_us"] = _time_us(lambda: decode_body(bodies[0], None), 300)
@@ -221,7 +229,7 @@ def _profile_model(name: str, batch: int, workload: str) -> dict[str, Any]:
     ]
     if decoded:
         try:
-            from app.api.v2_codec import dumps, encode_outputs, select_outputs
+            from nograd.protocol.v2 import dumps, encode_outputs, select_outputs
 
             answer = results[0]
             selected = select_outputs(list(answer), decoded[0].outputs, decoded[0].parameters)

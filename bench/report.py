@@ -509,7 +509,7 @@ def markdown(results: dict[str, Any]) -> str:
     plan = meta["plan"]
     c = plan["concurrency"]
     tag = f"{cores} cores"
-    dirty = " + uncommitted app/models changes" if meta["git"]["app_dirty"] else ""
+    dirty = " + uncommitted nograd/models changes" if meta["git"]["code_dirty"] else ""
     minutes = fmt(meta.get("elapsed_s", 0) / 60, 1)
     pin = "server on core 0, load generator on core 1" if plan["server_cpus"] else "no pinning"
     parts = [
@@ -556,7 +556,7 @@ def markdown(results: dict[str, Any]) -> str:
             "",
         ]
     elif hashes:
-        parts += [f"nograd code digest (app/, models/): {hashes[0]}, the same for every run.", ""]
+        parts += [f"code digest (nograd/, models/): {hashes[0]}, the same for every run.", ""]
     if results.get("failures"):
         parts += [
             "**Failed phases:** "

@@ -33,11 +33,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from app.metrics import Metrics  # noqa: E402
-from app.runtime.config import ModelConfig, load_config  # noqa: E402
-from app.runtime.handler import ModelHandler, TensorPart, TorchRunner  # noqa: E402
-from app.runtime.loader import build_handler  # noqa: E402
-from app.runtime.speed import apply_speed  # noqa: E402
+from nograd.observability.metrics import Metrics  # noqa: E402
+from nograd.runtime.config import ModelConfig, load_config  # noqa: E402
+from nograd.runtime.handler import ModelHandler, TensorPart, TorchRunner  # noqa: E402
+from nograd.runtime.loader import build_handler  # noqa: E402
+from nograd.runtime.speed import apply_speed  # noqa: E402
 
 DISTURBED_CORES = 0.25
 """A burst during which other processes used more CPU than this is timed again."""

@@ -3,7 +3,7 @@
 The tests run Debian's ``prometheus``, ``promtool`` and ``wrk`` rather than re-implementing them.
 ``scripts/install_debian_package.sh`` installs them on a fresh machine; only where that cannot
 work (no root, no apt) do the tests skip, saying why. The metric names nograd exports are read
-from ``app.metrics.Metrics()``'s registry, never listed by hand.
+from ``nograd.observability.metrics.Metrics()``'s registry, never listed by hand.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from app.metrics import Metrics
+from nograd.observability.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 INSTALL_SCRIPT = ROOT / "scripts" / "install_debian_package.sh"

@@ -31,8 +31,8 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from app.runtime.config import ModelConfig
-from app.runtime.handler import ModelHandler, TensorPart
+from nograd.runtime.config import ModelConfig
+from nograd.runtime.handler import ModelHandler, TensorPart
 
 # The huggingface libraries read this when first imported; set it before they are, so nothing in
 # them tries the hub. Loading below is from a local folder with local_files_only as well.

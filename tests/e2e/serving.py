@@ -1,4 +1,4 @@
-"""Start a real nograd server (``python -m app`` under uvicorn) on a free port, for e2e tests."""
+"""Start a real nograd server (``python -m nograd`` under uvicorn) on a free port, for e2e tests."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def run_server(
     }
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "app"], cwd=ROOT, env=full_env, stdout=log, stderr=log
+            [sys.executable, "-m", "nograd"], cwd=ROOT, env=full_env, stdout=log, stderr=log
         )
     server = Server(f"http://127.0.0.1:{port}", process, log_path)
     try:

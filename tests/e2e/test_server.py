@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.runtime.openmp import SPIN_COUNT
+from nograd.host.openmp import SPIN_COUNT
 from tests.e2e.serving import ROOT, Server
 
 pytestmark = pytest.mark.e2e
@@ -71,7 +71,7 @@ def test_health_and_server_metadata(server: Server) -> None:
     reason="the environment sets the OpenMP wait policy itself, which the server keeps",
 )
 def test_a_single_process_keeps_openmp_threads_spinning(server: Server) -> None:
-    """Set by the command before torch loads (app/runtime/openmp.py); the log says so."""
+    """Set by the command before torch loads (nograd/host/openmp.py); the log says so."""
     assert f"OpenMP threads spin up to {SPIN_COUNT} iterations between batches" in server.log()
 
 

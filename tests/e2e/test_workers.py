@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from prometheus_client.mmap_dict import MmapedDict
 
-from app.runtime.host import usable_cores
-from app.workers import auto_plan
+from nograd.host.readings import usable_cores
+from nograd.supervisor.workers import auto_plan
 from tests.e2e.serving import (
     ROOT,
     Server,

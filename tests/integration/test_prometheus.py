@@ -32,8 +32,8 @@ import httpx
 import pytest
 import yaml
 
-from app.metrics import DURATION_BUCKETS
 from bench.loadgen import run_closed
+from nograd.observability.metrics import DURATION_BUCKETS
 from tests.e2e.serving import ROOT, Server, free_port, metric_value, run_server
 from tests.prometheus_tools import (
     GRAFANA_DIR,

@@ -8,7 +8,7 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from app.settings import Settings
+from nograd.settings import Settings
 from tests.e2e.serving import ROOT
 
 
@@ -53,7 +53,7 @@ def test_workers_are_a_count_or_auto(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_cli_help_lists_every_setting() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "app", "--help"],
+        [sys.executable, "-m", "nograd", "--help"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -1,1 +1,0 @@
-"""HTTP routes: thin translations between protocols and the data plane; no torch here."""

@@ -1,0 +1,3 @@
+from nograd.cli import main
+
+main()

@@ -1,0 +1,553 @@
+"""The dynamic batcher: one per model, no HTTP and no torch.
+
+Requests (``Part``s) queue on the event loop; a batch loop forms batches whose cost fits the current
+limit and hands them to a runner on the model's device thread. Every caller's future is resolved,
+whatever happens: cancelled callers are dropped before their batch runs, a failing batch is bisected
+so only the guilty request fails, and an out-of-memory batch is split in halves and retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, Self, TypeVar
+
+from nograd.batching.errors import (
+    BatcherClosed,
+    DeadlineExceeded,
+    QueueFull,
+    SampleTooLarge,
+)
+from nograd.batching.limit import BatchLimit
+
+logger = logging.getLogger(__name__)
+
+
+class Part(Protocol):
+    """A unit of work: ``rows`` samples of padded length ``length`` (1 for non-sequence models)."""
+
+    @property
+    def rows(self) -> int: ...
+
+    @property
+    def length(self) -> int: ...
+
+    def slice(self, start: int, stop: int) -> Self: ...
+
+
+P = TypeVar("P", bound=Part)
+P_contra = TypeVar("P_contra", bound=Part, contravariant=True)
+R = TypeVar("R")
+
+
+class Runner(Protocol[P_contra, R]):
+    """What the batcher needs from a model; all but ``concat`` run on the device thread."""
+
+    def run_batch(self, parts: Sequence[P_contra]) -> list[R]:
+        """One forward over ``parts``; one result per part, in order."""
+        ...
+
+    def concat(self, results: Sequence[R]) -> R:
+        """Reassemble the results of consecutive row slices of one part."""
+        ...
+
+    def is_out_of_memory(self, exc: BaseException) -> bool: ...
+
+    def release_memory(self) -> None: ...
+
+
+class BatchObserver(Protocol):
+    """Hooks for metrics; the batcher never imports the metrics module itself."""
+
+    def queue_depth(self, depth: int) -> None: ...
+
+    def batch_started(self, rows: int, cost: int, queue_waits: Sequence[float]) -> None: ...
+
+    def batch_finished(self, rows: int, seconds: float, ok: bool) -> None: ...
+
+    def out_of_memory(self, cost: int) -> None: ...
+
+    def split(self) -> None: ...
+
+    def limit_changed(self, limit: int) -> None: ...
+
+    def dropped(self, reason: str) -> None: ...
+
+
+class NullObserver:
+    """Observer that records nothing: the default for tests and tools."""
+
+    def queue_depth(self, depth: int) -> None:
+        pass
+
+    def batch_started(self, rows: int, cost: int, queue_waits: Sequence[float]) -> None:
+        pass
+
+    def batch_finished(self, rows: int, seconds: float, ok: bool) -> None:
+        pass
+
+    def out_of_memory(self, cost: int) -> None:
+        pass
+
+    def split(self) -> None:
+        pass
+
+    def limit_changed(self, limit: int) -> None:
+        pass
+
+    def dropped(self, reason: str) -> None:
+        pass
+
+
+@dataclass(eq=False)
+class _Item(Generic[P, R]):
+    part: P
+    future: asyncio.Future[R]
+    enqueued: float
+    deadline: float | None
+    started: float | None = None
+
+
+@dataclass
+class _Request(Generic[P, R]):
+    """A caller's request, possibly cut into several items when larger than the limit."""
+
+    future: asyncio.Future[R]
+    pieces: list[asyncio.Future[R]] = field(default_factory=list)
+
+
+def cost_of(parts: Sequence[Part], unit_tokens: bool) -> int:
+    """Padded cost: rows for sample models, rows × longest for token models."""
+    rows = sum(p.rows for p in parts)
+    if not unit_tokens:
+        return rows
+    return rows * max((p.length for p in parts), default=0)
+
+
+class Batcher(Generic[P, R]):
+    """Queue + batch loop for one model.
+
+    Work-conserving: when the model has no batch running, whatever is queued is dispatched at once.
+    While a batch runs, the next one fills; it goes to the device as soon as the running batch ends,
+    it is full, or its oldest request has waited ``max_queue_delay_s`` and the running batch is
+    expected to end within ``max_queue_delay_s``. A batch handed over earlier would only wait for
+    the device with fewer batch-mates: cut 2 ms after its first request while a 100 ms batch ran,
+    minilm's staged batches at 32 concurrent callers took 2-4 sentences and the next one the rest.
+    The expectation comes from the model's measured seconds per unit of cost; wrong either way,
+    it costs what it saves: too short and the batch leaves early, too long and it leaves when the
+    device frees, one event-loop turn later.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        runner: Runner[P, R],
+        executor: Executor,
+        limit: BatchLimit,
+        *,
+        max_queue_delay_s: float,
+        max_queue_size: int,
+        unit_tokens: bool = False,
+        observer: BatchObserver | None = None,
+        max_staged_batches: int = 1,
+    ) -> None:
+        self.name = name
+        self._runner = runner
+        self._executor = executor
+        self.limit = limit
+        self._delay = max_queue_delay_s
+        self._max_queue_size = max_queue_size
+        self._unit_tokens = unit_tokens
+        self._observer: BatchObserver = observer or NullObserver()
+        # Asyncio objects are created in start(), on the running loop, never at construction.
+        self._queue: deque[_Item[P, R]] = deque()
+        self._wakeup: asyncio.Event | None = None
+        self._slots: asyncio.Semaphore | None = None
+        self._max_in_flight = 1 + max_staged_batches
+        self._in_flight = 0
+        self._task: asyncio.Task[None] | None = None
+        self._batch_tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
+        self._crashes = 0
+        self._seconds_per_cost = 0.0
+        """Measured on the device thread after each batch, smoothed; 0 until one has run."""
+        self._estimates: deque[float] = deque()
+        """Expected seconds of each batch handed to the device and not yet finished, in order."""
+        self._free_at = 0.0
+        """When the device is expected to have finished every batch handed to it (monotonic)."""
+
+    # ----------------------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        if self._task is not None:
+            return
+        self._wakeup = asyncio.Event()
+        self._slots = asyncio.Semaphore(self._max_in_flight)
+        self._closed = False
+        self._task = asyncio.create_task(self._loop(), name=f"batcher-{self.name}")
+
+    @property
+    def alive(self) -> bool:
+        """False when the batch loop has died; health reports it and the server restarts it."""
+        return self._task is not None and not self._task.done()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    @property
+    def crashes(self) -> int:
+        return self._crashes
+
+    async def restart_if_dead(self) -> bool:
+        """Restart a dead batch loop; True when a restart happened."""
+        if self._task is None or not self._task.done() or self._closed:
+            return False
+        self._crashes += 1
+        self._task = None
+        await self.start()
+        return True
+
+    async def stop(self, drain_timeout_s: float = 0.0) -> None:
+        """Refuse new work; let queued and running batches finish in the timeout; fail the rest."""
+        self._closed = True
+        if self._wakeup is not None:
+            self._wakeup.set()
+        deadline = time.monotonic() + drain_timeout_s
+        if self._task is not None and drain_timeout_s > 0:
+            # The loop returns once closed with an empty queue: every queued item is dispatched.
+            await asyncio.wait({self._task}, timeout=drain_timeout_s)
+        if self._batch_tasks:
+            await asyncio.wait(
+                set(self._batch_tasks), timeout=max(0.0, deadline - time.monotonic())
+            )
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._task = None
+        while self._queue:
+            item = self._queue.popleft()
+            _fail(item.future, BatcherClosed(f"model {self.name!r} is shutting down"))
+        for task in list(self._batch_tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    # ----------------------------------------------------------------------------- submit
+    async def submit(self, part: P, *, deadline: float | None = None) -> R:
+        """Queue ``part`` and wait for its result; cut it into several items when over the limit."""
+        if self._closed or self._wakeup is None:
+            raise BatcherClosed(f"model {self.name!r} is not accepting requests")
+        chunks = self._chunks(part)
+        if len(self._queue) + len(chunks) > self._max_queue_size:
+            raise QueueFull(f"model {self.name!r} queue is full ({self._max_queue_size} requests)")
+        loop = asyncio.get_running_loop()
+        now = time.monotonic()
+        items: list[_Item[P, R]] = [
+            _Item(chunk, loop.create_future(), now, deadline) for chunk in chunks
+        ]
+        self._queue.extend(items)
+        self._observer.queue_depth(len(self._queue))
+        self._wakeup.set()
+        try:
+            if len(items) == 1:
+                # The common case: no gather future to build, one await.
+                return await items[0].future
+            results = await asyncio.gather(*(item.future for item in items))
+        except BaseException:
+            # The caller went away (or one piece failed): drop its other pieces before they run.
+            for item in items:
+                if not item.future.done():
+                    item.future.cancel()
+            raise
+        return self._runner.concat(results)
+
+    def _chunks(self, part: P) -> list[P]:
+        """Cut a request bigger than the limit into consecutive row slices that each fit."""
+        rows_per_chunk = self._rows_fitting(part.length)
+        if rows_per_chunk < 1:
+            raise SampleTooLarge(
+                f"one sample of length {part.length} does not fit model {self.name!r}'s batch "
+                f"limit of {self.limit.current} {'tokens' if self._unit_tokens else 'samples'}"
+            )
+        if part.rows <= rows_per_chunk:
+            return [part]
+        return [
+            part.slice(start, min(start + rows_per_chunk, part.rows))
+            for start in range(0, part.rows, rows_per_chunk)
+        ]
+
+    def _rows_fitting(self, length: int) -> int:
+        limit = self.limit.current
+        return limit // max(length, 1) if self._unit_tokens else limit
+
+    # ----------------------------------------------------------------------------- batch loop
+    async def _loop(self) -> None:
+        assert self._wakeup is not None and self._slots is not None
+        while True:
+            while not self._queue:
+                if self._closed:
+                    return
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            await self._fill_while_busy()
+            await self._slots.acquire()
+            batch, cost = self._take_batch()
+            if not batch:
+                self._slots.release()
+                continue
+            self._in_flight += 1
+            estimate = self._seconds_per_cost * cost
+            self._estimates.append(estimate)
+            self._free_at = max(self._free_at, time.monotonic()) + estimate
+            task = asyncio.create_task(self._run(batch), name=f"batch-{self.name}")
+            self._batch_tasks.add(task)
+            task.add_done_callback(self._batch_tasks.discard)
+
+    async def _fill_while_busy(self) -> None:
+        """While a batch runs, the next fills until full, the model frees, or the delay has
+        passed and the device is expected to free within the delay."""
+        assert self._wakeup is not None
+        if self._in_flight == 0 or self._delay <= 0:
+            return
+        oldest = self._queue[0].enqueued
+        while self._in_flight > 0 and not self._closed:
+            if self._queued_cost_reaches_limit():
+                return
+            cut = max(oldest + self._delay, self._free_at - self._delay)
+            remaining = cut - time.monotonic()
+            if remaining <= 0:
+                return
+            self._wakeup.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), remaining)
+
+    def _queued_cost_reaches_limit(self) -> bool:
+        rows = 0
+        longest = 0
+        for item in self._queue:
+            rows += item.part.rows
+            longest = max(longest, item.part.length)
+            cost = rows * longest if self._unit_tokens else rows
+            if cost >= self.limit.current:
+                return True
+        return False
+
+    def _take_batch(self) -> tuple[list[_Item[P, R]], int]:
+        """Oldest live item first (no starvation), then the queued items closest to its length;
+        with the batch's cost."""
+        now = time.monotonic()
+        first: _Item[P, R] | None = None
+        while self._queue and first is None:
+            item = self._queue.popleft()
+            first = item if self._admit(item, now) else None
+        if first is None:
+            self._observer.queue_depth(len(self._queue))
+            return [], 0
+        batch = [first]
+        limit = self.limit.current
+        rows, longest = first.part.rows, first.part.length
+        candidates = list(self._queue)
+        if self._unit_tokens:
+            candidates.sort(key=lambda it: (abs(it.part.length - first.part.length), it.enqueued))
+        taken: set[int] = set()
+        for item in candidates:
+            new_rows = rows + item.part.rows
+            new_longest = max(longest, item.part.length)
+            cost = new_rows * new_longest if self._unit_tokens else new_rows
+            if cost > limit:
+                if self._unit_tokens:
+                    continue
+                break
+            taken.add(id(item))
+            if not self._admit(item, now):
+                continue
+            batch.append(item)
+            rows, longest = new_rows, new_longest
+        if taken:
+            self._queue = deque(it for it in self._queue if id(it) not in taken)
+        self._observer.queue_depth(len(self._queue))
+        return batch, rows * longest if self._unit_tokens else rows
+
+    def _admit(self, item: _Item[P, R], now: float) -> bool:
+        """Drop work nobody waits for, or whose deadline passed, before it costs compute."""
+        if item.future.done():
+            self._observer.dropped("cancelled")
+            return False
+        if item.deadline is not None and now > item.deadline:
+            self._observer.dropped("deadline")
+            _fail(item.future, DeadlineExceeded(f"deadline passed while queued for {self.name!r}"))
+            return False
+        return True
+
+    async def _run(self, batch: list[_Item[P, R]]) -> None:
+        assert self._slots is not None and self._wakeup is not None
+        loop = asyncio.get_running_loop()
+        live: list[_Item[P, R]] = batch
+        try:
+            live, outcomes = await loop.run_in_executor(self._executor, self._execute, batch)
+            for item, outcome in zip(live, outcomes, strict=True):
+                if isinstance(outcome, BaseException):
+                    _fail(item.future, outcome)
+                elif not item.future.done():
+                    item.future.set_result(outcome)
+        except BaseException as exc:  # every future is resolved, whatever happened
+            logger.exception("batch failed for model %s", self.name)
+            for item in live:
+                _fail(item.future, exc if isinstance(exc, Exception) else BatcherClosed(str(exc)))
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            self._in_flight -= 1
+            if self._estimates:
+                self._estimates.popleft()
+            self._free_at = time.monotonic() + sum(self._estimates)
+            self._slots.release()
+            self._wakeup.set()
+
+    # ----------------------------------------------------------------------------- device thread
+    def _execute(
+        self, batch: list[_Item[P, R]]
+    ) -> tuple[list[_Item[P, R]], list[R | BaseException]]:
+        """The device thread's view of a batch: the last chance to skip callers who left."""
+        start = time.monotonic()
+        # Reading done() from this thread is a benign race: at worst a caller who leaves right
+        # now is computed for and its result discarded.
+        live: list[_Item[P, R]] = []
+        expired: list[_Item[P, R]] = []
+        for item in batch:
+            if item.future.done():
+                self._observer.dropped("cancelled")
+            elif item.deadline is not None and start > item.deadline:
+                self._observer.dropped("deadline")
+                expired.append(item)
+            else:
+                live.append(item)
+        late: list[R | BaseException] = [
+            DeadlineExceeded(f"deadline passed while queued for {self.name!r}") for _ in expired
+        ]
+        if not live:
+            return expired, late
+        parts = [item.part for item in live]
+        rows = sum(p.rows for p in parts)
+        cost = cost_of(parts, self._unit_tokens)
+        self._observer.batch_started(rows, cost, [start - it.enqueued for it in live])
+        outcomes: list[R | BaseException] = []
+        try:
+            outcomes = self._run_recovering(parts)
+        finally:
+            ok = bool(outcomes) and not any(isinstance(o, BaseException) for o in outcomes)
+            seconds = time.monotonic() - start
+            if ok and cost > 0:
+                self._learn_speed(seconds / cost)
+            self._observer.batch_finished(rows, seconds, ok)
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.debug(
+                    "batch of %d rows (cost %d) for %s in %.2f ms",
+                    rows,
+                    cost,
+                    self.name,
+                    seconds * 1000,
+                    extra={"model": self.name, "rows": rows, "ok": ok, "limit": self.limit.current},
+                )
+        return live + expired, outcomes + late
+
+    def _learn_speed(self, seconds_per_cost: float) -> None:
+        """Smooth over recent batches; one float written by the device thread, read by the loop."""
+        old = self._seconds_per_cost
+        self._seconds_per_cost = (
+            seconds_per_cost if old == 0 else 0.7 * old + 0.3 * seconds_per_cost
+        )
+
+    def _run_recovering(self, parts: list[P]) -> list[R | BaseException]:
+        """Run on the device thread: split on out-of-memory, bisect on errors, per part outcomes."""
+        outcomes = self._run_pieces(list(enumerate(parts)))
+        grouped: list[list[R]] = [[] for _ in parts]
+        failed: dict[int, BaseException] = {}
+        for (index, _), outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                failed.setdefault(index, outcome)
+            else:
+                grouped[index].append(outcome)
+        return [
+            failed[index]
+            if index in failed
+            else (group[0] if len(group) == 1 else self._runner.concat(group))
+            for index, group in enumerate(grouped)
+        ]
+
+    def _run_pieces(
+        self, pieces: list[tuple[int, P]]
+    ) -> list[tuple[tuple[int, P], R | BaseException]]:
+        parts = [p for _, p in pieces]
+        cost = cost_of(parts, self._unit_tokens)
+        try:
+            results = self._runner.run_batch(parts)
+            if len(results) != len(parts):
+                raise RuntimeError(
+                    f"model {self.name!r} returned {len(results)} results for {len(parts)} parts"
+                )
+        except Exception as exc:
+            if self._runner.is_out_of_memory(exc):
+                return self._recover_out_of_memory(pieces, cost, exc)
+            if len(pieces) == 1:
+                return [(pieces[0], exc)]
+            self._observer.split()
+            half = len(pieces) // 2
+            return self._run_pieces(pieces[:half]) + self._run_pieces(pieces[half:])
+        self.limit.record_success(cost)
+        self._notify_limit()
+        return list(zip(pieces, results, strict=True))
+
+    def _recover_out_of_memory(
+        self, pieces: list[tuple[int, P]], cost: int, exc: Exception
+    ) -> list[tuple[tuple[int, P], R | BaseException]]:
+        self._observer.out_of_memory(cost)
+        self._runner.release_memory()
+        self.limit.record_out_of_memory(cost)
+        self._notify_limit()
+        rows = sum(p.rows for _, p in pieces)
+        if rows <= 1:
+            too_large = SampleTooLarge(
+                f"one sample does not fit in device memory for model {self.name!r}: {exc}"
+            )
+            return [(pieces[0], too_large)]
+        self._observer.split()
+        first, second = _halve(pieces)
+        return self._run_pieces(first) + self._run_pieces(second)
+
+    def _notify_limit(self) -> None:
+        if self.limit.changed():
+            self._observer.limit_changed(self.limit.current)
+
+
+def _halve(pieces: list[tuple[int, P]]) -> tuple[list[tuple[int, P]], list[tuple[int, P]]]:
+    """Split pieces into two halves by rows, slicing the part that straddles the middle."""
+    total = sum(p.rows for _, p in pieces)
+    target = total // 2
+    first: list[tuple[int, P]] = []
+    second: list[tuple[int, P]] = []
+    seen = 0
+    for index, part in pieces:
+        if seen >= target:
+            second.append((index, part))
+        elif seen + part.rows <= target:
+            first.append((index, part))
+        else:
+            cut = target - seen
+            first.append((index, part.slice(0, cut)))
+            second.append((index, part.slice(cut, part.rows)))
+        seen += part.rows
+    return first, second
+
+
+def _fail(future: asyncio.Future[R], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)
+        # The caller may be gone already; mark the exception retrieved so asyncio does not warn.
+        future.exception()

@@ -1,0 +1,28 @@
+"""``nograd`` / ``python -m nograd``: command-line flags map one-to-one onto the Settings fields."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from nograd.host.openmp import SPIN_COUNT, tune_openmp_wait
+from nograd.observability.logs import setup_logging
+from nograd.settings import Settings
+from nograd.supervisor.workers import resolve_workers, supervise
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings = Settings(_cli_parse_args=argv if argv is not None else True, _cli_prog_name="nograd")
+    setup_logging(settings.log_level, settings.log_format)
+    settings, planned = resolve_workers(settings)
+    if settings.worker_count > 1:
+        # The supervisor never imports torch; each worker process loads the models.
+        sys.exit(supervise(settings, fit_to_memory=planned))
+    if tune_openmp_wait(os.environ, settings.worker_count):
+        logging.getLogger("nograd").info(
+            "OpenMP threads spin up to %s iterations between batches (GOMP_SPINCOUNT)", SPIN_COUNT
+        )
+    from nograd.http.server import serve
+
+    serve(settings)

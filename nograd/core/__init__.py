@@ -1,0 +1,1 @@
+"""Types and errors every layer shares: tensor datatypes and the serving errors."""

@@ -1,0 +1,1 @@
+"""Readings of the host (cores, memory, GPUs) and per-process tuning, all torch-free."""

@@ -1,0 +1,54 @@
+"""The inference routes served straight from ASGI, ahead of the framework's router.
+
+An inference call is the one request a model server answers thousands of times a second. Behind
+FastAPI's exception middlewares, exit stacks, router scan and dependency solver it paid for all of
+them on every call (about half of the event loop's time for a small model in profiles), though
+the routes parse their own bodies and handle their own errors. This layer sits inside nograd's
+own middlewares (start time, body limit, auth), so those still apply, and hands the call to the
+very functions the FastAPI routes use, without Starlette's request and response objects (see
+``nograd.http.exchange``); the routes stay registered for the OpenAPI schema and for every path this
+layer does not claim.
+"""
+
+from __future__ import annotations
+
+import re
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from nograd.http import openai, v2
+from nograd.http.exchange import Incoming
+from nograd.observability.metrics import Metrics
+from nograd.serving.dataplane import DataPlane
+
+_V2_INFER = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?/infer$")
+_EMBEDDINGS = "/v1/embeddings"
+
+
+class HotRoutes:
+    def __init__(self, app: ASGIApp, plane: DataPlane, metrics: Metrics) -> None:
+        self.app = app
+        self._plane = plane
+        self._metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            path = _route_path(scope)
+            match = None if path == _EMBEDDINGS else _V2_INFER.match(path)
+            if path == _EMBEDDINGS or match is not None:
+                incoming = Incoming(scope, receive)
+                if match is None:
+                    reply = await openai.embeddings_call(incoming, self._plane, self._metrics)
+                else:
+                    name, version = match.group(1), match.group(2)
+                    reply = await v2.infer_call(incoming, self._plane, self._metrics, name, version)
+                await reply.send(send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _route_path(scope: Scope) -> str:
+    """The path the router would match: without the ASGI root path (a proxy's prefix)."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path

@@ -1,0 +1,205 @@
+"""ASGI middleware: API-key auth and the request-size limit, applied before any route runs.
+
+Both are plain ASGI (no BaseHTTPMiddleware) so they add no task per request and can refuse a
+request before its body is read.
+"""
+
+from __future__ import annotations
+
+import hmac
+import re
+import time
+from collections.abc import Callable
+
+import orjson
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from nograd.observability.metrics import UNKNOWN_MODEL, Metrics
+
+STARTED_KEY = "nograd_started"
+_MODEL_IN_PATH = re.compile(r"^/v2/models/([^/]+)")
+_OPENAI_PREFIX = "/v1/"
+
+
+def _error_body(path: str, status: int, message: str, code: str) -> bytes:
+    if path.startswith(_OPENAI_PREFIX):
+        kind = "authentication_error" if status == 401 else "invalid_request_error"
+        return orjson.dumps({"error": {"message": message, "type": kind, "code": code}})
+    return orjson.dumps({"error": message})
+
+
+async def _respond(
+    send: Send, path: str, status: int, message: str, code: str, headers: list[tuple[bytes, bytes]]
+) -> None:
+    body = _error_body(path, status, message, code)
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *headers,
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+def model_label(path: str, known: Callable[[str], bool]) -> str:
+    """The model a path names, for metric labels; unknown names collapse to one value."""
+    match = _MODEL_IN_PATH.match(path)
+    if match and known(match.group(1)):
+        return match.group(1)
+    return UNKNOWN_MODEL
+
+
+class AuthMiddleware:
+    """Bearer API keys on inference, metadata and management routes.
+
+    Keys are compared in constant time against every configured key (so timing reveals neither
+    which key nor how much of it matched) and never logged. Health and metrics stay open unless
+    configured otherwise, because probes and scrapers rarely carry credentials.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        keys: tuple[str, ...],
+        metrics: Metrics,
+        known_model: Callable[[str], bool],
+        *,
+        protect_health: bool = False,
+        protect_metrics: bool = False,
+    ) -> None:
+        self.app = app
+        self._keys = tuple(k.encode() for k in keys)
+        self._metrics = metrics
+        self._known_model = known_model
+        self._protect_health = protect_health
+        self._protect_metrics = protect_metrics
+
+    def _protected(self, path: str) -> bool:
+        if path.startswith("/v2/health/"):
+            return self._protect_health
+        if path == "/metrics":
+            return self._protect_metrics
+        return path.startswith(("/v2", "/v1"))
+
+    def _authorized(self, scope: Scope) -> bool | None:
+        """True for a valid key, False for a wrong one, None when no key was sent."""
+        header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+        if header is None:
+            return None
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() != b"bearer" or not token.strip():
+            return False
+        token = token.strip()
+        matched = False
+        for key in self._keys:
+            matched |= hmac.compare_digest(token, key)
+        return matched
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self._keys or not self._protected(scope["path"]):
+            await self.app(scope, receive, send)
+            return
+        verdict = self._authorized(scope)
+        if verdict:
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        self._metrics.rejected.labels(model_label(path, self._known_model), "unauthorized").inc()
+        message = "missing API key" if verdict is None else "invalid API key"
+        await _respond(
+            send,
+            path,
+            401,
+            f"{message}: send 'Authorization: Bearer <key>'",
+            "invalid_api_key",
+            [(b"www-authenticate", b'Bearer realm="nograd"')],
+        )
+
+
+class BodyLimitMiddleware:
+    """Refuse bodies over the limit with 413: by Content-Length before reading a byte, and by
+    counting for chunked uploads, so an oversized body is never buffered whole."""
+
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, metrics: Metrics, known_model: Callable[[str], bool]
+    ) -> None:
+        self.app = app
+        self._max = max_bytes
+        self._metrics = metrics
+        self._known_model = known_model
+
+    async def _too_large(self, scope: Scope, send: Send) -> None:
+        path = scope["path"]
+        self._metrics.rejected.labels(model_label(path, self._known_model), "too_large").inc()
+        await _respond(
+            send,
+            path,
+            413,
+            f"request body exceeds the limit of {self._max} bytes (NOGRAD_MAX_REQUEST_BYTES)",
+            "request_too_large",
+            [(b"connection", b"close")],
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if length is not None:
+            try:
+                declared = int(length)
+            except ValueError:
+                declared = -1
+            if declared > self._max:
+                await self._too_large(scope, send)
+                return
+            if declared >= 0:
+                await self.app(scope, receive, send)
+                return
+        # No usable Content-Length (chunked): read up to the limit, then replay the body.
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                await self.app(scope, _replay([message], receive), send)
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self._max:
+                await self._too_large(scope, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        whole: Message = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        await self.app(scope, _replay([whole], receive), send)
+
+
+def _replay(messages: list[Message], receive: Receive) -> Receive:
+    pending = list(messages)
+
+    async def replay() -> Message:
+        if pending:
+            return pending.pop(0)
+        return await receive()
+
+    return replay
+
+
+class StartTimeMiddleware:
+    """Stamps when a request entered the app, so latency metrics include parsing, routing and
+    event-loop waits, not only the route's own work."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope.setdefault("state", {})[STARTED_KEY] = time.perf_counter()
+        await self.app(scope, receive, send)

@@ -1,0 +1,185 @@
+"""Running the app under uvicorn with a graceful drain on SIGTERM.
+
+On the first SIGTERM nograd turns not-ready at once and refuses new inference with 503 while it
+keeps listening, so load balancers and clients see a clear answer instead of a refused
+connection; every accepted request finishes; then uvicorn shuts down. The whole drain is bounded
+by ``NOGRAD_DRAIN_TIMEOUT_S``. A second signal (SIGTERM or Ctrl+C) exits at once, cutting the
+requests still in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import signal
+import socket
+import time
+from collections.abc import Callable
+from types import FrameType
+
+import uvicorn
+from fastapi import FastAPI
+from prometheus_client import start_http_server
+
+from nograd.http.app import create_app
+from nograd.serving.dataplane import DataPlane
+from nograd.settings import Settings
+from nograd.supervisor.workers import Handoff
+
+logger = logging.getLogger(__name__)
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        plane: DataPlane,
+        drain_timeout_s: float,
+        handoff: Handoff | None = None,
+    ) -> None:
+        super().__init__(config)
+        self._plane = plane
+        self._drain_timeout_s = drain_timeout_s
+        self._drain_task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._handoff = handoff
+        self._signals = 0
+        self._adopting: set[asyncio.Task[None]] = set()
+        self._create_protocol: Callable[[], asyncio.Protocol] = asyncio.Protocol
+        """Builds uvicorn's protocol for a handed-over connection (set at start-up)."""
+
+    async def serve(self, sockets: list[object] | None = None) -> None:  # type: ignore[override]
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)  # type: ignore[arg-type]
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        if self._handoff is None:
+            await super().startup(sockets)
+            return
+        # A worker listens on nothing (an empty list keeps uvicorn from binding the port): its
+        # connections come from the supervisor, accepted there and passed over the channel.
+        await super().startup([])
+        loop = self._loop
+        assert loop is not None  # set by serve()
+        protocol = _counting(self.config.http_protocol_class, self._handoff.closed)
+        config, state = self.config, self.server_state
+
+        def create_protocol() -> asyncio.Protocol:
+            return protocol(  # type: ignore[call-arg]
+                config=config, server_state=state, app_state=self.lifespan.state, _loop=loop
+            )
+
+        self._create_protocol = create_protocol
+        loop.add_reader(self._handoff.channel.fileno(), self._receive)
+
+    def _receive(self) -> None:
+        """Take every connection waiting in the channel and serve each like an accepted one."""
+        assert self._handoff is not None and self._loop is not None
+        channel = self._handoff.channel
+        while True:
+            try:
+                message, fds, _, _ = socket.recv_fds(channel, 1, 1)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                message, fds = b"", []
+            if not message and not fds:  # the supervisor is gone: nothing more will come
+                self._loop.remove_reader(channel.fileno())
+                return
+            for fd in fds:
+                task = self._loop.create_task(self._adopt(socket.socket(fileno=fd)))
+                self._adopting.add(task)
+                task.add_done_callback(self._adopting.discard)
+
+    async def _adopt(self, conn: socket.socket) -> None:
+        assert self._handoff is not None and self._loop is not None
+        try:
+            await self._loop.connect_accepted_socket(self._create_protocol, conn)
+        except OSError as exc:  # the client left before it could be served
+            logger.debug("a handed-over connection failed: %s", exc)
+            conn.close()
+            self._handoff.closed.value += 1
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self._handoff is not None and self._loop is not None:
+            # No new connections from here on; the supervisor hands them to the other workers.
+            with contextlib.suppress(ValueError, OSError):
+                self._loop.remove_reader(self._handoff.channel.fileno())
+            self._handoff.channel.close()
+        await super().shutdown(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self._signals += 1
+        if self._signals > 1:
+            # A second signal means "now": uvicorn's own shutdown would still wait for open
+            # connections and the models' queues; requests still in flight are cut.
+            logger.info("%s again: exiting without waiting", signal.Signals(sig).name)
+            self.force_exit = True
+            self.should_exit = True
+            return
+        if sig == signal.SIGTERM and self._loop is not None and self._drain_timeout_s > 0:
+            self._loop.call_soon_threadsafe(self._start_drain)
+            return
+        super().handle_exit(sig, frame)
+
+    def _start_drain(self) -> None:
+        # Scheduled once (the first signal); the reference keeps the task alive.
+        self._drain_task = asyncio.create_task(self._drain(), name="drain")
+
+    async def _drain(self) -> None:
+        # Whatever happens while draining, the process must still exit: should_exit is set in
+        # finally, so a failure here can never leave a server that ignored its SIGTERM.
+        started = time.monotonic()
+        idle = False
+        try:
+            self._plane.begin_drain()
+            logger.info("SIGTERM: draining (not ready, refusing new requests)")
+            idle = await self._plane.wait_idle(self._drain_timeout_s)
+        finally:
+            logger.info(
+                "drain finished in %.2fs%s; shutting down",
+                time.monotonic() - started,
+                "" if idle else " with work still in flight",
+            )
+            self.should_exit = True
+
+
+def _counting(base: type[asyncio.Protocol], closed: ctypes.c_longlong) -> type[asyncio.Protocol]:
+    """``base`` that counts its closed connections, so the supervisor knows which worker has
+    the fewest open."""
+
+    def connection_lost(self: asyncio.Protocol, exc: Exception | None) -> None:
+        try:
+            base.connection_lost(self, exc)
+        finally:
+            closed.value += 1
+
+    return type(f"Counted{base.__name__}", (base,), {"connection_lost": connection_lost})
+
+
+def build_server(
+    settings: Settings, app: FastAPI | None = None, *, handoff: Handoff | None = None
+) -> DrainingServer:
+    app = app or create_app(settings)
+    plane = app.state.dataplane
+    assert isinstance(plane, DataPlane)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=max(1, int(settings.drain_timeout_s)),
+    )
+    return DrainingServer(config, plane, settings.drain_timeout_s, handoff)
+
+
+def serve(settings: Settings) -> None:
+    app = create_app(settings)
+    if settings.metrics_port is not None:
+        start_http_server(settings.metrics_port, settings.host, app.state.metrics.exposition)
+        logger.info("metrics also served on port %d", settings.metrics_port)
+    build_server(settings, app).run()

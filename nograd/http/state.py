@@ -1,0 +1,20 @@
+"""Typed access to what the app holds, so routes never reach into ``app.state`` untyped."""
+
+from __future__ import annotations
+
+from fastapi import Request
+
+from nograd.observability.metrics import Metrics
+from nograd.serving.dataplane import DataPlane
+
+
+def dataplane_of(request: Request) -> DataPlane:
+    plane = request.app.state.dataplane
+    assert isinstance(plane, DataPlane)
+    return plane
+
+
+def metrics_of(request: Request) -> Metrics:
+    metrics = request.app.state.metrics
+    assert isinstance(metrics, Metrics)
+    return metrics

@@ -1,0 +1,267 @@
+"""Open Inference Protocol (KServe V2) REST routes: thin; decode, call the data plane, encode."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, Request, Response
+from fastapi.concurrency import run_in_threadpool
+
+from nograd import __version__
+from nograd.http.errors import error_body, error_headers
+from nograd.http.exchange import Call, Incoming, Reply, adopt_request_id, run_call
+from nograd.http.state import dataplane_of, metrics_of
+from nograd.observability.metrics import Metrics
+from nograd.protocol import binary
+from nograd.protocol.v2 import (
+    DecodeError,
+    InferRequest,
+    decode_body,
+    dumps,
+    encode_outputs,
+    select_outputs,
+)
+from nograd.protocol.v2_schemas import (
+    ERROR_RESPONSES,
+    INFER_REQUEST_BODY,
+    InferResponse,
+    LiveResponse,
+    ModelMetadata,
+    ModelReadyResponse,
+    ReadyResponse,
+    ServerMetadata,
+    StatisticsResponse,
+)
+from nograd.serving.dataplane import DataPlane, ServedModel
+
+logger = logging.getLogger(__name__)
+router = APIRouter(prefix="/v2", tags=["Open Inference Protocol"])
+PROTOCOL = "v2"
+EXTENSIONS = ["binary_tensor_data", "model_repository_readonly", "statistics"]
+# Decoding a large JSON body takes milliseconds of CPU; past this size it leaves the event loop.
+_OFFLOAD_DECODE_BYTES = 64 * 1024
+
+
+def json_response(document: Any, status: int = 200) -> Response:
+    return Response(content=dumps(document), status_code=status, media_type="application/json")
+
+
+@router.get("", response_model=ServerMetadata, summary="Server metadata")
+async def server_metadata() -> ServerMetadata:
+    return ServerMetadata(name="nograd", version=__version__, extensions=EXTENSIONS)
+
+
+@router.get("/health/live", response_model=LiveResponse, summary="Liveness")
+async def live() -> LiveResponse:
+    return LiveResponse(live=True)
+
+
+@router.get(
+    "/health/ready",
+    response_model=ReadyResponse,
+    summary="Readiness: every model loaded and serving",
+    responses={503: {"model": ReadyResponse, "description": "Not ready"}},
+)
+async def ready(request: Request) -> Response:
+    is_ready = dataplane_of(request).ready()
+    return json_response({"ready": is_ready}, 200 if is_ready else 503)
+
+
+def _statistics(plane: DataPlane, models: list[ServedModel]) -> StatisticsResponse:
+    return StatisticsResponse.model_validate(
+        {"model_stats": [plane.statistics.of(m.name).document(m.name, m.version) for m in models]}
+    )
+
+
+@router.get(
+    "/models/stats",
+    response_model=StatisticsResponse,
+    summary="Statistics of every model (statistics extension)",
+)
+async def all_statistics(request: Request) -> StatisticsResponse:
+    plane = dataplane_of(request)
+    return _statistics(plane, list(plane.models.values()))
+
+
+@router.get(
+    "/models/{name}/stats",
+    response_model=StatisticsResponse,
+    summary="Model statistics (statistics extension)",
+    responses=ERROR_RESPONSES,
+)
+async def model_statistics(request: Request, name: str) -> StatisticsResponse:
+    plane = dataplane_of(request)
+    return _statistics(plane, [plane.get(name)])
+
+
+@router.get(
+    "/models/{name}/versions/{version}/stats",
+    response_model=StatisticsResponse,
+    summary="Model version statistics (statistics extension)",
+    responses=ERROR_RESPONSES,
+)
+async def model_version_statistics(request: Request, name: str, version: str) -> StatisticsResponse:
+    plane = dataplane_of(request)
+    return _statistics(plane, [plane.get(name, version)])
+
+
+def _metadata(model: ServedModel) -> ModelMetadata:
+    config = model.config
+    return ModelMetadata.model_validate(
+        {
+            "name": config.name,
+            "versions": [config.version],
+            "platform": config.platform,
+            "inputs": [
+                {"name": s.name, "datatype": s.datatype, "shape": [-1, *s.shape]}
+                for s in config.inputs
+            ],
+            "outputs": [
+                {"name": s.name, "datatype": s.datatype, "shape": [-1, *s.shape]}
+                for s in config.outputs
+            ],
+        }
+    )
+
+
+@router.get(
+    "/models/{name}",
+    response_model=ModelMetadata,
+    summary="Model metadata",
+    responses=ERROR_RESPONSES,
+)
+async def model_metadata(request: Request, name: str) -> ModelMetadata:
+    return _metadata(dataplane_of(request).get(name))
+
+
+@router.get(
+    "/models/{name}/versions/{version}",
+    response_model=ModelMetadata,
+    summary="Model version metadata",
+    responses=ERROR_RESPONSES,
+)
+async def model_version_metadata(request: Request, name: str, version: str) -> ModelMetadata:
+    return _metadata(dataplane_of(request).get(name, version))
+
+
+def _model_ready(request: Request, name: str, version: str | None) -> Response:
+    model = dataplane_of(request).get(name, version)
+    return json_response({"name": model.name, "ready": model.ready}, 200 if model.ready else 503)
+
+
+@router.get(
+    "/models/{name}/ready",
+    response_model=ModelReadyResponse,
+    summary="Model readiness",
+    responses={**ERROR_RESPONSES, 503: {"model": ModelReadyResponse}},
+)
+async def model_ready(request: Request, name: str) -> Response:
+    return _model_ready(request, name, None)
+
+
+@router.get(
+    "/models/{name}/versions/{version}/ready",
+    response_model=ModelReadyResponse,
+    summary="Model version readiness",
+    responses={**ERROR_RESPONSES, 503: {"model": ModelReadyResponse}},
+)
+async def model_version_ready(request: Request, name: str, version: str) -> Response:
+    return _model_ready(request, name, version)
+
+
+async def _decode(incoming: Incoming) -> InferRequest:
+    encoding = incoming.headers.get("content-encoding", "identity").strip().lower()
+    if encoding != "identity":
+        raise DecodeError(f"Content-Encoding {encoding!r} is not supported; send the body as is")
+    body = await incoming.body()
+    header_length = incoming.headers.get(binary.HEADER_LENGTH.lower())
+    if len(body) > _OFFLOAD_DECODE_BYTES:
+        return await run_in_threadpool(decode_body, body, header_length)
+    return decode_body(body, header_length)
+
+
+def _timeout_s(parameters: Mapping[str, Any]) -> float | None:
+    """Triton's per-request ``timeout`` parameter, in microseconds; 0 or absent: the default."""
+    value = parameters.get("timeout")
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise DecodeError(f"parameter 'timeout' must be a non-negative integer (µs), got {value!r}")
+    return value / 1e6 if value else None
+
+
+def _infer_reply(
+    model: ServedModel, decoded: InferRequest, outputs: Mapping[str, np.ndarray]
+) -> Reply:
+    """JSON, or with any binary output JSON + raw bytes and ``Inference-Header-Content-Length``."""
+    selected = select_outputs(list(outputs), decoded.outputs, decoded.parameters)
+    tensors, chunks = encode_outputs(outputs, selected)
+    document: dict[str, Any] = {
+        "model_name": model.name,
+        "model_version": model.version,
+        "outputs": tensors,
+    }
+    if decoded.id is not None:
+        document["id"] = decoded.id
+    header = dumps(document)
+    if not chunks:
+        return Reply(200, header)
+    return Reply(
+        200,
+        binary.join_body(header, chunks),
+        binary.CONTENT_TYPE,
+        [(binary.HEADER_LENGTH, str(len(header)))],
+    )
+
+
+def _error_reply(status: int, exc: Exception) -> Reply:
+    return Reply(status, error_body(str(exc)), headers=error_headers(status))
+
+
+async def infer_call(
+    incoming: Incoming, plane: DataPlane, metrics: Metrics, name: str, version: str | None
+) -> Reply:
+    """One V2 inference call; served by ``nograd.http.direct`` ahead of the router, and by the
+    routes."""
+
+    async def work(call: Call) -> Reply:
+        if name in plane.models:
+            call.model = name
+        decoded = await _decode(incoming)
+        adopt_request_id(call, decoded.id)
+        timeout = _timeout_s(decoded.parameters) or call.timeout_s
+        model, outputs = await plane.infer(name, version, decoded.inputs, timeout_s=timeout)
+        return _infer_reply(model, decoded, outputs)
+
+    return await run_call(incoming, metrics, PROTOCOL, work, _error_reply)
+
+
+async def _routed_infer(request: Request, name: str, version: str | None) -> Response:
+    incoming = Incoming(request.scope, request.receive)
+    reply = await infer_call(incoming, dataplane_of(request), metrics_of(request), name, version)
+    return reply.response()
+
+
+@router.post(
+    "/models/{name}/infer",
+    response_model=InferResponse,
+    summary="Inference",
+    openapi_extra=INFER_REQUEST_BODY,
+    responses=ERROR_RESPONSES,
+)
+async def infer(request: Request, name: str) -> Response:
+    return await _routed_infer(request, name, None)
+
+
+@router.post(
+    "/models/{name}/versions/{version}/infer",
+    response_model=InferResponse,
+    summary="Inference on a model version",
+    openapi_extra=INFER_REQUEST_BODY,
+    responses=ERROR_RESPONSES,
+)
+async def infer_version(request: Request, name: str, version: str) -> Response:
+    return await _routed_infer(request, name, version)

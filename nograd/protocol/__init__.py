@@ -1,0 +1,2 @@
+"""Wire formats as pure codecs: the Open Inference Protocol (JSON and binary tensors) and its
+schemas."""

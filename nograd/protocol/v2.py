@@ -1,0 +1,292 @@
+"""Open Inference Protocol (KServe V2) tensors <-> numpy, with errors that name the problem.
+
+JSON tensors here; tensors in the binary part of a body (the binary tensor data extension) are
+decoded and encoded by ``nograd.protocol.binary`` and assembled here. Decoding is strict: a tensor
+whose
+data does not match its declared datatype or shape is a client error (400), never something numpy
+silently casts or truncates.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import numpy as np
+import orjson
+
+from nograd.core.datatypes import NUMPY_DTYPES, datatype_of
+from nograd.protocol import binary
+
+
+class DecodeError(ValueError):
+    """A request the protocol does not allow; the message names the field and the problem."""
+
+
+@dataclass(frozen=True)
+class RequestedOutput:
+    name: str
+    binary: bool = False
+
+
+@dataclass(frozen=True)
+class InferRequest:
+    id: str | None
+    inputs: dict[str, np.ndarray]
+    outputs: tuple[RequestedOutput, ...]
+    parameters: Mapping[str, Any]
+
+
+_MAX_DIMS = 32
+_MAX_ELEMENTS = 2**40
+"""Far beyond any body the server accepts, far below where numpy's sizes overflow."""
+
+_KINDS = {
+    "BOOL": ("b",),
+    "INT": ("i", "u"),
+    "UINT": ("i", "u"),
+    "FP": ("i", "u", "f"),
+}
+
+
+def parse_json(body: bytes | memoryview) -> Any:
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise DecodeError(f"malformed JSON: {exc}") from exc
+
+
+def decode_body(body: bytes, header_length: str | None) -> InferRequest:
+    """A whole request body: JSON, or with ``Inference-Header-Content-Length`` JSON + binary."""
+    try:
+        header, data = binary.split_body(body, header_length)
+        reader = None
+        if header_length is not None:
+            # torch refuses read-only memory and a bytes body is read-only: one copy of the binary
+            # part, after which every fixed-size input is a view of it.
+            reader = binary.BinaryReader(memoryview(bytearray(data)))
+        request = decode_request(parse_json(header), reader)
+        if reader is not None:
+            reader.finish()
+    except binary.BinaryFormatError as exc:
+        raise DecodeError(str(exc)) from exc
+    return request
+
+
+def decode_request(document: Any, reader: binary.BinaryReader | None = None) -> InferRequest:
+    """Validate the request document and decode every input tensor, JSON or binary."""
+    if not isinstance(document, dict):
+        raise DecodeError("request body must be a JSON object")
+    raw_inputs = document.get("inputs")
+    if not isinstance(raw_inputs, list) or not raw_inputs:
+        raise DecodeError("field 'inputs' must be a non-empty list of tensors")
+    inputs: dict[str, np.ndarray] = {}
+    for index, raw in enumerate(raw_inputs):
+        name, array = decode_tensor(raw, f"inputs[{index}]", reader)
+        if name in inputs:
+            raise DecodeError(f"input {name!r} appears twice")
+        inputs[name] = array
+    request_id = document.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise DecodeError("field 'id' must be a string")
+    parameters = _parameters(document.get("parameters"), "parameters")
+    return InferRequest(
+        request_id, inputs, _requested_outputs(document.get("outputs"), parameters), parameters
+    )
+
+
+def _parameters(raw: Any, where: str) -> Mapping[str, Any]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise DecodeError(f"field '{where}' must be an object")
+    return raw
+
+
+def _requested_outputs(raw: Any, parameters: Mapping[str, Any]) -> tuple[RequestedOutput, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise DecodeError("field 'outputs' must be a list")
+    default_binary = bool(parameters.get("binary_data_output", False))
+    requested: list[RequestedOutput] = []
+    for index, item in enumerate(raw):
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise DecodeError(f"field 'outputs[{index}].name' must be a string")
+        params = _parameters(item.get("parameters"), f"outputs[{index}].parameters")
+        if "classification" in params:
+            raise DecodeError(
+                f"output {item['name']!r}: the classification extension is not supported"
+            )
+        requested.append(
+            RequestedOutput(item["name"], bool(params.get("binary_data", default_binary)))
+        )
+    return tuple(requested)
+
+
+def decode_shape(raw: Any, where: str) -> tuple[int, ...]:
+    if not isinstance(raw, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in raw
+    ):
+        raise DecodeError(f"field '{where}.shape' must be a list of non-negative integers")
+    # numpy cannot even describe an empty array whose other dimensions overflow its index type,
+    # nor more than 32 dimensions (numpy 1.x); either is a client error, never a crash.
+    if len(raw) > _MAX_DIMS or math.prod(d for d in raw if d) > _MAX_ELEMENTS:
+        raise DecodeError(f"field '{where}.shape' {raw} is too large")
+    return tuple(raw)
+
+
+def decode_tensor(
+    raw: Any, where: str, reader: binary.BinaryReader | None = None
+) -> tuple[str, np.ndarray]:
+    """One tensor: ``{name, shape, datatype, data}`` with flat or nested row-major data, or
+    ``{name, shape, datatype, parameters: {binary_data_size}}`` with its bytes in ``reader``."""
+    if not isinstance(raw, dict):
+        raise DecodeError(f"field '{where}' must be an object")
+    name = raw.get("name")
+    if not isinstance(name, str) or not name:
+        raise DecodeError(f"field '{where}.name' must be a non-empty string")
+    where = f"input {name!r}"
+    shape = decode_shape(raw.get("shape"), where)
+    datatype = raw.get("datatype")
+    if datatype not in NUMPY_DTYPES:
+        raise DecodeError(f"{where}: datatype {datatype!r} is not one of {', '.join(NUMPY_DTYPES)}")
+    size = _parameters(raw.get("parameters"), f"{where}.parameters").get(binary.SIZE_PARAMETER)
+    if size is not None:
+        if "data" in raw:
+            raise DecodeError(f"{where}: has both 'data' and {binary.SIZE_PARAMETER}")
+        if reader is None:
+            raise DecodeError(
+                f"{where}: {binary.SIZE_PARAMETER} given but the request has no binary part "
+                f"(header {binary.HEADER_LENGTH} missing)"
+            )
+        return name, reader.take(size, datatype, shape, where)
+    if "data" not in raw:
+        raise DecodeError(f"{where}: field 'data' is missing")
+    return name, decode_data(raw["data"], datatype, shape, where)
+
+
+def decode_data(data: Any, datatype: str, shape: tuple[int, ...], where: str) -> np.ndarray:
+    expected = math.prod(shape)
+    if datatype == "BYTES":
+        flat = _flatten_bytes(data, where)
+        array = np.empty(len(flat), dtype=np.object_)
+        array[:] = flat
+    else:
+        array = _numeric(data, datatype, where)
+    if array.size != expected:
+        raise DecodeError(
+            f"{where}: shape {list(shape)} needs {expected} elements, data has {array.size}"
+        )
+    return array.reshape(shape)
+
+
+def _numeric(data: Any, datatype: str, where: str) -> np.ndarray:
+    target = NUMPY_DTYPES[datatype]
+    if not isinstance(data, list):
+        data = [data]
+    try:
+        parsed = np.asarray(data)
+    except ValueError as exc:
+        raise DecodeError(f"{where}: data is not a regular array: {exc}") from exc
+    parsed = parsed.reshape(-1)
+    family = "UINT" if datatype.startswith("UINT") else datatype.rstrip("0123456789")
+    if parsed.size and parsed.dtype.kind not in _KINDS[family]:
+        raise DecodeError(f"{where}: data holds {_kind_name(parsed)} values, not {datatype}")
+    if family in ("INT", "UINT") and parsed.size and parsed.dtype.kind in "iu":
+        info = np.iinfo(cast(Any, target))
+        if parsed.min() < info.min or parsed.max() > info.max:
+            raise DecodeError(f"{where}: a value is out of range for {datatype}")
+    with np.errstate(over="ignore"):
+        converted = parsed.astype(target)
+    if family == "FP" and datatype != "FP64" and parsed.size:
+        finite = np.isfinite(converted)
+        # All finite is the common case and needs one pass; otherwise an infinity is only an
+        # overflow when the value sent was finite.
+        if not finite.all() and not np.all(finite | ~np.isfinite(parsed)):
+            raise DecodeError(f"{where}: a value is out of range for {datatype}")
+    return converted
+
+
+def _kind_name(array: np.ndarray) -> str:
+    return {"U": "string", "O": "mixed or null", "f": "fractional", "b": "boolean"}.get(
+        array.dtype.kind, str(array.dtype)
+    )
+
+
+def _flatten_bytes(data: Any, where: str) -> list[bytes]:
+    out: list[bytes] = []
+    stack: list[Any] = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(reversed(item))
+        elif isinstance(item, str):
+            out.append(item.encode("utf-8"))
+        else:
+            raise DecodeError(f"{where}: BYTES data must be strings, got {type(item).__name__}")
+    return out
+
+
+def select_outputs(
+    available: Sequence[str],
+    requested: Sequence[RequestedOutput],
+    parameters: Mapping[str, Any] | None = None,
+) -> list[RequestedOutput]:
+    """The outputs to return: all by default, or the requested subset in the requested order.
+
+    Unrequested outputs are JSON unless the request's ``binary_data_output`` parameter is true.
+    """
+    if not requested:
+        default_binary = bool((parameters or {}).get("binary_data_output", False))
+        return [RequestedOutput(name, default_binary) for name in available]
+    unknown = [r.name for r in requested if r.name not in available]
+    if unknown:
+        raise DecodeError(
+            f"requested output(s) {unknown} not produced; available: {list(available)}"
+        )
+    return list(requested)
+
+
+def encode_tensor(name: str, array: np.ndarray) -> dict[str, Any]:
+    """A JSON output tensor; orjson serialises the numpy data directly without Python lists."""
+    datatype = datatype_of(array)
+    flat = array.reshape(-1)
+    data: Any
+    if datatype == "BYTES":
+        data = [v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v) for v in flat]
+    elif datatype == "FP16":
+        data = flat.astype(np.float32)
+    else:
+        data = np.ascontiguousarray(flat)
+    return {"name": name, "datatype": datatype, "shape": list(array.shape), "data": data}
+
+
+def encode_outputs(
+    outputs: Mapping[str, np.ndarray], selected: Sequence[RequestedOutput]
+) -> tuple[list[dict[str, Any]], list[bytes | memoryview]]:
+    """Output tensors for the response: JSON ones carry ``data``, binary ones a size and bytes."""
+    tensors: list[dict[str, Any]] = []
+    chunks: list[bytes | memoryview] = []
+    for output in selected:
+        array = outputs[output.name]
+        if not output.binary:
+            tensors.append(encode_tensor(output.name, array))
+            continue
+        raw = binary.encode_tensor(array)
+        tensors.append(
+            {
+                "name": output.name,
+                "datatype": datatype_of(array),
+                "shape": list(array.shape),
+                "parameters": {binary.SIZE_PARAMETER: len(raw)},
+            }
+        )
+        chunks.append(raw)
+    return tensors, chunks
+
+
+def dumps(document: Any) -> bytes:
+    return orjson.dumps(document, option=orjson.OPT_SERIALIZE_NUMPY)

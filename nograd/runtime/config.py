@@ -1,0 +1,238 @@
+"""Model configuration files (``models/<name>/config.toml`` or ``config.yaml``).
+
+A malformed config must fail loudly at startup with the file and the field named, because a model
+that silently loads with a wrong shape or batch size is worse than one that does not load.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from nograd.core.datatypes import Datatype
+
+Precision = Literal["fp32", "bf16", "fp16"]
+CompileMode = Literal["default", "reduce-overhead", "max-autotune"]
+CONFIG_NAMES = ("config.toml", "config.yaml", "config.yml")
+_DEVICE_RE = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+class ConfigError(Exception):
+    """A model config that cannot be used; the message names the file and the field."""
+
+
+class TensorSpec(BaseModel):
+    """One input or output, per sample: the batch dimension is implicit and not listed."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1)
+    datatype: Datatype
+    shape: tuple[int, ...]
+    """Per-sample shape; -1 marks a variable dimension (padded when batched)."""
+
+    @field_validator("shape")
+    @classmethod
+    def _dims_valid(cls, shape: tuple[int, ...]) -> tuple[int, ...]:
+        for dim in shape:
+            if dim == 0 or dim < -1:
+                raise ValueError(f"dimension {dim} in shape {list(shape)} must be positive or -1")
+        return shape
+
+
+class ModelConfig(BaseModel):
+    """What nograd needs to serve one model."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    version: str = "1"
+    platform: str = "pytorch"
+    module: str = "model.py"
+    """Python file, inside the model folder, that builds the model."""
+    weights: str | None = "model.safetensors"
+    """Weights file inside the model folder: .safetensors, or .pt/.pth read with weights_only.
+    Empty (``weights = ""``; TOML has no null) when the model's ``build_handler`` loads its own."""
+    inputs: tuple[TensorSpec, ...] = Field(min_length=1)
+    outputs: tuple[TensorSpec, ...] = Field(min_length=1)
+    max_batch_size: int | None = Field(default=None, ge=1, le=65536)
+    max_queue_delay_ms: float | None = Field(default=None, ge=0.0, le=10_000.0)
+    max_queue_size: int | None = Field(default=None, ge=1)
+    device: str = "auto"
+    precision: Precision = "fp32"
+    batch_unit: Literal["samples", "tokens"] = "samples"
+    """Unit of the batch limit: samples, or padded tokens for sequence models."""
+    max_batch_tokens: int | None = Field(default=None, ge=1)
+    """Cap on padded tokens per batch for token-unit models."""
+
+    # Speed levers (nograd/runtime/speed.py; docs/speed.md). Each one is checked against fp32 eager
+    # before it serves, and refused (fp32 eager serves instead) when its outputs drift too far or
+    # it runs slower.
+    autocast: bool = False
+    """With ``precision`` bf16/fp16: run the forward under ``torch.autocast`` (fp32 weights, low
+    precision matmuls) instead of casting the weights and float inputs."""
+    channels_last: bool = False
+    """Convolution models: weights and 4-D float inputs in channels-last (NHWC) memory order,
+    the layout oneDNN's CPU convolutions (and GPU tensor cores) run fastest on. A model that
+    reshapes feature maps with ``.view`` fails in this layout and is refused (fp32 eager serves)."""
+    compile: bool = False
+    """``torch.compile`` the model during warmup (every bucket, or dynamic shapes, once)."""
+    compile_mode: CompileMode = "default"
+    """torch.compile mode: default, reduce-overhead (CUDA graphs inside inductor), max-autotune."""
+    compile_buckets: tuple[int, ...] | None = None
+    """Batch sizes (rows) to pad every batch to, ascending: fixed shapes, compiled (and captured)
+    once each, so traffic never triggers a recompile; batches above the largest run in chunks.
+    Unset with ``compile``: dynamic shapes (``dynamic=True``), no padding."""
+    compile_length_buckets: tuple[int, ...] | None = None
+    """Token models: sequence lengths to pad to, ascending; required with ``compile_buckets``."""
+    cuda_graphs: bool = False
+    """Capture one CUDA graph per bucket after warmup and replay it (CUDA only; needs
+    ``compile_buckets``; ignored with a warning on CPU)."""
+    accuracy_tolerance: float | None = Field(default=None, gt=0.0)
+    """Largest max-abs error of any float output vs fp32 eager; unset: 1e-2 when precision is
+    bf16/fp16, 1e-4 for fp32 with channels-last, compile or CUDA graphs."""
+    min_cosine: float = Field(default=0.999, ge=-1.0, le=1.0)
+    """Smallest per-sample cosine similarity of any float output vs fp32 eager."""
+    min_speedup: float = Field(default=0.9, ge=0.0)
+    """The mode must run the warmup batches at least this many times as fast as fp32 eager on
+    this machine, timed at load, or it is refused: bf16 that is 2x faster on a CPU with native bf16
+    can be 7x slower on one without. The default leaves room for timing noise (a mode as fast as
+    fp32 eager serves); 0 turns the check off, for a mode wanted for its memory, not its speed."""
+    accuracy_sample: str | None = None
+    """A V2 inference request body (JSON) inside the model folder, e.g. ``sample.json``: real
+    inputs the accuracy check compares on too, as synthetic ones may miss the model's real range."""
+
+    @field_validator("name")
+    @classmethod
+    def _name_valid(cls, name: str) -> str:
+        if not _NAME_RE.match(name):
+            raise ValueError(f"model name {name!r} must match {_NAME_RE.pattern}")
+        return name
+
+    @field_validator("version", mode="before")
+    @classmethod
+    def _version_text(cls, value: object) -> object:
+        return str(value) if isinstance(value, int) else value
+
+    @field_validator("device")
+    @classmethod
+    def _device_valid(cls, device: str) -> str:
+        if not _DEVICE_RE.match(device):
+            raise ValueError(f"device {device!r} must be cpu, cuda, cuda:N or auto")
+        return device
+
+    @field_validator("weights", mode="before")
+    @classmethod
+    def _empty_weights_none(cls, value: object) -> object:
+        return None if value == "" else value
+
+    @field_validator("module", "weights", "accuracy_sample")
+    @classmethod
+    def _inside_folder(cls, value: str | None) -> str | None:
+        if value is not None and (Path(value).is_absolute() or ".." in Path(value).parts):
+            raise ValueError(f"path {value!r} must be relative and stay inside the model folder")
+        return value
+
+    @field_validator("compile_buckets", "compile_length_buckets")
+    @classmethod
+    def _buckets_ascending(cls, buckets: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if buckets is None:
+            return None
+        if not buckets:
+            raise ValueError("must list at least one size (or be left out)")
+        if any(size < 1 for size in buckets):
+            raise ValueError(f"sizes must be positive, got {list(buckets)}")
+        if any(a >= b for a, b in itertools.pairwise(buckets)):
+            raise ValueError(f"sizes must be strictly ascending, got {list(buckets)}")
+        return buckets
+
+    @model_validator(mode="after")
+    def _names_unique(self) -> ModelConfig:
+        for kind, specs in (("inputs", self.inputs), ("outputs", self.outputs)):
+            names = [spec.name for spec in specs]
+            if len(names) != len(set(names)):
+                raise ValueError(f"{kind} names must be unique, got {names}")
+        return self
+
+    @model_validator(mode="after")
+    def _speed_levers_consistent(self) -> ModelConfig:
+        # Each message names the field to change, as every config error does.
+        if self.autocast and self.precision == "fp32":
+            raise ValueError("field 'autocast': needs precision bf16 or fp16, got fp32")
+        fixed = self.compile_buckets is not None or self.compile_length_buckets is not None
+        if fixed and not (self.compile or self.cuda_graphs):
+            raise ValueError(
+                "field 'compile_buckets': fixed shapes only apply with compile = true or "
+                "cuda_graphs = true"
+            )
+        if self.compile_mode != "default" and not self.compile:
+            raise ValueError(f"field 'compile_mode': {self.compile_mode!r} needs compile = true")
+        tokens = self.batch_unit == "tokens"
+        if self.compile_length_buckets is not None and not tokens:
+            raise ValueError(
+                "field 'compile_length_buckets': only for batch_unit = \"tokens\" models"
+            )
+        if (
+            tokens
+            and fixed
+            and (self.compile_buckets is None or self.compile_length_buckets is None)
+        ):
+            raise ValueError(
+                "field 'compile_buckets': a token model with fixed shapes needs both "
+                "compile_buckets and compile_length_buckets"
+            )
+        if self.cuda_graphs and self.compile_buckets is None:
+            raise ValueError("field 'cuda_graphs': needs compile_buckets (fixed batch shapes)")
+        if self.cuda_graphs and self.compile_mode == "reduce-overhead":
+            raise ValueError(
+                "field 'cuda_graphs': compile_mode 'reduce-overhead' already captures CUDA "
+                "graphs; use one or the other"
+            )
+        largest = self.compile_buckets[-1] if self.compile_buckets else None
+        if (
+            largest is not None
+            and self.max_batch_size is not None
+            and (largest > self.max_batch_size)
+        ):
+            raise ValueError(
+                f"field 'compile_buckets': largest bucket {largest} exceeds max_batch_size "
+                f"{self.max_batch_size}"
+            )
+        return self
+
+
+def find_config(model_dir: Path) -> Path | None:
+    """The config file of a model folder, or None when the folder holds no model."""
+    for name in CONFIG_NAMES:
+        candidate = model_dir / name
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def load_config(path: Path) -> ModelConfig:
+    """Parse and validate one config file; every error names ``path`` and the field."""
+    try:
+        text = path.read_text(encoding="utf-8")
+        raw = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: cannot parse: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a table of settings at the top level")
+    raw.setdefault("name", path.parent.name)
+    try:
+        return ModelConfig.model_validate(raw)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"field '{'.'.join(str(p) for p in err['loc']) or '<root>'}': {err['msg']}"
+            + (f" (got {err['input']!r})" if err["type"] != "missing" else "")
+            for err in exc.errors()
+        )
+        raise ConfigError(f"{path}: {problems}") from exc

@@ -1,0 +1,109 @@
+"""Loading a model folder safely: its code from inside the repository, weights without pickle."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Protocol, cast
+
+import torch
+from safetensors.torch import load_file
+
+from nograd.runtime.config import ModelConfig
+from nograd.runtime.handler import ModelHandler
+
+logger = logging.getLogger(__name__)
+
+
+class LoadError(Exception):
+    """A model that cannot be served; the message says which file and why."""
+
+
+class _HandlerFactory(Protocol):
+    def __call__(
+        self, model_dir: Path, config: ModelConfig, device: torch.device
+    ) -> ModelHandler: ...
+
+
+def inside(root: Path, path: Path) -> Path:
+    """Resolve ``path`` and refuse it when it leaves ``root`` (symlinks included)."""
+    resolved = path.resolve()
+    if not resolved.is_relative_to(root.resolve()):
+        raise LoadError(f"{path} resolves outside the model repository {root}")
+    return resolved
+
+
+def import_model_module(repository: Path, model_dir: Path, config: ModelConfig) -> ModuleType:
+    """Import the model's code by file path under a private name, never from the network."""
+    path = inside(repository, model_dir / config.module)
+    if not path.is_file():
+        raise LoadError(f"{path}: model code not found (field 'module')")
+    name = f"nograd_models.{config.name}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise LoadError(f"{path}: cannot import")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        sys.modules.pop(name, None)
+        raise LoadError(f"{path}: import failed: {exc}") from exc
+    return module
+
+
+def load_weights(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
+    """Safetensors, or a torch checkpoint read with ``weights_only=True``: never plain pickle."""
+    if not path.is_file():
+        raise LoadError(f"{path}: weights file not found (field 'weights')")
+    if path.suffix == ".safetensors":
+        return load_file(str(path), device=str(device))
+    if path.suffix in (".pt", ".pth", ".bin"):
+        try:
+            state = torch.load(path, map_location=device, weights_only=True)
+        except Exception as exc:
+            raise LoadError(f"{path}: not a weights-only checkpoint: {exc}") from exc
+        if not isinstance(state, dict):
+            raise LoadError(f"{path}: expected a state dict, got {type(state).__name__}")
+        return cast(dict[str, torch.Tensor], state)
+    raise LoadError(f"{path}: weights must be .safetensors, .pt or .pth")
+
+
+def build_handler(
+    repository: Path, model_dir: Path, config: ModelConfig, device: torch.device
+) -> ModelHandler:
+    """Build the model, load its weights, move it to its device (fp32), set eval mode."""
+    code = import_model_module(repository, model_dir, config)
+    factory = getattr(code, "build_handler", None)
+    if factory is not None:
+        handler = cast(_HandlerFactory, factory)(model_dir, config, device)
+    else:
+        build = getattr(code, "build", None)
+        if build is None:
+            raise LoadError(f"{model_dir / config.module}: defines neither build nor build_handler")
+        module = build(model_dir)
+        if not isinstance(module, torch.nn.Module):
+            raise LoadError(f"{model_dir / config.module}: build() returned {type(module)}")
+        if config.weights is not None:
+            state = load_weights(inside(repository, model_dir / config.weights), device)
+            try:
+                module.load_state_dict(state, strict=True)
+            except RuntimeError as exc:
+                raise LoadError(f"{model_dir / config.weights}: {exc}") from exc
+        handler = ModelHandler(module, config, device)
+    handler.module.to(device)
+    # Weights stay fp32 here: ``precision`` is a speed lever (nograd/runtime/speed.py) that casts
+    # only after comparing its outputs with this fp32 eager model.
+    handler.module.eval()
+    for parameter in handler.module.parameters():
+        parameter.requires_grad_(False)
+    return handler
+
+
+def weights_bytes(module: torch.nn.Module) -> int:
+    """Bytes held by parameters and buffers: what the model costs before any batch."""
+    tensors = [*module.parameters(), *module.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)

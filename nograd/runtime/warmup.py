@@ -1,0 +1,44 @@
+"""Warmup: the first forwards pay for lazy initialisation (kernels, allocator pools, thread pools),
+so they run before a model reports ready instead of on a user's request."""
+
+from __future__ import annotations
+
+import logging
+
+from nograd.runtime.handler import ModelHandler, TorchRunner
+from nograd.runtime.memory import is_out_of_memory
+
+logger = logging.getLogger(__name__)
+
+
+def warmup_shapes(handler: ModelHandler, limit: int) -> list[tuple[int, int]]:
+    """A few (rows, length) pairs spanning the batch range the model will see."""
+    if handler.config.batch_unit == "tokens":
+        lengths = sorted({8, 32, 128})
+        return [(rows, length) for length in lengths for rows in (1, 8) if rows * length <= limit]
+    sizes = sorted({1, min(8, limit), limit})
+    return [(rows, 1) for rows in sizes]
+
+
+def warm_up(handler: ModelHandler, limit: int, rounds: int = 2) -> None:
+    """Run the warmup shapes; a batch that runs out of memory is skipped, not fatal.
+
+    Running out of memory at a large warmup batch says the configured cap is too high for the
+    device, which the memory plan and the batcher's OOM recovery handle; only a single sample
+    that cannot run makes the model unservable.
+    """
+    runner = TorchRunner(handler)
+    for _ in range(rounds):
+        for rows, length in warmup_shapes(handler, limit):
+            try:
+                runner.run_batch([handler.example(rows, length)])
+            except Exception as exc:
+                if rows == 1 or not is_out_of_memory(exc):
+                    raise
+                runner.release_memory()
+                logger.warning(
+                    "model %s: warmup batch of %d rows ran out of memory; skipped",
+                    handler.config.name,
+                    rows,
+                )
+    logger.debug("model %s warmed up", handler.config.name)

@@ -1,0 +1,1 @@
+"""The serving core every transport calls: the data plane over the loaded models."""

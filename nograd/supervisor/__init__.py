@@ -1,0 +1,1 @@
+"""The process supervisor: worker plan, socket hand-off and restarts. Imports no torch."""

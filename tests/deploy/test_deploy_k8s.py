@@ -1,0 +1,247 @@
+"""deploy/k8s: core objects pass the Kubernetes schema; KServe and adapter objects hang together.
+
+kubernetes-validate checks Deployment, Service, HPA and ConfigMap against the API's OpenAPI schema
+(strict: an unknown or misspelt field fails). It has no schemas for CRDs (KServe, PodMonitor), so
+those are checked for the structure KServe needs, and their containers are validated as a Pod.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from nograd.settings import Settings
+from nograd.supervisor.workers import auto_workers
+from tests.prometheus_tools import ROOT, exported_metric_names, promql_metric_names
+
+K8S = ROOT / "deploy" / "k8s"
+# The oldest Kubernetes we claim (autoscaling/v2 is GA since 1.23; 1.29 is still widely run) and
+# the newest the validator knows.
+KUBERNETES_VERSIONS = ("1.29.0", kubernetes_validate.utils.latest_version())
+CORE_KINDS = {"Deployment", "Service", "HorizontalPodAutoscaler", "ConfigMap"}
+DEFAULT_DRAIN_TIMEOUT_S = float(Settings.model_fields["drain_timeout_s"].default)
+"""NOGRAD_DRAIN_TIMEOUT_S's default, which applies where a manifest does not set it."""
+
+
+def _documents(path: Path) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def _all_objects() -> list[tuple[Path, dict[str, Any]]]:
+    return [
+        (path, doc)
+        for path in sorted(K8S.rglob("*.yaml"))
+        if path.name != "kustomization.yaml"
+        for doc in _documents(path)
+    ]
+
+
+def _one(kind: str, path: Path) -> dict[str, Any]:
+    (doc,) = [d for d in _documents(path) if d["kind"] == kind]
+    return doc
+
+
+def _env(container: dict[str, Any]) -> dict[str, Any]:
+    return {item["name"]: item.get("value", item.get("valueFrom")) for item in container["env"]}
+
+
+DEPLOYMENTS = [K8S / "deployment.yaml", K8S / "deployment-gpu.yaml"]
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_core_objects_pass_the_schema(version: str) -> None:
+    checked = set()
+    for path, doc in _all_objects():
+        if doc["kind"] not in CORE_KINDS:
+            continue
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{path.relative_to(ROOT)} {doc['kind']}: {exc.message} at {exc.path}")
+        checked.add(doc["kind"])
+    assert checked == CORE_KINDS
+
+
+def test_kustomization_lists_existing_core_files() -> None:
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    resources = kustomization["resources"]
+    assert {"deployment.yaml", "service.yaml", "hpa.yaml"} <= set(resources)
+    for name in resources:
+        assert (K8S / name).is_file(), name
+
+
+@pytest.mark.parametrize("path", DEPLOYMENTS, ids=lambda p: p.name)
+def test_deployment_probes_and_drain(path: Path) -> None:
+    deployment = _one("Deployment", path)
+    pod = deployment["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    ports = {port["name"]: port["containerPort"] for port in container["ports"]}
+    assert ports == {"http": 8000}
+
+    assert container["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
+    startup = container["startupProbe"]
+    # Model loads and memory profiling are slow: the startup probe must allow minutes.
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 120
+
+    # SIGKILL comes after terminationGracePeriodSeconds, counted from the start of preStop: it
+    # must cover the preStop sleep plus the whole drain.
+    env = _env(container)
+    drain = float(env.get("NOGRAD_DRAIN_TIMEOUT_S", DEFAULT_DRAIN_TIMEOUT_S))
+    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep"
+    pre_stop = float(command[1])
+    assert pod["spec"]["terminationGracePeriodSeconds"] > pre_stop + drain
+
+    assert container["resources"]["requests"]["cpu"]
+    assert container["resources"]["requests"]["memory"]
+    assert container["resources"]["limits"]["memory"]
+    annotations = pod["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert annotations["prometheus.io/port"] == "8000"
+    assert annotations["prometheus.io/path"] == "/metrics"
+
+
+@pytest.mark.parametrize("path", DEPLOYMENTS, ids=lambda p: p.name)
+def test_deployment_env_names_real_settings(path: Path) -> None:
+    """Every NOGRAD_* variable is a Settings field: a typo would be silently ignored otherwise."""
+    (container,) = _one("Deployment", path)["spec"]["template"]["spec"]["containers"]
+    known = {f"NOGRAD_{name.upper()}" for name in Settings.model_fields}
+    unknown = set(_env(container)) - known
+    assert not unknown, f"not Settings fields: {sorted(unknown)}"
+    assert _env(container)["NOGRAD_PORT"] == "8000"
+
+
+@pytest.mark.parametrize("path", DEPLOYMENTS, ids=lambda p: p.name)
+def test_workers_share_the_cpu_quota(path: Path) -> None:
+    """Several workers take their torch threads from the container's CPU quota, batch by batch:
+    a fixed NOGRAD_TORCH_THREADS would give each worker that many and oversubscribe the limit.
+    One worker per GPU: more would hold several copies of the weights on one device."""
+    (container,) = _one("Deployment", path)["spec"]["template"]["spec"]["containers"]
+    env = _env(container)
+    setting = env.get("NOGRAD_WORKERS", Settings.model_fields["workers"].default)
+    gpu = "nvidia.com/gpu" in container["resources"].get("limits", {})
+    limit = str(container["resources"]["limits"]["cpu"])  # "2", or millicores: "1500m"
+    cpus = float(limit[:-1]) / 1000 if limit.endswith("m") else float(limit)
+    # auto plans from the same cgroup quota the pod gets (rounded up, as usable_cores does).
+    threads = env.get("NOGRAD_TORCH_THREADS")
+    fixed = int(threads) if isinstance(threads, str) else None
+    workers = auto_workers(math.ceil(cpus), gpu, fixed)[0] if setting == "auto" else int(setting)
+    if gpu:
+        assert workers == 1
+    else:
+        assert 1 <= workers <= cpus
+    if workers > 1:
+        assert "NOGRAD_TORCH_THREADS" not in env
+
+
+def test_gpu_variant_requests_a_gpu() -> None:
+    spec = _one("Deployment", K8S / "deployment-gpu.yaml")["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert spec["nodeSelector"]
+    assert any(t["key"] == "nvidia.com/gpu" for t in spec["tolerations"])
+
+
+def test_service_targets_the_deployment() -> None:
+    service = _one("Service", K8S / "service.yaml")
+    deployment = _one("Deployment", K8S / "deployment.yaml")
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    (port,) = service["spec"]["ports"]
+    assert port["port"] == 8000
+    assert port["targetPort"] == "http"
+
+
+def test_hpa_scales_on_a_served_custom_metric() -> None:
+    """The HPA's per-pod metric is one the adapter serves, from a metric nograd exports."""
+    hpa = _one("HorizontalPodAutoscaler", K8S / "hpa.yaml")
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    target = hpa["spec"]["scaleTargetRef"]
+    assert (target["kind"], target["name"]) == ("Deployment", "nograd")
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["type"] == "Pods"
+    name = metric["pods"]["metric"]["name"]
+    assert name in {"nograd_queue_depth", "nograd_inflight_requests"}
+
+    adapter = yaml.safe_load(
+        _one("ConfigMap", K8S / "prometheus-adapter.yaml")["data"]["config.yaml"]
+    )
+    served = {rule["name"]["as"]: rule for rule in adapter["rules"]}
+    assert name in served, f"prometheus-adapter serves no {name}"
+    exported = exported_metric_names()
+    for rule in adapter["rules"]:
+        series = promql_metric_names(rule["seriesQuery"])
+        assert series <= exported, f"adapter rule reads {series - exported}"
+        overrides = rule["resources"]["overrides"]
+        assert overrides["pod"]["resource"] == "pod"
+        assert overrides["namespace"]["resource"] == "namespace"
+        assert "<<.Series>>" in rule["metricsQuery"]
+        assert "<<.GroupBy>>" in rule["metricsQuery"]
+
+
+def test_kserve_serving_runtime() -> None:
+    runtime = _one("ServingRuntime", K8S / "kserve" / "servingruntime.yaml")
+    assert runtime["apiVersion"] == "serving.kserve.io/v1alpha1"
+    spec = runtime["spec"]
+    assert "v2" in spec["protocolVersions"]
+    assert spec["supportedModelFormats"]
+    (container,) = spec["containers"]
+    # KServe finds the serving container by this name.
+    assert container["name"] == "kserve-container"
+    assert container["image"].startswith("nograd:")
+    assert [port["containerPort"] for port in container["ports"]] == [8000]
+    env = _env(container)
+    # KServe's storage initializer puts the storageUri's contents in /mnt/models.
+    assert env["NOGRAD_MODEL_REPOSITORY"] == "/mnt/models"
+    assert env["NOGRAD_PORT"] == "8000"
+    known = {f"NOGRAD_{name.upper()}" for name in Settings.model_fields}
+    assert set(env) <= known, f"not Settings fields: {sorted(set(env) - known)}"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_kserve_container_is_a_valid_container(version: str) -> None:
+    """No schema for the CRD here, but its container is a core/v1 Container: validate as a Pod."""
+    runtime = _one("ServingRuntime", K8S / "kserve" / "servingruntime.yaml")
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "servingruntime-container-check"},
+        "spec": {"containers": runtime["spec"]["containers"]},
+    }
+    kubernetes_validate.validate(pod, version, strict=True)
+
+
+def test_kserve_inference_service_uses_the_runtime() -> None:
+    runtime = _one("ServingRuntime", K8S / "kserve" / "servingruntime.yaml")
+    isvc = _one("InferenceService", K8S / "kserve" / "inferenceservice.yaml")
+    assert isvc["apiVersion"] == "serving.kserve.io/v1beta1"
+    assert isvc["metadata"]["name"]
+    predictor = isvc["spec"]["predictor"]
+    model = predictor["model"]
+    assert model["runtime"] == runtime["metadata"]["name"]
+    formats = {f["name"] for f in runtime["spec"]["supportedModelFormats"]}
+    assert model["modelFormat"]["name"] in formats
+    assert model["protocolVersion"] == "v2"
+    assert model["storageUri"]
+    assert predictor["scaleMetric"] == "concurrency"
+    # Knative uses the request timeout as the pod's grace period: it must cover the drain.
+    assert predictor["timeout"] > DEFAULT_DRAIN_TIMEOUT_S
+
+
+def test_podmonitor_scrapes_the_pods() -> None:
+    monitor = _one("PodMonitor", K8S / "podmonitor.yaml")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    deployment = _one("Deployment", K8S / "deployment.yaml")
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert (endpoint["port"], endpoint["path"]) == ("http", "/metrics")
+    # The job label comes from the pod label: "nograd", which the alert rules' up{} matches.
+    assert pod_labels[monitor["spec"]["jobLabel"]] == "nograd"

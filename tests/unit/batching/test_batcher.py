@@ -1,0 +1,489 @@
+"""The batcher driven directly: no HTTP, no torch; a fake runner records every batch it sees."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import pytest
+
+from nograd.batching import (
+    Batcher,
+    BatchLimit,
+    DeadlineExceeded,
+    NullObserver,
+    QueueFull,
+    SampleTooLarge,
+)
+
+
+@dataclass(frozen=True)
+class Rows:
+    values: tuple[int, ...]
+    length: int = 1
+
+    @property
+    def rows(self) -> int:
+        return len(self.values)
+
+    def slice(self, start: int, stop: int) -> Rows:
+        return Rows(self.values[start:stop], self.length)
+
+
+class FakeOOM(Exception):
+    pass
+
+
+class Poison(ValueError):
+    pass
+
+
+class FakeRunner:
+    """Doubles every value; can be slowed, poisoned, or made to 'run out of memory' above a cost."""
+
+    def __init__(
+        self,
+        *,
+        delay_s: float = 0.0,
+        oom_above: int | None = None,
+        poison: int | None = None,
+        unit_tokens: bool = False,
+    ) -> None:
+        self.delay_s = delay_s
+        self.oom_above = oom_above
+        self.poison = poison
+        self.unit_tokens = unit_tokens
+        self.batches: list[list[Rows]] = []
+        self.completed: list[int] = []
+        self.released = 0
+        self.gate: threading.Event | None = None
+        self._lock = threading.Lock()
+
+    def run_batch(self, parts: Sequence[Rows]) -> list[tuple[int, ...]]:
+        with self._lock:
+            self.batches.append(list(parts))
+        if self.gate is not None:
+            self.gate.wait(5)
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        rows = sum(p.rows for p in parts)
+        cost = rows * max(p.length for p in parts) if self.unit_tokens else rows
+        if self.oom_above is not None and cost > self.oom_above:
+            raise FakeOOM(f"cost {cost} > {self.oom_above}")
+        if self.poison is not None and any(self.poison in p.values for p in parts):
+            raise Poison(f"value {self.poison} breaks the model")
+        with self._lock:
+            self.completed.append(cost)
+        return [tuple(v * 2 for v in p.values) for p in parts]
+
+    def concat(self, results: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
+        return tuple(v for r in results for v in r)
+
+    def is_out_of_memory(self, exc: BaseException) -> bool:
+        return isinstance(exc, FakeOOM)
+
+    def release_memory(self) -> None:
+        self.released += 1
+
+
+class CountingObserver(NullObserver):
+    def __init__(self) -> None:
+        self.ooms = 0
+        self.splits = 0
+        self.limits: list[int] = []
+        self.dropped_reasons: list[str] = []
+        self.batch_rows: list[int] = []
+
+    def batch_started(self, rows: int, cost: int, queue_waits: Sequence[float]) -> None:
+        self.batch_rows.append(rows)
+
+    def out_of_memory(self, cost: int) -> None:
+        self.ooms += 1
+
+    def split(self) -> None:
+        self.splits += 1
+
+    def limit_changed(self, limit: int) -> None:
+        self.limits.append(limit)
+
+    def dropped(self, reason: str) -> None:
+        self.dropped_reasons.append(reason)
+
+
+@pytest.fixture
+def executor() -> ThreadPoolExecutor:
+    pool = ThreadPoolExecutor(max_workers=1)
+    yield pool
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
+def make(
+    runner: FakeRunner,
+    executor: ThreadPoolExecutor,
+    *,
+    limit: int = 8,
+    delay_s: float = 0.0,
+    queue_size: int = 1000,
+    unit_tokens: bool = False,
+    observer: CountingObserver | None = None,
+) -> Batcher[Rows, tuple[int, ...]]:
+    return Batcher(
+        "fake",
+        runner,
+        executor,
+        BatchLimit(limit, recover_after=10_000),
+        max_queue_delay_s=delay_s,
+        max_queue_size=queue_size,
+        unit_tokens=unit_tokens,
+        observer=observer,
+    )
+
+
+async def test_each_caller_gets_its_own_rows_back(executor: ThreadPoolExecutor) -> None:
+    runner = FakeRunner(delay_s=0.005)
+    batcher = make(runner, executor, limit=16)
+    await batcher.start()
+    parts = [Rows(tuple(range(i * 10, i * 10 + (i % 3) + 1))) for i in range(40)]
+    results = await asyncio.gather(*(batcher.submit(p) for p in parts))
+    for part, result in zip(parts, results, strict=True):
+        assert result == tuple(v * 2 for v in part.values)
+    assert len(runner.batches) < len(parts), "concurrent requests were not combined"
+    await batcher.stop()
+
+
+async def test_no_batch_exceeds_the_limit(executor: ThreadPoolExecutor) -> None:
+    runner = FakeRunner(delay_s=0.002)
+    batcher = make(runner, executor, limit=5)
+    await batcher.start()
+    await asyncio.gather(*(batcher.submit(Rows((i, i + 1))) for i in range(50)))
+    assert max(sum(p.rows for p in batch) for batch in runner.batches) <= 5
+    await batcher.stop()
+
+
+async def test_idle_model_dispatches_at_once_despite_a_long_delay(
+    executor: ThreadPoolExecutor,
+) -> None:
+    runner = FakeRunner()
+    batcher = make(runner, executor, limit=64, delay_s=2.0)
+    await batcher.start()
+    started = time.monotonic()
+    assert await batcher.submit(Rows((1,))) == (2,)
+    assert time.monotonic() - started < 0.5, "a lone request paid the queue delay"
+    await batcher.stop()
+
+
+async def test_requests_arriving_during_a_batch_form_the_next_batch(
+    executor: ThreadPoolExecutor,
+) -> None:
+    runner = FakeRunner()
+    runner.gate = threading.Event()
+    batcher = make(runner, executor, limit=64, delay_s=5.0)
+    await batcher.start()
+    first = asyncio.create_task(batcher.submit(Rows((0,))))
+    await asyncio.sleep(0.05)  # the first batch is now blocked on the gate
+    later = [asyncio.create_task(batcher.submit(Rows((i,)))) for i in range(1, 11)]
+    await asyncio.sleep(0.05)
+    runner.gate.set()
+    await asyncio.gather(first, *later)
+    # Ten requests queued behind a running batch go out together as soon as it ends, without
+    # waiting for the 5 s delay.
+    assert [sum(p.rows for p in b) for b in runner.batches] == [1, 10]
+    await batcher.stop()
+
+
+async def test_busy_model_waits_at_most_the_delay_to_fill(executor: ThreadPoolExecutor) -> None:
+    runner = FakeRunner()
+    runner.gate = threading.Event()
+    batcher = make(runner, executor, limit=64, delay_s=0.05)
+    await batcher.start()
+    first = asyncio.create_task(batcher.submit(Rows((0,))))
+    await asyncio.sleep(0.02)
+    second = asyncio.create_task(batcher.submit(Rows((1,))))
+    await asyncio.sleep(0.2)
+    # The staged batch left for the device after its delay although the first still runs.
+    assert len(runner.batches) == 1  # the device thread is still blocked on the first batch
+    runner.gate.set()
+    await asyncio.gather(first, second)
+    assert len(runner.batches) == 2
+    await batcher.stop()
+
+
+async def measured(
+    executor: ThreadPoolExecutor, seconds_per_row: float
+) -> tuple[FakeRunner, Batcher[Rows, tuple[int, ...]]]:
+    """A started batcher (delay 20 ms) that has run one row, taking ``seconds_per_row``."""
+    runner = FakeRunner(delay_s=seconds_per_row)
+    batcher = make(runner, executor, limit=64, delay_s=0.02)
+    await batcher.start()
+    await batcher.submit(Rows((0,)))
+    return runner, batcher
+
+
+async def test_a_staged_batch_keeps_filling_until_the_device_is_expected_to_free(
+    executor: ThreadPoolExecutor,
+) -> None:
+    runner, batcher = await measured(executor, 0.2)
+    running = asyncio.create_task(batcher.submit(Rows((1,))))  # expected to end in 0.2 s
+    staged = []
+    for pause in (0.02, 0.06, 0.06):  # at 20, 80 and 140 ms
+        await asyncio.sleep(pause)
+        staged.append(asyncio.create_task(batcher.submit(Rows((2,)))))
+    await asyncio.gather(running, *staged)
+    # Cut at its delay (40 ms) the staged batch would have held one request and waited for the
+    # device all the same; it took all three, cut 20 ms before the running batch was to end.
+    assert [sum(p.rows for p in b) for b in runner.batches] == [1, 1, 3]
+    await batcher.stop()
+
+
+async def test_a_staged_batch_leaves_when_the_device_frees_before_it_was_expected_to(
+    executor: ThreadPoolExecutor,
+) -> None:
+    runner, batcher = await measured(executor, 0.5)
+    runner.delay_s = 0.05  # now the model is ten times faster than measured
+    started = time.monotonic()
+    running = asyncio.create_task(batcher.submit(Rows((1,))))
+    await asyncio.sleep(0.01)
+    assert await batcher.submit(Rows((2,))) == (4,)
+    await running
+    # Not held until the expected end (0.48 s): dispatched once the device was free.
+    assert time.monotonic() - started < 0.3
+    assert [sum(p.rows for p in b) for b in runner.batches] == [1, 1, 1]
+    await batcher.stop()
+
+
+async def test_a_failing_sample_fails_only_its_own_request(executor: ThreadPoolExecutor) -> None:
+    runner = FakeRunner(poison=13)
+    runner.gate = threading.Event()
+    observer = CountingObserver()
+    batcher = make(runner, executor, limit=64, observer=observer)
+    await batcher.start()
+    blocker = asyncio.create_task(batcher.submit(Rows((100,))))
+    await asyncio.sleep(0.05)
+    tasks = [asyncio.create_task(batcher.submit(Rows((i,)))) for i in range(20)]
+    await asyncio.sleep(0.05)
+    runner.gate.set()
+    results = await asyncio.gather(blocker, *tasks, return_exceptions=True)
+    for i, result in enumerate(results[1:]):
+        if i == 13:
+            assert isinstance(result, Poison)
+        else:
+            assert result == (i * 2,)
+    assert observer.splits > 0
+    # The batcher is still alive and serving.
+    assert await batcher.submit(Rows((7,))) == (14,)
+    assert batcher.alive
+    await batcher.stop()
+
+
+async def test_cancelled_request_is_dropped_before_its_batch(
+    executor: ThreadPoolExecutor,
+) -> None:
+    runner = FakeRunner()
+    runner.gate = threading.Event()
+    observer = CountingObserver()
+    batcher = make(runner, executor, limit=64, observer=observer)
+    await batcher.start()
+    blocker = asyncio.create_task(batcher.submit(Rows((1,))))
+    await asyncio.sleep(0.05)
+    doomed = asyncio.create_task(batcher.submit(Rows((99,))))
+    kept = asyncio.create_task(batcher.submit(Rows((2,))))
+    await asyncio.sleep(0.01)
+    doomed.cancel()
+    runner.gate.set()
+    assert await blocker == (2,)
+    assert await kept == (4,)
+    seen = [v for batch in runner.batches for p in batch for v in p.values]
+    assert 99 not in seen
+    assert "cancelled" in observer.dropped_reasons
+    await batcher.stop()
+
+
+async def test_request_larger_than_the_limit_is_split_and_reassembled(
+    executor: ThreadPoolExecutor,
+) -> None:
+    runner = FakeRunner()
+    batcher = make(runner, executor, limit=4)
+    await batcher.start()
+    values = tuple(range(11))
+    assert await batcher.submit(Rows(values)) == tuple(v * 2 for v in values)
+    assert max(sum(p.rows for p in b) for b in runner.batches) <= 4
+    assert len(runner.batches) >= 3
+    await batcher.stop()
+
+
+async def test_out_of_memory_splits_and_every_request_is_answered(
+    executor: ThreadPoolExecutor,
+) -> None:
+    k = 6
+    runner = FakeRunner(oom_above=k, delay_s=0.001)
+    observer = CountingObserver()
+    batcher = make(runner, executor, limit=32, observer=observer)
+    await batcher.start()
+    parts = [Rows(tuple(range(i, i + 1 + i % 3))) for i in range(60)]
+    results = await asyncio.gather(*(batcher.submit(p) for p in parts))
+    for part, result in zip(parts, results, strict=True):
+        assert result == tuple(v * 2 for v in part.values)
+    assert batcher.limit.current <= k
+    assert observer.ooms > 0 and observer.splits > 0
+    assert runner.released == observer.ooms
+    assert max(runner.completed) <= k
+    await batcher.stop()
+
+
+async def test_a_sample_too_large_alone_fails_with_sample_too_large(
+    executor: ThreadPoolExecutor,
+) -> None:
+    runner = FakeRunner(oom_above=4, unit_tokens=True)
+    batcher = make(runner, executor, limit=64, unit_tokens=True)
+    await batcher.start()
+    big = asyncio.create_task(batcher.submit(Rows((1,), length=5)))
+    small = [asyncio.create_task(batcher.submit(Rows((i,), length=2))) for i in range(5)]
+    with pytest.raises(SampleTooLarge):
+        await big
+    assert [await t for t in small] == [(i * 2,) for i in range(5)]
+    await batcher.stop()
+
+
+async def test_sample_longer_than_the_token_limit_is_refused_up_front(
+    executor: ThreadPoolExecutor,
+) -> None:
+    batcher = make(FakeRunner(unit_tokens=True), executor, limit=10, unit_tokens=True)
+    await batcher.start()
+    with pytest.raises(SampleTooLarge):
+        await batcher.submit(Rows((1,), length=11))
+    await batcher.stop()
+
+
+async def test_token_batches_cost_count_times_longest_and_group_by_length(
+    executor: ThreadPoolExecutor,
+) -> None:
+    runner = FakeRunner(unit_tokens=True)
+    runner.gate = threading.Event()
+    batcher = make(runner, executor, limit=64, unit_tokens=True)
+    await batcher.start()
+    blocker = asyncio.create_task(batcher.submit(Rows((0,), length=1)))
+    await asyncio.sleep(0.05)
+    lengths = [4, 32, 4, 32, 4, 32, 4, 4]
+    tasks = [
+        asyncio.create_task(batcher.submit(Rows((i,), length=n))) for i, n in enumerate(lengths)
+    ]
+    await asyncio.sleep(0.05)
+    runner.gate.set()
+    await asyncio.gather(blocker, *tasks)
+    for batch in runner.batches:
+        assert sum(p.rows for p in batch) * max(p.length for p in batch) <= 64
+    # Short requests ride together instead of being padded to 32 by a long neighbour.
+    second = runner.batches[1]
+    assert {p.length for p in second} == {4}
+    assert sum(p.rows for p in second) == 5
+    await batcher.stop()
+
+
+async def test_long_requests_are_not_starved(executor: ThreadPoolExecutor) -> None:
+    runner = FakeRunner(unit_tokens=True, delay_s=0.001)
+    batcher = make(runner, executor, limit=32, unit_tokens=True)
+    await batcher.start()
+    long_task = asyncio.create_task(batcher.submit(Rows((999,), length=30)))
+    shorts = [asyncio.create_task(batcher.submit(Rows((i,), length=2))) for i in range(200)]
+    assert await asyncio.wait_for(long_task, 5) == (1998,)
+    await asyncio.gather(*shorts)
+    await batcher.stop()
+
+
+async def test_full_queue_is_refused_at_once(executor: ThreadPoolExecutor) -> None:
+    runner = FakeRunner()
+    runner.gate = threading.Event()
+    batcher = make(runner, executor, limit=1, queue_size=3)
+    await batcher.start()
+    running = asyncio.create_task(batcher.submit(Rows((0,))))
+    await asyncio.sleep(0.05)
+    # The first of these is staged behind the running batch; the next three fill the queue.
+    queued = []
+    for i in range(1, 5):
+        queued.append(asyncio.create_task(batcher.submit(Rows((i,)))))
+        await asyncio.sleep(0.01)
+    assert batcher.queue_depth == 3
+    with pytest.raises(QueueFull):
+        await batcher.submit(Rows((9,)))
+    runner.gate.set()
+    await asyncio.gather(running, *queued)
+    await batcher.stop()
+
+
+async def test_expired_deadline_is_dropped_before_compute(executor: ThreadPoolExecutor) -> None:
+    runner = FakeRunner()
+    runner.gate = threading.Event()
+    observer = CountingObserver()
+    batcher = make(runner, executor, limit=1, observer=observer)
+    await batcher.start()
+    running = asyncio.create_task(batcher.submit(Rows((0,))))
+    await asyncio.sleep(0.05)
+    late = asyncio.create_task(batcher.submit(Rows((5,)), deadline=time.monotonic() + 0.01))
+    await asyncio.sleep(0.05)
+    runner.gate.set()
+    await running
+    with pytest.raises(DeadlineExceeded):
+        await late
+    assert 5 not in [v for b in runner.batches for p in b for v in p.values]
+    assert "deadline" in observer.dropped_reasons
+    await batcher.stop()
+
+
+async def test_a_crashing_runner_fails_its_batch_and_the_loop_lives_on(
+    executor: ThreadPoolExecutor,
+) -> None:
+    class Broken(FakeRunner):
+        def run_batch(self, parts: Sequence[Rows]) -> list[tuple[int, ...]]:
+            if any(0 in p.values for p in parts):
+                return []  # wrong number of results: a model bug
+            return super().run_batch(parts)
+
+    batcher = make(Broken(), executor)
+    await batcher.start()
+    with pytest.raises(RuntimeError, match="returned 0 results"):
+        await batcher.submit(Rows((0,)))
+    assert await batcher.submit(Rows((3,))) == (6,)
+    await batcher.stop()
+
+
+async def test_stop_drains_queued_work(executor: ThreadPoolExecutor) -> None:
+    runner = FakeRunner(delay_s=0.01)
+    batcher = make(runner, executor, limit=2)
+    await batcher.start()
+    tasks = [asyncio.create_task(batcher.submit(Rows((i,)))) for i in range(10)]
+    await asyncio.sleep(0)
+    await batcher.stop(drain_timeout_s=5)
+    assert [t.result() for t in tasks] == [(i * 2,) for i in range(10)]
+
+
+def test_a_cap_bounds_the_limit_without_touching_what_memory_taught() -> None:
+    limit = BatchLimit(64, recover_after=3, forget_after=1000)
+    limit.set_cap(16)
+    assert limit.current == 16 and limit.measured == 64 and limit.cap == 16
+    assert limit.changed() is True and limit.changed() is False
+    limit.record_out_of_memory(12)
+    assert limit.current == 6, "an OOM below the cap still halves the limit"
+    for _ in range(300):
+        limit.record_success(limit.current)
+    assert limit.current == 11, "climbs back to the OOM ceiling, which is below the cap"
+    limit.set_cap(None)
+    assert limit.current == 11 and limit.ceiling == 11
+    with pytest.raises(ValueError, match="at least 1"):
+        limit.set_cap(0)
+
+
+def test_limit_halves_on_oom_and_climbs_back_to_the_ceiling() -> None:
+    limit = BatchLimit(64, recover_after=3, forget_after=1000)
+    limit.record_out_of_memory(40)
+    assert limit.current == 20 and limit.ceiling == 39
+    assert limit.changed() is True and limit.changed() is False
+    for _ in range(30):
+        limit.record_success(limit.current)
+    assert limit.current == 39, "climbs back but never above the OOM ceiling"
+    for _ in range(1000):
+        limit.record_success(limit.current)
+    assert limit.current == 64, "a long run of successes forgets the OOM"

@@ -1,0 +1,72 @@
+"""The FastAPI inference routes, the path a request takes when ``HotRoutes`` is not in front of
+them (an app that mounts nograd's routers itself): the same answers, ids and errors as the hot
+layer gives."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from starlette.types import ASGIApp
+
+from nograd.http import openai, v2
+from nograd.http.direct import HotRoutes
+from nograd.serving.dataplane import DataPlane
+from tests.unit.serving.test_dataplane import plane_for
+
+
+@pytest.fixture
+async def plane(tmp_path: Path) -> AsyncIterator[DataPlane]:
+    plane = plane_for(tmp_path, "poison")
+    plane.discover()
+    await plane.load_all()
+    yield plane
+    await plane.stop(0)
+
+
+def routers_only(plane: DataPlane) -> FastAPI:
+    app = FastAPI()
+    app.state.dataplane = plane
+    app.state.metrics = plane.metrics
+    app.include_router(v2.router)
+    app.include_router(openai.router)
+    return app
+
+
+async def post(app: ASGIApp, path: str, body: Any, **headers: str) -> httpx.Response:
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://nograd") as client:
+        return await client.post(path, json=body, headers=headers)
+
+
+INFER = {
+    "id": "q-1",
+    "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 2], "data": [1, 2]}],
+}
+
+
+async def test_the_routes_and_the_hot_layer_give_the_same_answer(plane: DataPlane) -> None:
+    routed = routers_only(plane)
+    hot = HotRoutes(routers_only(plane), plane, plane.metrics)
+    answers = [await post(app, "/v2/models/poison/infer", INFER) for app in (routed, hot)]
+    for answer in answers:
+        assert answer.status_code == 200
+        assert answer.headers["content-type"] == "application/json"
+        assert answer.headers["x-request-id"] == "q-1"  # the V2 id, no header sent
+    assert answers[0].json() == answers[1].json()
+    assert answers[0].json()["outputs"][0]["data"] == [2.0, 4.0]
+
+
+async def test_the_routes_answer_errors_in_each_protocol_s_shape(plane: DataPlane) -> None:
+    app = routers_only(plane)
+    missing = await post(app, "/v2/models/absent/infer", INFER, **{"X-Request-ID": "r-9"})
+    assert missing.status_code == 404 and "absent" in missing.json()["error"]
+    assert missing.headers["x-request-id"] == "r-9"
+    embeddings = await post(app, "/v1/embeddings", {"model": "absent", "input": "hello"})
+    assert embeddings.status_code == 404
+    assert embeddings.json()["error"]["param"] == "model"
+    assert len(embeddings.headers["x-request-id"]) == 32

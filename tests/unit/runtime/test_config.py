@@ -1,0 +1,83 @@
+"""Model configs: valid ones load, malformed ones fail naming the file and the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nograd.runtime.config import ConfigError, find_config, load_config
+from tests.e2e.serving import ROOT
+
+GOOD = """
+name = "m"
+version = 3
+max_batch_size = 8
+device = "cpu"
+[[inputs]]
+name = "x"
+datatype = "FP32"
+shape = [-1, 4]
+[[outputs]]
+name = "y"
+datatype = "FP32"
+shape = [2]
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "config.toml") -> Path:
+    folder = tmp_path / "m"
+    folder.mkdir(exist_ok=True)
+    path = folder / name
+    path.write_text(text)
+    return path
+
+
+def test_shipped_configs_load() -> None:
+    for folder in (ROOT / "models").iterdir():
+        path = find_config(folder)
+        if path is not None:
+            config = load_config(path)
+            assert config.name == folder.name
+
+
+def test_valid_toml_and_yaml(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, GOOD))
+    assert config.version == "3"
+    assert config.inputs[0].shape == (-1, 4)
+    yaml_text = (
+        "name: m\ninputs: [{name: x, datatype: INT64, shape: [3]}]\n"
+        "outputs: [{name: y, datatype: FP32, shape: [1]}]\n"
+    )
+    assert load_config(write(tmp_path, yaml_text, "config.yaml")).inputs[0].datatype == "INT64"
+
+
+@pytest.mark.parametrize(
+    ("replace", "by", "field"),
+    [
+        (
+            'datatype = "FP32"\nshape = [-1, 4]',
+            'datatype = "FLOAT"\nshape = [-1, 4]',
+            "inputs.0.datatype",
+        ),
+        ("shape = [-1, 4]", "shape = [0, 4]", "inputs.0.shape"),
+        ('device = "cpu"', 'device = "tpu"', "device"),
+        ("max_batch_size = 8", "max_batch_size = 0", "max_batch_size"),
+        ("max_batch_size = 8", "max_batch_size = 8\nbatch_sise = 3", "batch_sise"),
+        ('name = "m"', 'name = "m"\nmodule = "../evil.py"', "module"),
+    ],
+)
+def test_malformed_config_names_file_and_field(
+    tmp_path: Path, replace: str, by: str, field: str
+) -> None:
+    path = write(tmp_path, GOOD.replace(replace, by))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(path) in str(info.value)
+    assert f"field '{field}'" in str(info.value)
+
+
+def test_unparseable_config(tmp_path: Path) -> None:
+    path = write(tmp_path, "name = [unclosed")
+    with pytest.raises(ConfigError, match="cannot parse"):
+        load_config(path)

@@ -1,0 +1,119 @@
+"""The memory plan with a fake device probe: budgets, shares and limits as a GPU would get them."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, cast
+
+import pytest
+import torch
+
+from nograd.runtime.handler import ModelHandler
+from nograd.runtime.memory import CheckPoint, CostModel, Profile
+from nograd.runtime.planner import PlanInput, plan_device, profile_handler
+
+
+class FakeGpuProbe:
+    """What CudaMemoryProbe reports, without a GPU: free memory after the weights are loaded."""
+
+    device = "cuda:0"
+
+    def __init__(self, available: int) -> None:
+        self.available = available
+
+    def total_bytes(self) -> int:
+        return 16 << 30
+
+    def available_bytes(self) -> int:
+        return self.available
+
+    def allocated_bytes(self) -> int:
+        return 0
+
+    def measure_peak(self, fn: Any) -> int:
+        fn()
+        return 0
+
+    def release_cache(self) -> None:
+        pass
+
+
+def profile(cost: CostModel) -> Profile:
+    return Profile((), cost, CheckPoint(1, 1, 1, 1.0))
+
+
+def handler(unit: str = "samples", max_sequence_length: int | None = None) -> ModelHandler:
+    stub = SimpleNamespace(config=SimpleNamespace(batch_unit=unit))
+    if max_sequence_length is not None:
+        stub.max_sequence_length = max_sequence_length
+    return cast(ModelHandler, stub)
+
+
+def test_budget_is_the_fraction_of_free_memory_shared_by_need() -> None:
+    probe = FakeGpuProbe(available=10_000_000)
+    images = PlanInput("images", handler(), weights_bytes=1000, cap=64)
+    text = PlanInput("text", handler("tokens", max_sequence_length=128), 5000, cap=4096)
+    profiles = {
+        "images": profile(CostModel(fixed=1000, per_unit=50_000)),
+        "text": profile(CostModel(fixed=0, per_unit=1000, quadratic=10)),
+    }
+    budget, plans = plan_device([images, text], profiles, probe, fraction=0.5, explicit_bytes=None)
+    assert budget == 5_000_000
+    by_name = {p.name: p for p in plans}
+    assert sum(p.share_bytes for p in plans) == budget
+    image_plan, text_plan = by_name["images"], by_name["text"]
+    # Each model's limit is the largest batch whose predicted peak fits its share.
+    expected_rows = int((image_plan.share_bytes - 1000) // 50_000)
+    assert image_plan.limit == min(64, expected_rows) and image_plan.unit == "sample"
+    rows = int(text_plan.share_bytes // (1000 * 128 + 10 * 128 * 128))
+    assert text_plan.limit == min(4096, rows * 128) and text_plan.unit == "token"
+    assert text_plan.predict_bytes(rows=2, cost=2 * 100) == pytest.approx(
+        1000 * 200 + 10 * 200 * 100
+    )
+
+
+def test_explicit_budget_wins_and_a_tiny_one_fits_nothing() -> None:
+    probe = FakeGpuProbe(available=1 << 40)
+    item = PlanInput("big", handler(), 0, cap=32)
+    profiles = {"big": profile(CostModel(fixed=0, per_unit=1 << 20))}
+    budget, plans = plan_device([item], profiles, probe, fraction=0.9, explicit_bytes=10 << 20)
+    assert budget == 10 << 20 and plans[0].limit == 10
+    _, plans = plan_device([item], profiles, probe, fraction=0.9, explicit_bytes=1000)
+    assert plans[0].limit == 0 and not plans[0].fits_one
+
+
+def test_the_cap_bounds_the_limit_when_memory_is_plentiful() -> None:
+    probe = FakeGpuProbe(available=1 << 40)
+    item = PlanInput("small", handler(), 0, cap=16)
+    profiles = {"small": profile(CostModel(fixed=0, per_unit=100))}
+    _, plans = plan_device([item], profiles, probe, fraction=0.9, explicit_bytes=None)
+    assert plans[0].limit == 16
+
+
+def test_profile_of_a_real_linear_model_is_linear_in_rows() -> None:
+    from nograd.runtime.config import ModelConfig
+    from nograd.runtime.memory import CpuMemoryProbe
+
+    config = ModelConfig.model_validate(
+        {
+            "name": "lin",
+            "weights": "",
+            "inputs": [{"name": "x", "datatype": "FP32", "shape": [256]}],
+            "outputs": [{"name": "y", "datatype": "FP32", "shape": [512]}],
+        }
+    )
+
+    class Lin(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(256, 512)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(x)
+
+    module = Lin().eval()
+    real = ModelHandler(module, config, torch.device("cpu"))
+    result = profile_handler(real, CpuMemoryProbe(), cap=32)
+    # Input (collated, 256 floats) and output (512 floats) are alive together: 3 KiB per row.
+    assert result.model.per_unit == pytest.approx((256 + 512) * 4, rel=0.2)
+    assert result.relative_error < 0.05

@@ -1,0 +1,185 @@
+"""The data plane in process: loading, readiness that tells the truth, worker restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import shutil
+import threading
+from pathlib import Path
+from typing import cast
+
+import numpy as np
+import pytest
+import torch
+
+from nograd.observability.metrics import Metrics
+from nograd.runtime.config import ConfigError
+from nograd.runtime.handler import ModelHandler
+from nograd.serving.dataplane import (
+    INLINE_PREPARE_BYTES,
+    DataPlane,
+    LimitExceeded,
+    ModelNotFound,
+    ModelNotReady,
+    prepare_in_thread,
+)
+from nograd.settings import Settings
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "models"
+
+
+def plane_for(tmp_path: Path, *names: str, **settings: object) -> DataPlane:
+    repo = tmp_path / "repo"
+    repo.mkdir(exist_ok=True)
+    for name in names:
+        shutil.copytree(FIXTURES / name, repo / name)
+    return DataPlane(Settings(model_repository=repo, **settings), Metrics())  # type: ignore[arg-type]
+
+
+def x(*values: float) -> dict[str, np.ndarray]:
+    return {"x": np.array([[v, v] for v in values], dtype=np.float32)}
+
+
+async def test_dead_worker_turns_not_ready_and_is_restarted(tmp_path: Path) -> None:
+    plane = plane_for(tmp_path, "poison")
+    plane.discover()
+    await plane.load_all()
+    assert plane.ready()
+    assert gc.get_freeze_count() > 0, "the heap left after loading was not frozen"
+    batcher = plane.models["poison"].batcher
+    assert batcher is not None and batcher._task is not None
+    batcher._task.cancel()  # simulate the batch loop dying
+    await asyncio.sleep(0.01)
+    assert not plane.ready(), "health stayed green with a dead worker"
+    with pytest.raises(ModelNotReady, match="inference worker"):
+        await plane.infer("poison", None, x(1))
+    assert await plane.check_workers() == 1
+    assert plane.ready()
+    _, outputs = await plane.infer("poison", None, x(1, 2))
+    assert outputs["y"].tolist() == [[2, 2], [4, 4]]
+    restarts = plane.metrics.batcher_restarts.labels("poison")._value.get()
+    assert restarts == 1
+    await plane.stop()
+
+
+async def test_worker_processes_split_the_explicit_memory_budget(tmp_path: Path) -> None:
+    budget = 64 * 2**20
+    for workers in (1, 2, 3):
+        (tmp_path / str(workers)).mkdir()
+        plane = plane_for(
+            tmp_path / str(workers), "poison", memory_budget_bytes=budget, workers=workers
+        )
+        plane.discover()
+        await plane.load_all()
+        assert plane.metrics.memory_budget.labels("cpu")._value.get() == budget // workers
+        await plane.stop()
+
+
+async def test_loading_and_warm_up_run_on_the_device_thread(tmp_path: Path) -> None:
+    plane = plane_for(tmp_path, "poison")
+    code = tmp_path / "repo" / "poison" / "model.py"
+    code.write_text(
+        code.read_text()
+        + "\n\nimport threading\n_build = build\n\n\n"
+        + "def build(model_dir: Path) -> torch.nn.Module:\n"
+        + "    (model_dir / 'built_on.txt').write_text(threading.current_thread().name)\n"
+        + "    return _build(model_dir)\n"
+    )
+    plane.discover()
+    await plane.load_all()
+    assert plane.ready()
+
+    def serving_thread() -> str:
+        return threading.current_thread().name
+
+    executor = plane._threads.executor(torch.device("cpu"))
+    serving = await asyncio.get_running_loop().run_in_executor(executor, serving_thread)
+    assert (tmp_path / "repo" / "poison" / "built_on.txt").read_text() == serving
+    assert serving.startswith("nograd-cpu")
+    await plane.stop()
+
+
+async def test_failed_load_is_not_ready_and_says_why(tmp_path: Path) -> None:
+    plane = plane_for(tmp_path, "poison")
+    (tmp_path / "repo" / "poison" / "model.py").write_text("raise ImportError('broken on purpose')")
+    plane.discover()
+    await plane.load_all()
+    assert not plane.ready()
+    with pytest.raises(ModelNotReady, match="broken on purpose"):
+        await plane.infer("poison", None, x(1))
+    with pytest.raises(ModelNotFound):
+        await plane.infer("nope", None, x(1))
+    await plane.stop()
+
+
+async def test_row_limit_and_draining(tmp_path: Path) -> None:
+    plane = plane_for(tmp_path, "poison", max_request_rows=2)
+    plane.discover()
+    await plane.load_all()
+    with pytest.raises(LimitExceeded, match="limit of 2"):
+        await plane.infer("poison", None, x(1, 2, 3))
+    plane.begin_drain()
+    assert not plane.ready()
+    with pytest.raises(ModelNotReady, match="draining"):
+        await plane.infer("poison", None, x(1))
+    assert await plane.wait_idle(0.1)
+    await plane.stop()
+
+
+def test_malformed_config_fails_discovery_naming_file_and_field(tmp_path: Path) -> None:
+    plane = plane_for(tmp_path, "poison")
+    config = tmp_path / "repo" / "poison" / "config.toml"
+    config.write_text(config.read_text().replace('datatype = "FP32"', 'datatype = "FLOAT32"', 1))
+    plane.discover()
+    assert plane.config_errors
+    assert str(config) in plane.config_errors[0]
+    assert "field 'inputs.0.datatype'" in plane.config_errors[0]
+
+
+def test_missing_repository_is_a_config_error(tmp_path: Path) -> None:
+    plane = DataPlane(Settings(model_repository=tmp_path / "absent"), Metrics())
+    with pytest.raises(ConfigError, match="not a folder"):
+        plane.discover()
+
+
+def test_text_longer_than_the_limit_is_refused(tmp_path: Path) -> None:
+    from nograd.runtime.config import ModelConfig
+    from nograd.serving.dataplane import ServedModel
+
+    config = ModelConfig.model_validate(
+        {
+            "name": "texts",
+            "weights": "",
+            "inputs": [{"name": "text", "datatype": "BYTES", "shape": []}],
+            "outputs": [{"name": "v", "datatype": "FP32", "shape": [3]}],
+        }
+    )
+    plane = DataPlane(Settings(model_repository=tmp_path, max_text_bytes=10), Metrics())
+    model = ServedModel(config, tmp_path)
+    ok = np.array([b"short", b"0123456789"], dtype=object)
+    plane.validate(model, {"text": ok})
+    with pytest.raises(LimitExceeded, match="11 bytes; the limit is 10 bytes"):
+        plane.validate(model, {"text": np.array([b"01234567890"], dtype=object)})
+
+
+def test_heavy_prepare_runs_in_a_thread_only_for_large_requests() -> None:
+    class Heavy:
+        prepare_offload = True
+
+    class Light:
+        prepare_offload = False
+
+    def texts(*sizes: int) -> dict[str, np.ndarray]:
+        array = np.empty(len(sizes), dtype=np.object_)
+        array[:] = [b"x" * size for size in sizes]
+        return {"text": array}
+
+    heavy, light = cast(ModelHandler, Heavy()), cast(ModelHandler, Light())
+    assert not prepare_in_thread(heavy, texts(200))
+    assert not prepare_in_thread(heavy, texts(*[500] * 8))
+    assert prepare_in_thread(heavy, texts(INLINE_PREPARE_BYTES + 1))
+    assert prepare_in_thread(heavy, texts(*[1000] * 5))
+    assert not prepare_in_thread(light, texts(INLINE_PREPARE_BYTES * 10))
+    images = {"image": np.zeros((64, 1, 8, 8), dtype=np.float32)}  # 16 KiB of pixels
+    assert prepare_in_thread(heavy, images)
