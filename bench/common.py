@@ -51,7 +51,7 @@ def machine() -> dict[str, Any]:
                 break
     import torch
 
-    from nograd.supervisor.workers import auto_plan
+    from nograd.supervisor.plan import auto_plan
 
     auto, auto_reason = auto_plan()
     return {

@@ -24,15 +24,15 @@ from nograd.protocol.v2_schemas import InferRequestDocument
 from nograd.runtime.config import ConfigError
 from nograd.serving.dataplane import DataPlane
 from nograd.settings import Settings
-from nograd.supervisor.workers import WorkerRole
+from nograd.supervisor.worker import WorkerContext
 
 logger = logging.getLogger(__name__)
 
 
-def create_app(settings: Settings | None = None, *, worker: WorkerRole | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, *, worker: WorkerContext | None = None) -> FastAPI:
     """The app of one server process; ``worker`` when it is one of several sharing a port."""
     settings = settings or Settings()
-    shared_dir = worker.multiprocess_dir if worker else None
+    shared_dir = worker.shared_dir if worker else None
     metrics = Metrics(multiprocess_dir=shared_dir)
     plane = DataPlane(
         settings, metrics, Statistics(shared_dir), cores=worker.cores if worker else None

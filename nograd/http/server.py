@@ -10,13 +10,10 @@ requests still in flight.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ctypes
 import logging
 import signal
 import socket
 import time
-from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
@@ -26,7 +23,8 @@ from prometheus_client import start_http_server
 from nograd.http.app import create_app
 from nograd.serving.dataplane import DataPlane
 from nograd.settings import Settings
-from nograd.supervisor.workers import Handoff
+from nograd.supervisor.handoff import Handoff, Inbox, counting
+from nograd.supervisor.worker import WorkerContext
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +43,8 @@ class DrainingServer(uvicorn.Server):
         self._drain_task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._handoff = handoff
+        self._inbox: Inbox | None = None
         self._signals = 0
-        self._adopting: set[asyncio.Task[None]] = set()
-        self._create_protocol: Callable[[], asyncio.Protocol] = asyncio.Protocol
-        """Builds uvicorn's protocol for a handed-over connection (set at start-up)."""
 
     async def serve(self, sockets: list[object] | None = None) -> None:  # type: ignore[override]
         self._loop = asyncio.get_running_loop()
@@ -63,7 +59,7 @@ class DrainingServer(uvicorn.Server):
         await super().startup([])
         loop = self._loop
         assert loop is not None  # set by serve()
-        protocol = _counting(self.config.http_protocol_class, self._handoff.closed)
+        protocol = counting(self.config.http_protocol_class, self._handoff.closed)
         config, state = self.config, self.server_state
 
         def create_protocol() -> asyncio.Protocol:
@@ -71,43 +67,12 @@ class DrainingServer(uvicorn.Server):
                 config=config, server_state=state, app_state=self.lifespan.state, _loop=loop
             )
 
-        self._create_protocol = create_protocol
-        loop.add_reader(self._handoff.channel.fileno(), self._receive)
-
-    def _receive(self) -> None:
-        """Take every connection waiting in the channel and serve each like an accepted one."""
-        assert self._handoff is not None and self._loop is not None
-        channel = self._handoff.channel
-        while True:
-            try:
-                message, fds, _, _ = socket.recv_fds(channel, 1, 1)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                message, fds = b"", []
-            if not message and not fds:  # the supervisor is gone: nothing more will come
-                self._loop.remove_reader(channel.fileno())
-                return
-            for fd in fds:
-                task = self._loop.create_task(self._adopt(socket.socket(fileno=fd)))
-                self._adopting.add(task)
-                task.add_done_callback(self._adopting.discard)
-
-    async def _adopt(self, conn: socket.socket) -> None:
-        assert self._handoff is not None and self._loop is not None
-        try:
-            await self._loop.connect_accepted_socket(self._create_protocol, conn)
-        except OSError as exc:  # the client left before it could be served
-            logger.debug("a handed-over connection failed: %s", exc)
-            conn.close()
-            self._handoff.closed.value += 1
+        self._inbox = Inbox(self._handoff, loop, create_protocol)
+        self._inbox.open()
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        if self._handoff is not None and self._loop is not None:
-            # No new connections from here on; the supervisor hands them to the other workers.
-            with contextlib.suppress(ValueError, OSError):
-                self._loop.remove_reader(self._handoff.channel.fileno())
-            self._handoff.channel.close()
+        if self._inbox is not None:
+            self._inbox.close()
         await super().shutdown(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -146,19 +111,6 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
-def _counting(base: type[asyncio.Protocol], closed: ctypes.c_longlong) -> type[asyncio.Protocol]:
-    """``base`` that counts its closed connections, so the supervisor knows which worker has
-    the fewest open."""
-
-    def connection_lost(self: asyncio.Protocol, exc: Exception | None) -> None:
-        try:
-            base.connection_lost(self, exc)
-        finally:
-            closed.value += 1
-
-    return type(f"Counted{base.__name__}", (base,), {"connection_lost": connection_lost})
-
-
 def build_server(
     settings: Settings, app: FastAPI | None = None, *, handoff: Handoff | None = None
 ) -> DrainingServer:
@@ -175,6 +127,13 @@ def build_server(
         timeout_graceful_shutdown=max(1, int(settings.drain_timeout_s)),
     )
     return DrainingServer(config, plane, settings.drain_timeout_s, handoff)
+
+
+def serve_worker(settings: Settings, context: WorkerContext, handoff: Handoff) -> bool:
+    """One worker process of several: serves the connections the supervisor hands it."""
+    server = build_server(settings, create_app(settings, worker=context), handoff=handoff)
+    server.run()
+    return bool(server.started)
 
 
 def serve(settings: Settings) -> None:

@@ -25,8 +25,9 @@ from typing import Any
 import numpy as np
 
 from nograd.batching import BatchObserver, NullObserver
-from nograd.supervisor.workers import STATS_PREFIX
 
+STATS_PREFIX = "v2stats_"
+"""Names of the workers' statistics files in the shared folder, next to the metric files."""
 _NS = 1_000_000_000
 
 # Layout of one model's counters (int64): these fields, then (count, ns) for each batch size.

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from nograd.settings import Settings
-from nograd.supervisor.workers import auto_workers
+from nograd.supervisor.plan import auto_workers
 from tests.prometheus_tools import ROOT, exported_metric_names, promql_metric_names
 
 K8S = ROOT / "deploy" / "k8s"

@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.mmap_dict import MmapedDict
 
 from nograd.host.readings import usable_cores
-from nograd.supervisor.workers import auto_plan
+from nograd.supervisor.plan import auto_plan
 from tests.e2e.serving import (
     ROOT,
     Server,

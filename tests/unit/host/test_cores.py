@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from nograd.host.ledger import CoreLedger, CoreShare, clear_slot, create_ledger
 from nograd.host import ledger as cores_module
+from nograd.host.ledger import CoreLedger, CoreShare, clear_slot, create_ledger
 from nograd.runtime import handler as handler_module
 from nograd.runtime.config import ModelConfig, TensorSpec
 from nograd.runtime.handler import ModelHandler, TensorPart, TorchRunner

@@ -54,7 +54,7 @@ def test_the_cli_tunes_before_torch_loads() -> None:
     code = "import sys, nograd.cli; print('torch' in sys.modules)"
     result = subprocess.run(
         [sys.executable, "-c", code],
-        cwd=Path(__file__).resolve().parents[2],
+        cwd=Path(__file__).resolve().parents[3],
         capture_output=True,
         text=True,
         check=True,

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-DIGITS_DIR = Path(__file__).resolve().parents[2] / "models" / "digits"
+DIGITS_DIR = Path(__file__).resolve().parents[3] / "models" / "digits"
 
 
 def _import(path: Path, name: str) -> ModuleType:

@@ -22,7 +22,7 @@ from nograd.runtime.handler import ModelHandler, TensorPart, TorchRunner
 from nograd.runtime.loader import build_handler, import_model_module
 from nograd.runtime.speed import Buckets, SpeedPath, sequence_inputs
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 MINILM_DIR = ROOT / "models" / "minilm"
 MIN_COSINE = 0.9999
 

@@ -865,7 +865,7 @@ async def test_data_plane_caps_batches_at_the_largest_bucket(
 
 
 # ------------------------------------------------------------------------------ shipped models
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def shipped(name: str, **levers: Any) -> ModelHandler:

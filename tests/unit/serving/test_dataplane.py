@@ -26,7 +26,7 @@ from nograd.serving.dataplane import (
 )
 from nograd.settings import Settings
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "models"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
 
 
 def plane_for(tmp_path: Path, *names: str, **settings: object) -> DataPlane:

@@ -1,6 +1,6 @@
-"""The worker supervisor's pieces that need no worker processes: restart back-off, the port,
-handing connections to the least busy worker, and metrics that refuse to run multiprocess
-without file-backed values."""
+"""The supervisor's pieces that need no worker processes: restart back-off, handing connections
+to the least busy worker, the memory check for a second worker, and metrics that refuse to run
+multiprocess without file-backed values."""
 
 from __future__ import annotations
 
@@ -19,18 +19,17 @@ import pytest
 
 from nograd.observability.metrics import Metrics
 from nograd.settings import Settings
-from nograd.supervisor.workers import (
-    AUTO_MAX_WORKERS,
+from nograd.supervisor.handoff import bind_socket
+from nograd.supervisor.supervisor import (
     RESTART_DELAY_MAX_S,
     STABLE_AFTER_S,
     Supervisor,
     _Slot,
-    auto_workers,
-    bind_socket,
-    least_loaded,
     next_restart,
-    resolve_workers,
 )
+
+SERVE = "tests.never:imported"
+"""No worker process is started here: the serving function is never imported."""
 
 
 def test_a_worker_that_served_long_restarts_at_once() -> None:
@@ -50,7 +49,7 @@ def test_cores_are_shared_unless_turned_off_or_fixed_by_a_thread_count() -> None
     def ledger(**settings: object) -> Path | None:
         sock = bind_socket("127.0.0.1", 0)
         try:
-            supervisor = Supervisor(Settings(workers=2, **settings), sock, Path("/tmp/m"))  # type: ignore[arg-type]
+            supervisor = Supervisor(Settings(workers=2, **settings), SERVE, sock, Path("/tmp/m"))  # type: ignore[arg-type]
             return supervisor._cores
         finally:
             sock.close()
@@ -60,43 +59,15 @@ def test_cores_are_shared_unless_turned_off_or_fixed_by_a_thread_count() -> None
     assert ledger(torch_threads=1) is None
 
 
-def test_the_port_takes_no_connection_before_listening() -> None:
-    sock = bind_socket("127.0.0.1", 0)
-    port = sock.getsockname()[1]
-    try:
-        with pytest.raises(ConnectionRefusedError):
-            socket.create_connection(("127.0.0.1", port), timeout=2)
-        sock.listen()
-        socket.create_connection(("127.0.0.1", port), timeout=2).close()
-    finally:
-        sock.close()
-
-
-def test_the_worker_with_fewest_open_connections_is_picked() -> None:
-    assert least_loaded([5, 2, 7], last=1) == 1
-    assert least_loaded([None, 9, 3], last=2) == 2
-    assert least_loaded([None, None], last=0) is None
-    assert least_loaded([], last=-1) is None
-
-
-def test_ties_are_taken_in_turn_after_the_last_pick() -> None:
-    picks, last = [], -1
-    for _ in range(6):
-        chosen = least_loaded([0, 0, 0], last)
-        assert chosen is not None
-        picks.append(chosen)
-        last = chosen
-    assert picks == [0, 1, 2, 0, 1, 2]
-    assert least_loaded([1, None, 1], last=0) == 2
-
-
 class Workers:
     """A supervisor over a real listening port whose workers are the test's socket pairs."""
 
     def __init__(self, count: int) -> None:
         self.sock = bind_socket("127.0.0.1", 0)
         self.port = self.sock.getsockname()[1]
-        self.supervisor = Supervisor(Settings(workers=count), self.sock, Path("/nonexistent"))
+        self.supervisor = Supervisor(
+            Settings(workers=count), SERVE, self.sock, Path("/nonexistent")
+        )
         self.inboxes: list[socket.socket] = []
         self.closed: list[ctypes.c_longlong] = []
         for slot in self.supervisor._slots:
@@ -219,7 +190,7 @@ def test_a_failing_accept_pauses_accepting_instead_of_spinning(
 ) -> None:
     failing = OutOfDescriptors(workers.sock)
     workers.supervisor._sock = failing  # type: ignore[assignment]
-    with caplog.at_level(logging.WARNING, "nograd.supervisor.workers"):
+    with caplog.at_level(logging.WARNING, "nograd.supervisor.supervisor"):
         workers.supervisor._hand_over()
         workers.supervisor._hand_over()  # within the pause: accept is not tried again
     assert failing.accepts == 1
@@ -243,43 +214,13 @@ def test_a_worker_that_exits_after_the_stop_signal_is_not_started_again(
     process.start()
     process.join()
     slot.process = process
-    with caplog.at_level(logging.INFO, "nograd.supervisor.workers"):
+    with caplog.at_level(logging.INFO, "nograd.supervisor.supervisor"):
         workers.supervisor._on_signal(signal.SIGINT, None)
         workers.supervisor._bury_dead()
     assert slot.process is None
     assert slot.restart_at is None
     assert "starting it again" not in caplog.text
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
-
-
-@pytest.mark.parametrize(
-    ("cores", "gpu", "threads", "expected"),
-    [
-        (1, False, None, 1),
-        (2, False, None, 2),
-        (16, False, None, AUTO_MAX_WORKERS),
-        (16, True, None, 1),
-        (1, True, None, 1),
-        # A fixed thread count per worker: no more workers than the cores hold at that count.
-        (2, False, 2, 1),
-        (2, False, 1, 2),
-        (4, False, 3, 1),
-        (8, False, 4, 2),
-    ],
-)
-def test_auto_plans_two_workers_on_a_cpu_machine_with_two_cores_or_more(
-    cores: int, gpu: bool, threads: int | None, expected: int
-) -> None:
-    count, reason = auto_workers(cores, gpu, threads)
-    assert count == expected
-    assert ("GPU is visible" in reason) is gpu
-
-
-def test_a_worker_count_given_is_kept_and_auto_is_resolved_to_a_count() -> None:
-    assert resolve_workers(Settings(workers=3)) == (Settings(workers=3), False)
-    settings, planned = resolve_workers(Settings(workers="auto"))
-    assert planned
-    assert isinstance(settings.workers, int) and 1 <= settings.workers <= AUTO_MAX_WORKERS
 
 
 class FixedMemory:
@@ -303,6 +244,7 @@ def test_auto_starts_a_second_worker_only_if_another_copy_fits_in_memory(
     sock = bind_socket("127.0.0.1", 0)
     supervisor = Supervisor(
         Settings(workers=2),
+        SERVE,
         sock,
         Path("/nonexistent"),
         fit_to_memory=True,
@@ -317,12 +259,12 @@ def test_auto_starts_a_second_worker_only_if_another_copy_fits_in_memory(
     supervisor._start = start  # type: ignore[method-assign]
 
     def ready(slot: _Slot) -> bool:
-        supervisor._serve(slot)  # as a warm worker does: its resident memory is read
+        supervisor._mark_serving(slot)  # as a warm worker does: its resident memory is read
         return True
 
     supervisor._wait_ready = ready  # type: ignore[method-assign]
     try:
-        with caplog.at_level(logging.WARNING, "nograd.supervisor.workers"):
+        with caplog.at_level(logging.WARNING, "nograd.supervisor.supervisor"):
             assert supervisor._start_all()
     finally:
         sock.close()

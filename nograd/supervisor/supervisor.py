@@ -1,37 +1,22 @@
-"""Several server processes on one port (``NOGRAD_WORKERS`` > 1; the default, ``auto``, plans two
-on a CPU machine with two usable cores, see ``auto_workers``).
+"""The supervisor: several worker processes serving one port (``NOGRAD_WORKERS`` > 1).
 
 One nograd process is bound by Python's GIL: for a small model the event loop, JSON and the
-batcher's bookkeeping fill one core while the forward needs little, so a second core idles. Here
-a supervisor process starts that many workers (spawned, so none inherits torch or OpenMP state);
-each is a whole nograd server with its own models, batchers and device thread.
+batcher's bookkeeping fill one core while the forward needs little. The supervisor starts that
+many workers (spawned, so none inherits torch or OpenMP state); each is a whole nograd server with
+its own models, batchers and device thread.
 
-- The supervisor listens on the port and hands every connection it accepts to the worker with
-  the fewest open connections (ties in turn), passing the socket over a Unix socket pair. Two
-  ways of letting the kernel spread connections were measured first and dropped: one shared
-  listening socket (an idle worker's event loop accepted a whole burst at once, so a client's 32
-  connections could all land on one worker) and one ``SO_REUSEPORT`` socket per worker (the
-  kernel hashes each connection to a worker: 32 connections split as unevenly as 10/22, at least
-  20/12 about one time in five, and the busier worker's queue sets the tail latency). Handing
-  over costs one ``sendmsg`` per connection, not per request.
-- Workers start one after another (start-up work never competes for the cores); the supervisor
-  starts listening once all are warm, and a restarted worker is handed connections once it is
-  warm. Each budgets an equal share of the device memory it finds free.
-- CPU cores for torch are shared batch by batch through a ledger file in the metrics folder
-  (``nograd.host.ledger``): a lone busy worker's batch runs on every core, busy workers on their
-  share. The supervisor creates it and clears a dead worker's slot.
-- Connections stay with the worker they were handed to: requests on one keep-alive connection
-  are served by one worker. A connection handed to a worker just as it dies is reset.
-- Metrics live in files in one folder (prometheus_client's multiprocess mode), so /metrics on any
-  worker, and ``NOGRAD_METRICS_PORT`` on the supervisor, report the whole server; so do the V2
-  statistics (``nograd.observability.stats``), from files of their own in the same folder.
+- The supervisor listens on the port and hands every connection to the least busy worker
+  (``nograd.supervisor.handoff``); connections stay with the worker they were handed to.
+- Workers start one after another, so start-up work never competes for the cores; the supervisor
+  listens once all are warm, and hands a restarted worker connections once it is warm.
+- CPU cores for torch are shared batch by batch through a ledger in the shared folder
+  (``nograd.host.ledger``): the supervisor creates it and clears a dead worker's slot.
 - SIGTERM (or Ctrl+C) reaches every worker as SIGTERM: each drains as a single server does while
-  the supervisor keeps handing them connections (answered 503, as a draining server does); a
-  second signal kills the workers at once, cutting the requests still in flight. A worker that
-  dies while serving is started again, after a delay that grows while it keeps dying; one that
-  dies during the first start-up stops the server, as a failed single server would.
+  the supervisor keeps handing them connections (answered 503); a second signal kills them. A
+  worker that dies while serving is started again, after a delay that grows while it keeps dying;
+  one that dies during the first start-up stops the server, as a failed single server would.
 
-This module imports no torch: the supervisor stays small, and only workers load models.
+It imports no torch: the supervisor stays small, and only workers load models.
 """
 
 from __future__ import annotations
@@ -44,10 +29,7 @@ import os
 import shutil
 import signal
 import socket
-import sys
-import tempfile
 import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from multiprocessing.context import SpawnProcess
@@ -56,19 +38,15 @@ from pathlib import Path
 from types import FrameType
 
 from nograd.host.ledger import CoreShare, clear_slot, create_ledger
-from nograd.host.readings import HostMemory, gpu_visible, resident_bytes, usable_cores
+from nograd.host.readings import HostMemory, resident_bytes
 from nograd.settings import Settings
+from nograd.supervisor.handoff import Handoff, bind_socket, least_loaded, send_connection
+from nograd.supervisor.plan import AUTO_MEMORY_SHARE, another_fits
+from nograd.supervisor.shared_dir import CORES_FILE, mark_dead, prepare_shared_dir
+from nograd.supervisor.worker import worker_main
 
 logger = logging.getLogger(__name__)
 
-MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
-STATS_PREFIX = "v2stats_"
-"""Workers' V2 statistics files in the metrics folder (``nograd.observability.stats``), next to the
-metric files."""
-CORES_FILE = "cores.i64"
-"""The shared ledger of CPU cores (``nograd.host.ledger``), in the metrics folder."""
-STARTUP_FAILURE = 3
-"""Exit code of a worker whose start-up failed (uvicorn's own code for it)."""
 RESTART_DELAY_MAX_S = 30.0
 STABLE_AFTER_S = 60.0
 """A worker that served this long before dying is restarted at once."""
@@ -79,27 +57,6 @@ _ACCEPTS_PER_ROUND = 256
 ACCEPT_RETRY_S = 1.0
 """Pause after accept itself fails (out of file descriptors): the queued connection stays
 readable, so accepting again at once would spin a core (asyncio waits as long)."""
-
-
-@dataclass(frozen=True)
-class WorkerRole:
-    """What one worker process knows of the others."""
-
-    multiprocess_dir: Path
-    ready: Callable[[], None]
-    """Tells the supervisor the models are loaded and warm."""
-    cores: CoreShare | None = None
-    """This worker's slot in the ledger of CPU cores the workers share (``share_cores``)."""
-
-
-@dataclass(frozen=True)
-class Handoff:
-    """A worker's end of the way connections reach it from the supervisor."""
-
-    channel: socket.socket
-    """Unix SOCK_SEQPACKET socket: one message per connection, the socket passed along."""
-    closed: ctypes.c_longlong
-    """Shared with the supervisor: connections this worker has closed so far."""
 
 
 @dataclass
@@ -121,120 +78,38 @@ class _Slot:
     """Resident memory (bytes) when the worker last became ready; None if unreadable."""
 
 
-AUTO_MAX_WORKERS = 2
-"""``NOGRAD_WORKERS=auto`` starts at most this many: measured on 2 cores, where the second
-process roughly doubled a small model's requests/s; above that, memory grows with every copy
-while the gain is unmeasured, so more is an explicit choice."""
-AUTO_MEMORY_SHARE = 0.8
-"""``auto`` starts another worker only if the first one's resident memory fits in this share
-of the memory still available (the rest is left for the batches and the page cache)."""
-
-
-def auto_workers(cores: int, gpu: bool, torch_threads: int | None = None) -> tuple[int, str]:
-    """How many workers ``NOGRAD_WORKERS=auto`` plans, and why (for the start-up log).
-
-    A fixed ``NOGRAD_TORCH_THREADS`` is every worker's count: workers are then limited to as
-    many as the cores hold at that count, so torch's threads never outnumber the cores.
-    """
-    if gpu:
-        # Each worker would hold a CUDA context and a copy of the weights on the same device.
-        return 1, "a GPU is visible"
-    plural = "s" if cores != 1 else ""
-    reason = f"{cores} usable CPU core{plural}, no GPU"
-    room = cores
-    if torch_threads is not None:
-        room = cores // torch_threads
-        reason += f", NOGRAD_TORCH_THREADS={torch_threads} per worker"
-    return max(1, min(room, AUTO_MAX_WORKERS)), reason
-
-
-def auto_plan(torch_threads: int | None = None) -> tuple[int, str]:
-    """``auto_workers`` for this process: its usable cores and the GPUs it can see."""
-    return auto_workers(usable_cores(), gpu_visible(), torch_threads)
-
-
-def resolve_workers(settings: Settings) -> tuple[Settings, bool]:
-    """``settings`` with ``workers`` a number, and whether it was planned by ``auto`` (then
-    workers after the first are started only while another copy of the models fits)."""
-    if settings.workers != "auto":
-        return settings, False
-    count, reason = auto_plan(settings.torch_threads)
-    logger.info("workers: auto, %d (%s)", count, reason)
-    return settings.model_copy(update={"workers": count}), True
-
-
-def supervise(settings: Settings, *, fit_to_memory: bool = False) -> int:
-    """Run ``settings.workers`` server processes until SIGTERM/SIGINT; the process exit code.
-    ``fit_to_memory``: start a worker after the first only if another copy fits in memory."""
-    directory, owned = _metrics_dir()
+def supervise(settings: Settings, serve: str, *, fit_to_memory: bool = False) -> int:
+    """Run ``settings.workers`` processes, each serving with the function ``serve`` names
+    (``"module:function"``, a ``ServeWorker``), until SIGTERM/SIGINT;
+    the process exit code. ``fit_to_memory``: start a worker after the first only if another
+    copy fits in memory."""
+    directory, owned = prepare_shared_dir()
     try:
         sock = bind_socket(settings.host, settings.port)
-        return Supervisor(settings, sock, directory, fit_to_memory=fit_to_memory).run()
+        return Supervisor(settings, serve, sock, directory, fit_to_memory=fit_to_memory).run()
     finally:
         if owned:
             shutil.rmtree(directory, ignore_errors=True)
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """The port, bound and not yet listening: until ``listen`` (once the workers are warm) the
-    kernel refuses connections rather than queueing them for a server that cannot answer."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    return sock
-
-
-def least_loaded(open_connections: Sequence[int | None], last: int) -> int | None:
-    """The worker to hand the next connection: fewest open connections, ties taken in turn
-    after ``last`` (so one-request connections alternate); None marks a worker not serving."""
-    count = len(open_connections)
-    best: int | None = None
-    best_load = 0
-    for step in range(1, count + 1):
-        index = (last + step) % count
-        load = open_connections[index]
-        if load is not None and (best is None or load < best_load):
-            best, best_load = index, load
-    return best
-
-
-def _metrics_dir() -> tuple[Path, bool]:
-    """The folder for the workers' metric and statistics files, emptied: an operator's, or a
-    private one.
-
-    Files left by an earlier run would add its counts to this one's.
-    """
-    given = os.environ.get(MULTIPROC_ENV)
-    if given:
-        directory = Path(given)
-        directory.mkdir(parents=True, exist_ok=True)
-        for stale in (*directory.glob("*.db"), *directory.glob(f"{STATS_PREFIX}*")):
-            stale.unlink()
-        return directory, False
-    directory = Path(tempfile.mkdtemp(prefix="nograd-metrics-"))
-    # Set before any prometheus_client import here or in a worker: it picks file-backed values
-    # once, at import.
-    os.environ[MULTIPROC_ENV] = str(directory)
-    return directory, True
 
 
 class Supervisor:
     def __init__(
         self,
         settings: Settings,
+        serve: str,
         sock: socket.socket,
-        multiprocess_dir: Path,
+        shared_dir: Path,
         *,
         fit_to_memory: bool = False,
         host: HostMemory | None = None,
     ) -> None:
         self._settings = settings
+        self._serve_worker = serve
         self._fit_to_memory = fit_to_memory
         self._host = host or HostMemory()
         self._sock = sock
         self._port = int(sock.getsockname()[1])
-        self._dir = multiprocess_dir
+        self._dir = shared_dir
         self._ctx = multiprocessing.get_context("spawn")
         self._slots = [_Slot(i) for i in range(settings.worker_count)]
         self._stop_signal: int | None = None
@@ -248,7 +123,7 @@ class Supervisor:
         self._cores: Path | None = None
         """The ledger of shared CPU cores, created when the workers start (``share_cores``)."""
         if settings.share_cores and settings.torch_threads is None:
-            self._cores = multiprocess_dir / CORES_FILE
+            self._cores = shared_dir / CORES_FILE
 
     def run(self) -> int:
         previous = {
@@ -330,8 +205,8 @@ class Supervisor:
         ours.setblocking(False)
         closed = self._ctx.RawValue(ctypes.c_longlong, 0)
         slot.process = self._ctx.Process(
-            target=_worker_main,
-            args=(self._settings, self._dir),
+            target=worker_main,
+            args=(self._serve_worker, self._settings, self._dir),
             kwargs={
                 "ready": slot.ready,
                 "handoff": Handoff(theirs, closed),
@@ -361,10 +236,10 @@ class Supervisor:
                     slot.process.exitcode,
                 )
                 return False
-        self._serve(slot)
+        self._mark_serving(slot)
         return True
 
-    def _serve(self, slot: _Slot) -> None:
+    def _mark_serving(self, slot: _Slot) -> None:
         slot.serving = True
         pid = slot.process.pid if slot.process is not None else None
         slot.resident = None if pid is None else resident_bytes(pid)
@@ -381,7 +256,7 @@ class Supervisor:
         which stops the whole server; one worker serves instead."""
         footprint = self._slots[0].resident
         available = self._host.available_bytes()
-        if footprint is None or footprint <= AUTO_MEMORY_SHARE * available:
+        if another_fits(footprint, available):
             return True
         logger.warning(
             "workers: auto, serving with %d: another worker would hold %s more (the first one's "
@@ -415,13 +290,13 @@ class Supervisor:
                 self._start(slot)
             ready = slot.ready is not None and slot.ready.is_set()
             if slot.process is not None and ready and not slot.serving:
-                self._serve(slot)
+                self._mark_serving(slot)
 
     def _bury_dead(self) -> None:
         now = time.monotonic()
         for slot in self._slots:
             if slot.process is not None and not slot.process.is_alive():
-                self._buried(slot, now)
+                self._bury(slot, now)
 
     def _hand_over(self) -> None:
         """Accept waiting connections and hand each to the least busy serving worker."""
@@ -464,7 +339,7 @@ class Supervisor:
             slot = self._slots[index]
             assert slot.channel is not None
             try:
-                socket.send_fds(slot.channel, [b"c"], [conn.fileno()])
+                send_connection(slot.channel, conn)
             except BlockingIOError:
                 tried.add(index)  # its inbox is full: the worker is stuck; try another
                 continue
@@ -488,14 +363,14 @@ class Supervisor:
             slot.channel.close()
         slot.channel, slot.closed, slot.serving = None, None, False
 
-    def _buried(self, slot: _Slot, now: float) -> None:
+    def _bury(self, slot: _Slot, now: float) -> None:
         assert slot.process is not None
         pid, code = slot.process.pid, slot.process.exitcode
         slot.process.close()
         slot.process = None
         self._close_channel(slot)
         if pid is not None:
-            _mark_dead(pid, self._dir)
+            mark_dead(pid, self._dir)
         if self._cores is not None:
             clear_slot(self._cores, slot.index)
         if self._closing:
@@ -528,7 +403,7 @@ class Supervisor:
                 logger.error("worker pid %s did not stop in time; killing it", slot.process.pid)
                 slot.process.kill()
                 slot.process.join()
-                self._buried(slot, time.monotonic())
+                self._bury(slot, time.monotonic())
         logger.info("all workers stopped")
 
 
@@ -546,48 +421,3 @@ def next_restart(lived_s: float, failures: int) -> tuple[int, float]:
 
 def _gigabytes(value: int | None) -> str:
     return "?" if value is None else f"{value / 1e9:.2f} GB"
-
-
-def _mark_dead(pid: int, directory: Path) -> None:
-    """Drop a dead worker's live gauges; its counters stay, so totals never go backwards."""
-    from prometheus_client import multiprocess
-
-    multiprocess.mark_process_dead(pid, str(directory))  # type: ignore[no-untyped-call]
-
-
-def _worker_main(
-    settings: Settings,
-    multiprocess_dir: Path,
-    *,
-    ready: Event,
-    handoff: Handoff,
-    supervisor: int,
-    cores: CoreShare | None,
-) -> None:
-    # Ctrl+C in a terminal reaches every process of the group. The supervisor turns it into
-    # SIGTERM for each worker; uvicorn still drains on the SIGINT it catches while serving, but
-    # re-raised after the drain (or arriving during imports) it would end the worker with a
-    # KeyboardInterrupt traceback.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _exit_with_supervisor(supervisor)
-    from nograd.observability.logs import setup_logging
-
-    setup_logging(settings.log_level, settings.log_format)
-    from nograd.http.app import create_app
-    from nograd.http.server import build_server
-
-    role = WorkerRole(multiprocess_dir, ready.set, cores)
-    server = build_server(settings, create_app(settings, worker=role), handoff=handoff)
-    server.run()
-    sys.exit(0 if server.started else STARTUP_FAILURE)
-
-
-def _exit_with_supervisor(supervisor: int) -> None:
-    """Ask Linux for SIGTERM when the supervisor dies, so a killed supervisor leaves no worker
-    serving its port unsupervised."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
-    if os.getppid() != supervisor:  # it died before prctl took effect
-        os.kill(os.getpid(), signal.SIGTERM)

@@ -1,0 +1,57 @@
+"""How many worker processes to start: ``NOGRAD_WORKERS=auto`` resolved from the host."""
+
+from __future__ import annotations
+
+import logging
+
+from nograd.host.readings import gpu_visible, usable_cores
+from nograd.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+AUTO_MAX_WORKERS = 2
+"""``auto`` starts at most this many: a second process lets a small model use the second core
+its GIL-bound first one leaves idle; past that every copy costs memory for a gain not shown
+(docs/architecture.md), so more is an explicit choice."""
+AUTO_MEMORY_SHARE = 0.8
+"""``auto`` starts another worker only if the first one's resident memory fits in this share
+of the memory still available (the rest is left for the batches and the page cache)."""
+
+
+def auto_workers(cores: int, gpu: bool, torch_threads: int | None = None) -> tuple[int, str]:
+    """How many workers ``NOGRAD_WORKERS=auto`` plans, and why (for the start-up log).
+
+    A fixed ``NOGRAD_TORCH_THREADS`` is every worker's count: workers are then limited to as
+    many as the cores hold at that count, so torch's threads never outnumber the cores.
+    """
+    if gpu:
+        # Each worker would hold a CUDA context and a copy of the weights on the same device.
+        return 1, "a GPU is visible"
+    plural = "s" if cores != 1 else ""
+    reason = f"{cores} usable CPU core{plural}, no GPU"
+    room = cores
+    if torch_threads is not None:
+        room = cores // torch_threads
+        reason += f", NOGRAD_TORCH_THREADS={torch_threads} per worker"
+    return max(1, min(room, AUTO_MAX_WORKERS)), reason
+
+
+def auto_plan(torch_threads: int | None = None) -> tuple[int, str]:
+    """``auto_workers`` for this process: its usable cores and the GPUs it can see."""
+    return auto_workers(usable_cores(), gpu_visible(), torch_threads)
+
+
+def resolve_workers(settings: Settings) -> tuple[Settings, bool]:
+    """``settings`` with ``workers`` a number, and whether it was planned by ``auto`` (then
+    workers after the first are started only while another copy of the models fits)."""
+    if settings.workers != "auto":
+        return settings, False
+    count, reason = auto_plan(settings.torch_threads)
+    logger.info("workers: auto, %d (%s)", count, reason)
+    return settings.model_copy(update={"workers": count}), True
+
+
+def another_fits(footprint: int | None, available: int) -> bool:
+    """Whether one more copy of a worker holding ``footprint`` resident bytes fits in
+    ``available``; an unreadable footprint does not stop a start."""
+    return footprint is None or footprint <= AUTO_MEMORY_SHARE * available

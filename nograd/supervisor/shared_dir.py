@@ -1,0 +1,44 @@
+"""The folder the worker processes share: metric files, V2 statistics files, the core ledger.
+
+prometheus_client's multiprocess mode keeps every worker's metrics in files of one folder, so
+/metrics on any worker reports the whole server; the statistics and the core ledger sit beside them.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from nograd.observability.stats import STATS_PREFIX
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+CORES_FILE = "cores.i64"
+"""The shared ledger of CPU cores (``nograd.host.ledger``), in the shared folder."""
+
+
+def prepare_shared_dir() -> tuple[Path, bool]:
+    """The folder for the workers' shared files, emptied: an operator's, or a private one (then
+    True: the supervisor removes it when it stops).
+
+    Files left by an earlier run would add its counts to this one's.
+    """
+    given = os.environ.get(MULTIPROC_ENV)
+    if given:
+        directory = Path(given)
+        directory.mkdir(parents=True, exist_ok=True)
+        for stale in (*directory.glob("*.db"), *directory.glob(f"{STATS_PREFIX}*")):
+            stale.unlink()
+        return directory, False
+    directory = Path(tempfile.mkdtemp(prefix="nograd-metrics-"))
+    # Set before any prometheus_client import here or in a worker: it picks file-backed values
+    # once, at import.
+    os.environ[MULTIPROC_ENV] = str(directory)
+    return directory, True
+
+
+def mark_dead(pid: int, directory: Path) -> None:
+    """Drop a dead worker's live gauges; its counters stay, so totals never go backwards."""
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(pid, str(directory))  # type: ignore[no-untyped-call]

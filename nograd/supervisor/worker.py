@@ -1,0 +1,85 @@
+"""A worker process's entry: what it is given by the supervisor, and how it starts serving.
+
+The supervisor imports nothing that serves: the command names the serving function
+(``"module:function"``, as uvicorn names an app), and only the spawned worker imports it, so the
+supervisor process never loads torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import os
+import signal
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.synchronize import Event
+from pathlib import Path
+from typing import Protocol
+
+from nograd.host.ledger import CoreShare
+from nograd.observability.logs import setup_logging
+from nograd.settings import Settings
+from nograd.supervisor.handoff import Handoff
+
+STARTUP_FAILURE = 3
+"""Exit code of a worker whose start-up failed (uvicorn's own code for it)."""
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """What a worker process is given by its supervisor: the folder it shares with its
+    siblings, how to say it is warm, and its slot in the shared core ledger."""
+
+    shared_dir: Path
+    ready: Callable[[], None]
+    """Tells the supervisor the models are loaded and warm."""
+    cores: CoreShare | None = None
+    """This worker's slot in the ledger of CPU cores the workers share (``share_cores``)."""
+
+
+class ServeWorker(Protocol):
+    """Serves until stopped, with connections from ``handoff``; False if start-up failed."""
+
+    def __call__(self, settings: Settings, context: WorkerContext, handoff: Handoff) -> bool: ...
+
+
+def load_serve(reference: str) -> ServeWorker:
+    """The serving function named ``"module:function"``."""
+    module_name, _, name = reference.partition(":")
+    serve: ServeWorker = getattr(importlib.import_module(module_name), name)
+    return serve
+
+
+def worker_main(
+    serve: str,
+    settings: Settings,
+    shared_dir: Path,
+    *,
+    ready: Event,
+    handoff: Handoff,
+    supervisor: int,
+    cores: CoreShare | None,
+) -> None:
+    # Ctrl+C in a terminal reaches every process of the group. The supervisor turns it into
+    # SIGTERM for each worker; uvicorn still drains on the SIGINT it catches while serving, but
+    # re-raised after the drain (or arriving during imports) it would end the worker with a
+    # KeyboardInterrupt traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _exit_with_supervisor(supervisor)
+    setup_logging(settings.log_level, settings.log_format)
+    started = load_serve(serve)(settings, WorkerContext(shared_dir, ready.set, cores), handoff)
+    sys.exit(0 if started else STARTUP_FAILURE)
+
+
+def _exit_with_supervisor(supervisor: int) -> None:
+    """Ask Linux for SIGTERM when the supervisor dies, so a killed supervisor leaves no worker
+    serving its port unsupervised."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != supervisor:  # it died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)

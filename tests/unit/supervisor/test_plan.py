@@ -1,0 +1,50 @@
+"""How many worker processes ``auto`` plans, and the memory check for one more."""
+
+from __future__ import annotations
+
+import pytest
+
+from nograd.settings import Settings
+from nograd.supervisor.plan import (
+    AUTO_MAX_WORKERS,
+    AUTO_MEMORY_SHARE,
+    another_fits,
+    auto_workers,
+    resolve_workers,
+)
+
+
+@pytest.mark.parametrize(
+    ("cores", "gpu", "threads", "expected"),
+    [
+        (1, False, None, 1),
+        (2, False, None, 2),
+        (16, False, None, AUTO_MAX_WORKERS),
+        (16, True, None, 1),
+        (1, True, None, 1),
+        # A fixed thread count per worker: no more workers than the cores hold at that count.
+        (2, False, 2, 1),
+        (2, False, 1, 2),
+        (4, False, 3, 1),
+        (8, False, 4, 2),
+    ],
+)
+def test_auto_plans_two_workers_on_a_cpu_machine_with_two_cores_or_more(
+    cores: int, gpu: bool, threads: int | None, expected: int
+) -> None:
+    count, reason = auto_workers(cores, gpu, threads)
+    assert count == expected
+    assert ("GPU is visible" in reason) is gpu
+
+
+def test_a_worker_count_given_is_kept_and_auto_is_resolved_to_a_count() -> None:
+    assert resolve_workers(Settings(workers=3)) == (Settings(workers=3), False)
+    settings, planned = resolve_workers(Settings(workers="auto"))
+    assert planned
+    assert isinstance(settings.workers, int) and 1 <= settings.workers <= AUTO_MAX_WORKERS
+
+
+def test_another_worker_fits_only_within_the_share_of_available_memory() -> None:
+    assert another_fits(800, 1000) is (AUTO_MEMORY_SHARE * 1000 >= 800)
+    assert another_fits(801, 1000) is False
+    assert another_fits(None, 0)  # an unreadable footprint does not stop a start
