@@ -37,7 +37,8 @@ from nograd.observability.metrics import Metrics  # noqa: E402
 from nograd.runtime.config import ModelConfig, load_config  # noqa: E402
 from nograd.runtime.handler import ModelHandler, TensorPart, TorchRunner  # noqa: E402
 from nograd.runtime.loader import build_handler  # noqa: E402
-from nograd.runtime.speed import apply_speed  # noqa: E402
+from nograd.runtime.speed.guard import apply_speed  # noqa: E402
+from nograd.serving.speed_checks import recorder  # noqa: E402
 
 DISTURBED_CORES = 0.25
 """A burst during which other processes used more CPU than this is timed again."""
@@ -134,7 +135,7 @@ def build(name: str, label: str, overrides: dict[str, Any]) -> tuple[ModelHandle
     limit = DIGITS_LIMIT if name == "digits" else MINILM_LIMIT
     load = os.getloadavg()[0]
     started = time.perf_counter()
-    handler = apply_speed(handler, limit, metrics)
+    handler = apply_speed(handler, limit, report_check=recorder(metrics))
     result: dict[str, Any] = {
         "model": name,
         "mode": label,

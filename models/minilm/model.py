@@ -279,7 +279,7 @@ class MiniLMHandler(ModelHandler):
         # the padded positions instead. Autocast alone keeps packing (bf16, 2 cores: faster at
         # the ~11-row batches one-sentence requests form, a little slower at 32), and so does
         # torch.compile with dynamic shapes, which sets no fast path (faster at both sizes).
-        fast = self.fast_path
+        fast = self.speed_path
         packed = fast is None or not fast.fixed_shapes
         embedding = self.module(*(batch[name] for name in TOKEN_TENSORS), packed=packed)
         return {EMBEDDING_OUTPUT: embedding, TOKEN_COUNT_OUTPUT: mask.sum(dim=1, keepdim=True)}

@@ -72,7 +72,7 @@ class ModelConfig(BaseModel):
     max_batch_tokens: int | None = Field(default=None, ge=1)
     """Cap on padded tokens per batch for token-unit models."""
 
-    # Speed levers (nograd/runtime/speed.py; docs/speed.md). Each one is checked against fp32 eager
+    # Speed modes (nograd/runtime/speed/; docs/speed.md). Each one is checked against fp32 eager
     # before it serves, and refused (fp32 eager serves instead) when its outputs drift too far or
     # it runs slower.
     autocast: bool = False

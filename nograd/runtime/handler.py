@@ -2,8 +2,8 @@
 
 ``ModelHandler`` is the default for plain tensor models; a model folder may subclass it (for
 example to tokenise text in ``prepare``) by exposing ``build_handler`` in its module.
-``TorchRunner`` adapts a handler to the batcher's ``Runner`` protocol. A speed lever (see
-``nograd/runtime/speed.py``) plugs in as the handler's ``fast_path``: fixed batch shapes to pad to
+``TorchRunner`` adapts a handler to the batcher's ``Runner`` protocol. A speed mode (see
+``nograd/runtime/speed/``) plugs in as the handler's ``speed_path``: fixed batch shapes to pad to
 and
 the forward to call.
 """
@@ -67,8 +67,8 @@ class TensorPart:
         )
 
 
-class FastPath(Protocol):
-    """What a speed lever changes in a batch's run; ``nograd/runtime/speed.py`` implements it."""
+class SpeedPath(Protocol):
+    """What a speed mode changes in a batch's run; ``nograd/runtime/speed/`` implements it."""
 
     @property
     def max_rows(self) -> int | None:
@@ -114,8 +114,8 @@ class ModelHandler:
         """Layout of 4-D float inputs: channels-last once ``apply_speed`` converts the weights."""
         self._inputs: dict[str, TensorSpec] = {spec.name: spec for spec in config.inputs}
         self._outputs: tuple[TensorSpec, ...] = config.outputs
-        self.fast_path: FastPath | None = None
-        """Set by ``nograd.runtime.speed.apply_speed`` when a faster mode passed its accuracy
+        self.speed_path: SpeedPath | None = None
+        """Set by ``nograd.runtime.speed.guard.apply_speed`` when a faster mode passed its accuracy
         check."""
         self.speed_mode = "fp32"
         """The mode serving: fp32 eager, or the speed mode ``apply_speed`` accepted (bf16, …)."""
@@ -136,7 +136,7 @@ class ModelHandler:
     def example(self, rows: int, length: int = 1, seed: int = 0) -> TensorPart:
         """Synthetic inputs for warmup and memory profiling; variable dimensions get ``length``.
 
-        ``seed`` 0 gives the warmup inputs; the speed levers' accuracy check also draws a
+        ``seed`` 0 gives the warmup inputs; the speed modes' accuracy check also draws a
         held-out batch with another seed.
         """
         generator = np.random.default_rng(seed)
@@ -160,10 +160,10 @@ class ModelHandler:
         rows: int | None = None
         length: int | None = None
         sequence: frozenset[str] = frozenset()
-        if self.fast_path is not None:
+        if self.speed_path is not None:
             longest = max(part.length for part in parts)
-            rows, length = self.fast_path.padded_shape(sum(part.rows for part in parts), longest)
-            sequence = self.fast_path.sequence_inputs
+            rows, length = self.speed_path.padded_shape(sum(part.rows for part in parts), longest)
+            sequence = self.speed_path.sequence_inputs
         batch: dict[str, torch.Tensor] = {}
         for name in parts[0].tensors:
             arrays = [part.tensors[name] for part in parts]
@@ -243,7 +243,7 @@ class TorchRunner:
 
     def _run_batch(self, parts: Sequence[TensorPart]) -> list[Outputs]:
         rows = [part.rows for part in parts]
-        fast = self.handler.fast_path
+        fast = self.handler.speed_path
         most = None if fast is None else fast.max_rows
         if most is not None and sum(rows) > most:
             # Fixed shapes: a batch above the largest bucket runs as several bucket-sized
@@ -257,7 +257,7 @@ class TorchRunner:
         handler = self.handler
         with torch.inference_mode():
             batch = handler.collate(parts)
-            fast = handler.fast_path
+            fast = handler.speed_path
             result = handler.forward(batch) if fast is None else fast.forward(batch)
             return handler.to_numpy(result, rows=sum(part.rows for part in parts))
 

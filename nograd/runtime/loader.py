@@ -95,7 +95,7 @@ def build_handler(
                 raise LoadError(f"{model_dir / config.weights}: {exc}") from exc
         handler = ModelHandler(module, config, device)
     handler.module.to(device)
-    # Weights stay fp32 here: ``precision`` is a speed lever (nograd/runtime/speed.py) that casts
+    # Weights stay fp32 here: ``precision`` is a speed mode (nograd/runtime/speed/) that casts
     # only after comparing its outputs with this fp32 eager model.
     handler.module.eval()
     for parameter in handler.module.parameters():

@@ -43,8 +43,10 @@ from nograd.runtime.handler import ModelHandler, Outputs, TensorPart, TorchRunne
 from nograd.runtime.loader import build_handler, weights_bytes
 from nograd.runtime.memory import Profile, probe_for
 from nograd.runtime.planner import ModelPlan, PlanInput, log_plan, plan_device, profile_handler
-from nograd.runtime.speed import apply_speed, batch_cap
+from nograd.runtime.speed.guard import apply_speed
+from nograd.runtime.speed.path import batch_cap
 from nograd.runtime.warmup import warm_up
+from nograd.serving.speed_checks import load_accuracy_sample, recorder
 from nograd.settings import Settings
 
 if TYPE_CHECKING:
@@ -261,10 +263,12 @@ class DataPlane:
         config = model.config
         started = time.perf_counter()
         handler = build_handler(self.settings.model_repository, model.directory, config, device)
-        # Speed levers (nograd/runtime/speed.py): build the config's faster mode, compile it and
+        # Speed modes (nograd.runtime.speed): build the config's faster mode, compile it and
         # check
         # it against fp32 eager; a refused mode leaves the handler fp32 eager. Counted as load time.
-        handler = apply_speed(handler, self._measured_limit(config), self.metrics, model.directory)
+        sample = load_accuracy_sample(handler, model.directory)
+        limit = self._measured_limit(config)
+        handler = apply_speed(handler, limit, sample, recorder(self.metrics))
         model.load_seconds = time.perf_counter() - started
         self.metrics.model_load.labels(model.name).set(model.load_seconds)
         model.weights_bytes = weights_bytes(handler.module)

@@ -20,7 +20,9 @@ import torch
 from nograd.runtime.config import load_config
 from nograd.runtime.handler import ModelHandler, TensorPart, TorchRunner
 from nograd.runtime.loader import build_handler, import_model_module
-from nograd.runtime.speed import Buckets, SpeedPath, sequence_inputs
+from nograd.runtime.speed.guard import sequence_inputs
+from nograd.runtime.speed.mode import Buckets
+from nograd.runtime.speed.path import SpeedModePath
 
 ROOT = Path(__file__).resolve().parents[3]
 MINILM_DIR = ROOT / "models" / "minilm"
@@ -233,13 +235,13 @@ def test_batches_run_packed_unless_a_fast_path_fixes_the_shapes(handler: ModelHa
     handler.module = spy  # type: ignore[assignment]
     try:
         handler.forward(batch)  # fp32 eager, or compiled with dynamic shapes: no fast path
-        handler.fast_path = SpeedPath(handler, None, frozenset(), torch.bfloat16)  # autocast
+        handler.speed_path = SpeedModePath(handler, None, frozenset(), torch.bfloat16)  # autocast
         handler.forward(batch)
-        handler.fast_path = SpeedPath(
+        handler.speed_path = SpeedModePath(
             handler, Buckets((1, 8), (16, 64)), sequence_inputs(handler), None
         )
         handler.forward(batch)
     finally:
         handler.module = module
-        handler.fast_path = None
+        handler.speed_path = None
     assert calls == [True, True, False]

@@ -1,4 +1,4 @@
-"""Speed levers (nograd/runtime/speed.py): buckets, padding, the accuracy guard and its fallbacks.
+"""Speed modes (nograd/runtime/speed/): buckets, padding, the accuracy guard and its fallbacks.
 
 Everything here runs on CPU. torch.compile is either monkeypatched (to raise, or to perturb the
 outputs) or run with dynamo's ``eager`` backend, which traces for real but skips inductor's C++
@@ -23,25 +23,22 @@ import pytest
 import torch
 
 from nograd.observability.metrics import Metrics
-from nograd.runtime import speed
 from nograd.runtime.config import ConfigError, ModelConfig, TensorSpec, load_config
 from nograd.runtime.handler import ModelHandler, TensorPart, TorchRunner, _pad_concat, chunk_rows
 from nograd.runtime.loader import build_handler
-from nograd.runtime.speed import (
-    Buckets,
+from nograd.runtime.speed import guard as speed
+from nograd.runtime.speed.accuracy import compare
+from nograd.runtime.speed.guard import (
     CheckBatch,
-    CudaGraphs,
-    SpeedPath,
     apply_speed,
-    batch_cap,
     check_batches,
-    compare,
-    next_bucket,
-    plan_for,
     sequence_inputs,
     time_batches,
 )
+from nograd.runtime.speed.mode import Buckets, mode_for, next_bucket
+from nograd.runtime.speed.path import CudaGraphs, SpeedModePath, batch_cap
 from nograd.serving.dataplane import DataPlane
+from nograd.serving.speed_checks import load_accuracy_sample, recorder
 from nograd.settings import Settings
 
 CPU = torch.device("cpu")
@@ -216,7 +213,7 @@ def test_bucketed_run_pads_rows_and_slices_them_off() -> None:
     module = handler.module
     assert isinstance(module, RecordingTiny)
     module.shapes.clear()
-    handler.fast_path = SpeedPath(handler, Buckets((1, 2, 8)), frozenset(), None)
+    handler.speed_path = SpeedModePath(handler, Buckets((1, 2, 8)), frozenset(), None)
     runner = TorchRunner(handler)
     results = runner.run_batch([rows_of(1, 2, 3), rows_of(4)])
     assert module.shapes == [(8, 4)], "a 4-row batch runs as the 8-row bucket"
@@ -235,7 +232,9 @@ def test_token_batches_pad_rows_and_length_to_buckets() -> None:
     parts = [handler.example(2, 5), handler.example(1, 9, seed=3)]
     reference = TorchRunner(handler).run_batch(parts)
     assert sequence_inputs(handler) == frozenset({"ids", "mask"})
-    handler.fast_path = SpeedPath(handler, Buckets((4,), (8, 16)), sequence_inputs(handler), None)
+    handler.speed_path = SpeedModePath(
+        handler, Buckets((4,), (8, 16)), sequence_inputs(handler), None
+    )
     module = handler.module
     assert isinstance(module, TinyText)
     module.shapes.clear()
@@ -248,16 +247,16 @@ def test_token_batches_pad_rows_and_length_to_buckets() -> None:
 def test_batch_cap_is_the_largest_bucket_in_the_model_unit() -> None:
     handler = tiny()
     assert batch_cap(handler) is None
-    handler.fast_path = SpeedPath(handler, Buckets((1, 8, 32)), frozenset(), None)
+    handler.speed_path = SpeedModePath(handler, Buckets((1, 8, 32)), frozenset(), None)
     assert batch_cap(handler) == 32
     tokens = text()
-    tokens.fast_path = SpeedPath(tokens, Buckets((1, 8), (64, 128)), frozenset({"ids"}), None)
+    tokens.speed_path = SpeedModePath(tokens, Buckets((1, 8), (64, 128)), frozenset({"ids"}), None)
     assert batch_cap(tokens) == 8 * 128
 
 
 def test_held_out_inputs_differ_from_warmup_and_sit_off_the_buckets() -> None:
     handler = tiny(compile=True, compile_buckets=(1, 8))
-    plan = plan_for(handler.config, CPU)
+    plan = mode_for(handler.config, CPU)
     batches = check_batches(handler, plan, limit=8)
     warm = [b.part for b in batches if b.kind == "warmup"]
     held = [b.part for b in batches if b.kind == "held-out"]
@@ -294,7 +293,7 @@ def test_compare_treats_nan_as_a_failure_and_zero_rows_as_equal() -> None:
 
 def test_bf16_within_tolerance_is_accepted_and_exported() -> None:
     metrics = Metrics()
-    handler = apply_speed(tiny(precision="bf16"), limit=16, metrics=metrics)
+    handler = apply_speed(tiny(precision="bf16"), limit=16, report_check=recorder(metrics))
     assert handler.speed_mode == "bf16"
     assert handler.compute_dtype == torch.bfloat16
     assert handler.module.linear.weight.dtype == torch.bfloat16
@@ -311,11 +310,13 @@ def test_beyond_tolerance_is_refused_and_fp32_weights_restored_exactly(
 ) -> None:
     original = {k: v.clone() for k, v in Tiny().state_dict().items()}
     metrics = Metrics()
-    with caplog.at_level(logging.WARNING, "nograd.runtime.speed"):
+    with caplog.at_level(logging.WARNING, "nograd.runtime.speed.guard"):
         handler = apply_speed(
-            tiny(precision="bf16", accuracy_tolerance=1e-6), limit=16, metrics=metrics
+            tiny(precision="bf16", accuracy_tolerance=1e-6),
+            limit=16,
+            report_check=recorder(metrics),
         )
-    assert handler.speed_mode == "fp32" and handler.fast_path is None
+    assert handler.speed_mode == "fp32" and handler.speed_path is None
     assert handler.compute_dtype == torch.float32
     for name, tensor in handler.module.state_dict().items():
         assert tensor.dtype == original[name].dtype and torch.equal(tensor, original[name]), name
@@ -334,8 +335,8 @@ def test_a_mode_slower_than_fp32_eager_is_refused_and_its_speed_exported(
     monkeypatch.setattr(speed, "time_batches", scripted_timings(0.010, 0.050))
     original = {k: v.clone() for k, v in Tiny().state_dict().items()}
     metrics = Metrics()
-    with caplog.at_level(logging.WARNING, "nograd.runtime.speed"):
-        handler = apply_speed(tiny(precision="bf16"), limit=16, metrics=metrics)
+    with caplog.at_level(logging.WARNING, "nograd.runtime.speed.guard"):
+        handler = apply_speed(tiny(precision="bf16"), limit=16, report_check=recorder(metrics))
     assert handler.speed_mode == "fp32" and handler.compute_dtype == torch.float32
     for name, tensor in handler.module.state_dict().items():
         assert tensor.dtype == original[name].dtype and torch.equal(tensor, original[name]), name
@@ -352,8 +353,8 @@ def test_a_faster_mode_is_accepted_with_its_speed_logged(
 ) -> None:
     monkeypatch.setattr(speed, "time_batches", scripted_timings(0.030, 0.010))
     metrics = Metrics()
-    with caplog.at_level(logging.INFO, "nograd.runtime.speed"):
-        handler = apply_speed(tiny(precision="bf16"), limit=16, metrics=metrics)
+    with caplog.at_level(logging.INFO, "nograd.runtime.speed.guard"):
+        handler = apply_speed(tiny(precision="bf16"), limit=16, report_check=recorder(metrics))
     assert handler.speed_mode == "bf16"
     message = caplog.records[-1].getMessage()
     assert "speed mode bf16 accepted" in message and "3.00x fp32 eager's speed" in message
@@ -367,8 +368,10 @@ def test_min_speedup_is_the_bar_and_zero_turns_the_timing_off(
     assert apply_speed(tiny(precision="bf16", min_speedup=1.5), limit=16).speed_mode == "fp32"
     monkeypatch.setattr(speed, "time_batches", scripted_timings())  # any call fails
     metrics = Metrics()
-    with caplog.at_level(logging.INFO, "nograd.runtime.speed"):
-        handler = apply_speed(tiny(precision="bf16", min_speedup=0), limit=16, metrics=metrics)
+    with caplog.at_level(logging.INFO, "nograd.runtime.speed.guard"):
+        handler = apply_speed(
+            tiny(precision="bf16", min_speedup=0), limit=16, report_check=recorder(metrics)
+        )
     assert handler.speed_mode == "bf16"
     assert "speed not checked (min_speedup 0)" in caplog.records[-1].getMessage()
     assert gauge(metrics, "nograd_model_speedup", "tiny", "bf16") is None
@@ -378,7 +381,7 @@ def test_a_mode_refused_for_accuracy_is_not_timed(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(speed, "time_batches", scripted_timings(0.010))  # fp32 eager's only
-    with caplog.at_level(logging.WARNING, "nograd.runtime.speed"):
+    with caplog.at_level(logging.WARNING, "nograd.runtime.speed.guard"):
         handler = apply_speed(tiny(precision="bf16", accuracy_tolerance=1e-6), limit=16)
     assert handler.speed_mode == "fp32"
     message = caplog.records[-1].getMessage()
@@ -424,7 +427,7 @@ def test_time_batches_gives_up_after_a_pass_already_too_slow(
 
 def test_time_batches_times_a_real_forward() -> None:
     handler = tiny()
-    batches = check_batches(handler, plan_for(handler.config, CPU), limit=16)
+    batches = check_batches(handler, mode_for(handler.config, CPU), limit=16)
     seconds = time_batches(TorchRunner(handler), batches, passes=2)
     assert len(seconds) == len(batches) and all(0 < s < 5 for s in seconds)
 
@@ -455,8 +458,8 @@ def test_lossy_mode_is_refused_and_the_eager_module_serves(
     monkeypatch.setattr(torch, "compile", lossy_compile(1e-3))
     handler = tiny(compile=True)
     module = handler.module
-    with caplog.at_level(logging.WARNING, "nograd.runtime.speed"):
-        served = apply_speed(handler, limit=16, metrics=Metrics())
+    with caplog.at_level(logging.WARNING, "nograd.runtime.speed.guard"):
+        served = apply_speed(handler, limit=16, report_check=recorder(Metrics()))
     assert served.module is module and served.speed_mode == "fp32"
     assert "speed mode compile refused" in caplog.text
     assert "max abs error 0.001 exceeds accuracy_tolerance 0.0001" in caplog.text
@@ -479,9 +482,9 @@ def test_compile_that_raises_falls_back_to_fp32_eager(
     monkeypatch.setattr(torch, "compile", broken)
     handler = tiny(precision="bf16", compile=True, compile_buckets=(1, 8))
     metrics = Metrics()
-    with caplog.at_level(logging.WARNING, "nograd.runtime.speed"):
-        served = apply_speed(handler, limit=8, metrics=metrics)
-    assert served.speed_mode == "fp32" and served.fast_path is None
+    with caplog.at_level(logging.WARNING, "nograd.runtime.speed.guard"):
+        served = apply_speed(handler, limit=8, report_check=recorder(metrics))
+    assert served.speed_mode == "fp32" and served.speed_path is None
     assert served.compute_dtype == torch.float32
     assert served.module.linear.weight.dtype == torch.float32
     line = caplog.records[-1].getMessage()
@@ -523,7 +526,9 @@ def test_real_dynamo_compile_with_buckets_never_recompiles_under_traffic(
 
     monkeypatch.setattr(torch, "compile", compile_eager)
     metrics = Metrics()
-    handler = apply_speed(tiny(compile=True, compile_buckets=(1, 4, 8)), limit=8, metrics=metrics)
+    handler = apply_speed(
+        tiny(compile=True, compile_buckets=(1, 4, 8)), limit=8, report_check=recorder(metrics)
+    )
     assert handler.speed_mode == "compile"
     assert options_seen["dynamic"] is False and options_seen["mode"] == "default"
     assert options_seen.get("recompile_limit", 3) == 3
@@ -542,22 +547,22 @@ def test_autocast_mode_keeps_fp32_weights_and_runs_low_precision() -> None:
     assert handler.speed_mode == "bf16-autocast"
     assert handler.module.linear.weight.dtype == torch.float32
     assert handler.compute_dtype == torch.float32
-    assert handler.fast_path is not None
+    assert handler.speed_path is not None
     with torch.inference_mode():
         batch = handler.collate([rows_of(1)])
-        assert handler.fast_path.forward(batch)["y"].dtype == torch.bfloat16
+        assert handler.speed_path.forward(batch)["y"].dtype == torch.bfloat16
 
 
 def test_fp32_eager_config_is_left_alone() -> None:
     handler = tiny()
     module = handler.module
     assert apply_speed(handler, limit=8) is handler
-    assert handler.module is module and handler.fast_path is None
+    assert handler.module is module and handler.speed_path is None
 
 
 # ------------------------------------------------------------------------------ plan and config
 def test_max_autotune_leaves_cuda_graphs_to_ours(monkeypatch: pytest.MonkeyPatch) -> None:
-    from nograd.runtime.speed import _compile
+    from nograd.runtime.speed.guard import _compile
 
     seen: dict[str, Any] = {}
 
@@ -569,32 +574,32 @@ def test_max_autotune_leaves_cuda_graphs_to_ours(monkeypatch: pytest.MonkeyPatch
     config = tiny_config(
         compile=True, compile_mode="max-autotune", cuda_graphs=True, compile_buckets=(1, 8)
     )
-    _compile(Tiny(), plan_for(config, torch.device("cuda", 0)), warm_shapes=2)
+    _compile(Tiny(), mode_for(config, torch.device("cuda", 0)), warm_shapes=2)
     assert seen["mode"] == "max-autotune-no-cudagraphs" and seen["dynamic"] is False
-    _compile(Tiny(), plan_for(config, CPU), warm_shapes=2)
+    _compile(Tiny(), mode_for(config, CPU), warm_shapes=2)
     assert seen["mode"] == "max-autotune", "on CPU the graphs are dropped, so inductor decides"
 
 
 def test_mode_labels_and_default_tolerances() -> None:
-    assert plan_for(tiny_config(precision="bf16"), CPU).mode == "bf16"
-    assert plan_for(tiny_config(precision="bf16"), CPU).tolerance == 1e-2
-    plan = plan_for(tiny_config(compile=True), CPU)
+    assert mode_for(tiny_config(precision="bf16"), CPU).mode == "bf16"
+    assert mode_for(tiny_config(precision="bf16"), CPU).tolerance == 1e-2
+    plan = mode_for(tiny_config(compile=True), CPU)
     assert plan.mode == "compile" and plan.tolerance == 1e-4
     both = tiny_config(precision="fp16", compile=True, compile_mode="max-autotune")
-    assert plan_for(both, CPU).mode == "fp16+max-autotune"
-    assert plan_for(tiny_config(precision="bf16", accuracy_tolerance=0.5), CPU).tolerance == 0.5
-    layout = plan_for(tiny_config(channels_last=True, precision="bf16", compile=True), CPU)
+    assert mode_for(both, CPU).mode == "fp16+max-autotune"
+    assert mode_for(tiny_config(precision="bf16", accuracy_tolerance=0.5), CPU).tolerance == 0.5
+    layout = mode_for(tiny_config(channels_last=True, precision="bf16", compile=True), CPU)
     assert layout.mode == "bf16+channels_last+compile"
-    assert plan_for(tiny_config(channels_last=True), CPU).tolerance == 1e-4
+    assert mode_for(tiny_config(channels_last=True), CPU).tolerance == 1e-4
 
 
 def test_cuda_graphs_on_cpu_are_ignored_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     config = tiny_config(cuda_graphs=True, compile_buckets=(1, 8))
-    with caplog.at_level(logging.WARNING, "nograd.runtime.speed"):
-        plan = plan_for(config, CPU)
+    with caplog.at_level(logging.WARNING, "nograd.runtime.speed.guard"):
+        plan = mode_for(config, CPU)
     assert not plan.cuda_graphs and not plan.requested
     assert "cuda_graphs = true is ignored on cpu" in caplog.text
-    cuda = plan_for(config, torch.device("cuda", 0))
+    cuda = mode_for(config, torch.device("cuda", 0))
     assert cuda.cuda_graphs and cuda.mode == "cudagraphs" and cuda.buckets == Buckets((1, 8))
 
 
@@ -651,7 +656,7 @@ def test_token_model_with_fixed_shapes_needs_both_bucket_lists() -> None:
     with pytest.raises(ValueError, match="compile_length_buckets"):
         text_config(compile=True, compile_buckets=(1, 8))
     config = text_config(compile=True, compile_buckets=(1, 8), compile_length_buckets=(16, 64))
-    assert plan_for(config, CPU).buckets == Buckets((1, 8), (16, 64))
+    assert mode_for(config, CPU).buckets == Buckets((1, 8), (16, 64))
 
 
 # ------------------------------------------------------------------------------ CUDA graphs
@@ -740,7 +745,7 @@ def test_cuda_graphs_capture_per_shape_and_replay_into_static_buffers(
 ) -> None:
     fake = fake_cuda(monkeypatch)
     handler = tiny()
-    path = SpeedPath(handler, Buckets((2, 4)), frozenset(), None)
+    path = SpeedModePath(handler, Buckets((2, 4)), frozenset(), None)
     forward = recording_forward(fake, path.eager_forward)
     graphs = CudaGraphs(torch.device("cuda", 0))
     with torch.inference_mode():
@@ -766,8 +771,8 @@ def test_speed_path_replays_captured_shapes_and_runs_others_eagerly(
 ) -> None:
     fake = fake_cuda(monkeypatch)
     handler = tiny()
-    path = SpeedPath(handler, Buckets((2, 4)), frozenset(), None)
-    handler.fast_path = path
+    path = SpeedModePath(handler, Buckets((2, 4)), frozenset(), None)
+    handler.speed_path = path
     graphs = CudaGraphs(torch.device("cuda", 0))
     with torch.inference_mode():
         batches = [handler.collate([rows_of(*range(n))]) for n in (2, 4)]
@@ -780,8 +785,8 @@ def test_speed_path_replays_captured_shapes_and_runs_others_eagerly(
     expected = ModelHandler(Tiny().eval(), tiny_config(), CPU)
     want = TorchRunner(expected).run_batch([rows_of(5, 6, 7)])[0]
     np.testing.assert_allclose(result["y"], want["y"], rtol=1e-6)
-    handler.fast_path = SpeedPath(handler, None, frozenset(), None)
-    handler.fast_path.graphs = graphs
+    handler.speed_path = SpeedModePath(handler, None, frozenset(), None)
+    handler.speed_path.graphs = graphs
     runner.run_batch([rows_of(5, 6, 7)])
     assert sum(g.replays for g in FakeGraph.instances) == 1, "an uncaptured shape runs eager"
 
@@ -896,9 +901,9 @@ def test_minilm_bf16_autocast_keeps_packing_and_passes_its_check() -> None:
     check (against fp32 eager, padded and packed alike) must accept the packed bf16 forward."""
     handler = shipped("minilm", precision="bf16", autocast=True)
     metrics = Metrics()
-    served = apply_speed(handler, limit=256, metrics=metrics)
+    served = apply_speed(handler, limit=256, report_check=recorder(metrics))
     assert served.speed_mode == "bf16-autocast"
-    assert served.fast_path is not None and not served.fast_path.fixed_shapes
+    assert served.speed_path is not None and not served.speed_path.fixed_shapes
     delta = gauge(metrics, "nograd_model_accuracy_delta", "minilm", "bf16-autocast")
     assert delta is not None and delta < 2e-2
     calls: list[bool] = []
@@ -921,7 +926,9 @@ def test_minilm_bf16_autocast_keeps_packing_and_passes_its_check() -> None:
 def test_shipped_digits_channels_last_converts_weights_and_inputs_and_passes_its_check() -> None:
     metrics = Metrics()
     reference = shipped("digits", channels_last=False)
-    served = apply_speed(shipped("digits"), 64, metrics, ROOT / "models" / "digits")
+    handler = shipped("digits")
+    sample = load_accuracy_sample(handler, ROOT / "models" / "digits")
+    served = apply_speed(handler, 64, sample, recorder(metrics))
     assert served.speed_mode == "channels_last"
     conv = served.module.features[2].weight
     assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()
@@ -961,7 +968,7 @@ def test_channels_last_on_a_model_that_views_feature_maps_falls_back(
         channels_last=True,
     )
     handler = ModelHandler(FlattensWithView().eval(), config, CPU)
-    with caplog.at_level(logging.WARNING, "nograd.runtime.speed"):
+    with caplog.at_level(logging.WARNING, "nograd.runtime.speed.guard"):
         served = apply_speed(handler, limit=8)
     assert served.speed_mode == "fp32"
     assert "speed mode channels_last refused, serving fp32 eager: building it failed" in caplog.text
@@ -974,7 +981,7 @@ def test_channels_last_on_a_model_that_views_feature_maps_falls_back(
 def test_digits_bf16_is_within_the_default_tolerance() -> None:
     metrics = Metrics()
     handler = shipped("digits", precision="bf16", channels_last=False)
-    served = apply_speed(handler, limit=64, metrics=metrics)
+    served = apply_speed(handler, limit=64, report_check=recorder(metrics))
     assert served.speed_mode == "bf16"
     delta = gauge(metrics, "nograd_model_accuracy_delta", "digits", "bf16")
     assert delta is not None and delta < 1e-2
@@ -985,8 +992,9 @@ def test_digits_bf16_is_refused_on_its_real_sample(caplog: pytest.LogCaptureFixt
     logits of real inputs are larger, and so is their bf16 rounding."""
     metrics = Metrics()
     handler = shipped("digits", precision="bf16", channels_last=False)
-    with caplog.at_level(logging.WARNING, "nograd.runtime.speed"):
-        served = apply_speed(handler, 64, metrics, ROOT / "models" / "digits")
+    with caplog.at_level(logging.WARNING, "nograd.runtime.speed.guard"):
+        sample = load_accuracy_sample(handler, ROOT / "models" / "digits")
+        served = apply_speed(handler, 64, sample, recorder(metrics))
     assert served.speed_mode == "fp32"
     assert "output 'logits' max abs error" in caplog.text
     delta = gauge(metrics, "nograd_model_accuracy_delta", "digits", "bf16")
@@ -1013,7 +1021,7 @@ def test_unreadable_accuracy_sample_fails_naming_the_field(
     handler = ModelHandler(Tiny().eval(), tiny_config(precision="bf16"), CPU)
     handler.config = tiny_config(precision="bf16", accuracy_sample="sample.json")
     with pytest.raises(ValueError, match="field 'accuracy_sample'") as raised:
-        apply_speed(handler, 8, None, tmp_path)
+        load_accuracy_sample(handler, tmp_path)
     assert words in str(raised.value)
 
 
@@ -1026,7 +1034,7 @@ def test_accuracy_sample_must_stay_inside_the_model_folder() -> None:
 def test_real_inductor_compile_serves_or_falls_back_cleanly() -> None:
     """Real torch.compile (inductor, C++ codegen): about 15-30 s on 2 cores."""
     handler = tiny(compile=True, compile_buckets=(1, 8))
-    served = apply_speed(handler, limit=8, metrics=Metrics())
+    served = apply_speed(handler, limit=8, report_check=recorder(Metrics()))
     assert served.speed_mode in ("compile", "fp32")
     out = TorchRunner(served).run_batch([rows_of(*range(11))])[0]
     assert out["y"].shape == (11, 3)

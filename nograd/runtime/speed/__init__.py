@@ -1,0 +1,1 @@
+"""Speed modes behind an accuracy guard: lower precision, channels-last, compile, CUDA graphs."""
