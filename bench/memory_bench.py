@@ -59,7 +59,7 @@ def profile_models(names: tuple[str, ...] = ("digits", "minilm")) -> dict[str, A
         config = load_config(path)
         handler = build_handler(repository, repository / name, config, device)
         tokens = config.batch_unit == "tokens"
-        # The same cap as DataPlane._measured_limit.
+        # The same cap as nograd.serving.loading.configured_limit.
         cap = (
             (config.max_batch_tokens or 16384) if tokens else (config.max_batch_size or default_cap)
         )

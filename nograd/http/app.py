@@ -53,7 +53,7 @@ def create_app(settings: Settings | None = None, *, worker: WorkerContext | None
             # The supervisor hands a worker connections only once it is warm.
             await plane.load_all()
             worker.ready()
-        tasks.append(asyncio.create_task(plane.watch_workers(), name="watch-workers"))
+        tasks.append(asyncio.create_task(plane.watch_batchers(), name="watch-batchers"))
         try:
             yield
         finally:

@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nograd.batching import BatcherClosed, DeadlineExceeded, QueueFull, SampleTooLarge
 from nograd.protocol.v2 import DecodeError
-from nograd.serving.dataplane import (
+from nograd.serving.errors import (
     InferenceFailed,
     InvalidInput,
     LimitExceeded,

@@ -23,7 +23,8 @@ from nograd.http.errors import error_headers
 from nograd.http.exchange import Call, Incoming, Reply, run_call
 from nograd.http.state import dataplane_of, metrics_of
 from nograd.observability.metrics import Metrics
-from nograd.serving.dataplane import DataPlane, ServedModel
+from nograd.serving.dataplane import DataPlane
+from nograd.serving.registry import ServedModel
 
 logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["OpenAI-compatible"])

@@ -35,7 +35,8 @@ from nograd.protocol.v2_schemas import (
     ServerMetadata,
     StatisticsResponse,
 )
-from nograd.serving.dataplane import DataPlane, ServedModel
+from nograd.serving.dataplane import DataPlane
+from nograd.serving.registry import ServedModel
 
 logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v2", tags=["Open Inference Protocol"])

@@ -101,7 +101,7 @@ class ModelHandler:
 
     prepare_offload: ClassVar[bool] = False
     """True when ``prepare`` is heavy (tokenising, decoding): the data plane runs it in a thread
-    for requests above ``nograd.serving.dataplane.INLINE_PREPARE_BYTES``, on the event loop
+    for requests above ``nograd.serving.validation.INLINE_PREPARE_BYTES``, on the event loop
     below."""
 
     def __init__(self, module: torch.nn.Module, config: ModelConfig, device: torch.device) -> None:

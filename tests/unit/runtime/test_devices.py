@@ -12,7 +12,7 @@ import torch
 
 from nograd.host.readings import gpu_visible, resident_bytes, usable_cores
 from nograd.runtime.devices import configure_threads
-from nograd.serving.dataplane import settle_heap
+from nograd.serving.loading import settle_heap
 
 
 def affinity() -> int:

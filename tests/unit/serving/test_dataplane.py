@@ -1,4 +1,4 @@
-"""The data plane in process: loading, readiness that tells the truth, worker restarts."""
+"""The data plane in process: loading, readiness that tells the truth, batch loop restarts."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import gc
 import shutil
 import threading
 from pathlib import Path
-from typing import cast
 
 import numpy as np
 import pytest
@@ -15,15 +14,8 @@ import torch
 
 from nograd.observability.metrics import Metrics
 from nograd.runtime.config import ConfigError
-from nograd.runtime.handler import ModelHandler
-from nograd.serving.dataplane import (
-    INLINE_PREPARE_BYTES,
-    DataPlane,
-    LimitExceeded,
-    ModelNotFound,
-    ModelNotReady,
-    prepare_in_thread,
-)
+from nograd.serving.dataplane import DataPlane
+from nograd.serving.errors import LimitExceeded, ModelNotFound, ModelNotReady
 from nograd.settings import Settings
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
@@ -41,7 +33,7 @@ def x(*values: float) -> dict[str, np.ndarray]:
     return {"x": np.array([[v, v] for v in values], dtype=np.float32)}
 
 
-async def test_dead_worker_turns_not_ready_and_is_restarted(tmp_path: Path) -> None:
+async def test_a_dead_batch_loop_turns_not_ready_and_is_restarted(tmp_path: Path) -> None:
     plane = plane_for(tmp_path, "poison")
     plane.discover()
     await plane.load_all()
@@ -51,10 +43,10 @@ async def test_dead_worker_turns_not_ready_and_is_restarted(tmp_path: Path) -> N
     assert batcher is not None and batcher._task is not None
     batcher._task.cancel()  # simulate the batch loop dying
     await asyncio.sleep(0.01)
-    assert not plane.ready(), "health stayed green with a dead worker"
-    with pytest.raises(ModelNotReady, match="inference worker"):
+    assert not plane.ready(), "health stayed green with a dead batch loop"
+    with pytest.raises(ModelNotReady, match="batch loop is not running"):
         await plane.infer("poison", None, x(1))
-    assert await plane.check_workers() == 1
+    assert await plane.restart_dead_batchers() == 1
     assert plane.ready()
     _, outputs = await plane.infer("poison", None, x(1, 2))
     assert outputs["y"].tolist() == [[2, 2], [4, 4]]
@@ -93,7 +85,7 @@ async def test_loading_and_warm_up_run_on_the_device_thread(tmp_path: Path) -> N
     def serving_thread() -> str:
         return threading.current_thread().name
 
-    executor = plane._threads.executor(torch.device("cpu"))
+    executor = plane._loader.threads.executor(torch.device("cpu"))
     serving = await asyncio.get_running_loop().run_in_executor(executor, serving_thread)
     assert (tmp_path / "repo" / "poison" / "built_on.txt").read_text() == serving
     assert serving.startswith("nograd-cpu")
@@ -141,45 +133,3 @@ def test_missing_repository_is_a_config_error(tmp_path: Path) -> None:
     plane = DataPlane(Settings(model_repository=tmp_path / "absent"), Metrics())
     with pytest.raises(ConfigError, match="not a folder"):
         plane.discover()
-
-
-def test_text_longer_than_the_limit_is_refused(tmp_path: Path) -> None:
-    from nograd.runtime.config import ModelConfig
-    from nograd.serving.dataplane import ServedModel
-
-    config = ModelConfig.model_validate(
-        {
-            "name": "texts",
-            "weights": "",
-            "inputs": [{"name": "text", "datatype": "BYTES", "shape": []}],
-            "outputs": [{"name": "v", "datatype": "FP32", "shape": [3]}],
-        }
-    )
-    plane = DataPlane(Settings(model_repository=tmp_path, max_text_bytes=10), Metrics())
-    model = ServedModel(config, tmp_path)
-    ok = np.array([b"short", b"0123456789"], dtype=object)
-    plane.validate(model, {"text": ok})
-    with pytest.raises(LimitExceeded, match="11 bytes; the limit is 10 bytes"):
-        plane.validate(model, {"text": np.array([b"01234567890"], dtype=object)})
-
-
-def test_heavy_prepare_runs_in_a_thread_only_for_large_requests() -> None:
-    class Heavy:
-        prepare_offload = True
-
-    class Light:
-        prepare_offload = False
-
-    def texts(*sizes: int) -> dict[str, np.ndarray]:
-        array = np.empty(len(sizes), dtype=np.object_)
-        array[:] = [b"x" * size for size in sizes]
-        return {"text": array}
-
-    heavy, light = cast(ModelHandler, Heavy()), cast(ModelHandler, Light())
-    assert not prepare_in_thread(heavy, texts(200))
-    assert not prepare_in_thread(heavy, texts(*[500] * 8))
-    assert prepare_in_thread(heavy, texts(INLINE_PREPARE_BYTES + 1))
-    assert prepare_in_thread(heavy, texts(*[1000] * 5))
-    assert not prepare_in_thread(light, texts(INLINE_PREPARE_BYTES * 10))
-    images = {"image": np.zeros((64, 1, 8, 8), dtype=np.float32)}  # 16 KiB of pixels
-    assert prepare_in_thread(heavy, images)

@@ -1,0 +1,230 @@
+"""Loading the repository's models: build, speed mode, warm-up, memory plan, then the batchers.
+
+Each model loads on the thread that will run its batches: torch's OpenMP workers belong to the
+thread that first ran a parallel op (a second team from a loading thread slowed every later
+forward), and on a GPU the current stream and the graphs captured during warm-up belong to it too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import time
+from typing import Final
+
+import torch
+
+from nograd.batching import Batcher, BatchLimit
+from nograd.host.ledger import CoreLedger, CoreShare
+from nograd.observability.metrics import Metrics
+from nograd.observability.stats import FanOutObserver, Statistics
+from nograd.runtime.config import ModelConfig
+from nograd.runtime.devices import DeviceThreads, configure_threads, device_label, resolve_device
+from nograd.runtime.handler import Outputs, TensorPart, TorchRunner
+from nograd.runtime.loader import build_handler, weights_bytes
+from nograd.runtime.memory import Profile, probe_for
+from nograd.runtime.planner import PlanInput, log_plan, plan_device, profile_handler
+from nograd.runtime.speed.guard import apply_speed
+from nograd.runtime.speed.path import batch_cap
+from nograd.runtime.warmup import warm_up
+from nograd.serving.registry import ServedModel, State
+from nograd.serving.speed_checks import load_accuracy_sample, recorder
+from nograd.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BATCH_TOKENS: Final = 16384
+"""A token model's batch limit before its memory is planned, when its config sets none."""
+
+
+def configured_limit(config: ModelConfig, default_rows: int) -> int:
+    """A model's batch limit from its config (samples, or padded tokens for token models): the
+    cap memory planning starts from, and the limit when planning is not possible."""
+    if config.batch_unit == "tokens":
+        return config.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS
+    return config.max_batch_size or default_rows
+
+
+class ModelLoader:
+    """Brings every model of the registry from its config to a running batcher."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: Metrics,
+        statistics: Statistics,
+        cores: CoreShare | None = None,
+    ) -> None:
+        self._settings = settings
+        self._metrics = metrics
+        self._statistics = statistics
+        self._core_share = cores
+        self.threads = DeviceThreads()
+        """One thread per device, running its models' loads and batches."""
+        self.cores: CoreLedger | None = None
+        """Joined at load: the CPU cores shared with the other workers, batch by batch."""
+
+    def _limit(self, config: ModelConfig) -> int:
+        return configured_limit(config, self._settings.max_batch_size)
+
+    async def load_all(self, models: list[ServedModel]) -> None:
+        """Load and warm up every model, plan memory per device, then start the batchers.
+
+        Planning waits for every load so the free memory it budgets already excludes all
+        weights; a model that fails at any step is reported and left not ready.
+        """
+        loop = asyncio.get_running_loop()
+        self._join_cores()
+        for model in models:
+            try:
+                device = resolve_device(model.config.device)
+                executor = self.threads.executor(device)
+                await loop.run_in_executor(executor, self._load, model, device)
+            except Exception as exc:
+                _failed(model, exc, "failed to load")
+        await self._plan_memory(models)
+        for model in models:
+            if model.handler is not None and model.state is State.LOADING:
+                try:
+                    await self._start(model)
+                except Exception as exc:
+                    _failed(model, exc, "failed to start")
+        settle_heap()
+
+    def _join_cores(self) -> None:
+        share = self._core_share
+        workers = self._settings.worker_count
+        threads = configure_threads(self._settings.torch_threads, workers, shared=share is not None)
+        if share is None:
+            logger.info("torch intra-op threads: %d", threads)
+            return
+        self.cores = CoreLedger(share, threads)
+        logger.info(
+            "torch intra-op threads: up to %d per batch, the cores the other %d workers' "
+            "batches leave free",
+            threads,
+            workers - 1,
+        )
+
+    def _load(self, model: ServedModel, device: torch.device) -> None:
+        config = model.config
+        started = time.perf_counter()
+        handler = build_handler(self._settings.model_repository, model.directory, config, device)
+        # The config's speed mode, checked against fp32 eager; a refused mode leaves the handler
+        # fp32 eager. Counted as load time.
+        sample = load_accuracy_sample(handler, model.directory)
+        handler = apply_speed(handler, self._limit(config), sample, recorder(self._metrics))
+        model.load_seconds = time.perf_counter() - started
+        self._metrics.model_load.labels(model.name).set(model.load_seconds)
+        model.weights_bytes = weights_bytes(handler.module)
+        self._metrics.weights_bytes.labels(model.name).set(model.weights_bytes)
+        if self._settings.warmup:
+            started = time.perf_counter()
+            warm_up(handler, self._limit(config))
+            model.warmup_seconds = time.perf_counter() - started
+            self._metrics.model_warmup.labels(model.name).set(model.warmup_seconds)
+        model.handler = handler
+        logger.info(
+            "model %s v%s loaded on %s in %.2fs, warmed up in %.2fs",
+            model.name,
+            model.version,
+            device_label(device),
+            model.load_seconds,
+            model.warmup_seconds,
+        )
+
+    async def _plan_memory(self, models: list[ServedModel]) -> None:
+        """Measure each loaded model's activation cost and derive its batch limit."""
+        loop = asyncio.get_running_loop()
+        by_device: dict[str, list[ServedModel]] = {}
+        for model in models:
+            if model.handler is not None and model.state is State.LOADING:
+                by_device.setdefault(device_label(model.handler.device), []).append(model)
+        for label, group in by_device.items():
+            assert group[0].handler is not None
+            device = group[0].handler.device
+            probe = probe_for(device)
+            executor = self.threads.executor(device)
+            profiles: dict[str, Profile] = {}
+            inputs: list[PlanInput] = []
+            for model in group:
+                assert model.handler is not None
+                cap = self._limit(model.config)
+                try:
+                    profiles[model.name] = await loop.run_in_executor(
+                        executor, profile_handler, model.handler, probe, cap
+                    )
+                except Exception:
+                    logger.exception(
+                        "memory profiling of model %s failed; its limit stays at %d",
+                        model.name,
+                        cap,
+                    )
+                    continue
+                inputs.append(PlanInput(model.name, model.handler, model.weights_bytes, cap))
+            # Worker processes share the device: each takes an equal part of what it sees free
+            # (a budget reserves nothing, so a later worker sees the earlier ones' budgets as free).
+            workers = self._settings.worker_count
+            explicit = self._settings.memory_budget_bytes
+            budget, plans = plan_device(
+                inputs,
+                profiles,
+                probe,
+                fraction=self._settings.memory_fraction / workers,
+                explicit_bytes=explicit // workers if explicit else None,
+            )
+            self._metrics.memory_budget.labels(label).set(budget)
+            log_plan(label, budget, plans)
+            by_name = {model.name: model for model in group}
+            for plan in plans:
+                by_name[plan.name].plan = plan
+                self._metrics.sample_bytes.labels(plan.name).set(plan.profile.model.per_unit)
+
+    async def _start(self, model: ServedModel) -> None:
+        assert model.handler is not None
+        config = model.config
+        observer = self._metrics.observer(model.name)
+        if model.plan is not None:
+            limit = BatchLimit(model.plan.limit)
+            observer.predict_bytes = model.plan.predict_bytes
+        else:
+            limit = BatchLimit(self._limit(config))
+        # Fixed shapes: a batch above the largest bucket would run as several forwards, every
+        # caller waiting for all of them; capped, the later callers form the next batch instead.
+        limit.set_cap(batch_cap(model.handler))
+        delay_ms = config.max_queue_delay_ms
+        batcher: Batcher[TensorPart, Outputs] = Batcher(
+            model.name,
+            TorchRunner(model.handler, self.cores),
+            self.threads.executor(model.handler.device),
+            limit,
+            max_queue_delay_s=(self._settings.max_queue_delay_ms if delay_ms is None else delay_ms)
+            / 1000.0,
+            max_queue_size=config.max_queue_size or self._settings.max_queue_size,
+            unit_tokens=config.batch_unit == "tokens",
+            observer=FanOutObserver(observer, self._statistics.observer(model.name)),
+        )
+        await batcher.start()
+        observer.limit_changed(limit.current)
+        model.batcher = batcher
+        model.state = State.READY
+        self._metrics.model_ready.labels(model.name).set(1)
+
+
+def _failed(model: ServedModel, exc: Exception, what: str) -> None:
+    model.state = State.FAILED
+    model.error = f"{what}: {exc}"
+    logger.exception("model %s %s", model.name, what)
+
+
+def settle_heap() -> None:
+    """Move everything alive after loading into the collector's permanent generation.
+
+    torch, transformers and the models leave millions of long-lived objects; every full
+    collection walked all of them and, under load, stopped the event loop long enough to set the
+    tail latency. Frozen objects are never scanned again; what requests allocate is still
+    collected.
+    """
+    gc.collect()
+    gc.freeze()

@@ -1,0 +1,89 @@
+"""A request checked against its model's declared inputs before it is queued, so a bad input
+fails only its own request."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from nograd.core.datatypes import datatype_of, shape_matches
+from nograd.runtime.handler import ModelHandler
+from nograd.serving.errors import InvalidInput, LimitExceeded
+from nograd.serving.registry import ServedModel
+
+INLINE_PREPARE_BYTES = 4096
+"""Text a heavy ``prepare`` may handle on the event loop: tokenising this much takes less than
+the hand-off to a thread and back costs in a busy server (measured in docs/architecture.md)."""
+
+
+def validate(
+    model: ServedModel,
+    inputs: Mapping[str, np.ndarray],
+    *,
+    max_rows: int,
+    max_text_bytes: int,
+) -> None:
+    """Names, datatypes, per-sample shapes and row counts against the model's config."""
+    declared = {spec.name: spec for spec in model.config.inputs}
+    unknown = sorted(set(inputs) - set(declared))
+    if unknown:
+        raise InvalidInput(
+            f"unexpected input(s) {unknown} for model {model.name!r}; expected {sorted(declared)}"
+        )
+    missing = sorted(set(declared) - set(inputs))
+    if missing:
+        raise InvalidInput(f"missing input(s) {missing} for model {model.name!r}")
+    rows: set[int] = set()
+    for name, array in inputs.items():
+        spec = declared[name]
+        actual = datatype_of(array)
+        if actual != spec.datatype:
+            raise InvalidInput(
+                f"input {name!r} has datatype {actual}; model {model.name!r} expects "
+                f"{spec.datatype}"
+            )
+        if array.ndim == 0 or not shape_matches(spec.shape, tuple(array.shape[1:])):
+            raise InvalidInput(
+                f"input {name!r} has shape {list(array.shape)}; model {model.name!r} "
+                f"expects [-1, {', '.join(str(d) for d in spec.shape)}]".replace(", ]", "]")
+            )
+        rows.add(int(array.shape[0]))
+        if spec.datatype == "BYTES":
+            _check_text_lengths(name, array, max_text_bytes)
+    if len(rows) != 1:
+        raise InvalidInput(f"inputs disagree on the batch dimension: {sorted(rows)}")
+    if 0 in rows:
+        raise InvalidInput("inputs have zero rows")
+    if rows.pop() > max_rows:
+        raise LimitExceeded(
+            f"request has more rows than the limit of {max_rows} (NOGRAD_MAX_REQUEST_ROWS)"
+        )
+
+
+def _check_text_lengths(name: str, array: np.ndarray, limit: int) -> None:
+    longest = max((len(item) for item in array.reshape(-1)), default=0)
+    if longest > limit:
+        raise LimitExceeded(
+            f"input {name!r} has an element of {longest} bytes; the limit is {limit} bytes "
+            "(NOGRAD_MAX_TEXT_BYTES)"
+        )
+
+
+def prepare_in_thread(handler: ModelHandler, inputs: Mapping[str, np.ndarray]) -> bool:
+    """True when ``handler.prepare`` is heavy and this request's text exceeds the inline budget."""
+    if not handler.prepare_offload:
+        return False
+    total = 0
+    for array in inputs.values():
+        # Text is counted value by value, stopping as soon as the budget is passed.
+        sizes = (
+            (len(v) if isinstance(v, (bytes, str)) else INLINE_PREPARE_BYTES for v in array.flat)
+            if array.dtype == np.object_
+            else (array.nbytes,)
+        )
+        for size in sizes:
+            total += size
+            if total > INLINE_PREPARE_BYTES:
+                return True
+    return False

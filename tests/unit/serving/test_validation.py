@@ -1,0 +1,57 @@
+"""Requests checked against the model's declared inputs, and which ones prepare off the loop."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import cast
+
+import numpy as np
+import pytest
+
+from nograd.runtime.config import ModelConfig
+from nograd.runtime.handler import ModelHandler
+from nograd.serving.errors import LimitExceeded
+from nograd.serving.registry import ServedModel
+from nograd.serving.validation import INLINE_PREPARE_BYTES, prepare_in_thread, validate
+
+
+def test_text_longer_than_the_limit_is_refused(tmp_path: Path) -> None:
+    config = ModelConfig.model_validate(
+        {
+            "name": "texts",
+            "weights": "",
+            "inputs": [{"name": "text", "datatype": "BYTES", "shape": []}],
+            "outputs": [{"name": "v", "datatype": "FP32", "shape": [3]}],
+        }
+    )
+    model = ServedModel(config, tmp_path)
+    ok = np.array([b"short", b"0123456789"], dtype=object)
+    validate(model, {"text": ok}, max_rows=8, max_text_bytes=10)
+    with pytest.raises(LimitExceeded, match="11 bytes; the limit is 10 bytes"):
+        validate(
+            model, {"text": np.array([b"01234567890"], dtype=object)}, max_rows=8, max_text_bytes=10
+        )
+    with pytest.raises(LimitExceeded, match="more rows than the limit of 1"):
+        validate(model, {"text": ok}, max_rows=1, max_text_bytes=10)
+
+
+def test_heavy_prepare_runs_in_a_thread_only_for_large_requests() -> None:
+    class Heavy:
+        prepare_offload = True
+
+    class Light:
+        prepare_offload = False
+
+    def texts(*sizes: int) -> dict[str, np.ndarray]:
+        array = np.empty(len(sizes), dtype=np.object_)
+        array[:] = [b"x" * size for size in sizes]
+        return {"text": array}
+
+    heavy, light = cast(ModelHandler, Heavy()), cast(ModelHandler, Light())
+    assert not prepare_in_thread(heavy, texts(200))
+    assert not prepare_in_thread(heavy, texts(*[500] * 8))
+    assert prepare_in_thread(heavy, texts(INLINE_PREPARE_BYTES + 1))
+    assert prepare_in_thread(heavy, texts(*[1000] * 5))
+    assert not prepare_in_thread(light, texts(INLINE_PREPARE_BYTES * 10))
+    images = {"image": np.zeros((64, 1, 8, 8), dtype=np.float32)}  # 16 KiB of pixels
+    assert prepare_in_thread(heavy, images)
