@@ -1,6 +1,6 @@
-"""Dynamic batching, independent of HTTP and of torch."""
+"""Dynamic batching, independent of HTTP and of torch: the public API other layers import."""
 
-from nograd.batching.batcher import Batcher, BatchObserver, NullObserver, Part, Runner
+from nograd.batching.batcher import Batcher
 from nograd.batching.errors import (
     BatcherClosed,
     BatchingError,
@@ -9,6 +9,7 @@ from nograd.batching.errors import (
     SampleTooLarge,
 )
 from nograd.batching.limit import BatchLimit
+from nograd.batching.protocols import BatchObserver, NullObserver, Part, Runner
 
 __all__ = [
     "BatchLimit",

@@ -13,10 +13,9 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
-from typing import Generic, Protocol, Self, TypeVar
+from dataclasses import dataclass
+from typing import Generic
 
 from nograd.batching.errors import (
     BatcherClosed,
@@ -25,84 +24,18 @@ from nograd.batching.errors import (
     SampleTooLarge,
 )
 from nograd.batching.limit import BatchLimit
+from nograd.batching.protocols import (
+    BatchObserver,
+    NullObserver,
+    P,
+    R,
+    Runner,
+    cost_of,
+    padded_cost,
+)
+from nograd.batching.recovery import Recovery
 
 logger = logging.getLogger(__name__)
-
-
-class Part(Protocol):
-    """A unit of work: ``rows`` samples of padded length ``length`` (1 for non-sequence models)."""
-
-    @property
-    def rows(self) -> int: ...
-
-    @property
-    def length(self) -> int: ...
-
-    def slice(self, start: int, stop: int) -> Self: ...
-
-
-P = TypeVar("P", bound=Part)
-P_contra = TypeVar("P_contra", bound=Part, contravariant=True)
-R = TypeVar("R")
-
-
-class Runner(Protocol[P_contra, R]):
-    """What the batcher needs from a model; all but ``concat`` run on the device thread."""
-
-    def run_batch(self, parts: Sequence[P_contra]) -> list[R]:
-        """One forward over ``parts``; one result per part, in order."""
-        ...
-
-    def concat(self, results: Sequence[R]) -> R:
-        """Reassemble the results of consecutive row slices of one part."""
-        ...
-
-    def is_out_of_memory(self, exc: BaseException) -> bool: ...
-
-    def release_memory(self) -> None: ...
-
-
-class BatchObserver(Protocol):
-    """Hooks for metrics; the batcher never imports the metrics module itself."""
-
-    def queue_depth(self, depth: int) -> None: ...
-
-    def batch_started(self, rows: int, cost: int, queue_waits: Sequence[float]) -> None: ...
-
-    def batch_finished(self, rows: int, seconds: float, ok: bool) -> None: ...
-
-    def out_of_memory(self, cost: int) -> None: ...
-
-    def split(self) -> None: ...
-
-    def limit_changed(self, limit: int) -> None: ...
-
-    def dropped(self, reason: str) -> None: ...
-
-
-class NullObserver:
-    """Observer that records nothing: the default for tests and tools."""
-
-    def queue_depth(self, depth: int) -> None:
-        pass
-
-    def batch_started(self, rows: int, cost: int, queue_waits: Sequence[float]) -> None:
-        pass
-
-    def batch_finished(self, rows: int, seconds: float, ok: bool) -> None:
-        pass
-
-    def out_of_memory(self, cost: int) -> None:
-        pass
-
-    def split(self) -> None:
-        pass
-
-    def limit_changed(self, limit: int) -> None:
-        pass
-
-    def dropped(self, reason: str) -> None:
-        pass
 
 
 @dataclass(eq=False)
@@ -114,22 +47,6 @@ class _Item(Generic[P, R]):
     started: float | None = None
 
 
-@dataclass
-class _Request(Generic[P, R]):
-    """A caller's request, possibly cut into several items when larger than the limit."""
-
-    future: asyncio.Future[R]
-    pieces: list[asyncio.Future[R]] = field(default_factory=list)
-
-
-def cost_of(parts: Sequence[Part], unit_tokens: bool) -> int:
-    """Padded cost: rows for sample models, rows × longest for token models."""
-    rows = sum(p.rows for p in parts)
-    if not unit_tokens:
-        return rows
-    return rows * max((p.length for p in parts), default=0)
-
-
 class Batcher(Generic[P, R]):
     """Queue + batch loop for one model.
 
@@ -137,11 +54,9 @@ class Batcher(Generic[P, R]):
     While a batch runs, the next one fills; it goes to the device as soon as the running batch ends,
     it is full, or its oldest request has waited ``max_queue_delay_s`` and the running batch is
     expected to end within ``max_queue_delay_s``. A batch handed over earlier would only wait for
-    the device with fewer batch-mates: cut 2 ms after its first request while a 100 ms batch ran,
-    minilm's staged batches at 32 concurrent callers took 2-4 sentences and the next one the rest.
-    The expectation comes from the model's measured seconds per unit of cost; wrong either way,
-    it costs what it saves: too short and the batch leaves early, too long and it leaves when the
-    device frees, one event-loop turn later.
+    the device with fewer batch-mates. The expectation comes from the model's measured seconds per
+    unit of cost; wrong either way, it costs what it saves: too short and the batch leaves early,
+    too long and it leaves when the device frees, one event-loop turn later.
     """
 
     def __init__(
@@ -165,6 +80,7 @@ class Batcher(Generic[P, R]):
         self._max_queue_size = max_queue_size
         self._unit_tokens = unit_tokens
         self._observer: BatchObserver = observer or NullObserver()
+        self._recovery = Recovery(name, runner, limit, self._observer, unit_tokens)
         # Asyncio objects are created in start(), on the running loop, never at construction.
         self._queue: deque[_Item[P, R]] = deque()
         self._wakeup: asyncio.Event | None = None
@@ -174,7 +90,6 @@ class Batcher(Generic[P, R]):
         self._task: asyncio.Task[None] | None = None
         self._batch_tasks: set[asyncio.Task[None]] = set()
         self._closed = False
-        self._crashes = 0
         self._seconds_per_cost = 0.0
         """Measured on the device thread after each batch, smoothed; 0 until one has run."""
         self._estimates: deque[float] = deque()
@@ -200,15 +115,10 @@ class Batcher(Generic[P, R]):
     def queue_depth(self) -> int:
         return len(self._queue)
 
-    @property
-    def crashes(self) -> int:
-        return self._crashes
-
     async def restart_if_dead(self) -> bool:
         """Restart a dead batch loop; True when a restart happened."""
         if self._task is None or not self._task.done() or self._closed:
             return False
-        self._crashes += 1
         self._task = None
         await self.start()
         return True
@@ -333,8 +243,7 @@ class Batcher(Generic[P, R]):
         for item in self._queue:
             rows += item.part.rows
             longest = max(longest, item.part.length)
-            cost = rows * longest if self._unit_tokens else rows
-            if cost >= self.limit.current:
+            if padded_cost(rows, longest, self._unit_tokens) >= self.limit.current:
                 return True
         return False
 
@@ -359,8 +268,7 @@ class Batcher(Generic[P, R]):
         for item in candidates:
             new_rows = rows + item.part.rows
             new_longest = max(longest, item.part.length)
-            cost = new_rows * new_longest if self._unit_tokens else new_rows
-            if cost > limit:
+            if padded_cost(new_rows, new_longest, self._unit_tokens) > limit:
                 if self._unit_tokens:
                     continue
                 break
@@ -372,7 +280,7 @@ class Batcher(Generic[P, R]):
         if taken:
             self._queue = deque(it for it in self._queue if id(it) not in taken)
         self._observer.queue_depth(len(self._queue))
-        return batch, rows * longest if self._unit_tokens else rows
+        return batch, padded_cost(rows, longest, self._unit_tokens)
 
     def _admit(self, item: _Item[P, R], now: float) -> bool:
         """Drop work nobody waits for, or whose deadline passed, before it costs compute."""
@@ -439,7 +347,7 @@ class Batcher(Generic[P, R]):
         self._observer.batch_started(rows, cost, [start - it.enqueued for it in live])
         outcomes: list[R | BaseException] = []
         try:
-            outcomes = self._run_recovering(parts)
+            outcomes = self._recovery.run(parts)
         finally:
             ok = bool(outcomes) and not any(isinstance(o, BaseException) for o in outcomes)
             seconds = time.monotonic() - start
@@ -463,87 +371,6 @@ class Batcher(Generic[P, R]):
         self._seconds_per_cost = (
             seconds_per_cost if old == 0 else 0.7 * old + 0.3 * seconds_per_cost
         )
-
-    def _run_recovering(self, parts: list[P]) -> list[R | BaseException]:
-        """Run on the device thread: split on out-of-memory, bisect on errors, per part outcomes."""
-        outcomes = self._run_pieces(list(enumerate(parts)))
-        grouped: list[list[R]] = [[] for _ in parts]
-        failed: dict[int, BaseException] = {}
-        for (index, _), outcome in outcomes:
-            if isinstance(outcome, BaseException):
-                failed.setdefault(index, outcome)
-            else:
-                grouped[index].append(outcome)
-        return [
-            failed[index]
-            if index in failed
-            else (group[0] if len(group) == 1 else self._runner.concat(group))
-            for index, group in enumerate(grouped)
-        ]
-
-    def _run_pieces(
-        self, pieces: list[tuple[int, P]]
-    ) -> list[tuple[tuple[int, P], R | BaseException]]:
-        parts = [p for _, p in pieces]
-        cost = cost_of(parts, self._unit_tokens)
-        try:
-            results = self._runner.run_batch(parts)
-            if len(results) != len(parts):
-                raise RuntimeError(
-                    f"model {self.name!r} returned {len(results)} results for {len(parts)} parts"
-                )
-        except Exception as exc:
-            if self._runner.is_out_of_memory(exc):
-                return self._recover_out_of_memory(pieces, cost, exc)
-            if len(pieces) == 1:
-                return [(pieces[0], exc)]
-            self._observer.split()
-            half = len(pieces) // 2
-            return self._run_pieces(pieces[:half]) + self._run_pieces(pieces[half:])
-        self.limit.record_success(cost)
-        self._notify_limit()
-        return list(zip(pieces, results, strict=True))
-
-    def _recover_out_of_memory(
-        self, pieces: list[tuple[int, P]], cost: int, exc: Exception
-    ) -> list[tuple[tuple[int, P], R | BaseException]]:
-        self._observer.out_of_memory(cost)
-        self._runner.release_memory()
-        self.limit.record_out_of_memory(cost)
-        self._notify_limit()
-        rows = sum(p.rows for _, p in pieces)
-        if rows <= 1:
-            too_large = SampleTooLarge(
-                f"one sample does not fit in device memory for model {self.name!r}: {exc}"
-            )
-            return [(pieces[0], too_large)]
-        self._observer.split()
-        first, second = _halve(pieces)
-        return self._run_pieces(first) + self._run_pieces(second)
-
-    def _notify_limit(self) -> None:
-        if self.limit.changed():
-            self._observer.limit_changed(self.limit.current)
-
-
-def _halve(pieces: list[tuple[int, P]]) -> tuple[list[tuple[int, P]], list[tuple[int, P]]]:
-    """Split pieces into two halves by rows, slicing the part that straddles the middle."""
-    total = sum(p.rows for _, p in pieces)
-    target = total // 2
-    first: list[tuple[int, P]] = []
-    second: list[tuple[int, P]] = []
-    seen = 0
-    for index, part in pieces:
-        if seen >= target:
-            second.append((index, part))
-        elif seen + part.rows <= target:
-            first.append((index, part))
-        else:
-            cut = target - seen
-            first.append((index, part.slice(0, cut)))
-            second.append((index, part.slice(cut, part.rows)))
-        seen += part.rows
-    return first, second
 
 
 def _fail(future: asyncio.Future[R], exc: BaseException) -> None:

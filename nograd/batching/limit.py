@@ -68,15 +68,6 @@ class BatchLimit:
     def ceiling(self) -> int:
         return self._ceiling
 
-    def set_measured(self, measured: int) -> None:
-        """Adopt a new measured limit (e.g. after re-planning memory); resets what OOMs taught."""
-        with self._lock:
-            self._measured = max(measured, 0)
-            self._minimum = min(self._floor, self._measured)
-            self._current = self._measured
-            self._ceiling = self._measured
-            self._successes = 0
-
     def record_out_of_memory(self, cost: int) -> None:
         with self._lock:
             self._successes = 0

@@ -1,146 +1,21 @@
-"""The batcher driven directly: no HTTP, no torch; a fake runner records every batch it sees."""
+"""Batch formation driven directly: no HTTP, no torch; a fake runner records every batch."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 import time
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import pytest
 
 from nograd.batching import (
     Batcher,
-    BatchLimit,
     DeadlineExceeded,
-    NullObserver,
     QueueFull,
     SampleTooLarge,
 )
-
-
-@dataclass(frozen=True)
-class Rows:
-    values: tuple[int, ...]
-    length: int = 1
-
-    @property
-    def rows(self) -> int:
-        return len(self.values)
-
-    def slice(self, start: int, stop: int) -> Rows:
-        return Rows(self.values[start:stop], self.length)
-
-
-class FakeOOM(Exception):
-    pass
-
-
-class Poison(ValueError):
-    pass
-
-
-class FakeRunner:
-    """Doubles every value; can be slowed, poisoned, or made to 'run out of memory' above a cost."""
-
-    def __init__(
-        self,
-        *,
-        delay_s: float = 0.0,
-        oom_above: int | None = None,
-        poison: int | None = None,
-        unit_tokens: bool = False,
-    ) -> None:
-        self.delay_s = delay_s
-        self.oom_above = oom_above
-        self.poison = poison
-        self.unit_tokens = unit_tokens
-        self.batches: list[list[Rows]] = []
-        self.completed: list[int] = []
-        self.released = 0
-        self.gate: threading.Event | None = None
-        self._lock = threading.Lock()
-
-    def run_batch(self, parts: Sequence[Rows]) -> list[tuple[int, ...]]:
-        with self._lock:
-            self.batches.append(list(parts))
-        if self.gate is not None:
-            self.gate.wait(5)
-        if self.delay_s:
-            time.sleep(self.delay_s)
-        rows = sum(p.rows for p in parts)
-        cost = rows * max(p.length for p in parts) if self.unit_tokens else rows
-        if self.oom_above is not None and cost > self.oom_above:
-            raise FakeOOM(f"cost {cost} > {self.oom_above}")
-        if self.poison is not None and any(self.poison in p.values for p in parts):
-            raise Poison(f"value {self.poison} breaks the model")
-        with self._lock:
-            self.completed.append(cost)
-        return [tuple(v * 2 for v in p.values) for p in parts]
-
-    def concat(self, results: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
-        return tuple(v for r in results for v in r)
-
-    def is_out_of_memory(self, exc: BaseException) -> bool:
-        return isinstance(exc, FakeOOM)
-
-    def release_memory(self) -> None:
-        self.released += 1
-
-
-class CountingObserver(NullObserver):
-    def __init__(self) -> None:
-        self.ooms = 0
-        self.splits = 0
-        self.limits: list[int] = []
-        self.dropped_reasons: list[str] = []
-        self.batch_rows: list[int] = []
-
-    def batch_started(self, rows: int, cost: int, queue_waits: Sequence[float]) -> None:
-        self.batch_rows.append(rows)
-
-    def out_of_memory(self, cost: int) -> None:
-        self.ooms += 1
-
-    def split(self) -> None:
-        self.splits += 1
-
-    def limit_changed(self, limit: int) -> None:
-        self.limits.append(limit)
-
-    def dropped(self, reason: str) -> None:
-        self.dropped_reasons.append(reason)
-
-
-@pytest.fixture
-def executor() -> ThreadPoolExecutor:
-    pool = ThreadPoolExecutor(max_workers=1)
-    yield pool
-    pool.shutdown(wait=False, cancel_futures=True)
-
-
-def make(
-    runner: FakeRunner,
-    executor: ThreadPoolExecutor,
-    *,
-    limit: int = 8,
-    delay_s: float = 0.0,
-    queue_size: int = 1000,
-    unit_tokens: bool = False,
-    observer: CountingObserver | None = None,
-) -> Batcher[Rows, tuple[int, ...]]:
-    return Batcher(
-        "fake",
-        runner,
-        executor,
-        BatchLimit(limit, recover_after=10_000),
-        max_queue_delay_s=delay_s,
-        max_queue_size=queue_size,
-        unit_tokens=unit_tokens,
-        observer=observer,
-    )
+from tests.unit.batching.conftest import CountingObserver, FakeRunner, Rows, make
 
 
 async def test_each_caller_gets_its_own_rows_back(executor: ThreadPoolExecutor) -> None:
@@ -255,30 +130,6 @@ async def test_a_staged_batch_leaves_when_the_device_frees_before_it_was_expecte
     await batcher.stop()
 
 
-async def test_a_failing_sample_fails_only_its_own_request(executor: ThreadPoolExecutor) -> None:
-    runner = FakeRunner(poison=13)
-    runner.gate = threading.Event()
-    observer = CountingObserver()
-    batcher = make(runner, executor, limit=64, observer=observer)
-    await batcher.start()
-    blocker = asyncio.create_task(batcher.submit(Rows((100,))))
-    await asyncio.sleep(0.05)
-    tasks = [asyncio.create_task(batcher.submit(Rows((i,)))) for i in range(20)]
-    await asyncio.sleep(0.05)
-    runner.gate.set()
-    results = await asyncio.gather(blocker, *tasks, return_exceptions=True)
-    for i, result in enumerate(results[1:]):
-        if i == 13:
-            assert isinstance(result, Poison)
-        else:
-            assert result == (i * 2,)
-    assert observer.splits > 0
-    # The batcher is still alive and serving.
-    assert await batcher.submit(Rows((7,))) == (14,)
-    assert batcher.alive
-    await batcher.stop()
-
-
 async def test_cancelled_request_is_dropped_before_its_batch(
     executor: ThreadPoolExecutor,
 ) -> None:
@@ -312,39 +163,6 @@ async def test_request_larger_than_the_limit_is_split_and_reassembled(
     assert await batcher.submit(Rows(values)) == tuple(v * 2 for v in values)
     assert max(sum(p.rows for p in b) for b in runner.batches) <= 4
     assert len(runner.batches) >= 3
-    await batcher.stop()
-
-
-async def test_out_of_memory_splits_and_every_request_is_answered(
-    executor: ThreadPoolExecutor,
-) -> None:
-    k = 6
-    runner = FakeRunner(oom_above=k, delay_s=0.001)
-    observer = CountingObserver()
-    batcher = make(runner, executor, limit=32, observer=observer)
-    await batcher.start()
-    parts = [Rows(tuple(range(i, i + 1 + i % 3))) for i in range(60)]
-    results = await asyncio.gather(*(batcher.submit(p) for p in parts))
-    for part, result in zip(parts, results, strict=True):
-        assert result == tuple(v * 2 for v in part.values)
-    assert batcher.limit.current <= k
-    assert observer.ooms > 0 and observer.splits > 0
-    assert runner.released == observer.ooms
-    assert max(runner.completed) <= k
-    await batcher.stop()
-
-
-async def test_a_sample_too_large_alone_fails_with_sample_too_large(
-    executor: ThreadPoolExecutor,
-) -> None:
-    runner = FakeRunner(oom_above=4, unit_tokens=True)
-    batcher = make(runner, executor, limit=64, unit_tokens=True)
-    await batcher.start()
-    big = asyncio.create_task(batcher.submit(Rows((1,), length=5)))
-    small = [asyncio.create_task(batcher.submit(Rows((i,), length=2))) for i in range(5)]
-    with pytest.raises(SampleTooLarge):
-        await big
-    assert [await t for t in small] == [(i * 2,) for i in range(5)]
     await batcher.stop()
 
 
@@ -433,23 +251,6 @@ async def test_expired_deadline_is_dropped_before_compute(executor: ThreadPoolEx
     await batcher.stop()
 
 
-async def test_a_crashing_runner_fails_its_batch_and_the_loop_lives_on(
-    executor: ThreadPoolExecutor,
-) -> None:
-    class Broken(FakeRunner):
-        def run_batch(self, parts: Sequence[Rows]) -> list[tuple[int, ...]]:
-            if any(0 in p.values for p in parts):
-                return []  # wrong number of results: a model bug
-            return super().run_batch(parts)
-
-    batcher = make(Broken(), executor)
-    await batcher.start()
-    with pytest.raises(RuntimeError, match="returned 0 results"):
-        await batcher.submit(Rows((0,)))
-    assert await batcher.submit(Rows((3,))) == (6,)
-    await batcher.stop()
-
-
 async def test_stop_drains_queued_work(executor: ThreadPoolExecutor) -> None:
     runner = FakeRunner(delay_s=0.01)
     batcher = make(runner, executor, limit=2)
@@ -458,32 +259,3 @@ async def test_stop_drains_queued_work(executor: ThreadPoolExecutor) -> None:
     await asyncio.sleep(0)
     await batcher.stop(drain_timeout_s=5)
     assert [t.result() for t in tasks] == [(i * 2,) for i in range(10)]
-
-
-def test_a_cap_bounds_the_limit_without_touching_what_memory_taught() -> None:
-    limit = BatchLimit(64, recover_after=3, forget_after=1000)
-    limit.set_cap(16)
-    assert limit.current == 16 and limit.measured == 64 and limit.cap == 16
-    assert limit.changed() is True and limit.changed() is False
-    limit.record_out_of_memory(12)
-    assert limit.current == 6, "an OOM below the cap still halves the limit"
-    for _ in range(300):
-        limit.record_success(limit.current)
-    assert limit.current == 11, "climbs back to the OOM ceiling, which is below the cap"
-    limit.set_cap(None)
-    assert limit.current == 11 and limit.ceiling == 11
-    with pytest.raises(ValueError, match="at least 1"):
-        limit.set_cap(0)
-
-
-def test_limit_halves_on_oom_and_climbs_back_to_the_ceiling() -> None:
-    limit = BatchLimit(64, recover_after=3, forget_after=1000)
-    limit.record_out_of_memory(40)
-    assert limit.current == 20 and limit.ceiling == 39
-    assert limit.changed() is True and limit.changed() is False
-    for _ in range(30):
-        limit.record_success(limit.current)
-    assert limit.current == 39, "climbs back but never above the OOM ceiling"
-    for _ in range(1000):
-        limit.record_success(limit.current)
-    assert limit.current == 64, "a long run of successes forgets the OOM"
