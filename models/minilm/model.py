@@ -13,9 +13,9 @@ groups requests of similar length and ``collate`` pads a batch to its longest.
 The forward is :class:`PackedEncoder`, BERT's arithmetic on the same weights with the padding
 taken out: every per-token layer (the linear layers, layer norms and GELU: over 90% of the
 compute) runs on the real tokens only, packed into one ``[tokens, 384]`` matrix; only attention
-sees the padded ``[rows, length]`` layout, with the padding masked. With the bench's texts of
-6-30 words a third of a padded batch is padding, so this is worth 1.3-1.5x at batch 11-32
-(measured on 2 cores). Outputs agree with transformers' ``BertModel`` to about 1e-7.
+sees the padded ``[rows, length]`` layout, with the padding masked. With short texts much of a
+padded batch is padding, which this skips (README.md here has the measurements). Outputs agree
+with transformers' ``BertModel`` to about 1e-7.
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from nograd.runtime.config import ModelConfig
-from nograd.runtime.handler import ModelHandler, TensorPart
+from nograd.sdk import ModelConfig, ModelHandler, TensorPart
 
 # The huggingface libraries read this when first imported; set it before they are, so nothing in
 # them tries the hub. Loading below is from a local folder with local_files_only as well.

@@ -99,6 +99,10 @@ class SpeedPath(Protocol):
 class ModelHandler:
     """Default handler: each declared input goes to ``forward`` as a keyword tensor."""
 
+    max_length: int | None = None
+    """The longest sequence a token model reads (its truncation length): memory planning budgets
+    a batch of tokens at this length. Sequence models set it; others leave it None."""
+
     prepare_offload: ClassVar[bool] = False
     """True when ``prepare`` is heavy (tokenising, decoding): the data plane runs it in a thread
     for requests above ``nograd.serving.validation.INLINE_PREPARE_BYTES``, on the event loop

@@ -8,7 +8,7 @@ sees only the thread that entered it and CUDA peak counters are per device.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from nograd.runtime.handler import ModelHandler, TorchRunner
@@ -41,7 +41,6 @@ class ModelPlan:
     weights_bytes: int
     share_bytes: int
     limit: int
-    cap: int
     unit: str
     reference_length: int
 
@@ -65,12 +64,9 @@ class PlanInput:
 
 
 def max_sequence_length(handler: ModelHandler) -> int:
-    """The longest sequence a token model reads (its truncation length), for budgeting."""
-    for name in ("max_sequence_length", "max_length"):
-        value = getattr(handler, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return DEFAULT_MAX_SEQUENCE
+    """The longest sequence a token model reads (its truncation length), for budgeting: what the
+    handler states, or a BERT-sized default for one that states none."""
+    return handler.max_length or DEFAULT_MAX_SEQUENCE
 
 
 def profile_handler(handler: ModelHandler, probe: MemoryProbe, cap: int) -> Profile:
@@ -127,7 +123,6 @@ def plan_device(
                 item.weights_bytes,
                 shares[item.name],
                 limit,
-                item.cap,
                 unit,
                 length,
             )
@@ -186,6 +181,3 @@ def log_plan(device: str, budget: int, plans: Sequence[ModelPlan]) -> None:
                 plan.unit,
                 format_bytes(plan.share_bytes),
             )
-
-
-Predictor = Callable[[int, int], float]

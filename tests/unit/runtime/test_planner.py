@@ -42,17 +42,15 @@ def profile(cost: CostModel) -> Profile:
     return Profile((), cost, CheckPoint(1, 1, 1, 1.0))
 
 
-def handler(unit: str = "samples", max_sequence_length: int | None = None) -> ModelHandler:
-    stub = SimpleNamespace(config=SimpleNamespace(batch_unit=unit))
-    if max_sequence_length is not None:
-        stub.max_sequence_length = max_sequence_length
+def handler(unit: str = "samples", max_length: int | None = None) -> ModelHandler:
+    stub = SimpleNamespace(config=SimpleNamespace(batch_unit=unit), max_length=max_length)
     return cast(ModelHandler, stub)
 
 
 def test_budget_is_the_fraction_of_free_memory_shared_by_need() -> None:
     probe = FakeGpuProbe(available=10_000_000)
     images = PlanInput("images", handler(), weights_bytes=1000, cap=64)
-    text = PlanInput("text", handler("tokens", max_sequence_length=128), 5000, cap=4096)
+    text = PlanInput("text", handler("tokens", max_length=128), 5000, cap=4096)
     profiles = {
         "images": profile(CostModel(fixed=1000, per_unit=50_000)),
         "text": profile(CostModel(fixed=0, per_unit=1000, quadratic=10)),
