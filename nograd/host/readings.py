@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 import os
+import resource
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Final
@@ -109,11 +111,19 @@ class HostMemory:
         return max(0, min(available, limit[1]))
 
     def allocated_bytes(self) -> int:
+        """This process's resident memory: what a CPU device has allocated."""
         try:
             fields = (self._proc / "self" / "statm").read_text().split()
             return int(fields[1]) * _page_size()
         except (OSError, IndexError, ValueError):
             return 0
+
+    @staticmethod
+    def peak_allocated_bytes() -> int:
+        """This process's peak resident memory since it started."""
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        # Linux reports KiB, macOS bytes.
+        return int(peak) if sys.platform == "darwin" else int(peak) * 1024
 
     def _meminfo(self, field: str) -> int | None:
         return _field(self._proc / "meminfo", field)

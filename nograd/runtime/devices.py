@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import resource
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-from nograd.host.readings import usable_cores
+from nograd.host.readings import HostMemory, usable_cores
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -90,47 +87,9 @@ class MemoryReading:
     total: int
 
 
-def _meminfo_bytes(field: str) -> int | None:
-    try:
-        with open("/proc/meminfo", encoding="ascii") as handle:
-            for line in handle:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def system_total_bytes() -> int:
-    total = _meminfo_bytes("MemTotal")
-    if total is not None:
-        return total
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def system_available_bytes() -> int:
-    available = _meminfo_bytes("MemAvailable")
-    if available is not None:
-        return available
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
-def process_resident_bytes() -> int:
-    try:
-        with open("/proc/self/statm", encoding="ascii") as handle:
-            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, IndexError, ValueError):
-        return process_peak_resident_bytes()
-
-
-def process_peak_resident_bytes() -> int:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    # Linux reports KiB, macOS bytes.
-    return int(peak) if sys.platform == "darwin" else int(peak) * 1024
-
-
-def read_memory(device: torch.device) -> MemoryReading:
-    """CUDA: the caching allocator's counters. CPU: the process's resident set and the system."""
+def read_memory(device: torch.device, host: HostMemory | None = None) -> MemoryReading:
+    """CUDA: the caching allocator's counters. CPU: the process's resident set, and the memory
+    the host gives it (a container's cgroup limit, as memory planning budgets from)."""
     if device.type == "cuda":
         index = device.index or 0
         return MemoryReading(
@@ -139,10 +98,11 @@ def read_memory(device: torch.device) -> MemoryReading:
             peak=torch.cuda.max_memory_allocated(index),
             total=torch.cuda.get_device_properties(index).total_memory,
         )
-    resident = process_resident_bytes()
+    host = host or HostMemory()
+    resident = host.allocated_bytes()
     return MemoryReading(
         allocated=resident,
         reserved=resident,
-        peak=max(resident, process_peak_resident_bytes()),
-        total=system_total_bytes(),
+        peak=max(resident, host.peak_allocated_bytes()),
+        total=host.total_bytes(),
     )

@@ -1,92 +1,14 @@
-"""Core counts under CPU quotas, GPUs seen without torch, resident memory, and the heap settled
-after loading."""
+"""torch's threads per worker, and device memory readings for the metrics."""
 
 from __future__ import annotations
 
-import gc
-import os
 from pathlib import Path
 
-import pytest
 import torch
 
-from nograd.host.readings import gpu_visible, resident_bytes, usable_cores
-from nograd.runtime.devices import configure_threads
-from nograd.serving.loading import settle_heap
-
-
-def affinity() -> int:
-    return len(os.sched_getaffinity(0))
-
-
-def cgroup_root(tmp_path: Path, cpu_max: str | None, own_group: str | None = None) -> Path:
-    """A cgroup v2 mount with ``cpu.max`` at the root, or in the process's own group."""
-    root = tmp_path / "cgroup"
-    (tmp_path / "proc" / "self").mkdir(parents=True)
-    folder = root if own_group is None else root / own_group
-    folder.mkdir(parents=True)
-    if own_group is not None:
-        (tmp_path / "proc" / "self" / "cgroup").write_text(f"0::/{own_group}\n")
-    if cpu_max is not None:
-        (folder / "cpu.max").write_text(cpu_max)
-    return root
-
-
-@pytest.mark.parametrize(
-    ("cpu_max", "expected"),
-    [
-        ("max 100000\n", None),  # no quota: the affinity decides
-        ("50000 100000\n", 1),  # half a core still gets one thread
-        ("100000 100000\n", 1),
-        ("not a quota\n", None),
-    ],
-)
-def test_usable_cores_respects_a_cgroup_quota(
-    tmp_path: Path, cpu_max: str, expected: int | None
-) -> None:
-    root = cgroup_root(tmp_path, cpu_max)
-    assert usable_cores(tmp_path / "proc", root) == (expected or affinity())
-
-
-def test_the_quota_of_the_process_own_group_counts(tmp_path: Path) -> None:
-    root = cgroup_root(tmp_path, "100000 100000\n", own_group="kubepods/pod1/nograd")
-    assert usable_cores(tmp_path / "proc", root) == 1
-
-
-def test_a_quota_above_the_affinity_does_not_add_cores(tmp_path: Path) -> None:
-    root = cgroup_root(tmp_path, f"{(affinity() + 8) * 100000} 100000\n")
-    assert usable_cores(tmp_path / "proc", root) == affinity()
-    assert usable_cores(tmp_path / "proc", tmp_path / "missing") == affinity()
-
-
-def cgroup_v1_root(tmp_path: Path, quota_us: str, period_us: str = "100000\n") -> Path:
-    """A cgroup v1 hierarchy: the process's group under the ``cpu,cpuacct`` controller."""
-    root = tmp_path / "cgroup"
-    group = root / "cpu" / "docker" / "abc"
-    group.mkdir(parents=True)
-    (tmp_path / "proc" / "self").mkdir(parents=True)
-    (tmp_path / "proc" / "self" / "cgroup").write_text(
-        "5:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n1:name=systemd:/docker/abc\n"
-    )
-    (group / "cpu.cfs_quota_us").write_text(quota_us)
-    (group / "cpu.cfs_period_us").write_text(period_us)
-    return root
-
-
-@pytest.mark.parametrize(
-    ("quota_us", "period_us", "expected"),
-    [
-        ("-1\n", "100000\n", None),  # v1's "no quota"
-        ("100000\n", "100000\n", 1),
-        ("150000\n", "100000\n", 2),  # one and a half cores round up
-        ("50000\n", "0\n", None),  # a broken period is ignored, not a crash
-    ],
-)
-def test_a_cgroup_v1_quota_counts_too(
-    tmp_path: Path, quota_us: str, period_us: str, expected: int | None
-) -> None:
-    root = cgroup_v1_root(tmp_path, quota_us, period_us)
-    assert usable_cores(tmp_path / "proc", root) == min(expected or affinity(), affinity())
+from nograd.host.readings import HostMemory, usable_cores
+from nograd.runtime.devices import configure_threads, read_memory
+from nograd.runtime.memory import CpuMemoryProbe
 
 
 def test_default_threads_use_every_usable_core() -> None:
@@ -103,48 +25,20 @@ def test_default_threads_use_every_usable_core() -> None:
         torch.set_num_threads(before)
 
 
-def test_settled_heap_is_frozen_and_new_garbage_still_collected() -> None:
-    try:
-        settle_heap()
-        assert gc.get_freeze_count() > 0
-
-        class Cycle:
-            other: object = None
-
-        a, b = Cycle(), Cycle()
-        a.other, b.other = b, a
-        del a, b
-        assert gc.collect() >= 2, "a cycle created after the freeze was not collected"
-    finally:
-        gc.unfreeze()
-
-
-@pytest.mark.parametrize(
-    ("nodes", "environ", "expected"),
-    [
-        ([], {}, False),
-        (["nvidia0", "nvidiactl", "nvidia-uvm"], {}, True),
-        (["nvidiactl", "nvidia-uvm"], {}, False),  # the driver without a device
-        (["kfd", "dri"], {}, True),  # AMD ROCm
-        (["nvidia0"], {"CUDA_VISIBLE_DEVICES": ""}, False),
-        (["nvidia0"], {"CUDA_VISIBLE_DEVICES": "-1"}, False),
-        (["nvidia0"], {"CUDA_VISIBLE_DEVICES": "0"}, True),
-        (["kfd"], {"HIP_VISIBLE_DEVICES": ""}, False),
-    ],
-)
-def test_a_gpu_is_seen_from_its_device_nodes_and_visibility_variables(
-    tmp_path: Path, nodes: list[str], environ: dict[str, str], expected: bool
+def test_cpu_memory_total_for_metrics_is_the_containers_limit_as_planning_reads_it(
+    tmp_path: Path,
 ) -> None:
-    for node in nodes:
-        (tmp_path / node).touch()
-    assert gpu_visible(tmp_path, environ) is expected
-    assert gpu_visible(tmp_path / "missing", {}) is False
-
-
-def test_resident_memory_of_a_process(tmp_path: Path) -> None:
-    ours = resident_bytes(os.getpid())
-    assert ours is not None and ours > 10 * 1024 * 1024  # this process has torch loaded
-    (tmp_path / "7").mkdir()
-    (tmp_path / "7" / "status").write_text("Name:\tpython\nVmRSS:\t  2048 kB\n")
-    assert resident_bytes(7, tmp_path) == 2048 * 1024
-    assert resident_bytes(8, tmp_path) is None  # gone
+    proc, cgroup = tmp_path / "proc", tmp_path / "cgroup"
+    for path, text in [
+        (proc / "meminfo", "MemTotal: 64000000 kB\nMemAvailable: 60000000 kB\n"),
+        (proc / "self" / "cgroup", "0::/\n"),
+        (cgroup / "memory.max", f"{4 * 2**30}\n"),
+        (cgroup / "memory.current", f"{2**30}\n"),
+    ]:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    host = HostMemory(proc_root=proc, cgroup_root=cgroup)
+    reading = read_memory(torch.device("cpu"), host)
+    assert reading.total == 4 * 2**30, "the metric reported the host's RAM, not the limit"
+    assert reading.total == CpuMemoryProbe(proc_root=proc, cgroup_root=cgroup).total_bytes()
+    assert reading.peak >= reading.allocated
