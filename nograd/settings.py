@@ -13,6 +13,7 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
+LogFormat = Literal["json", "text"]
 
 
 class Settings(BaseSettings):
@@ -76,8 +77,9 @@ class Settings(BaseSettings):
     warmup: bool = True
     """Run warmup forwards before a model reports ready."""
 
-    log_format: Literal["json", "text"] = "json"
-    """Log line format: one JSON object per line, or plain text for a terminal."""
+    log_format: LogFormat | None = None
+    """Log line format: one JSON object per line (for log shippers), or plain text. Unset:
+    text when stderr is a terminal, JSON otherwise."""
 
     request_timeout_s: float | None = Field(default=None, gt=0)
     """Default deadline of an inference request; one still queued when it passes gets 504."""

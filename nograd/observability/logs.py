@@ -1,4 +1,4 @@
-"""Logging set-up: one JSON object per line by default, plain text on request.
+"""Logging set-up: one JSON object per line, or plain text; by default text on a terminal.
 
 Why JSON: in a container the log is a stream that a shipper (Loki, Fluent Bit, Cloud Logging) parses
 line by line. One object per line keeps multi-line messages (the startup memory-plan table, a
@@ -16,11 +16,12 @@ import logging
 import os
 import sys
 from datetime import UTC, datetime
-from typing import Any, Final, Literal, TextIO, cast, get_args
+from typing import Any, Final, TextIO, cast, get_args
 
 import orjson
 
-LogFormat = Literal["json", "text"]
+from nograd.settings import LogFormat
+
 LOG_FORMATS: Final[tuple[str, ...]] = get_args(LogFormat)
 LOG_FORMAT_ENV: Final = "NOGRAD_LOG_FORMAT"
 """Read when the caller passes no format (tools that set up logging without building Settings);
@@ -95,13 +96,24 @@ class TextFormatter(logging.Formatter):
         return f"{first} [{pairs}]{newline}{rest}"
 
 
+def _is_terminal(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or closed
+        return False
+
+
 class _NogradHandler(logging.StreamHandler[TextIO]):
     """Marks the handler this module installed, so a second set-up replaces it, not doubles it."""
 
 
-def resolve_format(log_format: str | None) -> LogFormat:
-    """The format to use: the argument, else ``NOGRAD_LOG_FORMAT``, else JSON."""
-    value = (log_format or os.environ.get(LOG_FORMAT_ENV) or "json").strip().lower()
+def resolve_format(log_format: str | None, stream: TextIO | None = None) -> LogFormat:
+    """The format to use: the argument, else ``NOGRAD_LOG_FORMAT``, else text when ``stream``
+    is a terminal (a person reads it) and JSON otherwise (a log shipper does)."""
+    value = log_format or os.environ.get(LOG_FORMAT_ENV)
+    if not value:
+        return "text" if stream is not None and _is_terminal(stream) else "json"
+    value = value.strip().lower()
     if value not in LOG_FORMATS:
         raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}; got {value!r}")
     return cast(LogFormat, value)
@@ -113,17 +125,19 @@ def setup_logging(
     """Route every logger (nograd's, uvicorn's, warnings) through one handler on the root logger.
 
     ``level`` is a Settings log level (``info``, ``debug``…); ``log_format`` is ``json`` or
-    ``text`` (``None`` reads ``NOGRAD_LOG_FORMAT``). Safe to call again: the previous nograd handler
-    is replaced. Returns the handler, which tests read back.
+    ``text`` (``None``: ``NOGRAD_LOG_FORMAT``, else text on a terminal and JSON otherwise). Safe
+    to call again: the previous nograd handler is replaced. Returns the handler, which tests read
+    back.
     """
+    stream = stream if stream is not None else sys.stderr
     formatter: logging.Formatter = (
-        JsonFormatter() if resolve_format(log_format) == "json" else TextFormatter()
+        JsonFormatter() if resolve_format(log_format, stream) == "json" else TextFormatter()
     )
     numeric_level = logging.getLevelName(level.upper())
     if not isinstance(numeric_level, int):
         raise ValueError(f"log_level must be a logging level name; got {level!r}")
 
-    handler = _NogradHandler(stream if stream is not None else sys.stderr)
+    handler = _NogradHandler(stream)
     handler.setFormatter(formatter)
     root = logging.getLogger()
     for old in [h for h in root.handlers if isinstance(h, _NogradHandler)]:

@@ -147,6 +147,24 @@ def test_text_format_appends_extras() -> None:
         json.loads(text)
 
 
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_text_on_a_terminal_and_json_otherwise_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(LOG_FORMAT_ENV, raising=False)
+    assert resolve_format(None, Terminal()) == "text"
+    assert resolve_format(None, io.StringIO()) == "json"
+    assert resolve_format("json", Terminal()) == "json"
+    terminal = Terminal()
+    setup_logging("info", None, terminal)
+    logging.getLogger("nograd.test").info("read by a person")
+    assert "INFO nograd.test: read by a person" in terminal.getvalue()
+    monkeypatch.setenv(LOG_FORMAT_ENV, "json")
+    assert resolve_format(None, Terminal()) == "json"
+
+
 def test_format_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(LOG_FORMAT_ENV, raising=False)
     assert resolve_format(None) == "json"
