@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from nograd import __version__
 from nograd.http import openai, v2
-from nograd.http.direct import HotRoutes
+from nograd.http.direct import DirectRoutes
 from nograd.http.errors import install_error_handlers
 from nograd.http.middleware import AuthMiddleware, BodyLimitMiddleware, StartTimeMiddleware
 from nograd.observability.metrics import Metrics
@@ -77,7 +77,7 @@ def create_app(settings: Settings | None = None, *, worker: WorkerContext | None
     app.state.dataplane = plane
     install_error_handlers(app)
     known = plane.models.__contains__
-    app.add_middleware(HotRoutes, plane=plane, metrics=metrics)
+    app.add_middleware(DirectRoutes, plane=plane, metrics=metrics)
     # Starlette wraps the last-added middleware outermost: the size limit runs before auth
     # reads headers only, and both run before any route.
     if settings.api_key_list:

@@ -12,20 +12,16 @@ layer does not claim.
 
 from __future__ import annotations
 
-import re
-
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from nograd.http import openai, v2
 from nograd.http.exchange import Incoming
+from nograd.http.paths import EMBEDDINGS, infer_target, route_path
 from nograd.observability.metrics import Metrics
 from nograd.serving.dataplane import DataPlane
 
-_V2_INFER = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?/infer$")
-_EMBEDDINGS = "/v1/embeddings"
 
-
-class HotRoutes:
+class DirectRoutes:
     def __init__(self, app: ASGIApp, plane: DataPlane, metrics: Metrics) -> None:
         self.app = app
         self._plane = plane
@@ -33,22 +29,15 @@ class HotRoutes:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
-            path = _route_path(scope)
-            match = None if path == _EMBEDDINGS else _V2_INFER.match(path)
-            if path == _EMBEDDINGS or match is not None:
+            path = route_path(scope)
+            target = None if path == EMBEDDINGS else infer_target(path)
+            if path == EMBEDDINGS or target is not None:
                 incoming = Incoming(scope, receive)
-                if match is None:
+                if target is None:
                     reply = await openai.embeddings_call(incoming, self._plane, self._metrics)
                 else:
-                    name, version = match.group(1), match.group(2)
+                    name, version = target
                     reply = await v2.infer_call(incoming, self._plane, self._metrics, name, version)
                 await reply.send(send)
                 return
         await self.app(scope, receive, send)
-
-
-def _route_path(scope: Scope) -> str:
-    """The path the router would match: without the ASGI root path (a proxy's prefix)."""
-    path: str = scope["path"]
-    root: str = scope.get("root_path", "")
-    return path[len(root) :] if root and path.startswith(root) else path

@@ -6,6 +6,7 @@ A client mistake is always a 4xx that names the problem; a 5xx means nograd or t
 from __future__ import annotations
 
 import logging
+from typing import Final
 
 import orjson
 from fastapi import FastAPI, Request
@@ -14,7 +15,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nograd.batching import BatcherClosed, DeadlineExceeded, QueueFull, SampleTooLarge
-from nograd.protocol.v2 import DecodeError
+from nograd.core.errors import DecodeError
 from nograd.serving.errors import (
     InferenceFailed,
     InvalidInput,
@@ -57,7 +58,36 @@ def error_headers(status: int) -> list[tuple[str, str]]:
 
 
 def error_body(message: str) -> bytes:
+    """A V2 error: ``{"error": message}``."""
     return orjson.dumps({"error": message})
+
+
+_OPENAI_TYPES: Final[dict[int, str]] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+}
+_OPENAI_CODES: Final[dict[int, str]] = {
+    404: "model_not_found",
+    503: "unavailable",
+    504: "timeout",
+    507: "out_of_memory",
+}
+
+
+def openai_error_body(
+    status: int, message: str, *, code: str | None = None, param: str | None = None
+) -> bytes:
+    """An OpenAI error, as its SDK parses it: ``{"error": {message, type, param, code}}``."""
+    detail = {
+        "message": message,
+        "type": _OPENAI_TYPES.get(status, "server_error"),
+        "param": param,
+        "code": code or _OPENAI_CODES.get(status),
+    }
+    return orjson.dumps({"error": detail})
 
 
 def error_response(status: int, message: str) -> Response:

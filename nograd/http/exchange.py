@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from nograd.core.errors import DecodeError
 from nograd.http.errors import status_of
 from nograd.http.middleware import STARTED_KEY
 from nograd.observability.metrics import UNKNOWN_MODEL, Metrics
-from nograd.protocol.v2 import DecodeError
 
 logger = logging.getLogger("nograd.requests")
 

@@ -7,25 +7,22 @@ request before its body is read.
 from __future__ import annotations
 
 import hmac
-import re
 import time
 from collections.abc import Callable
 
-import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from nograd.http.errors import error_body, openai_error_body
+from nograd.http.paths import OPENAI_PREFIX, v2_model
 from nograd.observability.metrics import UNKNOWN_MODEL, Metrics
 
 STARTED_KEY = "nograd_started"
-_MODEL_IN_PATH = re.compile(r"^/v2/models/([^/]+)")
-_OPENAI_PREFIX = "/v1/"
 
 
 def _error_body(path: str, status: int, message: str, code: str) -> bytes:
-    if path.startswith(_OPENAI_PREFIX):
-        kind = "authentication_error" if status == 401 else "invalid_request_error"
-        return orjson.dumps({"error": {"message": message, "type": kind, "code": code}})
-    return orjson.dumps({"error": message})
+    if path.startswith(OPENAI_PREFIX):
+        return openai_error_body(status, message, code=code)
+    return error_body(message)
 
 
 async def _respond(
@@ -48,9 +45,9 @@ async def _respond(
 
 def model_label(path: str, known: Callable[[str], bool]) -> str:
     """The model a path names, for metric labels; unknown names collapse to one value."""
-    match = _MODEL_IN_PATH.match(path)
-    if match and known(match.group(1)):
-        return match.group(1)
+    target = v2_model(path)
+    if target is not None and known(target[0]):
+        return target[0]
     return UNKNOWN_MODEL
 
 

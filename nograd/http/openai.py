@@ -19,7 +19,7 @@ import orjson
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from nograd.http.errors import error_headers
+from nograd.http.errors import error_headers, openai_error_body
 from nograd.http.exchange import Call, Incoming, Reply, run_call
 from nograd.http.state import dataplane_of, metrics_of
 from nograd.observability.metrics import Metrics
@@ -32,22 +32,6 @@ PROTOCOL: Final = "openai"
 TOKEN_COUNT_OUTPUT: Final = "token_count"
 MAX_INPUTS: Final = 2048
 """OpenAI's own cap on texts per request; larger lists are a 400, as there."""
-
-_ERROR_TYPES: Final[dict[int, str]] = {
-    400: "invalid_request_error",
-    404: "invalid_request_error",
-    413: "invalid_request_error",
-    422: "invalid_request_error",
-    503: "server_error",
-    504: "server_error",
-    507: "server_error",
-}
-_ERROR_CODES: Final[dict[int, str]] = {
-    404: "model_not_found",
-    503: "unavailable",
-    504: "timeout",
-    507: "out_of_memory",
-}
 
 
 class EmbeddingRequest(BaseModel):
@@ -198,13 +182,8 @@ def _encode(vector: np.ndarray, encoding: str) -> Any:
 
 
 def _error_reply(status: int, message: str, param: str | None = None) -> Reply:
-    detail = {
-        "message": message,
-        "type": _ERROR_TYPES.get(status, "server_error"),
-        "param": param,
-        "code": _ERROR_CODES.get(status),
-    }
-    return Reply(status, orjson.dumps({"error": detail}), headers=error_headers(status))
+    body = openai_error_body(status, message, param=param)
+    return Reply(status, body, headers=error_headers(status))
 
 
 async def _embeddings(plane: DataPlane, body: EmbeddingRequest, timeout_s: float | None) -> bytes:

@@ -11,13 +11,13 @@ from fastapi import APIRouter, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
 from nograd import __version__
+from nograd.core.errors import DecodeError
 from nograd.http.errors import error_body, error_headers
 from nograd.http.exchange import Call, Incoming, Reply, adopt_request_id, run_call
 from nograd.http.state import dataplane_of, metrics_of
 from nograd.observability.metrics import Metrics
 from nograd.protocol import binary
 from nograd.protocol.v2 import (
-    DecodeError,
     InferRequest,
     decode_body,
     dumps,

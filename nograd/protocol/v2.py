@@ -18,11 +18,8 @@ import numpy as np
 import orjson
 
 from nograd.core.datatypes import NUMPY_DTYPES, datatype_of
+from nograd.core.errors import DecodeError
 from nograd.protocol import binary
-
-
-class DecodeError(ValueError):
-    """A request the protocol does not allow; the message names the field and the problem."""
 
 
 @dataclass(frozen=True)

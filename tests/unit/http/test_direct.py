@@ -9,7 +9,7 @@ import pytest
 from fastapi import Response
 from starlette.types import Receive, Scope, Send
 
-from nograd.http import direct as hot
+from nograd.http import direct
 from nograd.http.exchange import Incoming, Reply
 
 
@@ -41,13 +41,13 @@ PLANE, METRICS = object(), object()
 @pytest.fixture
 def recorder(monkeypatch: pytest.MonkeyPatch) -> Recorder:
     recorder = Recorder()
-    monkeypatch.setattr(hot.v2, "infer_call", recorder.v2)
-    monkeypatch.setattr(hot.openai, "embeddings_call", recorder.embeddings)
+    monkeypatch.setattr(direct.v2, "infer_call", recorder.v2)
+    monkeypatch.setattr(direct.openai, "embeddings_call", recorder.embeddings)
     return recorder
 
 
 async def send(recorder: Recorder, method: str, path: str, **kwargs: Any) -> httpx.Response:
-    layer = hot.HotRoutes(recorder.framework, PLANE, METRICS)  # type: ignore[arg-type]
+    layer = direct.DirectRoutes(recorder.framework, PLANE, METRICS)  # type: ignore[arg-type]
     transport = httpx.ASGITransport(app=layer, **kwargs)
     async with httpx.AsyncClient(transport=transport, base_url="http://nograd") as client:
         return await client.request(method, path, content=b"{}")

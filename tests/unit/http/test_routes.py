@@ -1,5 +1,5 @@
-"""The FastAPI inference routes, the path a request takes when ``HotRoutes`` is not in front of
-them (an app that mounts nograd's routers itself): the same answers, ids and errors as the hot
+"""The FastAPI inference routes, the path a request takes when ``DirectRoutes`` is not in front of
+them (an app that mounts nograd's routers itself): the same answers, ids and errors as the direct
 layer gives."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp
 
 from nograd.http import openai, v2
-from nograd.http.direct import HotRoutes
+from nograd.http.direct import DirectRoutes
 from nograd.serving.dataplane import DataPlane
 from tests.unit.serving.test_dataplane import plane_for
 
@@ -49,10 +49,10 @@ INFER = {
 }
 
 
-async def test_the_routes_and_the_hot_layer_give_the_same_answer(plane: DataPlane) -> None:
+async def test_the_routes_and_the_direct_routes_give_the_same_answer(plane: DataPlane) -> None:
     routed = routers_only(plane)
-    hot = HotRoutes(routers_only(plane), plane, plane.metrics)
-    answers = [await post(app, "/v2/models/poison/infer", INFER) for app in (routed, hot)]
+    direct = DirectRoutes(routers_only(plane), plane, plane.metrics)
+    answers = [await post(app, "/v2/models/poison/infer", INFER) for app in (routed, direct)]
     for answer in answers:
         assert answer.status_code == 200
         assert answer.headers["content-type"] == "application/json"

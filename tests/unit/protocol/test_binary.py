@@ -18,9 +18,9 @@ import tritonclient.http as triton
 from tritonclient.utils import serialize_byte_tensor
 
 from nograd.core.datatypes import NUMPY_DTYPES, datatype_of
+from nograd.core.errors import DecodeError
 from nograd.protocol import binary
 from nograd.protocol.v2 import (
-    DecodeError,
     RequestedOutput,
     decode_body,
     dumps,

@@ -6,8 +6,8 @@ import numpy as np
 import orjson
 import pytest
 
+from nograd.core.errors import DecodeError
 from nograd.protocol.v2 import (
-    DecodeError,
     RequestedOutput,
     decode_request,
     dumps,

@@ -1,0 +1,35 @@
+"""The request paths nograd reads itself (ahead of the router, in middlewares), defined once."""
+
+from __future__ import annotations
+
+import re
+from typing import Final
+
+from starlette.types import Scope
+
+EMBEDDINGS: Final = "/v1/embeddings"
+OPENAI_PREFIX: Final = "/v1/"
+_V2_MODEL: Final = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?(.*)$")
+
+
+def v2_model(path: str) -> tuple[str, str | None, str] | None:
+    """(model, version or None, the rest: "/infer", "/ready", "") of a ``/v2/models/...`` path."""
+    match = _V2_MODEL.match(path)
+    if match is None:
+        return None
+    return match.group(1), match.group(2), match.group(3) or ""
+
+
+def infer_target(path: str) -> tuple[str, str | None] | None:
+    """(model, version) of a V2 inference path, ``/v2/models/{name}[/versions/{v}]/infer``."""
+    parsed = v2_model(path)
+    if parsed is None or parsed[2] != "/infer":
+        return None
+    return parsed[0], parsed[1]
+
+
+def route_path(scope: Scope) -> str:
+    """The path the router would match: without the ASGI root path (a proxy's prefix)."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
