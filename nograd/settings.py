@@ -66,8 +66,8 @@ class Settings(BaseSettings):
     spreads the HTTP and Python work of small, fast models over several cores; memory budgets
     are split among them and /metrics adds their series up. ``auto``: two when the process may
     use at least two CPU cores (two times ``torch_threads`` when that is set) and no GPU is
-    visible, the second started only if another copy of the models fits in the memory left
-    (measured on the first); one otherwise."""
+    visible, the second started only if another copy of the models (as the first one holds them
+    once warm) fits in the memory left; one otherwise."""
 
     share_cores: bool = True
     """With several workers and ``torch_threads`` unset: each CPU batch runs on every core the

@@ -1,17 +1,13 @@
 """CPU cores shared by the worker processes of one server, batch by batch.
 
 With several workers on a CPU, a fixed share of the cores each (cores / workers intra-op
-threads) wastes them whenever the other workers are idle: at concurrency 1 on 2 cores, minilm's
-forward ran on one thread with the second core idle (p50 19.7-30.6 ms against 11.9-15.0 with
-both). Every
-worker taking every core is worse under load: two OpenMP teams of 2 on 2 cores wait at each
-barrier for a thread the kernel has descheduled (minilm at 32 concurrent requests fell from
-~170 to 34-51 sentences/s).
+threads) wastes them whenever the other workers are idle: at concurrency 1 a forward runs on one
+thread with the other core idle. Every worker taking every core is worse under load: two OpenMP
+teams on the same cores wait at each barrier for a thread the kernel has descheduled.
 
 Nor are cores free just because no other batch runs: a worker answering requests keeps its
 event loop busy between batches, and a batch that spread over that loop's core was slowed at
-every barrier (two workers at 32 concurrent requests: minilm 106-145 against 221-228 sentences/s
-with a fixed share, digits 1,360-1,659 against 3,429-3,558 requests/s).
+every barrier (docs/architecture.md has the measurements).
 
 So the workers keep a ledger in a small shared file: for each worker the threads its running
 batch uses, a flag while it waits for a core, and a flag while it has requests in flight. Before

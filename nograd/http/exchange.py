@@ -4,8 +4,8 @@ cancellation when the client goes away, the in-flight gauge, request metrics and
 Inference calls are served straight from ASGI (``nograd.http.direct``): an ``Incoming`` decodes the
 headers once and reads the body once, and a ``Reply`` goes out as the two ASGI messages.
 Starlette's ``Request`` and ``Response`` objects (a header wrapper built per lookup, a header list
-rebuilt per response) and a watcher task per call were together 10-30 % of a digits call's CPU,
-in-process and over HTTP alike (alternated runs).
+rebuilt per response) and a watcher task per call were a large share of a small model's CPU per
+call (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ CLIENT_CLOSED = 499
 DISCONNECT_GRACE_S = 0.02
 """How long a call runs before a task starts watching for its client leaving.
 
-A watcher task per call (create, schedule, cancel, collect) measured 10-30 us of CPU per call,
-up to a tenth of a digits call; most calls are answered well within this, and one whose client
+A watcher task per call (create, schedule, cancel, collect) costs a noticeable share of a small
+model's call; most calls are answered well within this, and one whose client
 leaves later is still cancelled before its queued rows cost compute. A client that leaves sooner
 is noticed at this mark: at most this much queueing is spent on it.
 """

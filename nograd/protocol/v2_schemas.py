@@ -12,7 +12,6 @@ from pydantic import BaseModel, Field
 
 from nograd.core.datatypes import Datatype
 
-DatatypeName = Datatype
 
 
 class ErrorResponse(BaseModel):
@@ -40,7 +39,7 @@ class ModelReadyResponse(BaseModel):
 
 class TensorMetadata(BaseModel):
     name: str
-    datatype: DatatypeName
+    datatype: Datatype
     shape: list[int]
 
 
@@ -55,7 +54,7 @@ class ModelMetadata(BaseModel):
 class RequestInput(BaseModel):
     name: str
     shape: list[int] = Field(description="Full shape, batch dimension first.")
-    datatype: DatatypeName
+    datatype: Datatype
     parameters: dict[str, Any] | None = None
     data: list[Any] = Field(description="Row-major data, flat or nested.")
 
@@ -75,7 +74,7 @@ class InferRequestDocument(BaseModel):
 class ResponseOutput(BaseModel):
     name: str
     shape: list[int]
-    datatype: DatatypeName
+    datatype: Datatype
     parameters: dict[str, Any] | None = None
     data: list[Any]
 

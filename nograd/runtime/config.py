@@ -102,9 +102,10 @@ class ModelConfig(BaseModel):
     """Smallest per-sample cosine similarity of any float output vs fp32 eager."""
     min_speedup: float = Field(default=0.9, ge=0.0)
     """The mode must run the warmup batches at least this many times as fast as fp32 eager on
-    this machine, timed at load, or it is refused: bf16 that is 2x faster on a CPU with native bf16
-    can be 7x slower on one without. The default leaves room for timing noise (a mode as fast as
-    fp32 eager serves); 0 turns the check off, for a mode wanted for its memory, not its speed."""
+    this machine, timed at load, or it is refused: bf16, fast on a CPU with native bf16, can be
+    several times slower on one without (docs/speed.md). The default leaves room for timing
+    noise (a mode as fast as fp32 eager serves); 0 turns the check off, for a mode wanted for its
+    memory, not its speed."""
     accuracy_sample: str | None = None
     """A V2 inference request body (JSON) inside the model folder, e.g. ``sample.json``: real
     inputs the accuracy check compares on too, as synthetic ones may miss the model's real range."""

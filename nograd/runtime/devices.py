@@ -33,9 +33,8 @@ def configure_threads(count: int | None, workers: int = 1, *, shared: bool = Fal
     among the server's worker processes (at least one each). ``shared``: workers take cores
     batch by batch (nograd/host/ledger.py), so a worker starts with all of them.
 
-    A compute-bound model is limited by its forward: on 2 cores minilm served 129 sentences/s
-    with 2 threads against 87 with 1 (32 concurrent requests), while digits, bound by the event
-    loop, served the same with either. torch's own default ignores a container's CPU quota.
+    A compute-bound model is limited by its forward, so it gets every core it may use; torch's
+    own default ignores a container's CPU quota.
     """
     if count is not None:
         threads = count

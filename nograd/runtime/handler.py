@@ -41,9 +41,8 @@ TORCH_DTYPES: Final[dict[str, torch.dtype]] = {
 }
 WIDE_FORWARD_S: Final = 0.003
 """With shared cores, a batch runs on more than one thread only when the model's last batch took
-this long: digits' sub-millisecond forwards gained nothing from a second thread, whose spinning
-between ops took the core the event loop and the client needed (p99 at concurrency 1 went from
-2-6 to 8-10 ms)."""
+this long: sub-millisecond forwards gain nothing from a second thread, whose spinning between ops
+takes the core the event loop and the client need."""
 PRECISION_DTYPES: Final[dict[str, torch.dtype]] = {
     "fp32": torch.float32,
     "bf16": torch.bfloat16,
