@@ -13,7 +13,6 @@ from pydantic import BaseModel, Field
 from nograd.core.datatypes import Datatype
 
 
-
 class ErrorResponse(BaseModel):
     error: str
 
