@@ -48,7 +48,7 @@ format: install-dev
 
 # --- make bench --------------------------------------------------------------------------------
 # nograd against the raw model, plain FastAPI, LitServe and the HTTP ceiling, in one run
-# (bench/run.py; tables in bench/results/<timestamp>.md, quoted by BENCHMARKS.md).
+# (bench/run.py and bench/phases/; tables in bench/results/<timestamp>.md, quoted by BENCHMARKS.md).
 # Takes ~45 minutes on 2 cores; `make bench BENCH_ARGS=--quick` is a shorter smoke run.
 # wrk is a Debian package: installed here when missing (as root, or through sudo).
 BENCH_ARGS ?=

@@ -1,0 +1,1 @@
+"""The bench's phases, each a function of the run's ``Bench``."""
