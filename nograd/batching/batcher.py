@@ -243,9 +243,8 @@ class Batcher(Generic[P, R]):
         for item in self._queue:
             rows += item.part.rows
             longest = max(longest, item.part.length)
-            if padded_cost(rows, longest, self._unit_tokens) >= self.limit.current:
-                return True
-        return False
+        # A longer queue never costs less, so the whole queue decides.
+        return padded_cost(rows, longest, self._unit_tokens) >= self.limit.current
 
     def _take_batch(self) -> tuple[list[_Item[P, R]], int]:
         """Oldest live item first (no starvation), then the queued items closest to its length;

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from nograd.batching import BatchingError
-from nograd.host.ledger import CoreShare
+from nograd.host.ledger import CoreLedger, CoreShare
 from nograd.observability.metrics import Metrics
 from nograd.observability.stats import Statistics
 from nograd.runtime.devices import device_label, read_memory, resolve_device
@@ -49,16 +49,16 @@ class DataPlane:
         self.metrics = metrics
         self.statistics = statistics or Statistics()
         self.registry = ModelRegistry()
+        self.models: dict[str, ServedModel] = self.registry.models
+        """The registry's models by name (the same dict)."""
         self._loader = ModelLoader(settings, metrics, self.statistics, cores)
+        self._cores: CoreLedger | None = None
+        """The shared CPU-core ledger, once the loader joined it (several workers on a CPU)."""
         self._draining = False
         self._inflight = 0
         self._idle: asyncio.Event | None = None
         self._loaded = asyncio.Event()
         metrics.watch_device_memory(self._memory_readings)
-
-    @property
-    def models(self) -> dict[str, ServedModel]:
-        return self.registry.models
 
     @property
     def config_errors(self) -> list[str]:
@@ -72,6 +72,7 @@ class DataPlane:
 
     async def load_all(self) -> None:
         await self._loader.load_all(list(self.models.values()))
+        self._cores = self._loader.cores
         self._loaded.set()
         self.metrics.workers_ready.set(1)
 
@@ -151,13 +152,13 @@ class DataPlane:
         timeout_s: float | None = None,
     ) -> tuple[ServedModel, Outputs]:
         """Validate, prepare and queue one request; ``timeout_s`` overrides the server default."""
-        model = self.get(name, version)
+        model = self.registry.get(name, version)
         timeout = timeout_s if timeout_s is not None else self.settings.request_timeout_s
         deadline = None if timeout is None else time.monotonic() + timeout
         # Statistics extension: every request that names a served model counts, failed or not.
         stats = self.statistics.of(model.name)
         started = time.perf_counter()
-        cores = self._loader.cores
+        cores = self._cores
         if self._inflight == 0 and cores is not None:
             cores.set_active(True)
         self._inflight += 1
@@ -187,7 +188,12 @@ class DataPlane:
             raise Draining(f"model {name!r} is not ready (server is draining)")
         if not model.ready or model.handler is None or model.batcher is None:
             raise ModelNotReady(f"model {name!r} is not ready ({self._why_not_ready(model)})")
-        self.validate(model, inputs)
+        validate(
+            model,
+            inputs,
+            max_rows=self.settings.max_request_rows,
+            max_text_bytes=self.settings.max_text_bytes,
+        )
         try:
             if prepare_in_thread(model.handler, inputs):
                 # Tokenising or decoding a large request costs milliseconds: off the event loop.

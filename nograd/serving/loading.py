@@ -1,6 +1,6 @@
 """Loading the repository's models: build, speed mode, warm-up, memory plan, then the batchers.
 
-Each model loads on the thread that will run its batches: torch's OpenMP workers belong to the
+Each model loads on the thread that will run its batches: torch's OpenMP threads belong to the
 thread that first ran a parallel op (a second team from a loading thread slowed every later
 forward), and on a GPU the current stream and the graphs captured during warm-up belong to it too.
 """
