@@ -1,0 +1,11 @@
+"""The command composes the layers: the worker processes' serving function is named, not imported."""
+
+from __future__ import annotations
+
+from nograd.cli import SERVE_WORKER
+from nograd.http import server
+from nograd.supervisor.worker import load_serve
+
+
+def test_the_named_serving_function_is_the_http_servers() -> None:
+    assert load_serve(SERVE_WORKER) is server.serve_worker
