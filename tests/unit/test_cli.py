@@ -1,4 +1,4 @@
-"""The command composes the layers: the worker processes' serving function is named, not imported."""
+"""The command composes the layers: the workers' serving function is named, not imported."""
 
 from __future__ import annotations
 
