@@ -16,7 +16,7 @@ from starlette.types import ASGIApp
 from nograd.http import openai, v2
 from nograd.http.direct import DirectRoutes
 from nograd.serving.dataplane import DataPlane
-from tests.unit.serving.test_dataplane import plane_for
+from tests.unit.conftest import plane_for
 
 
 @pytest.fixture

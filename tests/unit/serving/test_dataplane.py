@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import shutil
 import threading
 from pathlib import Path
 
@@ -17,16 +16,7 @@ from nograd.runtime.config import ConfigError
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.errors import LimitExceeded, ModelNotFound, ModelNotReady
 from nograd.settings import Settings
-
-FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
-
-
-def plane_for(tmp_path: Path, *names: str, **settings: object) -> DataPlane:
-    repo = tmp_path / "repo"
-    repo.mkdir(exist_ok=True)
-    for name in names:
-        shutil.copytree(FIXTURES / name, repo / name)
-    return DataPlane(Settings(model_repository=repo, **settings), Metrics())  # type: ignore[arg-type]
+from tests.unit.conftest import plane_for
 
 
 def x(*values: float) -> dict[str, np.ndarray]:
