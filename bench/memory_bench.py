@@ -70,7 +70,7 @@ def profile_models(names: tuple[str, ...] = ("digits", "minilm")) -> dict[str, A
         entry: dict[str, Any] = {
             "unit": "token" if tokens else "sample",
             "cap": cap,
-            "model_max_length": getattr(handler, "max_length", None),
+            "model_max_length": handler.max_length,
             "weights_bytes": weights,
             "points": [
                 {
@@ -116,7 +116,7 @@ def profile_models(names: tuple[str, ...] = ("digits", "minilm")) -> dict[str, A
                 # length, or the model's own truncation length when that is shorter), as many
                 # rows of it as the token limit allows.
                 length = plan.reference_length if tokens else 1
-                length = min(length, int(getattr(handler, "max_length", length)))
+                length = min(length, handler.max_length or length)
                 rows = max(1, plan.limit // length) if tokens else plan.limit
                 example = handler.example(rows, length)
                 parts = [example.slice(i, i + 1) for i in range(rows)]
