@@ -163,7 +163,7 @@ class ModelConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
-    def _speed_levers_consistent(self) -> ModelConfig:
+    def _speed_options_consistent(self) -> ModelConfig:
         # Each message names the field to change, as every config error does.
         if self.autocast and self.precision == "fp32":
             raise ValueError("field 'autocast': needs precision bf16 or fp16, got fp32")
