@@ -280,10 +280,14 @@ def _agreement(measurement: Measurement) -> tuple[bool, str]:
     client_p99 = measurement.load.p99_s
     index = _bucket_index(client_p99)
     assert index < len(DURATION_BUCKETS), f"client p99 {client_p99:.4f}s beyond the last bucket"
-    # The client's bucket, or the one below: the server's clock starts once the request is
-    # parsed and stops before the response is written, so it can only read less (HTTP).
+    # The server's clock starts once the request is parsed and stops before the response is
+    # written, so it reads less than the client: HTTP parsing and writing, and under load the
+    # wait to be read. At most the client's bucket, and at least half the client's p99 to the
+    # buckets' resolution (a bound on the client's value, not on its bucket: a client p99 just
+    # above a bucket edge must not narrow the range).
     upper = DURATION_BUCKETS[index]
-    lower = DURATION_BUCKETS[index - 2] if index >= 2 else 0.0
+    half = _bucket_index(client_p99 / 2)
+    lower = DURATION_BUCKETS[half - 1] if half >= 1 else 0.0
     seconds = measurement.load.ended - measurement.load.started
     report = (
         f"{requests} requests in {seconds:.1f}s; client p99 {client_p99 * 1000:.2f} ms "
