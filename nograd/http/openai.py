@@ -2,9 +2,10 @@
 
 Any served model with one BYTES input (texts; per-sample shape ``[]`` or ``[1]``) and one FP32
 vector output is an embeddings model. When it also has an INT64 ``[1]`` output named
-``token_count``, usage reports those counts; otherwise usage is 0. Errors use OpenAI's shape,
-``{"error": {"message", "type", "param", "code"}}``, so the ``openai`` SDK raises its own exceptions
-(``BadRequestError``, ``NotFoundError``, ...).
+``token_count``, usage reports those counts; otherwise usage is 0. An embedding holding NaN or
++/-Inf is the model failing (500 naming the model), never a vector of nulls. Errors use
+OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, so the ``openai`` SDK raises
+its own exceptions (``BadRequestError``, ``NotFoundError``, ...).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from nograd.http.exchange import Call, Incoming, Reply, run_call
 from nograd.http.state import dataplane_of, metrics_of
 from nograd.observability.metrics import Metrics
 from nograd.serving.dataplane import DataPlane
+from nograd.serving.errors import InferenceFailed
 from nograd.serving.registry import ServedModel
 
 logger = logging.getLogger(__name__)
@@ -181,6 +183,16 @@ def _encode(vector: np.ndarray, encoding: str) -> Any:
     return vector  # orjson writes float32 arrays directly, shortest round-trip form
 
 
+def _non_finite_message(model: str, vectors: np.ndarray) -> str:
+    """A NaN or infinite embedding is the model failing, never a vector to hand out (JSON would
+    turn it into nulls a client may not check for)."""
+    rows = np.flatnonzero(~np.isfinite(vectors.reshape(len(vectors), -1)).all(axis=1))
+    return (
+        f"model {model!r} produced a non-finite embedding (NaN or +/-Inf) for input "
+        f"{int(rows[0])}" + (f" and {len(rows) - 1} more" if len(rows) > 1 else "")
+    )
+
+
 def _error_reply(status: int, message: str, param: str | None = None) -> Reply:
     body = openai_error_body(status, message, param=param)
     return Reply(status, body, headers=error_headers(status))
@@ -202,6 +214,9 @@ async def _embeddings(plane: DataPlane, body: EmbeddingRequest, timeout_s: float
     inputs = {spec.input_name: array.reshape((len(texts), *spec.input_shape))}
     model, outputs = await plane.infer(body.model, None, inputs, timeout_s=timeout_s)
     vectors = outputs[spec.output_name]
+    if not np.isfinite(vectors).all():
+        plane.metrics.inference_errors.labels(model.name).inc()
+        raise InferenceFailed(_non_finite_message(model.name, vectors))
     tokens = int(outputs[TOKEN_COUNT_OUTPUT].sum()) if spec.counts_tokens else 0
     document = {
         "object": "list",

@@ -9,10 +9,13 @@ silently casts or truncates.
 
 from __future__ import annotations
 
+import logging
 import math
+import re
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Final, cast
 
 import numpy as np
 import orjson
@@ -20,6 +23,16 @@ import orjson
 from nograd.core.datatypes import NUMPY_DTYPES, datatype_of
 from nograd.core.errors import DecodeError
 from nograd.protocol import binary
+
+logger = logging.getLogger(__name__)
+
+NON_FINITE_PARAMETER: Final = "non_finite"
+"""Output parameter set on a JSON output holding NaN or +/-Inf; its value, ``"null"``, says what
+they became (JSON has no such numbers). Binary outputs carry them as they are and are not marked."""
+NON_FINITE_WARNING_INTERVAL_S: Final = 300.0
+"""A model whose JSON outputs keep holding NaN or +/-Inf is warned about at most this often: a
+line per response would flood the log of a server answering thousands a second."""
+_NON_FINITE_TOKEN = re.compile(rb"-?(?:nan|inf)", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -52,7 +65,22 @@ def parse_json(body: bytes | memoryview) -> Any:
     try:
         return orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        raise DecodeError(f"malformed JSON: {exc}") from exc
+        hint = ""
+        if _is_non_finite_number(body, exc):
+            hint = (
+                "; JSON has no NaN or Infinity (nor numbers beyond a double's range): "
+                "non-finite values travel only as binary tensor data"
+            )
+        raise DecodeError(f"malformed JSON: {exc}{hint}") from exc
+
+
+def _is_non_finite_number(body: bytes | memoryview, exc: orjson.JSONDecodeError) -> bool:
+    """True when the parser stopped at ``NaN``, ``Infinity`` (signed or not) or an overflow:
+    the client most likely serialised a non-finite float (Python's json module does)."""
+    if "infinity" in exc.msg:
+        return True
+    start = exc.pos - 1 if exc.pos > 0 and body[exc.pos - 1 : exc.pos] == b"-" else exc.pos
+    return _NON_FINITE_TOKEN.match(bytes(body[start : start + 4])) is not None
 
 
 def decode_body(body: bytes, header_length: str | None) -> InferRequest:
@@ -248,7 +276,11 @@ def select_outputs(
 
 
 def encode_tensor(name: str, array: np.ndarray) -> dict[str, Any]:
-    """A JSON output tensor; orjson serialises the numpy data directly without Python lists."""
+    """A JSON output tensor; orjson serialises the numpy data directly without Python lists.
+
+    NaN and +/-Inf become ``null`` (JSON has no such numbers), and the tensor says so with
+    ``"parameters": {"non_finite": "null"}``, so a null is never mistaken for a missing value.
+    """
     datatype = datatype_of(array)
     flat = array.reshape(-1)
     data: Any
@@ -258,19 +290,69 @@ def encode_tensor(name: str, array: np.ndarray) -> dict[str, Any]:
         data = flat.astype(np.float32)
     else:
         data = np.ascontiguousarray(flat)
-    return {"name": name, "datatype": datatype, "shape": list(array.shape), "data": data}
+    tensor: dict[str, Any] = {
+        "name": name,
+        "datatype": datatype,
+        "shape": list(array.shape),
+        "data": data,
+    }
+    if flat.dtype.kind == "f" and not np.isfinite(flat).all():
+        tensor["parameters"] = {NON_FINITE_PARAMETER: "null"}
+    return tensor
+
+
+class _NonFiniteWarnings:
+    """Warns that a model's JSON outputs held NaN or +/-Inf: the first time, then at most once
+    per ``NON_FINITE_WARNING_INTERVAL_S``, with the count of such responses in between."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+        self._since: dict[str, int] = {}
+
+    def note(self, model: str | None, outputs: Sequence[str]) -> None:
+        key = model or ""
+        self._since[key] = self._since.get(key, 0) + 1
+        now = time.monotonic()
+        last = self._last.get(key)
+        if last is not None and now - last < NON_FINITE_WARNING_INTERVAL_S:
+            return
+        self._last[key] = now
+        count = self._since.pop(key)
+        logger.warning(
+            "%s: output(s) %s held NaN or +/-Inf, sent as JSON null and marked with "
+            'parameters {"%s": "null"} (%d response(s) since the last such warning; binary '
+            "outputs carry the values as they are)",
+            f"model {model!r}" if model else "a model",
+            list(outputs),
+            NON_FINITE_PARAMETER,
+            count,
+            extra={"model": model} if model else None,
+        )
+
+
+_non_finite_warnings = _NonFiniteWarnings()
 
 
 def encode_outputs(
-    outputs: Mapping[str, np.ndarray], selected: Sequence[RequestedOutput]
+    outputs: Mapping[str, np.ndarray],
+    selected: Sequence[RequestedOutput],
+    *,
+    model: str | None = None,
 ) -> tuple[list[dict[str, Any]], list[bytes | memoryview]]:
-    """Output tensors for the response: JSON ones carry ``data``, binary ones a size and bytes."""
+    """Output tensors for the response: JSON ones carry ``data``, binary ones a size and bytes.
+
+    ``model`` names the model in the (rate-limited) warning about non-finite JSON outputs.
+    """
     tensors: list[dict[str, Any]] = []
     chunks: list[bytes | memoryview] = []
+    non_finite: list[str] = []
     for output in selected:
         array = outputs[output.name]
         if not output.binary:
-            tensors.append(encode_tensor(output.name, array))
+            tensor = encode_tensor(output.name, array)
+            if NON_FINITE_PARAMETER in tensor.get("parameters", ()):
+                non_finite.append(output.name)
+            tensors.append(tensor)
             continue
         raw = binary.encode_tensor(array)
         tensors.append(
@@ -282,6 +364,8 @@ def encode_outputs(
             }
         )
         chunks.append(raw)
+    if non_finite:
+        _non_finite_warnings.note(model, non_finite)
     return tensors, chunks
 
 

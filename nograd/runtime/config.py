@@ -71,6 +71,10 @@ class ModelConfig(BaseModel):
     """Unit of the batch limit: samples, or padded tokens for sequence models."""
     max_batch_tokens: int | None = Field(default=None, ge=1)
     """Cap on padded tokens per batch for token-unit models."""
+    reject_non_finite: bool = True
+    """Refuse (400, naming the input) a request whose floating-point input holds NaN or +/-Inf:
+    a model rarely means anything by them, and its outputs would only come back as nulls.
+    False passes them to the model unchanged. Inputs of other datatypes are never checked."""
 
     # Speed modes (nograd/runtime/speed/; docs/speed.md). Each one is checked against fp32 eager
     # before it serves, and refused (fp32 eager serves instead) when its outputs drift too far or

@@ -24,7 +24,8 @@ def validate(
     max_rows: int,
     max_text_bytes: int,
 ) -> None:
-    """Names, datatypes, per-sample shapes and row counts against the model's config."""
+    """Names, datatypes, per-sample shapes and row counts against the model's config, and
+    floating-point values finite unless the model's ``reject_non_finite`` is off."""
     declared = {spec.name: spec for spec in model.config.inputs}
     unknown = sorted(set(inputs) - set(declared))
     if unknown:
@@ -59,6 +60,12 @@ def validate(
         raise LimitExceeded(
             f"request has more rows than the limit of {max_rows} (NOGRAD_MAX_REQUEST_ROWS)"
         )
+    if model.config.reject_non_finite:
+        # Last, once the request is known to be within its limits: the one check that reads
+        # every value.
+        for name, array in inputs.items():
+            if array.dtype.kind == "f" and not np.isfinite(array).all():
+                raise InvalidInput(_non_finite_message(model.name, name, array))
 
 
 def _check_text_lengths(name: str, array: np.ndarray, limit: int) -> None:
@@ -68,6 +75,20 @@ def _check_text_lengths(name: str, array: np.ndarray, limit: int) -> None:
             f"input {name!r} has an element of {longest} bytes; the limit is {limit} bytes "
             "(NOGRAD_MAX_TEXT_BYTES)"
         )
+
+
+def _non_finite_message(model: str, name: str, array: np.ndarray) -> str:
+    # Only a refused request gets here: counting and locating cost a second pass, the common
+    # (all finite) case pays for the one ``isfinite`` pass alone.
+    bad = ~np.isfinite(array)
+    count = int(np.count_nonzero(bad))
+    first = np.unravel_index(int(np.argmax(bad)), array.shape)
+    index = [int(i) for i in first]
+    return (
+        f"input {name!r} holds {count} non-finite value{'s' if count != 1 else ''} "
+        f"(NaN or +/-Inf), the first {array[tuple(index)]} at index {index}; model {model!r} "
+        "refuses them (reject_non_finite = false in its config passes them on)"
+    )
 
 
 def prepare_in_thread(handler: ModelHandler, inputs: Mapping[str, np.ndarray]) -> bool:
