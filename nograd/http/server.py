@@ -1,19 +1,22 @@
-"""Running the app under uvicorn with a graceful drain on SIGTERM.
+"""Running the app under uvicorn with a graceful drain on a stop signal.
 
-On the first SIGTERM nograd turns not-ready at once and refuses new inference with 503 while it
-keeps listening, so load balancers and clients see a clear answer instead of a refused
+On the first SIGTERM or Ctrl+C nograd turns not-ready at once and refuses new inference with 503
+while it keeps listening, so load balancers and clients see a clear answer instead of a refused
 connection; every accepted request finishes; then uvicorn shuts down. The whole drain is bounded
-by ``NOGRAD_DRAIN_TIMEOUT_S``. A second signal (SIGTERM or Ctrl+C) exits at once, cutting the
-requests still in flight.
+by ``NOGRAD_DRAIN_TIMEOUT_S``. Repeated copies of the stop are the same stop; only a later Ctrl+C
+exits at once, cutting the requests still in flight (``nograd.supervisor.stopping``). A worker of
+several drains on its supervisor's word instead and ignores the stop signals themselves.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import socket
 import time
+from collections.abc import Iterator
 from types import FrameType
 
 import uvicorn
@@ -24,6 +27,7 @@ from nograd.http.app import create_app
 from nograd.serving.dataplane import DataPlane
 from nograd.settings import Settings
 from nograd.supervisor.handoff import Handoff, Inbox, counting
+from nograd.supervisor.stopping import DRAIN_SIGNAL, STOP_SIGNALS, StopSignals, Verdict, describe
 from nograd.supervisor.worker import WorkerContext
 
 logger = logging.getLogger(__name__)
@@ -44,7 +48,7 @@ class DrainingServer(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._handoff = handoff
         self._inbox: Inbox | None = None
-        self._signals = 0
+        self._stops = StopSignals()
 
     async def serve(self, sockets: list[object] | None = None) -> None:  # type: ignore[override]
         self._loop = asyncio.get_running_loop()
@@ -75,19 +79,35 @@ class DrainingServer(uvicorn.Server):
             self._inbox.close()
         await super().shutdown(sockets)
 
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """Listen to the stop signals (a worker: only to its supervisor's drain signal; the stop
+        signals stay ignored), and never re-raise them after the shutdown as uvicorn would."""
+        signals = (DRAIN_SIGNAL,) if self._handoff is not None else STOP_SIGNALS
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in signals}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        self._signals += 1
-        if self._signals > 1:
-            # A second signal means "now": uvicorn's own shutdown would still wait for open
-            # connections and the models' queues; requests still in flight are cut.
-            logger.info("%s again: exiting without waiting", signal.Signals(sig).name)
+        del frame
+        verdict = self._stops.receive(sig)
+        if sig == DRAIN_SIGNAL:
+            logger.info("told to stop by the supervisor")
+        else:
+            logger.info("%s", describe(sig, verdict))
+        if verdict is Verdict.FORCE:
+            # uvicorn's own shutdown would still wait for open connections and the models'
+            # queues; requests still in flight are cut.
             self.force_exit = True
             self.should_exit = True
-            return
-        if sig == signal.SIGTERM and self._loop is not None and self._drain_timeout_s > 0:
-            self._loop.call_soon_threadsafe(self._start_drain)
-            return
-        super().handle_exit(sig, frame)
+        elif verdict is Verdict.DRAIN:
+            if self._loop is not None and self._drain_timeout_s > 0:
+                self._loop.call_soon_threadsafe(self._start_drain)
+            else:
+                self.should_exit = True
 
     def _start_drain(self) -> None:
         # Scheduled once (the first signal); the reference keeps the task alive.
@@ -100,7 +120,7 @@ class DrainingServer(uvicorn.Server):
         idle = False
         try:
             self._plane.begin_drain()
-            logger.info("SIGTERM: draining (not ready, refusing new requests)")
+            logger.info("draining: not ready, refusing new requests")
             idle = await self._plane.wait_idle(self._drain_timeout_s)
         finally:
             logger.info(

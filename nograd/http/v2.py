@@ -199,7 +199,7 @@ def _infer_reply(
 ) -> Reply:
     """JSON, or with any binary output JSON + raw bytes and ``Inference-Header-Content-Length``."""
     selected = select_outputs(list(outputs), decoded.outputs, decoded.parameters)
-    tensors, chunks = encode_outputs(outputs, selected)
+    tensors, chunks = encode_outputs(outputs, selected, model=model.name)
     document: dict[str, Any] = {
         "model_name": model.name,
         "model_version": model.version,

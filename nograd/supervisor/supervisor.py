@@ -11,10 +11,12 @@ its own models, batchers and device thread.
   listens once all are warm, and hands a restarted worker connections once it is warm.
 - CPU cores for torch are shared batch by batch through a ledger in the shared folder
   (``nograd.host.ledger``): the supervisor creates it and clears a dead worker's slot.
-- SIGTERM (or Ctrl+C) reaches every worker as SIGTERM: each drains as a single server does while
-  the supervisor keeps handing them connections (answered 503); a second signal kills them. A
-  worker that dies while serving is started again, after a delay that grows while it keeps dying;
-  one that dies during the first start-up stops the server, as a failed single server would.
+- Only the supervisor listens to SIGTERM and SIGINT (``nograd.supervisor.stopping``): workers
+  ignore them, so a signal to the whole process group is one stop. The supervisor tells every
+  worker to drain (``DRAIN_SIGNAL``); each drains as a single server does while the supervisor
+  keeps handing them connections (answered 503). A later Ctrl+C kills them. A worker that dies
+  while serving is started again, after a delay that grows while it keeps dying; one that dies
+  during the first start-up stops the server, as a failed single server would.
 
 It imports no torch: the supervisor stays small, and only workers load models.
 """
@@ -43,6 +45,7 @@ from nograd.settings import Settings
 from nograd.supervisor.handoff import Handoff, bind_socket, least_loaded, send_connection
 from nograd.supervisor.plan import AUTO_MEMORY_SHARE, another_fits
 from nograd.supervisor.shared_dir import CORES_FILE, mark_dead, prepare_shared_dir
+from nograd.supervisor.stopping import DRAIN_SIGNAL, STOP_SIGNALS, StopSignals, Verdict, describe
 from nograd.supervisor.worker import worker_main
 
 logger = logging.getLogger(__name__)
@@ -113,6 +116,7 @@ class Supervisor:
         self._ctx = multiprocessing.get_context("spawn")
         self._slots = [_Slot(i) for i in range(settings.worker_count)]
         self._stop_signal: int | None = None
+        self._stops = StopSignals()
         self._listening = False
         self._closing = False
         """Stopping (a stop signal came, or the workers are being stopped): dead workers are
@@ -126,9 +130,7 @@ class Supervisor:
             self._cores = shared_dir / CORES_FILE
 
     def run(self) -> int:
-        previous = {
-            sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)
-        }
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
         try:
             self._serve_metrics()
             if self._cores is not None:
@@ -171,15 +173,16 @@ class Supervisor:
 
     def _on_signal(self, sig: int, frame: FrameType | None) -> None:
         del frame
-        if self._stop_signal is None:
-            logger.info("%s: stopping the workers", signal.Signals(sig).name)
+        verdict = self._stops.receive(sig)
+        logger.info("%s", describe(sig, verdict))
+        if verdict is Verdict.DRAIN:
             self._stop_signal = sig
             self._closing = True
-            return
-        # A second signal means "now": a draining uvicorn would still wait for its open
-        # connections, so the workers are killed; requests still in flight are cut.
-        logger.info("%s again: killing the workers now", signal.Signals(sig).name)
-        self._signal_workers(signal.SIGKILL)
+        elif verdict is Verdict.FORCE:
+            # A draining uvicorn would still wait for its open connections, so the workers are
+            # killed; requests still in flight are cut.
+            logger.info("killing the workers now")
+            self._signal_workers(signal.SIGKILL)
 
     def _signal_workers(self, sig: int) -> None:
         for slot in self._slots:
@@ -374,8 +377,8 @@ class Supervisor:
         if self._cores is not None:
             clear_slot(self._cores, slot.index)
         if self._closing:
-            # Ctrl+C in a terminal signals the whole process group: a worker may finish its
-            # own drain before the supervisor's stop reaches it. That is the stop, not a crash.
+            # Stopping: a worker that exits now finished its drain (or was killed by a forced
+            # stop, or by its drain signal while still loading). That is the stop, not a crash.
             logger.info("worker %d (pid %s) stopped with code %s", slot.index, pid, code)
             return
         lived = now - slot.started_at
@@ -391,10 +394,10 @@ class Supervisor:
         )
 
     def _stop_all(self) -> None:
-        """SIGTERM every worker and wait for them; connections arriving meanwhile are still
+        """Tell every worker to drain and wait for them; connections arriving meanwhile are still
         handed to the workers that drain (they answer 503, as a draining server does)."""
         self._closing = True
-        self._signal_workers(signal.SIGTERM)
+        self._signal_workers(DRAIN_SIGNAL)
         deadline = time.monotonic() + self._settings.drain_timeout_s + 10.0
         while any(s.process is not None for s in self._slots) and time.monotonic() < deadline:
             self._watch(timeout_s=max(0.0, min(0.5, deadline - time.monotonic())))

@@ -23,6 +23,7 @@ from nograd.host.ledger import CoreShare
 from nograd.observability.logs import setup_logging
 from nograd.settings import Settings
 from nograd.supervisor.handoff import Handoff
+from nograd.supervisor.stopping import DRAIN_SIGNAL, STOP_SIGNALS
 
 STARTUP_FAILURE = 3
 """Exit code of a worker whose start-up failed (uvicorn's own code for it)."""
@@ -63,11 +64,11 @@ def worker_main(
     supervisor: int,
     cores: CoreShare | None,
 ) -> None:
-    # Ctrl+C in a terminal reaches every process of the group. The supervisor turns it into
-    # SIGTERM for each worker; uvicorn still drains on the SIGINT it catches while serving, but
-    # re-raised after the drain (or arriving during imports) it would end the worker with a
-    # KeyboardInterrupt traceback.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A signal to the whole process group (Ctrl+C, ``kill -- -PGID``, systemd) reaches every
+    # worker too: workers ignore it and drain on the supervisor's word (``DRAIN_SIGNAL``), so one
+    # stop is never read as two. Set before any import, so loading is not cut either.
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     _exit_with_supervisor(supervisor)
     setup_logging(settings.log_level, settings.log_format)
     started = load_serve(serve)(settings, WorkerContext(shared_dir, ready.set, cores), handoff)
@@ -75,11 +76,11 @@ def worker_main(
 
 
 def _exit_with_supervisor(supervisor: int) -> None:
-    """Ask Linux for SIGTERM when the supervisor dies, so a killed supervisor leaves no worker
-    serving its port unsupervised."""
+    """Ask Linux for the drain signal when the supervisor dies, so a killed supervisor leaves no
+    worker serving unsupervised: the worker finishes what it accepted and exits."""
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+        libc.prctl(pr_set_pdeathsig, DRAIN_SIGNAL)
     if os.getppid() != supervisor:  # it died before prctl took effect
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), DRAIN_SIGNAL)

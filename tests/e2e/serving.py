@@ -9,12 +9,14 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from nograd.supervisor.stopping import REPEAT_WINDOW_S
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,7 +43,10 @@ def run_server(
     env: Mapping[str, str] | None = None,
     ready_timeout_s: float = 120.0,
     wait_ready: bool = True,
+    command: Sequence[str] | None = None,
 ) -> Iterator[Server]:
+    """A server in a process group of its own (so a test may signal the whole group), started by
+    ``command`` (default ``python -m nograd``)."""
     port = free_port()
     log_path = log_dir / f"nograd-{port}.log"
     full_env = {
@@ -57,7 +62,12 @@ def run_server(
     }
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "nograd"], cwd=ROOT, env=full_env, stdout=log, stderr=log
+            command or [sys.executable, "-m", "nograd"],
+            cwd=ROOT,
+            env=full_env,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
         )
     server = Server(f"http://127.0.0.1:{port}", process, log_path)
     try:
@@ -109,9 +119,10 @@ SLOW_BODY = {"inputs": [{"name": "x", "shape": [1, 1], "datatype": "FP32", "data
 """One row for the ``slow`` fixture model (100 ms per batch of at most 2 rows)."""
 
 
-def signal_twice_under_load(server: Server, requests: int) -> float:
-    """Send ``requests`` to the slow model at once, SIGTERM after 1 s, check that a connection
-    opened during the drain gets 503, SIGTERM again; the seconds until the server exited."""
+def stop_then_interrupt_under_load(server: Server, requests: int) -> float:
+    """Send ``requests`` to the slow model at once, SIGTERM after 1 s and a copy of it at once
+    (as make passes it on), check that a connection opened during the drain gets 503, then
+    Ctrl+C once the stop was acknowledged; the seconds until the server exited."""
 
     async def wave() -> None:
         limits = httpx.Limits(max_connections=requests)
@@ -120,13 +131,15 @@ def signal_twice_under_load(server: Server, requests: int) -> float:
             tasks = [asyncio.ensure_future(call) for call in calls]
             await asyncio.sleep(1.0)
             server.process.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.02)
+            server.process.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.2)
             # A connection opened during the drain is still served, with a clear 503.
             async with httpx.AsyncClient(base_url=server.url, timeout=10) as fresh:
                 late = await fresh.post("/v2/models/slow/infer", json=SLOW_BODY)
             assert late.status_code == 503, late.text
-            await asyncio.sleep(0.3)
-            server.process.send_signal(signal.SIGTERM)
+            await asyncio.sleep(REPEAT_WINDOW_S)
+            server.process.send_signal(signal.SIGINT)
             await asyncio.gather(*tasks, return_exceptions=True)
 
     started = time.monotonic()
