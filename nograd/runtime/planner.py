@@ -8,6 +8,7 @@ sees only the thread that entered it and CUDA peak counters are per device.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from nograd.runtime.memory import (
     profile_forward,
     share_budget,
 )
+from nograd.runtime.memory.budget import Demand
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +45,8 @@ class ModelPlan:
     limit: int
     unit: str
     reference_length: int
+    minimum_bytes: int = 0
+    """What its smallest batch needs: one sample, or one sequence at the reference length."""
 
     @property
     def fits_one(self) -> bool:
@@ -98,15 +102,10 @@ def plan_device(
     fraction: float,
     explicit_bytes: int | None,
 ) -> tuple[int, list[ModelPlan]]:
-    """Budget one device and split it among its models by what each could use at its cap."""
+    """Budget one device and split it among its models, max-min fair (see ``share_budget``)."""
     budget = device_budget(probe, fraction, explicit_bytes)
-    wants: dict[str, float] = {}
-    for item in models:
-        cost = profiles[item.name].model
-        length = _reference_length(item)
-        rows_at_cap = item.cap // length if item.handler.config.batch_unit == "tokens" else item.cap
-        wants[item.name] = cost.predict(max(rows_at_cap, 1), length)
-    shares = share_budget(budget, wants)
+    demands = {item.name: demand_of(item, profiles[item.name].model) for item in models}
+    shares = share_budget(budget, demands)
     plans = []
     for item in models:
         cost = profiles[item.name].model
@@ -125,9 +124,21 @@ def plan_device(
                 limit,
                 unit,
                 length,
+                demands[item.name].minimum,
             )
         )
     return budget, plans
+
+
+def demand_of(item: PlanInput, cost: CostModel) -> Demand:
+    """Bytes of one row and of a batch at the cap; a token model's rows are sequences at its
+    reference length. Rounded up so that a share of that many bytes holds the batch."""
+    length = _reference_length(item)
+    rows_at_cap = item.cap // length if item.handler.config.batch_unit == "tokens" else item.cap
+    return Demand(
+        minimum=math.ceil(cost.predict(1, length)),
+        at_cap=math.ceil(cost.predict(max(rows_at_cap, 1), length)),
+    )
 
 
 def _reference_length(item: PlanInput) -> int:
@@ -175,9 +186,20 @@ def log_plan(device: str, budget: int, plans: Sequence[ModelPlan]) -> None:
             100 * check.relative_error,
         )
         if not plan.fits_one:
+            beside = "" if plan.minimum_bytes > budget else " beside the other models' minimums"
             logger.warning(
-                "model %s: one %s does not fit its share of %s; such requests get 507",
+                "model %s: its smallest batch (%s) needs %s, which does not fit the %s "
+                "budget of %s%s; it gets no share and its requests answer 507",
                 plan.name,
-                plan.unit,
-                format_bytes(plan.share_bytes),
+                _smallest_batch(plan),
+                format_bytes(plan.minimum_bytes),
+                format_bytes(budget),
+                device,
+                beside,
             )
+
+
+def _smallest_batch(plan: ModelPlan) -> str:
+    if plan.unit == "token":
+        return f"one sequence of {plan.reference_length} tokens"
+    return "one sample"

@@ -4,7 +4,7 @@ limit; the plan table logged at start-up."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from nograd.runtime.memory.cost import CostModel
@@ -27,29 +27,72 @@ def device_budget(probe: MemoryProbe, fraction: float, explicit_bytes: int | Non
     return int(fraction * probe.available_bytes())
 
 
-def share_budget(budget: int, models: Mapping[str, float]) -> dict[str, int]:
-    """Splits a device budget among its models in proportion to their weights.
+@dataclass(frozen=True)
+class Demand:
+    """What one model asks of its device's budget, in bytes: the smallest batch it can serve
+    (one sample, or one sequence of a token model) and its largest (a batch at its cap)."""
 
-    Weights are typically per-row cost times max batch size, so a small model is not handed
-    gigabytes it can never use while a large one starves.  Remainders go to the largest
-    fractional shares so the split adds up to the budget exactly and never exceeds it.
+    minimum: int
+    at_cap: int
+
+    def __post_init__(self) -> None:
+        if self.minimum < 0 or self.at_cap < self.minimum:
+            raise ValueError(f"need 0 <= minimum <= at_cap, got {self.minimum}, {self.at_cap}")
+
+
+def share_budget(budget: int, demands: Mapping[str, Demand]) -> dict[str, int]:
+    """Splits a device budget among its models, max-min fair.
+
+    Models are admitted smallest minimum first while their minimums fit together; one left out
+    gets 0 (its requests answer 507) rather than a share too small for anything, which would
+    also starve the others. Each admitted model gets its minimum, then every share rises to a
+    common level, a model stopping at what it uses at its cap so the rest goes to the others.
+    No share exceeds its model's cap, and together they never exceed the budget.
     """
     if budget < 0:
         raise ValueError(f"budget must be >= 0, got {budget}")
-    if any(not math.isfinite(w) or w < 0 for w in models.values()):
-        raise ValueError("model weights must be finite and >= 0")
-    if not models:
-        return {}
-    total = sum(models.values())
-    weights = dict(models) if total > 0 else dict.fromkeys(models, 1.0)
-    total = sum(weights.values())
-    exact = {name: budget * w / total for name, w in weights.items()}
-    shares = {name: math.floor(value) for name, value in exact.items()}
-    leftover = budget - sum(shares.values())
-    by_remainder = sorted(exact, key=lambda name: (shares[name] - exact[name], name))
-    for name in by_remainder[: max(0, leftover)]:
+    shares = dict.fromkeys(demands, 0)
+    admitted: dict[str, Demand] = {}
+    reserved = 0
+    for name in sorted(demands, key=lambda name: (demands[name].minimum, name)):
+        if reserved + demands[name].minimum > budget:
+            break
+        admitted[name] = demands[name]
+        reserved += demands[name].minimum
+    if not admitted:
+        return shares
+    spent_at = _spent_at_level(admitted)
+    top = max(demand.at_cap for demand in admitted.values())
+    if spent_at(top) <= budget:
+        # Every admitted model runs at its cap; what is left over no model could use.
+        for name, demand in admitted.items():
+            shares[name] = demand.at_cap
+        return shares
+    # The highest level whose shares fit: spent_at(low) <= budget < spent_at(high).
+    low, high = 0, top
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if spent_at(middle) <= budget else (low, middle)
+    for name, demand in admitted.items():
+        shares[name] = _clamp(low, demand)
+    # Fewer bytes are left than models still rising at this level: one more byte each, by name.
+    rising = sorted(name for name, d in admitted.items() if d.minimum <= low < d.at_cap)
+    for name in rising[: budget - spent_at(low)]:
         shares[name] += 1
     return shares
+
+
+def _clamp(level: int, demand: Demand) -> int:
+    return max(demand.minimum, min(level, demand.at_cap))
+
+
+def _spent_at_level(demands: Mapping[str, Demand]) -> Callable[[int], int]:
+    """Bytes handed out when every share is its model's demand clamped to ``level``."""
+
+    def spent(level: int) -> int:
+        return sum(_clamp(level, demand) for demand in demands.values())
+
+    return spent
 
 
 def batch_limit(model: CostModel, share_bytes: int, max_batch_size: int, length: int = 1) -> int:

@@ -11,7 +11,6 @@ from nograd.runtime.memory import (
     device_budget,
     format_bytes,
     format_plan,
-    share_budget,
 )
 
 FLOAT32 = 4
@@ -48,20 +47,6 @@ def test_device_budget() -> None:
         device_budget(probe, fraction=0.0, explicit_bytes=None)
     with pytest.raises(ValueError):
         device_budget(probe, fraction=1.5, explicit_bytes=None)
-
-
-def test_share_budget() -> None:
-    shares = share_budget(1000, {"a": 1.0, "b": 3.0})
-    assert shares == {"a": 250, "b": 750}
-    uneven = share_budget(1001, {"a": 1.0, "b": 1.0, "c": 1.0})
-    assert sum(uneven.values()) <= 1001
-    assert max(uneven.values()) - min(uneven.values()) <= 1
-    assert share_budget(90, {"a": 0.0, "b": 0.0}) == {"a": 45, "b": 45}
-    assert share_budget(90, {}) == {}
-    weights = {f"m{i}": float(i * 7 % 5) for i in range(11)}
-    assert sum(share_budget(10**9 + 7, weights).values()) <= 10**9 + 7
-    with pytest.raises(ValueError):
-        share_budget(100, {"a": -1.0})
 
 
 def test_format_plan() -> None:
