@@ -87,6 +87,29 @@ class Settings(BaseSettings):
     max_request_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
     """Largest request body accepted; larger bodies get 413 before they are read whole."""
 
+    header_timeout_s: float = Field(default=10.0, gt=0, le=3600)
+    """Longest a request's head (request line and headers) may take to arrive, from its first
+    byte (from the connection's opening, for its first request); past it the connection gets
+    408 and is closed, so clients sending headers a byte at a time (slowloris) cannot hold
+    connections. Idle keep-alive connections close after uvicorn's own keep-alive timeout."""
+
+    body_timeout_s: float = Field(default=30.0, gt=0, le=3600)
+    """Longest pause allowed between two pieces of a request body (the time nograd itself
+    stops reading is not counted); past it the request gets 408 and the connection is closed,
+    so a body trickled in cannot hold a connection and a request slot forever."""
+
+    max_header_bytes: int = Field(default=32 * 1024, ge=1024)
+    """Largest request head (request line and headers) accepted; a larger one gets 431 and the
+    connection is closed. 32 KiB holds long bearer tokens and cookies with room to spare, twice
+    what Node.js and h11 allow by default."""
+
+    max_connections: int = Field(default=1024, ge=1)
+    """Most connections one server process (each worker of several) holds open; one more is
+    answered 503 with Retry-After and closed at once, before its request is read. Real
+    clients keep pools of tens of keep-alive connections; the cap bounds the file descriptors
+    and memory that many idle or slow ones can take (the process's open-file limit is raised
+    to fit when it can be)."""
+
     max_request_rows: int = Field(default=4096, ge=1)
     """Most rows (samples) one inference request may carry; more get 422."""
 

@@ -24,6 +24,13 @@ from fastapi import FastAPI
 from prometheus_client import start_http_server
 
 from nograd.http.app import create_app
+from nograd.http.connections import (
+    ConnectionGuard,
+    ConnectionLimits,
+    fit_file_limit,
+    guarded_protocol,
+)
+from nograd.observability.metrics import UNKNOWN_MODEL, Metrics
 from nograd.serving.dataplane import DataPlane
 from nograd.settings import Settings
 from nograd.supervisor.handoff import Handoff, Inbox, counting
@@ -137,10 +144,21 @@ def build_server(
     app = app or create_app(settings)
     plane = app.state.dataplane
     assert isinstance(plane, DataPlane)
+    metrics = app.state.metrics
+    assert isinstance(metrics, Metrics)
+
+    def count_refusal(reason: str) -> None:
+        metrics.rejected.labels(UNKNOWN_MODEL, reason).inc()
+
+    # Slow and oversized requests are cut off and connections capped, in both modes: a worker
+    # builds its protocols from the same class (``DrainingServer.startup``).
+    guard = ConnectionGuard(ConnectionLimits.from_settings(settings), count_refusal)
+    fit_file_limit(settings.max_connections)
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
+        http=guarded_protocol(guard),
         log_level=settings.log_level,
         log_config=None,
         access_log=False,

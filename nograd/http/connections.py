@@ -1,0 +1,286 @@
+"""Guarding connections: slow or oversized requests cut off, and a cap on open connections.
+
+uvicorn waits as long as a client likes for a request's headers and body and parses a head of
+any size, so a few hundred slow clients (slowloris) could hold every connection a server has.
+The guard is uvicorn's httptools protocol with limits added: a request's head must arrive within
+``header_timeout_s`` (else 408), a body may pause at most ``body_timeout_s`` between two pieces
+(else 408), a head over ``max_header_bytes`` gets 431, and a connection beyond
+``max_connections`` gets 503 at once, before any request is read; each refusal closes the
+connection. Timers are loop callbacks, never a task per connection, and most requests arm none:
+one whose head or body arrives in a single read is done before any timer is needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Final
+
+from uvicorn.config import Config
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.server import ServerState
+
+from nograd.http.errors import RETRY_AFTER_S, error_body
+from nograd.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+HEADER_TIMEOUT: Final = "header_timeout"
+BODY_TIMEOUT: Final = "body_timeout"
+HEADER_TOO_LARGE: Final = "header_too_large"
+TOO_MANY_CONNECTIONS: Final = "too_many_connections"
+"""The ``reason`` labels of the refusals in ``nograd_rejected_total``."""
+
+FILE_HEADROOM: Final = 256
+"""Open files a process needs besides its connections (models, libraries, logs, pipes)."""
+
+Headers = Sequence[tuple[bytes, bytes]]
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    header_timeout_s: float
+    body_timeout_s: float
+    max_header_bytes: int
+    max_connections: int
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> ConnectionLimits:
+        return cls(
+            header_timeout_s=settings.header_timeout_s,
+            body_timeout_s=settings.body_timeout_s,
+            max_header_bytes=settings.max_header_bytes,
+            max_connections=settings.max_connections,
+        )
+
+
+@dataclass(frozen=True)
+class ConnectionGuard:
+    """What a guarded protocol class enforces, and whom it tells of each refusal."""
+
+    limits: ConnectionLimits
+    on_refusal: Callable[[str], None]
+    """Called with the reason of each refusal (one of the labels above), for the metric."""
+
+
+def refusal(status: int, message: str, default_headers: Headers, extra: Headers = ()) -> bytes:
+    """A whole response that ends the connection, written straight to the socket: these
+    refusals happen outside any request the app could answer."""
+    body = error_body(message)
+    parts = [STATUS_LINE[status]]
+    for name, value in (*default_headers, *extra):
+        parts += [name, b": ", value, b"\r\n"]
+    parts += [
+        b"content-type: application/json\r\ncontent-length: ",
+        str(len(body)).encode(),
+        b"\r\nconnection: close\r\n\r\n",
+        body,
+    ]
+    return b"".join(parts)
+
+
+def head_size(method: bytes, target: bytes, headers: Headers) -> int:
+    """Bytes of a request line and its headers as sent (``METHOD target HTTP/1.1`` and
+    ``name: value`` lines)."""
+    request_line = len(method) + 1 + len(target) + len(" HTTP/1.1\r\n")
+    return request_line + sum(len(name) + len(value) + 4 for name, value in headers) + 2
+
+
+async def _head_too_large(scope: Any, receive: Any, send: Any) -> None:
+    """Answers in the app's place a request whose head turned out too large once complete (the
+    parser is mid-read then, so the response must go through uvicorn's request cycle)."""
+    del scope, receive
+    body = error_body("request headers too large")
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),
+    ]
+    await send({"type": "http.response.start", "status": 431, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class GuardedProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the limits of ``guard`` (a class attribute, set by
+    :func:`guarded_protocol`, since uvicorn builds protocols from a class alone).
+
+    A request's life: its head is read (``_reading_head``: bytes counted, the head timer
+    running from its first byte), then its body (the body timer checking the pauses), then
+    the next request's head; a message completing mid-read leaves the rest of that read
+    uncounted (``_unmeasured``), so the head after it is measured exactly once complete.
+    """
+
+    guard: ClassVar[ConnectionGuard]
+
+    def __init__(
+        self,
+        config: Config,
+        server_state: ServerState,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        limits = self.guard.limits
+        self._on_refusal = self.guard.on_refusal
+        self._header_timeout_s = limits.header_timeout_s
+        self._body_timeout_s = limits.body_timeout_s
+        self._max_header_bytes = limits.max_header_bytes
+        self._max_connections = limits.max_connections
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._head_started_at: float | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
+        self._last_read_at = 0.0
+        self._reading_head = True
+        self._head_bytes = 0
+        self._unmeasured = 0
+        self._read_size = 0
+        self._refused = False
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        if len(self.connections) >= self._max_connections:
+            # Not added to the server's connections: uvicorn has nothing to wait for.
+            self.transport = transport
+            extra = [(b"retry-after", RETRY_AFTER_S.encode())]
+            message = "too many connections; retry later"
+            transport.write(refusal(503, message, self.server_state.default_headers, extra))
+            transport.close()
+            self._on_refusal(TOO_MANY_CONNECTIONS)
+            logger.debug("connection refused: %d already open", len(self.connections))
+            return
+        super().connection_made(transport)
+        self._head_started_at = self.loop.time()
+        self._head_timer = self.loop.call_later(self._header_timeout_s, self._head_timed_out)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        size = len(data)
+        if self._reading_head:
+            self._head_bytes += size
+        else:
+            self._last_read_at = self.loop.time()
+        self._read_size = size
+        super().data_received(data)
+        if self._reading_head:
+            # Every byte counted arrived while this head was incomplete: a lower bound of it.
+            if self._head_bytes > self._max_header_bytes:
+                self._refuse(431, HEADER_TOO_LARGE, "request headers too large")
+            elif self._head_timer is None and self._head_started_at is not None:
+                deadline = self._head_started_at + self._header_timeout_s
+                self._head_timer = self.loop.call_at(deadline, self._head_timed_out)
+        elif self._body_timer is None:
+            self._last_read_at = self.loop.time()
+            self._body_timer = self.loop.call_later(self._body_timeout_s, self._body_timed_out)
+
+    def on_message_begin(self) -> None:
+        if self._head_timer is None:  # a later request: its head's time starts now
+            self._head_started_at = self.loop.time()
+        super().on_message_begin()
+
+    def on_headers_complete(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        self._head_started_at = None
+        self._reading_head = False
+        might_be_too_large = self._head_bytes + self._unmeasured > self._max_header_bytes
+        self._unmeasured = 0
+        if might_be_too_large and self._head_too_large():
+            self._on_refusal(HEADER_TOO_LARGE)
+            app, self.app = self.app, _head_too_large
+            try:
+                super().on_headers_complete()
+            finally:
+                self.app = app
+            return
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._reading_head = True
+        self._head_bytes = 0
+        self._unmeasured = self._read_size
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+        super().on_message_complete()
+
+    def _head_too_large(self) -> bool:
+        size = head_size(self.parser.get_method(), self.url, self.headers)
+        return size > self._max_header_bytes
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        self._refuse(408, HEADER_TIMEOUT, "request headers not received in time")
+
+    def _body_timed_out(self) -> None:
+        self._body_timer = None
+        transport = self.transport
+        if self._reading_head or transport.is_closing() or transport.get_protocol() is not self:
+            return  # the body is complete, the connection ending or handed on (an upgrade)
+        now = self.loop.time()
+        cycle = self.cycle
+        if self.flow.read_paused or (cycle is not None and cycle.waiting_for_100_continue):
+            self._last_read_at = now  # nograd is not reading: the pause is not the client's
+        idle = now - self._last_read_at
+        if idle < self._body_timeout_s:
+            remaining = self._body_timeout_s - idle
+            self._body_timer = self.loop.call_later(remaining, self._body_timed_out)
+            return
+        self._refuse(408, BODY_TIMEOUT, "request body not received in time")
+
+    def _refuse(self, status: int, reason: str, message: str) -> None:
+        """Answer ``status`` and close, or, while an earlier request is still being answered
+        on this connection, close once that answer is sent (a response cannot be cut into)."""
+        if self._refused or self.transport.is_closing():
+            return
+        self._refused = True
+        self._on_refusal(reason)
+        logger.debug("connection %s refused: %s", self.client, message)
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            if self._reading_head:  # the cycle is an earlier request's
+                cycle.keep_alive = False
+                self.flow.pause_reading()
+                return
+            if cycle.response_started:
+                self.transport.close()
+                return
+            # The app waiting for this body sees the client gone, and writes nothing more.
+            cycle.disconnected = True
+            cycle.message_event.set()
+        self.transport.write(refusal(status, message, self.server_state.default_headers))
+        self.transport.close()
+
+
+def guarded_protocol(guard: ConnectionGuard) -> type[GuardedProtocol]:
+    """The protocol class to pass as ``uvicorn.Config(http=...)``, enforcing ``guard``."""
+    return type("GuardedHttpToolsProtocol", (GuardedProtocol,), {"guard": guard})
+
+
+def fit_file_limit(max_connections: int) -> None:
+    """Raise this process's soft open-file limit (up to its hard limit) so ``max_connections``
+    is reached before accepting fails for want of file descriptors; warn if it cannot be."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = max_connections + FILE_HEADROOM
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
+        return
+    raised = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if raised > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+        logger.info("open-file limit raised from %d to %d for max_connections", soft, raised)
+    if raised < wanted:
+        logger.warning(
+            "open-file limit %d is too low for max_connections=%d; accepting may fail first",
+            raised,
+            max_connections,
+        )
