@@ -84,6 +84,15 @@ class Settings(BaseSettings):
     request_timeout_s: float | None = Field(default=None, gt=0)
     """Default deadline of an inference request; one still queued when it passes gets 504."""
 
+    max_requests_in_flight: int = Field(default=256, ge=1)
+    """Most inference requests one server process holds at once, from their headers to their
+    answer (reading and decoding included); more get 503 with Retry-After at once."""
+
+    max_queue_wait_s: float | None = Field(default=2.0, gt=0)
+    """Shed by expected wait: a request the model's queue is not expected to reach within this
+    (or within its own deadline) gets 503 with Retry-After at once instead of queueing. The
+    expectation comes from the model's measured speed. Unset: only the deadline counts."""
+
     max_request_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
     """Largest request body accepted; larger bodies get 413 before they are read whole."""
 

@@ -7,6 +7,7 @@ from nograd.batching.errors import (
     DeadlineExceeded,
     QueueFull,
     SampleTooLarge,
+    WaitTooLong,
 )
 from nograd.batching.limit import BatchLimit
 from nograd.batching.protocols import BatchObserver, NullObserver, Part, Runner
@@ -23,4 +24,5 @@ __all__ = [
     "QueueFull",
     "Runner",
     "SampleTooLarge",
+    "WaitTooLong",
 ]

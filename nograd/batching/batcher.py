@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import deque
 from concurrent.futures import Executor
@@ -22,6 +23,7 @@ from nograd.batching.errors import (
     DeadlineExceeded,
     QueueFull,
     SampleTooLarge,
+    WaitTooLong,
 )
 from nograd.batching.limit import BatchLimit
 from nograd.batching.protocols import (
@@ -44,6 +46,7 @@ class _Item(Generic[P, R]):
     future: asyncio.Future[R]
     enqueued: float
     deadline: float | None
+    cost: int = 0
     started: float | None = None
 
 
@@ -96,6 +99,8 @@ class Batcher(Generic[P, R]):
         """Expected seconds of each batch handed to the device and not yet finished, in order."""
         self._free_at = 0.0
         """When the device is expected to have finished every batch handed to it (monotonic)."""
+        self._queued_cost = 0
+        """Padded cost of every queued item, each on its own: what waits for the device."""
 
     # ----------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -114,6 +119,17 @@ class Batcher(Generic[P, R]):
     @property
     def queue_depth(self) -> int:
         return len(self._queue)
+
+    def expected_wait_s(self) -> float:
+        """Seconds a request queued now is expected to wait before its batch starts: the batches
+        on the device, then everything queued, at the model's measured speed (0 until a batch
+        has been measured)."""
+        busy = max(0.0, self._free_at - time.monotonic())
+        return busy + self._queued_cost * self._seconds_per_cost
+
+    def full_batch_s(self) -> float:
+        """Expected seconds of one batch at the limit."""
+        return self.limit.current * self._seconds_per_cost
 
     async def restart_if_dead(self) -> bool:
         """Restart a dead batch loop; True when a restart happened."""
@@ -144,24 +160,34 @@ class Batcher(Generic[P, R]):
         while self._queue:
             item = self._queue.popleft()
             _fail(item.future, BatcherClosed(f"model {self.name!r} is shutting down"))
+        self._queued_cost = 0
         for task in list(self._batch_tasks):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
 
     # ----------------------------------------------------------------------------- submit
-    async def submit(self, part: P, *, deadline: float | None = None) -> R:
-        """Queue ``part`` and wait for its result; cut it into several items when over the limit."""
+    async def submit(
+        self, part: P, *, deadline: float | None = None, max_wait_s: float | None = None
+    ) -> R:
+        """Queue ``part`` and wait for its result; cut it into several items when over the limit.
+
+        Refused at once (``WaitTooLong``) when the work queued ahead is expected to outlast
+        ``deadline`` or ``max_wait_s``; the bound never refuses a wait of one batch at the limit.
+        """
         if self._closed or self._wakeup is None:
             raise BatcherClosed(f"model {self.name!r} is not accepting requests")
         chunks = self._chunks(part)
         if len(self._queue) + len(chunks) > self._max_queue_size:
             raise QueueFull(f"model {self.name!r} queue is full ({self._max_queue_size} requests)")
-        loop = asyncio.get_running_loop()
         now = time.monotonic()
+        self.check_wait(now, deadline, max_wait_s)
+        loop = asyncio.get_running_loop()
         items: list[_Item[P, R]] = [
-            _Item(chunk, loop.create_future(), now, deadline) for chunk in chunks
+            _Item(chunk, loop.create_future(), now, deadline, cost_of([chunk], self._unit_tokens))
+            for chunk in chunks
         ]
         self._queue.extend(items)
+        self._queued_cost += sum(item.cost for item in items)
         self._observer.queue_depth(len(self._queue))
         self._wakeup.set()
         try:
@@ -176,6 +202,28 @@ class Batcher(Generic[P, R]):
                     item.future.cancel()
             raise
         return self._runner.concat(results)
+
+    def check_wait(self, now: float, deadline: float | None, max_wait_s: float | None) -> None:
+        """Raise ``WaitTooLong`` when a request queued ``now`` is expected to wait past its
+        ``deadline`` or past ``max_wait_s`` (never less than one batch at the limit)."""
+        if self._seconds_per_cost <= 0 or (deadline is None and max_wait_s is None):
+            return
+        wait = self.expected_wait_s()
+        allowed = math.inf if max_wait_s is None else max(max_wait_s, self.full_batch_s())
+        if deadline is not None:
+            allowed = min(allowed, deadline - now)
+        if wait <= allowed:
+            return
+        retry_after = min(60.0, max(1.0, math.ceil(wait - max(allowed, 0.0))))
+        if deadline is not None and deadline - now <= allowed:
+            bound = "the request's deadline"
+        else:
+            bound = f"the {max_wait_s:g} s bound (NOGRAD_MAX_QUEUE_WAIT_S)"
+        raise WaitTooLong(
+            f"model {self.name!r} is overloaded: the work queued ahead is expected to take "
+            f"{wait:.2f} s, longer than {bound}; retry in {retry_after:.0f} s",
+            retry_after_s=retry_after,
+        )
 
     def _chunks(self, part: P) -> list[P]:
         """Cut a request bigger than the limit into consecutive row slices that each fit."""
@@ -253,6 +301,7 @@ class Batcher(Generic[P, R]):
         first: _Item[P, R] | None = None
         while self._queue and first is None:
             item = self._queue.popleft()
+            self._queued_cost -= item.cost
             first = item if self._admit(item, now) else None
         if first is None:
             self._observer.queue_depth(len(self._queue))
@@ -278,6 +327,7 @@ class Batcher(Generic[P, R]):
             rows, longest = new_rows, new_longest
         if taken:
             self._queue = deque(it for it in self._queue if id(it) not in taken)
+            self._queued_cost = sum(it.cost for it in self._queue)
         self._observer.queue_depth(len(self._queue))
         return batch, padded_cost(rows, longest, self._unit_tokens)
 

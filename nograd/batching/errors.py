@@ -8,6 +8,21 @@ class BatchingError(Exception):
 class QueueFull(BatchingError):
     """The model's queue is at ``max_queue_size``: shed load now rather than grow memory."""
 
+    reason = "queue_full"
+    """The ``reason`` label of the refusal in ``nograd_rejected_total``."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        """When coming back is expected to find room."""
+
+
+class WaitTooLong(QueueFull):
+    """The work queued ahead is expected to take longer than the request may wait: refusing it
+    now is cheaper for everyone than queueing it to time out."""
+
+    reason = "queue_wait"
+
 
 class DeadlineExceeded(BatchingError):
     """The request's deadline passed before its batch started."""

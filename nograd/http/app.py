@@ -17,7 +17,13 @@ from nograd import __version__
 from nograd.http import openai, v2
 from nograd.http.direct import DirectRoutes
 from nograd.http.errors import install_error_handlers
-from nograd.http.middleware import AuthMiddleware, BodyLimitMiddleware, StartTimeMiddleware
+from nograd.http.middleware import (
+    AdmissionMiddleware,
+    AuthMiddleware,
+    BodyLimitMiddleware,
+    HeadMiddleware,
+    StartTimeMiddleware,
+)
 from nograd.observability.metrics import Metrics
 from nograd.observability.stats import Statistics
 from nograd.protocol.v2_schemas import InferRequestDocument
@@ -78,8 +84,16 @@ def create_app(settings: Settings | None = None, *, worker: WorkerContext | None
     install_error_handlers(app)
     known = plane.models.__contains__
     app.add_middleware(DirectRoutes, plane=plane, metrics=metrics)
-    # Starlette wraps the last-added middleware outermost: the size limit runs before auth
-    # reads headers only, and both run before any route.
+    # Starlette wraps the last-added middleware outermost. From the outside in: auth and
+    # admission read headers only, so a request they refuse never has its body read; then the
+    # size limit, which reads a chunked body as it arrives.
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=settings.max_request_bytes,
+        metrics=metrics,
+        known_model=known,
+    )
+    app.add_middleware(AdmissionMiddleware, plane=plane, metrics=metrics)
     if settings.api_key_list:
         app.add_middleware(
             AuthMiddleware,
@@ -89,12 +103,7 @@ def create_app(settings: Settings | None = None, *, worker: WorkerContext | None
             protect_health=settings.auth_health,
             protect_metrics=settings.auth_metrics,
         )
-    app.add_middleware(
-        BodyLimitMiddleware,
-        max_bytes=settings.max_request_bytes,
-        metrics=metrics,
-        known_model=known,
-    )
+    app.add_middleware(HeadMiddleware)
     app.add_middleware(StartTimeMiddleware)
     app.include_router(v2.router)
     app.include_router(openai.router)

@@ -6,6 +6,7 @@ A client mistake is always a 4xx that names the problem; a 5xx means nograd or t
 from __future__ import annotations
 
 import logging
+import math
 from typing import Final
 
 import orjson
@@ -52,9 +53,14 @@ def status_of(exc: BaseException) -> int:
     return 500
 
 
-def error_headers(status: int) -> list[tuple[str, str]]:
-    """A 503 says when to come back: every cause of one (not ready, queue full) is transient."""
-    return [("Retry-After", RETRY_AFTER_S)] if status == 503 else []
+def error_headers(status: int, exc: BaseException | None = None) -> list[tuple[str, str]]:
+    """A 503 says when to come back: every cause of one (not ready, overloaded) is transient;
+    an overloaded queue says when it expects room."""
+    if status != 503:
+        return []
+    if isinstance(exc, QueueFull):
+        return [("Retry-After", str(max(1, math.ceil(exc.retry_after_s))))]
+    return [("Retry-After", RETRY_AFTER_S)]
 
 
 def error_body(message: str) -> bytes:
@@ -90,11 +96,13 @@ def openai_error_body(
     return orjson.dumps({"error": detail})
 
 
-def error_response(status: int, message: str) -> Response:
+def error_response(
+    status: int, message: str, headers: list[tuple[str, str]] | None = None
+) -> Response:
     return Response(
         error_body(message),
         status_code=status,
-        headers=dict(error_headers(status)),
+        headers=dict(error_headers(status) if headers is None else headers),
         media_type="application/json",
     )
 
@@ -102,7 +110,8 @@ def error_response(status: int, message: str) -> Response:
 def install_error_handlers(app: FastAPI) -> None:
     async def on_known(request: Request, exc: Exception) -> Response:
         del request
-        return error_response(status_of(exc), str(exc))
+        status = status_of(exc)
+        return error_response(status, str(exc), error_headers(status, exc))
 
     async def on_http(request: Request, exc: Exception) -> Response:
         del request

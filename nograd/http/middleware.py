@@ -1,6 +1,7 @@
-"""ASGI middleware: API-key auth and the request-size limit, applied before any route runs.
+"""ASGI middleware applied before any route runs: API-key auth, admission of inference work, the
+request-size limit, HEAD on GET routes.
 
-Both are plain ASGI (no BaseHTTPMiddleware) so they add no task per request and can refuse a
+All are plain ASGI (no BaseHTTPMiddleware) so they add no task per request and can refuse a
 request before its body is read.
 """
 
@@ -12,9 +13,11 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from nograd.http.errors import error_body, openai_error_body
-from nograd.http.paths import OPENAI_PREFIX, v2_model
+from nograd.batching import QueueFull
+from nograd.http.errors import error_body, error_headers, openai_error_body
+from nograd.http.paths import EMBEDDINGS, OPENAI_PREFIX, infer_target, route_path, v2_model
 from nograd.observability.metrics import UNKNOWN_MODEL, Metrics
+from nograd.serving.dataplane import DataPlane
 
 STARTED_KEY = "nograd_started"
 
@@ -84,10 +87,13 @@ class AuthMiddleware:
         return path.startswith(("/v2", "/v1"))
 
     def _authorized(self, scope: Scope) -> bool | None:
-        """True for a valid key, False for a wrong one, None when no key was sent."""
-        header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
-        if header is None:
+        """True for a valid key, False for a wrong one (or several), None when none was sent."""
+        headers = [v for k, v in scope["headers"] if k == b"authorization"]
+        if not headers:
             return None
+        if len(headers) > 1:
+            return False  # which one counts would differ between proxies and servers
+        header = headers[0]
         scheme, _, token = header.partition(b" ")
         if scheme.lower() != b"bearer" or not token.strip():
             return False
@@ -108,14 +114,48 @@ class AuthMiddleware:
         path = scope["path"]
         self._metrics.rejected.labels(model_label(path, self._known_model), "unauthorized").inc()
         message = "missing API key" if verdict is None else "invalid API key"
+        # Refused before a byte of the body is read; closing the connection stops its upload.
         await _respond(
             send,
             path,
             401,
-            f"{message}: send 'Authorization: Bearer <key>'",
+            f"{message}: send one 'Authorization: Bearer <key>' header",
             "invalid_api_key",
-            [(b"www-authenticate", b'Bearer realm="nograd"')],
+            [(b"www-authenticate", b'Bearer realm="nograd"'), (b"connection", b"close")],
         )
+
+
+class AdmissionMiddleware:
+    """Admits inference requests into the data plane before their bodies are read, and refuses
+    those over the process's bounds with 503 + Retry-After (``nograd.serving.admission``)."""
+
+    def __init__(self, app: ASGIApp, plane: DataPlane, metrics: Metrics) -> None:
+        self.app = app
+        self._plane = plane
+        self._metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        path = route_path(scope)
+        target = None if path == EMBEDDINGS else infer_target(path)
+        if target is None and path != EMBEDDINGS:
+            await self.app(scope, receive, send)
+            return
+        name = None if target is None else target[0]
+        try:
+            self._plane.admit(name)
+        except QueueFull as exc:
+            label = name if name is not None and name in self._plane.models else UNKNOWN_MODEL
+            self._metrics.rejected.labels(label, exc.reason).inc()
+            headers = [(k.lower().encode(), v.encode()) for k, v in error_headers(503, exc)]
+            await _respond(send, scope["path"], 503, str(exc), "server_overloaded", headers)
+            return
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self._plane.release()
 
 
 class BodyLimitMiddleware:
@@ -187,6 +227,28 @@ def _replay(messages: list[Message], receive: Receive) -> Receive:
         return await receive()
 
     return replay
+
+
+class HeadMiddleware:
+    """HEAD on a GET route answers as GET would, without the body (RFC 9110), instead of 405:
+    probes and link checkers use it."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+
+        async def headers_only(message: Message) -> None:
+            if message["type"] == "http.response.body":
+                if not message.get("more_body", False):
+                    await send({"type": "http.response.body", "body": b""})
+                return
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, headers_only)
 
 
 class StartTimeMiddleware:

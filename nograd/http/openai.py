@@ -193,9 +193,11 @@ def _non_finite_message(model: str, vectors: np.ndarray) -> str:
     )
 
 
-def _error_reply(status: int, message: str, param: str | None = None) -> Reply:
+def _error_reply(
+    status: int, message: str, param: str | None = None, exc: BaseException | None = None
+) -> Reply:
     body = openai_error_body(status, message, param=param)
-    return Reply(status, body, headers=error_headers(status))
+    return Reply(status, body, headers=error_headers(status, exc))
 
 
 async def _embeddings(plane: DataPlane, body: EmbeddingRequest, timeout_s: float | None) -> bytes:
@@ -260,7 +262,8 @@ async def embeddings_call(incoming: Incoming, plane: DataPlane, metrics: Metrics
 
     def on_error(status: int, exc: Exception) -> Reply:
         param = exc.param if isinstance(exc, _ClientError) else None
-        return _error_reply(status, str(exc), param or ("model" if status == 404 else None))
+        param = param or ("model" if status == 404 else None)
+        return _error_reply(status, str(exc), param, exc)
 
     return await run_call(incoming, metrics, PROTOCOL, work, on_error)
 

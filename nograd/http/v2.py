@@ -219,7 +219,7 @@ def _infer_reply(
 
 
 def _error_reply(status: int, exc: Exception) -> Reply:
-    return Reply(status, error_body(str(exc)), headers=error_headers(status))
+    return Reply(status, error_body(str(exc)), headers=error_headers(status, exc))
 
 
 async def infer_call(

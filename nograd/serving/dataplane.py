@@ -19,6 +19,7 @@ from nograd.observability.metrics import Metrics
 from nograd.observability.stats import Statistics
 from nograd.runtime.devices import device_label, read_memory, resolve_device
 from nograd.runtime.handler import Outputs
+from nograd.serving.admission import Admission
 from nograd.serving.errors import (
     Draining,
     InferenceFailed,
@@ -58,6 +59,7 @@ class DataPlane:
         self._inflight = 0
         self._idle: asyncio.Event | None = None
         self._loaded = asyncio.Event()
+        self.admission = Admission(settings.max_requests_in_flight, settings.max_queue_wait_s)
         metrics.watch_device_memory(self._memory_readings)
 
     @property
@@ -126,11 +128,26 @@ class DataPlane:
     def loaded(self) -> bool:
         return self._loaded.is_set()
 
+    async def until_loaded(self) -> None:
+        """Return once every model has been loaded (or has failed to)."""
+        await self._loaded.wait()
+
     def ready(self) -> bool:
         """Ready when every model loaded and serves; a failed model keeps the server not ready."""
         return self.loaded and not self._draining and self.registry.all_ready()
 
     # ------------------------------------------------------------------ inference
+    def admit(self, name: str | None) -> None:
+        """Take in one inference request for model ``name`` (None: not known yet) before its
+        body is read, or refuse it (``Overloaded``, ``WaitTooLong``); every admitted request is
+        released once answered."""
+        model = self.models.get(name) if name is not None else None
+        batcher = model.batcher if model is not None and model.ready else None
+        self.admission.enter(batcher)
+
+    def release(self) -> None:
+        self.admission.leave()
+
     def get(self, name: str, version: str | None = None) -> ServedModel:
         return self.registry.get(name, version)
 
@@ -204,7 +221,9 @@ class DataPlane:
         except ValueError as exc:
             raise InvalidInput(str(exc)) from exc
         try:
-            return await model.batcher.submit(part, deadline=deadline)
+            return await model.batcher.submit(
+                part, deadline=deadline, max_wait_s=self.settings.max_queue_wait_s
+            )
         except BatchingError:
             raise
         except Exception as exc:

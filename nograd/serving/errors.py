@@ -27,6 +27,13 @@ class InferenceFailed(Exception):
     """The model raised on this request (after bisection, on this request alone)."""
 
 
+class Overloaded(QueueFull):
+    """The server process already holds its most requests in flight (``max_requests_in_flight``):
+    refused before its body is read, so overload costs neither memory nor decoding."""
+
+    reason = "in_flight"
+
+
 class Draining(ModelNotReady):
     """The server received SIGTERM and finishes accepted work only."""
 
@@ -34,7 +41,7 @@ class Draining(ModelNotReady):
 def rejection_reason(exc: BaseException) -> str | None:
     """The ``reason`` label of a request refused before (or instead of) compute."""
     if isinstance(exc, QueueFull):
-        return "queue_full"
+        return exc.reason
     if isinstance(exc, DeadlineExceeded):
         return "deadline"
     if isinstance(exc, (Draining, BatcherClosed)):

@@ -138,12 +138,21 @@ def test_deadline_passed_in_queue_is_504_without_compute(tmp_path: Path) -> None
 
         responses = asyncio.run(wave())
         codes = [r.status_code for r in responses]
-        assert 200 in codes and 504 in codes, codes
-        late = [r for r in responses if r.status_code == 504]
-        assert "deadline" in late[0].json()["error"]
+        assert 200 in codes and set(codes) <= {200, 503, 504} and len(set(codes)) > 1, codes
+        for late in responses:
+            if late.status_code != 200:
+                # 504 once the deadline passed in the queue; 503 at once when the queue ahead
+                # was already expected to outlast it.
+                assert "deadline" in late.json()["error"]
+            if late.status_code == 503:
+                assert int(late.headers["retry-after"]) >= 1
         batches = metric(server, "nograd_batch_size_count", model="slow")
         assert batches <= 1 + 2 * 2, "expired requests still reached the model"
-        assert metric(server, "nograd_rejected_total", model="slow", reason="deadline") >= 1
+        refused = sum(
+            metric(server, "nograd_rejected_total", model="slow", reason=reason)
+            for reason in ("deadline", "queue_wait")
+        )
+        assert refused == codes.count(503) + codes.count(504)
 
 
 async def test_poison_sample_fails_only_its_own_request(guarded: Server) -> None:
@@ -208,6 +217,7 @@ def test_ctrl_c_during_the_drain_exits_without_waiting(tmp_path: Path) -> None:
         "NOGRAD_MODEL_REPOSITORY": str(repository(tmp_path, "slow")),
         "NOGRAD_DRAIN_TIMEOUT_S": "60",
         "NOGRAD_LOG_FORMAT": "text",
+        "NOGRAD_MAX_QUEUE_WAIT_S": "60",  # queue them all: the drain must have work to cut short
     }
     config = tmp_path / "repo" / "slow" / "config.toml"
     config.write_text(config.read_text().replace("max_queue_size = 4", "max_queue_size = 256"))
@@ -255,7 +265,8 @@ def test_request_ids_and_header_deadlines(tmp_path: Path) -> None:
                 )
 
         codes = [r.status_code for r in asyncio.run(wave())]
-        assert 504 in codes and 200 in codes, codes
+        # Past the header's deadline in the queue (504), or expected to be at arrival (503).
+        assert 200 in codes and set(codes) <= {200, 503, 504} and len(set(codes)) > 1, codes
         log = server.log()
         assert '"request_id": "abc-123"' in log or "abc-123" in log
 

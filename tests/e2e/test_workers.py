@@ -234,6 +234,7 @@ def test_ctrl_c_during_the_drain_stops_the_workers_without_waiting(tmp_path: Pat
         "NOGRAD_MODEL_REPOSITORY": str(repo),
         "NOGRAD_DRAIN_TIMEOUT_S": "60",
         "NOGRAD_LOG_FORMAT": "text",
+        "NOGRAD_MAX_QUEUE_WAIT_S": "60",  # queue them all: the drain must have work to cut short
     }
     with run_server(tmp_path, env) as server:
         # 400 requests in batches of 2 at 100 ms each: ~10 s of work per worker.

@@ -1,0 +1,40 @@
+"""Admission: how much inference work one server process takes on before it refuses more.
+
+The batcher's queue bound covers only requests that reached it. Under overload the backlog builds
+before that: bodies being read, decoded and tokenised, all holding memory and event-loop time. So
+every inference request counts from its headers to its answer, and one over the process's bound,
+or bound for a model whose queue already holds more than it may wait, is refused at once, before
+its body is read: a fast 503 with Retry-After costs the server almost nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from nograd.batching import Batcher
+from nograd.serving.errors import Overloaded
+
+
+class Admission:
+    """Counts the inference requests a process holds and refuses those over its bounds."""
+
+    def __init__(self, max_in_flight: int, max_wait_s: float | None) -> None:
+        self.max_in_flight = max_in_flight
+        self.max_wait_s = max_wait_s
+        self.in_flight = 0
+
+    def enter(self, batcher: Batcher[Any, Any] | None = None) -> None:
+        """Take one request in, or raise (``Overloaded``, ``WaitTooLong``); each successful
+        ``enter`` is matched by one ``leave``."""
+        if self.in_flight >= self.max_in_flight:
+            raise Overloaded(
+                f"server is overloaded: {self.in_flight} requests in flight, the most one "
+                f"process holds (NOGRAD_MAX_REQUESTS_IN_FLIGHT); retry in 1 s"
+            )
+        if batcher is not None and self.max_wait_s is not None:
+            batcher.check_wait(time.monotonic(), None, self.max_wait_s)
+        self.in_flight += 1
+
+    def leave(self) -> None:
+        self.in_flight -= 1

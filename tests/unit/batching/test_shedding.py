@@ -1,0 +1,84 @@
+"""Shedding by expected wait: the queue refuses what it cannot start in time, at once."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from nograd.batching import QueueFull, WaitTooLong
+from tests.unit.batching.conftest import FakeRunner, Rows, make
+
+BATCH_S = 0.05
+"""The fake model's time per batch: 4 rows at the limit, so 12.5 ms per row."""
+
+
+async def test_nothing_is_shed_before_the_speed_is_known(executor: ThreadPoolExecutor) -> None:
+    batcher = make(FakeRunner(delay_s=BATCH_S), executor, limit=4)
+    await batcher.start()
+    assert batcher.expected_wait_s() == 0.0
+    results = await asyncio.gather(
+        *(batcher.submit(Rows((i,)), max_wait_s=0.001) for i in range(12))
+    )
+    assert len(results) == 12
+    await batcher.stop()
+
+
+async def test_a_request_is_refused_when_the_queue_ahead_outlasts_the_bound(
+    executor: ThreadPoolExecutor,
+) -> None:
+    runner = FakeRunner(delay_s=BATCH_S)
+    batcher = make(runner, executor, limit=4)
+    await batcher.start()
+    await batcher.submit(Rows((1, 2, 3, 4)))
+    # 40 rows queued: 10 batches, about 0.5 s of work ahead of the next request.
+    accepted = [
+        asyncio.ensure_future(batcher.submit(Rows((i,)), max_wait_s=1.0)) for i in range(40)
+    ]
+    await asyncio.sleep(0)
+    assert 0.3 < batcher.expected_wait_s() < 1.0
+    started = time.monotonic()
+    with pytest.raises(WaitTooLong) as refused:
+        await batcher.submit(Rows((99,)), max_wait_s=0.2)
+    assert time.monotonic() - started < 0.01  # at once, not after queueing
+    assert refused.value.reason == "queue_wait"
+    assert 1 <= refused.value.retry_after_s <= 60
+    assert "expected to take" in str(refused.value) and "NOGRAD_MAX_QUEUE_WAIT_S" in str(
+        refused.value
+    )
+    assert isinstance(refused.value, QueueFull)  # a 503, as a full queue
+    assert len(await asyncio.gather(*accepted)) == 40  # what was accepted is served
+    await batcher.stop()
+
+
+async def test_the_bound_never_refuses_a_wait_of_one_batch(executor: ThreadPoolExecutor) -> None:
+    runner = FakeRunner(delay_s=BATCH_S)
+    batcher = make(runner, executor, limit=4)
+    await batcher.start()
+    await batcher.submit(Rows((1, 2, 3, 4)))
+    running = asyncio.ensure_future(batcher.submit(Rows((1, 2, 3, 4))))
+    await asyncio.sleep(0.005)
+    # One batch (~50 ms) on the device: a bound of 1 ms still lets the next request queue.
+    assert await batcher.submit(Rows((7,)), max_wait_s=0.001) == (14,)
+    await running
+    await batcher.stop()
+
+
+async def test_a_deadline_the_queue_cannot_meet_is_refused_at_once(
+    executor: ThreadPoolExecutor,
+) -> None:
+    runner = FakeRunner(delay_s=BATCH_S)
+    batcher = make(runner, executor, limit=4)
+    await batcher.start()
+    await batcher.submit(Rows((1, 2, 3, 4)))
+    queued = [asyncio.ensure_future(batcher.submit(Rows((i,)))) for i in range(40)]
+    await asyncio.sleep(0)
+    with pytest.raises(WaitTooLong, match="deadline"):
+        await batcher.submit(Rows((99,)), deadline=time.monotonic() + 0.1)
+    # A deadline the queue can meet is accepted.
+    assert await batcher.submit(Rows((5,)), deadline=time.monotonic() + 5.0) == (10,)
+    await asyncio.gather(*queued)
+    assert batcher.expected_wait_s() < BATCH_S  # the queue's cost left with its items
+    await batcher.stop()
