@@ -180,6 +180,8 @@ class Batcher(Generic[P, R]):
         if len(self._queue) + len(chunks) > self._max_queue_size:
             raise QueueFull(f"model {self.name!r} queue is full ({self._max_queue_size} requests)")
         now = time.monotonic()
+        if deadline is not None and deadline <= now:
+            raise DeadlineExceeded(f"deadline passed before {self.name!r} could queue the request")
         self.check_wait(now, deadline, max_wait_s)
         loop = asyncio.get_running_loop()
         items: list[_Item[P, R]] = [

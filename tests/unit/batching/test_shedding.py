@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from nograd.batching import QueueFull, WaitTooLong
+from nograd.batching import DeadlineExceeded, QueueFull, WaitTooLong
 from tests.unit.batching.conftest import FakeRunner, Rows, make
 
 BATCH_S = 0.05
@@ -81,4 +81,15 @@ async def test_a_deadline_the_queue_cannot_meet_is_refused_at_once(
     assert await batcher.submit(Rows((5,)), deadline=time.monotonic() + 5.0) == (10,)
     await asyncio.gather(*queued)
     assert batcher.expected_wait_s() < BATCH_S  # the queue's cost left with its items
+    await batcher.stop()
+
+
+async def test_a_request_whose_deadline_has_passed_is_a_deadline_error_not_a_shed(
+    executor: ThreadPoolExecutor,
+) -> None:
+    batcher = make(FakeRunner(delay_s=BATCH_S), executor, limit=4)
+    await batcher.start()
+    await batcher.submit(Rows((1, 2, 3, 4)))  # the speed is known
+    with pytest.raises(DeadlineExceeded, match="deadline passed"):
+        await batcher.submit(Rows((1,)), deadline=time.monotonic() - 0.001, max_wait_s=1.0)
     await batcher.stop()
