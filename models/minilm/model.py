@@ -8,7 +8,10 @@ longer than ``max_seq_length`` (256 tokens, from ``sentence_bert_config.json``) 
 Tokenisation happens in :meth:`MiniLMHandler.prepare`, in the request path (in a worker thread
 for large requests: ``prepare_offload``), so the batcher sees token counts and a text that cannot
 be read fails only its own request. Each request is padded to its own longest text; the batcher
-groups requests of similar length and ``collate`` pads a batch to its longest.
+groups requests of similar length and ``collate`` pads a batch to its longest. A long text is
+tokenised from a prefix that ends before whitespace, long enough to fill the 256 tokens: the ids
+are the whole text's, without splitting tens of kilobytes that truncation drops
+(:func:`encode_truncated`).
 
 The forward is :class:`PackedEncoder`, BERT's arithmetic on the same weights with the padding
 taken out: every per-token layer (the linear layers, layer norms and GELU: over 90% of the
@@ -23,13 +26,14 @@ from __future__ import annotations
 import importlib.resources
 import json
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
 import numpy as np
 import torch
-from tokenizers import Tokenizer
+from tokenizers import Encoding, Tokenizer, models, normalizers, pre_tokenizers
 
 from nograd.sdk import ModelConfig, ModelHandler, TensorPart
 
@@ -46,6 +50,12 @@ EMBEDDING_OUTPUT: Final = "embedding"
 TOKEN_COUNT_OUTPUT: Final = "token_count"
 _FIRST_WORD_ID: Final = 1000
 """Synthetic batches draw ids above the special and unused tokens of the BERT vocabulary."""
+_PREFIX_CHARS_PER_TOKEN: Final = 8
+"""The first prefix tried holds this many characters per kept token; English runs 4 to 5 per
+token, so one try almost always suffices, and a text that needs more is tried again, longer."""
+_CUT: Final = re.compile(r"[ \t\n\r]")
+"""Where a prefix may end: just before ASCII whitespace, which the BERT pipeline always splits at
+and drops, and which no normalisation step joins to the characters before it."""
 
 
 def package_model_dir() -> Path:
@@ -71,6 +81,79 @@ def load_tokenizer(model_dir: Path, max_length: int) -> Tokenizer:
     pad_id = tokenizer.token_to_id("[PAD]")
     tokenizer.enable_padding(pad_id=0 if pad_id is None else pad_id, pad_token="[PAD]")
     return tokenizer
+
+
+def prefix_cut_is_exact(tokenizer: Tokenizer) -> bool:
+    """Whether :func:`encode_truncated` may tokenise prefixes: only for BERT's own pipeline
+    (per-character normalisation, words split at whitespace, WordPiece per word, truncation of
+    the right end), where a prefix cut at whitespace yields exactly the first tokens of the text.
+    """
+    truncation = tokenizer.truncation
+    return (
+        isinstance(tokenizer.normalizer, normalizers.BertNormalizer)
+        and isinstance(tokenizer.pre_tokenizer, pre_tokenizers.BertPreTokenizer)
+        and isinstance(tokenizer.model, models.WordPiece)
+        and truncation is not None
+        and truncation["direction"] == "right"
+        and truncation["stride"] == 0
+        and not any(_CUT.search(token) for token in _added_tokens(tokenizer))
+    )
+
+
+def encode_truncated(tokenizer: Tokenizer, texts: list[str], max_length: int) -> list[Encoding]:
+    """``tokenizer.encode_batch(texts)``, with the same ids, without tokenising what truncation
+    drops.
+
+    The tokenizer would split a whole 60 KB text into words and pieces (and keep every dropped
+    piece as overflow, hundreds of MB for a large request) only to keep its first ``max_length``
+    tokens. Each text is tokenised from a prefix that ends before whitespace instead; a prefix
+    that was itself truncated holds the text's first tokens, any other is tried again four
+    times longer, up to the whole text. Encodings from several tries are padded to the longest,
+    as one call would pad them.
+    """
+    chars = max_length * _PREFIX_CHARS_PER_TOKEN
+    encodings: list[Encoding | None] = [None] * len(texts)
+    todo = list(range(len(texts)))
+    rounds = 0
+    while todo:
+        rounds += 1
+        prefixes = [_prefix(texts[index], chars) for index in todo]
+        again: list[int] = []
+        for index, prefix, encoding in zip(
+            todo, prefixes, tokenizer.encode_batch(prefixes, add_special_tokens=True), strict=True
+        ):
+            if len(prefix) == len(texts[index]) or encoding.overflowing:
+                encodings[index] = encoding
+            else:
+                again.append(index)
+        todo = again
+        chars *= 4
+    done = [encoding for encoding in encodings if encoding is not None]
+    padding = tokenizer.padding
+    if padding is not None and rounds > 1:  # one call has padded them alike already
+        longest = max(len(encoding) for encoding in done)
+        for encoding in done:
+            encoding.pad(
+                longest,
+                direction=padding["direction"],
+                pad_id=padding["pad_id"],
+                pad_type_id=padding["pad_type_id"],
+                pad_token=padding["pad_token"],
+            )
+    return done
+
+
+def _prefix(text: str, chars: int) -> str:
+    """The shortest prefix of at least ``chars`` characters that ends before whitespace, or the
+    whole text if none does."""
+    if len(text) <= chars:
+        return text
+    cut = _CUT.search(text, chars)
+    return text if cut is None else text[: cut.start()]
+
+
+def _added_tokens(tokenizer: Tokenizer) -> list[str]:
+    return [token.content for token in tokenizer.get_added_tokens_decoder().values()]
 
 
 def load_bert(model_dir: Path) -> BertModel:
@@ -238,13 +321,17 @@ class MiniLMHandler(ModelHandler):
         self._vocab_size = tokenizer.get_vocab_size()
         self._cls_id = _token_id(tokenizer, "[CLS]")
         self._sep_id = _token_id(tokenizer, "[SEP]")
+        self._cut_prefixes = prefix_cut_is_exact(tokenizer)
 
     # ----------------------------------------------------------------- request path (any thread)
     def prepare(self, inputs: Mapping[str, np.ndarray]) -> TensorPart:
         """Decode UTF-8 and tokenise; ``[n, L]`` int64 tensors padded to this request's longest."""
         values = inputs[self._text_input].reshape(-1)
         texts = [_utf8(value, self._text_input, index) for index, value in enumerate(values)]
-        encodings = self.tokenizer.encode_batch(texts, add_special_tokens=True)
+        if self._cut_prefixes:
+            encodings = encode_truncated(self.tokenizer, texts, self.max_length)
+        else:
+            encodings = self.tokenizer.encode_batch(texts, add_special_tokens=True)
         ids = np.array([e.ids for e in encodings], dtype=np.int64)
         mask = np.array([e.attention_mask for e in encodings], dtype=np.int64)
         types = np.array([e.type_ids for e in encodings], dtype=np.int64)

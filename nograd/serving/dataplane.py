@@ -27,6 +27,7 @@ from nograd.serving.errors import (
     ModelNotReady,
     rejection_reason,
 )
+from nograd.serving.heap_return import HeapReturn
 from nograd.serving.loading import ModelLoader
 from nograd.serving.registry import ModelRegistry, ServedModel, State
 from nograd.serving.validation import prepare_in_thread, validate
@@ -60,6 +61,7 @@ class DataPlane:
         self._idle: asyncio.Event | None = None
         self._loaded = asyncio.Event()
         self.admission = Admission(settings.max_requests_in_flight, settings.max_queue_wait_s)
+        self.heap_return = HeapReturn()
         metrics.watch_device_memory(self._memory_readings)
 
     @property
@@ -147,6 +149,7 @@ class DataPlane:
 
     def release(self) -> None:
         self.admission.leave()
+        self.heap_return.answered()
 
     def get(self, name: str, version: str | None = None) -> ServedModel:
         return self.registry.get(name, version)
@@ -179,6 +182,7 @@ class DataPlane:
         if self._inflight == 0 and cores is not None:
             cores.set_active(True)
         self._inflight += 1
+        large = self.heap_return.is_large(inputs)
         try:
             outputs = await self._infer(model, inputs, deadline)
         except BaseException as exc:
@@ -188,6 +192,8 @@ class DataPlane:
                 self.metrics.rejected.labels(model.name, reason).inc()
             raise
         finally:
+            if large:
+                self.heap_return.finished_large()
             self._inflight -= 1
             if self._inflight == 0:
                 if cores is not None:

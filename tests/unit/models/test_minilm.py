@@ -245,3 +245,112 @@ def test_batches_run_packed_unless_a_fast_path_fixes_the_shapes(handler: ModelHa
         handler.module = module
         handler.speed_path = None
     assert calls == [True, True, False]
+
+
+def _long_texts() -> list[str]:
+    """Texts past 256 tokens that stress a prefix cut: prose, no whitespace at all, CJK,
+    combining accents, control characters, other whitespace, special-token strings, words so
+    long (one [UNK] each) that the first prefix is too short, a long word where a prefix could
+    end, and short texts beside them."""
+    rng = np.random.default_rng(7)
+    pieces = [
+        *"abcdefghij ,.;!?-'\t\n\r",
+        "Ünï",
+        "e\u0301",
+        "日本語",
+        "🙂",
+        "\u00a0",
+        "\u3000",
+        "\u200b",
+        "\x00",
+        "\x07",
+        "[MASK]",
+        "[CLS]",
+        "ß",
+        "İ",
+        "Σς",
+        "3.14159",
+        "ﬁ",
+    ]
+    words = [" ".join(f"w{i}" for i in range(n)) for n in (200, 254, 255, 300)]
+    texts = ["".join(rng.choice(pieces, size=n)) for n in (2047, 2048, 2049, 5000, 20_000, 60_000)]
+    texts += [
+        "x" * 60_000,
+        "a,b;" * 15_000,
+        ("z" * 150 + " ") * 300,
+        " ".join(str(v) for v in rng.random(3000)),
+        "e\u0301" * 20_000 + " tail",
+        " " * 3000 + "late start " * 500,
+        *words,
+        "",
+        "Short.",
+    ]
+    # A word of 120 characters ([UNK] whole) across the first prefix's 2048th character, after
+    # 232 tokens: a cut inside it would split it into pieces that change tokens 233 onwards.
+    texts += [
+        "q" * 1400 + " " + "a " * 230 + "c" * k + " " + "x" * 120 + " tail" * 300
+        for k in range(100, 260, 3)
+    ]
+    return texts
+
+
+def test_long_texts_tokenise_from_prefixes_to_the_same_ids(minilm: ModuleType) -> None:
+    source = minilm.package_model_dir()
+    tokenizer = minilm.load_tokenizer(source, 256)
+    texts = _long_texts()
+    whole = tokenizer.encode_batch(texts, add_special_tokens=True)
+    cut = minilm.encode_truncated(tokenizer, texts, 256)
+    assert [e.ids for e in cut] == [e.ids for e in whole]
+    assert [e.attention_mask for e in cut] == [e.attention_mask for e in whole]
+    assert [e.type_ids for e in cut] == [e.type_ids for e in whole]
+    # A short text done at the first try is padded again to the longest, found tries later.
+    pair = ["Short.", ("z" * 150 + " ") * 300]
+    repadded = minilm.encode_truncated(tokenizer, pair, 256)
+    assert [e.ids for e in repadded] == [e.ids for e in tokenizer.encode_batch(pair)]
+    assert [len(e) for e in repadded] == [256, 256]
+    # The point: a 60 KB text of prose is no longer split whole (its overflow was the memory).
+    prose = " ".join(["memory-sized batches of text"] * 2000)
+    (alone,) = minilm.encode_truncated(tokenizer, [prose], 256)
+    (entire,) = tokenizer.encode_batch([prose], add_special_tokens=True)
+    assert alone.ids == entire.ids
+    assert len(alone.overflowing) <= 8 < len(entire.overflowing)
+
+
+def test_prepare_of_long_texts_gives_the_embeddings_of_whole_texts(
+    handler: ModelHandler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    texts = [*_long_texts()[:6], "A man is eating food."]
+    cut = handler.prepare(_texts(texts))
+    ours = TorchRunner(handler).run_batch([cut])[0]
+    monkeypatch.setattr(handler, "_cut_prefixes", False)
+    whole = handler.prepare(_texts(texts))
+    expected = TorchRunner(handler).run_batch([whole])[0]
+    assert cut.length == whole.length == 256
+    for name in whole.tensors:
+        np.testing.assert_array_equal(cut.tensors[name], whole.tensors[name])
+    np.testing.assert_array_equal(ours["embedding"], expected["embedding"])
+    np.testing.assert_array_equal(ours["token_count"], expected["token_count"])
+
+
+def test_prefixes_are_cut_only_for_the_bert_pipeline(
+    minilm: ModuleType, handler: ModelHandler
+) -> None:
+    from tokenizers import Tokenizer, pre_tokenizers
+
+    tokenizer = handler.tokenizer  # type: ignore[attr-defined]
+    assert minilm.prefix_cut_is_exact(tokenizer)
+    assert handler._cut_prefixes  # type: ignore[attr-defined]
+
+    def variant() -> Tokenizer:
+        return Tokenizer.from_str(tokenizer.to_str())
+
+    other_split = variant()
+    other_split.pre_tokenizer = pre_tokenizers.Metaspace()
+    no_truncation = variant()
+    no_truncation.no_truncation()
+    with_stride = variant()
+    with_stride.enable_truncation(256, stride=16)
+    from_the_left = variant()
+    from_the_left.enable_truncation(256, direction="left")
+    for changed in (other_split, no_truncation, with_stride, from_the_left):
+        assert not minilm.prefix_cut_is_exact(changed)
