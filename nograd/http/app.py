@@ -14,7 +14,7 @@ from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from nograd import __version__
-from nograd.http import openai, v2
+from nograd.http import openai, repository, v2
 from nograd.http.direct import DirectRoutes
 from nograd.http.errors import install_error_handlers
 from nograd.http.middleware import (
@@ -106,6 +106,7 @@ def create_app(settings: Settings | None = None, *, worker: WorkerContext | None
     app.add_middleware(HeadMiddleware)
     app.add_middleware(StartTimeMiddleware)
     app.include_router(v2.router)
+    app.include_router(repository.router)
     app.include_router(openai.router)
 
     @app.get(

@@ -41,7 +41,7 @@ from nograd.serving.registry import ServedModel
 logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v2", tags=["Open Inference Protocol"])
 PROTOCOL = "v2"
-EXTENSIONS = ["binary_tensor_data", "model_repository_readonly", "statistics"]
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "model_repository", "statistics"]
 # Decoding a large JSON body takes milliseconds of CPU; past this size it leaves the event loop.
 _OFFLOAD_DECODE_BYTES = 64 * 1024
 

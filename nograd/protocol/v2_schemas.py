@@ -125,6 +125,17 @@ class StatisticsResponse(BaseModel):
     model_stats: list[ModelStats]
 
 
+class RepositoryIndexEntry(BaseModel):
+    name: str
+    version: str
+    state: str
+    reason: str | None = None
+
+
+class RepositoryIndexRequest(BaseModel):
+    ready: bool | None = None
+
+
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "Malformed request or wrong input"},
     404: {"model": ErrorResponse, "description": "Unknown model or version"},

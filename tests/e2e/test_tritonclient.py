@@ -284,3 +284,32 @@ def test_malformed_binary_requests_are_400(
     reply = _raw_infer(server_url, header + payload, headers)
     assert reply.status_code == 400
     assert message in reply.json()["error"]
+
+
+def test_model_configuration_in_triton_s_shape(client: triton.InferenceServerClient) -> None:
+    digits = client.get_model_config("digits")
+    assert digits["name"] == "digits"
+    assert digits["max_batch_size"] >= 64
+    image = digits["input"][0]
+    assert (image["name"], image["data_type"], image["dims"]) == ("image", "TYPE_FP32", [1, 8, 8])
+    assert [o["name"] for o in digits["output"]] == ["logits", "probabilities", "label"]
+    assert digits["dynamic_batching"]["max_queue_delay_microseconds"] == 2000
+    assert client.get_model_config("digits", "1") == digits
+    minilm = client.get_model_config("minilm")
+    text = minilm["input"][0]
+    assert (text["data_type"], text["dims"], text["reshape"]) == ("TYPE_STRING", [1], {"shape": []})
+    assert minilm["parameters"]["batch_unit"] == {"string_value": "tokens"}
+    with pytest.raises(InferenceServerException, match="not in the repository"):
+        client.get_model_config("nope")
+
+
+def test_repository_index_and_model_control(client: triton.InferenceServerClient) -> None:
+    index = client.get_model_repository_index()
+    assert {(m["name"], m["version"], m["state"]) for m in index} == {
+        ("digits", "1", "READY"),
+        ("minilm", "1", "READY"),
+    }
+    for control in (client.load_model, client.unload_model):
+        with pytest.raises(InferenceServerException, match="model control is not enabled"):
+            control("digits")
+    assert client.is_model_ready("digits")

@@ -1,0 +1,125 @@
+"""A served model described in Triton's model configuration and repository index shapes.
+
+Triton's clients and tools read these before anything else: ``perf_analyzer`` will not start
+without a model's configuration, and ``tritonclient`` exposes both. Both transports answer from
+here, so HTTP and gRPC describe a model the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from nograd.runtime.config import TensorSpec
+from nograd.serving.registry import ServedModel, State
+from nograd.settings import Settings
+
+TRITON_TYPES: Final[dict[str, str]] = {
+    "BOOL": "TYPE_BOOL",
+    "UINT8": "TYPE_UINT8",
+    "UINT16": "TYPE_UINT16",
+    "UINT32": "TYPE_UINT32",
+    "UINT64": "TYPE_UINT64",
+    "INT8": "TYPE_INT8",
+    "INT16": "TYPE_INT16",
+    "INT32": "TYPE_INT32",
+    "INT64": "TYPE_INT64",
+    "FP16": "TYPE_FP16",
+    "FP32": "TYPE_FP32",
+    "FP64": "TYPE_FP64",
+    "BF16": "TYPE_BF16",
+    "BYTES": "TYPE_STRING",
+}
+"""Open Inference Protocol datatypes to Triton's ``DataType`` names (BYTES is TYPE_STRING)."""
+
+INDEX_STATES: Final[dict[State, str]] = {
+    State.LOADING: "LOADING",
+    State.READY: "READY",
+    State.FAILED: "UNAVAILABLE",
+}
+
+
+def _tensor(spec: TensorSpec, *, is_input: bool) -> dict[str, Any]:
+    # Triton lists at least one dimension per sample; a scalar sample is [1] reshaped to [].
+    document: dict[str, Any] = {
+        "name": spec.name,
+        "data_type": TRITON_TYPES[spec.datatype],
+        "dims": list(spec.shape) or [1],
+    }
+    if not spec.shape:
+        document["reshape"] = {"shape": []}
+    if is_input:
+        document["format"] = "FORMAT_NONE"
+        document["optional"] = False
+    return document
+
+
+def model_configuration(model: ServedModel, settings: Settings) -> dict[str, Any]:
+    """The model's configuration as Triton's ``GET /v2/models/{m}/config`` answers it.
+
+    ``max_batch_size`` is the most rows one request may carry (``NOGRAD_MAX_REQUEST_ROWS``):
+    what Triton's clients check a request against. nograd splits a larger-than-batch request
+    itself, so the batcher's own limit, sized by measured memory, goes in ``parameters``.
+    """
+    config = model.config
+    batcher = model.batcher
+    delay_ms = config.max_queue_delay_ms
+    if delay_ms is None:
+        delay_ms = settings.max_queue_delay_ms
+    queue_size = config.max_queue_size or settings.max_queue_size
+    device = str(model.handler.device) if model.handler is not None else config.device
+    parameters: dict[str, dict[str, str]] = {
+        "batch_unit": {"string_value": config.batch_unit},
+        "precision": {"string_value": config.precision},
+    }
+    if batcher is not None:
+        parameters["batch_limit"] = {"string_value": str(batcher.limit.current)}
+    return {
+        "name": config.name,
+        "platform": config.platform,
+        "backend": "nograd",
+        "version_policy": {"specific": {"versions": [int(config.version)]}}
+        if config.version.isdigit()
+        else {"latest": {"num_versions": 1}},
+        "max_batch_size": settings.max_request_rows,
+        "input": [_tensor(spec, is_input=True) for spec in config.inputs],
+        "output": [_tensor(spec, is_input=False) for spec in config.outputs],
+        "batch_input": [],
+        "batch_output": [],
+        "dynamic_batching": {
+            "preferred_batch_size": [],
+            "max_queue_delay_microseconds": round(delay_ms * 1000),
+            "preserve_ordering": False,
+            "default_queue_policy": {
+                "timeout_action": "REJECT",
+                "default_timeout_microseconds": round((settings.request_timeout_s or 0) * 1e6),
+                "allow_timeout_override": True,
+                "max_queue_size": queue_size,
+            },
+        },
+        "instance_group": [
+            {
+                "name": f"{config.name}_0",
+                "kind": "KIND_GPU" if device.startswith("cuda") else "KIND_CPU",
+                "count": 1,
+            }
+        ],
+        "parameters": parameters,
+    }
+
+
+def repository_index(
+    models: list[ServedModel], *, ready_only: bool = False
+) -> list[dict[str, str]]:
+    """Every model of the repository with its state, as Triton's repository index lists it."""
+    index = []
+    for model in sorted(models, key=lambda m: (m.name, m.version)):
+        if ready_only and not model.ready:
+            continue
+        entry = {"name": model.name, "version": model.version, "state": INDEX_STATES[model.state]}
+        if model.state is State.READY and not model.ready:
+            entry["state"] = "UNAVAILABLE"
+            entry["reason"] = "its batch loop stopped; the watchdog restarts it"
+        elif model.error:
+            entry["reason"] = model.error
+        index.append(entry)
+    return index
