@@ -116,8 +116,10 @@ def _metadata(model: ServedModel) -> ModelMetadata:
             "name": config.name,
             "versions": [config.version],
             "platform": config.platform,
+            # A scalar sample is listed as [1], as the model configuration's dims say (Triton's
+            # convention); requests may send [n] or [n, 1].
             "inputs": [
-                {"name": s.name, "datatype": s.datatype, "shape": [-1, *s.shape]}
+                {"name": s.name, "datatype": s.datatype, "shape": [-1, *(s.shape or (1,))]}
                 for s in config.inputs
             ],
             "outputs": [

@@ -30,7 +30,7 @@ from nograd.serving.errors import (
 from nograd.serving.heap_return import HeapReturn
 from nograd.serving.loading import ModelLoader
 from nograd.serving.registry import ModelRegistry, ServedModel, State
-from nograd.serving.validation import prepare_in_thread, validate
+from nograd.serving.validation import prepare_in_thread, squeeze_scalar_samples, validate
 from nograd.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -211,6 +211,7 @@ class DataPlane:
             raise Draining(f"model {name!r} is not ready (server is draining)")
         if not model.ready or model.handler is None or model.batcher is None:
             raise ModelNotReady(f"model {name!r} is not ready ({self._why_not_ready(model)})")
+        inputs = squeeze_scalar_samples(model, inputs)
         validate(
             model,
             inputs,

@@ -17,6 +17,25 @@ INLINE_PREPARE_BYTES = 4096
 the hand-off to a thread and back costs in a busy server (measured in docs/architecture.md)."""
 
 
+def squeeze_scalar_samples(
+    model: ServedModel, inputs: Mapping[str, np.ndarray]
+) -> Mapping[str, np.ndarray]:
+    """An input whose sample is a scalar, sent as ``[n, 1]``, as ``[n]``: Triton's convention for
+    such an input is ``dims: [1]`` reshaped to ``[]``, so its clients and tools send the extra
+    axis (the model configuration and metadata say so)."""
+    scalar = {spec.name for spec in model.config.inputs if not spec.shape}
+    if not any(
+        name in scalar and array.ndim == 2 and array.shape[1] == 1 for name, array in inputs.items()
+    ):
+        return inputs
+    return {
+        name: array.reshape(-1)
+        if name in scalar and array.ndim == 2 and array.shape[1] == 1
+        else array
+        for name, array in inputs.items()
+    }
+
+
 def validate(
     model: ServedModel,
     inputs: Mapping[str, np.ndarray],

@@ -75,7 +75,7 @@ def test_model_metadata_and_readiness(client: triton.InferenceServerClient) -> N
     assert digits["inputs"] == [{"name": "image", "datatype": "FP32", "shape": [-1, 1, 8, 8]}]
     minilm = client.get_model_metadata("minilm", "1")
     assert minilm["versions"] == ["1"]
-    assert minilm["inputs"] == [{"name": "text", "datatype": "BYTES", "shape": [-1]}]
+    assert minilm["inputs"] == [{"name": "text", "datatype": "BYTES", "shape": [-1, 1]}]
     assert {"name": "embedding", "datatype": "FP32", "shape": [-1, 384]} in minilm["outputs"]
     assert not client.is_model_ready("nope")
 

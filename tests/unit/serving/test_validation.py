@@ -10,9 +10,14 @@ import pytest
 
 from nograd.runtime.config import ModelConfig
 from nograd.runtime.handler import ModelHandler
-from nograd.serving.errors import LimitExceeded
+from nograd.serving.errors import InvalidInput, LimitExceeded
 from nograd.serving.registry import ServedModel
-from nograd.serving.validation import INLINE_PREPARE_BYTES, prepare_in_thread, validate
+from nograd.serving.validation import (
+    INLINE_PREPARE_BYTES,
+    prepare_in_thread,
+    squeeze_scalar_samples,
+    validate,
+)
 
 
 def test_text_longer_than_the_limit_is_refused(tmp_path: Path) -> None:
@@ -55,3 +60,29 @@ def test_heavy_prepare_runs_in_a_thread_only_for_large_requests() -> None:
     assert not prepare_in_thread(light, texts(INLINE_PREPARE_BYTES * 10))
     images = {"image": np.zeros((64, 1, 8, 8), dtype=np.float32)}  # 16 KiB of pixels
     assert prepare_in_thread(heavy, images)
+
+
+def test_a_scalar_sample_sent_with_triton_s_extra_axis_is_squeezed(tmp_path: Path) -> None:
+    config = ModelConfig.model_validate(
+        {
+            "name": "texts",
+            "weights": "",
+            "inputs": [
+                {"name": "text", "datatype": "BYTES", "shape": []},
+                {"name": "weight", "datatype": "FP32", "shape": [1]},
+            ],
+            "outputs": [{"name": "v", "datatype": "FP32", "shape": [3]}],
+        }
+    )
+    model = ServedModel(config, tmp_path)
+    texts = np.array([[b"a"], [b"b"]], dtype=object)
+    weights = np.ones((2, 1), dtype=np.float32)
+    squeezed = squeeze_scalar_samples(model, {"text": texts, "weight": weights})
+    assert squeezed["text"].shape == (2,) and list(squeezed["text"]) == [b"a", b"b"]
+    assert squeezed["weight"] is weights  # a declared [1] keeps its axis
+    validate(model, squeezed, max_rows=8, max_text_bytes=10)
+    as_sent = {"text": texts.reshape(-1), "weight": weights}
+    assert squeeze_scalar_samples(model, as_sent) is as_sent
+    wide = {"text": np.array([[b"a", b"b"]], dtype=object), "weight": weights[:1]}
+    with pytest.raises(InvalidInput, match="expects"):
+        validate(model, squeeze_scalar_samples(model, wide), max_rows=8, max_text_bytes=10)
