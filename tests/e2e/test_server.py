@@ -126,18 +126,27 @@ async def test_concurrent_requests_are_batched_and_match_unbatched(server: Serve
             )
             for i in range(len(images))
         ]
-        before = _batch_size_stats(server)
-        responses = await asyncio.gather(
-            *(client.post(DIGITS, json=digits_body(images[i : i + 1])) for i in range(len(images)))
-        )
-    after = _batch_size_stats(server)
-    for index, response in enumerate(responses):
-        assert response.status_code == 200
-        assert np.allclose(output(response.json(), "logits"), alone[index], atol=1e-5)
-    batches = after[0] - before[0]
-    rows = after[1] - before[1]
-    assert rows == len(images)
-    assert batches < len(images), "64 concurrent requests all ran alone: nothing was batched"
+        # The batcher is work-conserving: a request that finds the model idle runs at once, so
+        # whether a wave of a sub-millisecond model overlaps depends on the machine's load. Up to
+        # three waves; every answer must match, and at least one wave must have been batched.
+        waves = []
+        for _ in range(3):
+            before = _batch_size_stats(server)
+            responses = await asyncio.gather(
+                *(
+                    client.post(DIGITS, json=digits_body(images[i : i + 1]))
+                    for i in range(len(images))
+                )
+            )
+            after = _batch_size_stats(server)
+            for index, response in enumerate(responses):
+                assert response.status_code == 200
+                assert np.allclose(output(response.json(), "logits"), alone[index], atol=1e-5)
+            assert after[1] - before[1] == len(images)
+            waves.append(after[0] - before[0])
+            if waves[-1] < len(images):
+                break
+    assert min(waves) < len(images), f"64 concurrent requests all ran alone: {waves} batches"
 
 
 def _batch_size_stats(server: Server) -> tuple[float, float]:
