@@ -102,6 +102,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     TRANSFORMERS_OFFLINE=1 \
     NOGRAD_HOST=0.0.0.0 \
     NOGRAD_PORT=8000 \
+    NOGRAD_GRPC_PORT=8001 \
     NOGRAD_MODEL_REPOSITORY=/srv/nograd/models
 # The venv with every dependency (one big layer that app changes do not touch), then the app package
 # and its `nograd` console script from the builder's wheel, then the model repository.
@@ -112,7 +113,7 @@ RUN pip install --no-cache-dir --no-deps --no-index --disable-pip-version-check 
 WORKDIR /srv/nograd
 COPY models/ /srv/nograd/models/
 USER 10001:10001
-EXPOSE 8000
+EXPOSE 8000 8001
 HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
     CMD ["/opt/venv/bin/python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/v2/health/ready' % os.environ.get('NOGRAD_PORT', '8000'), timeout=4)"]
 CMD ["/opt/venv/bin/nograd"]

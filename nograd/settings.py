@@ -33,6 +33,10 @@ class Settings(BaseSettings):
     port: int = Field(default=8000, ge=0, le=65535)
     """TCP port of the HTTP server (0 picks a free port)."""
 
+    grpc_port: int = Field(default=8001, ge=0, le=65535)
+    """TCP port of the gRPC server (the Open Inference Protocol's gRPC service, on the same
+    address as HTTP); 0 turns gRPC off. With several workers each binds it (SO_REUSEPORT)."""
+
     model_repository: Path = Path("models")
     """Folder holding one sub-folder per model (config file, code, weights)."""
 

@@ -14,6 +14,7 @@ from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from nograd import __version__
+from nograd.grpc.server import GrpcServer
 from nograd.http import openai, repository, v2
 from nograd.http.direct import DirectRoutes
 from nograd.http.errors import install_error_handlers
@@ -60,9 +61,19 @@ def create_app(settings: Settings | None = None, *, worker: WorkerContext | None
             await plane.load_all()
             worker.ready()
         tasks.append(asyncio.create_task(plane.watch_batchers(), name="watch-batchers"))
+        # gRPC serves beside HTTP on this loop and data plane; its calls drain with HTTP's.
+        grpc_server = (
+            GrpcServer(settings, plane, metrics, shared_port=worker is not None)
+            if settings.grpc_port
+            else None
+        )
+        if grpc_server is not None:
+            await grpc_server.start()
         try:
             yield
         finally:
+            if grpc_server is not None:
+                await grpc_server.stop(grace_s=1.0)
             for task in tasks:
                 if not task.done():
                     task.cancel()

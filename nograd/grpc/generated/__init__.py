@@ -1,0 +1,1 @@
+"""Stubs generated from Triton's protos; see README.md here."""

@@ -1,0 +1,262 @@
+"""NVIDIA's own gRPC client (``tritonclient.grpc``) against a running nograd, unchanged: health,
+metadata, configuration, repository, statistics, inference with raw and typed tensors (FP32 on
+digits, BYTES on minilm) agreeing with HTTP, errors as gRPC status codes, and API keys."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tritonclient.utils import InferenceServerException
+
+from tests.e2e.serving import ROOT, Server, free_port, metric_value, run_server
+
+pytestmark = pytest.mark.e2e
+
+SAMPLE = json.loads((ROOT / "models/digits/sample.json").read_text())["inputs"][0]
+IMAGES = np.asarray(SAMPLE["data"], dtype=np.float32).reshape(SAMPLE["shape"])
+KEY = "grpc-e2e-key-0123456789"
+
+
+class GrpcServer:
+    def __init__(self, server: Server, port: int) -> None:
+        self.server = server
+        self.address = f"127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GrpcServer]:
+    root = tmp_path_factory.mktemp("grpc")
+    port = free_port()
+    with run_server(root, {"NOGRAD_GRPC_PORT": str(port)}) as server:
+        yield GrpcServer(server, port)
+
+
+@pytest.fixture(scope="module")
+def client(served: GrpcServer) -> Iterator[triton.InferenceServerClient]:
+    client = triton.InferenceServerClient(served.address)
+    yield client
+    client.close()
+
+
+def _images(raw: bool) -> triton.InferInput:
+    del raw  # tritonclient.grpc always sends raw contents
+    tensor = triton.InferInput("image", list(IMAGES.shape), "FP32")
+    tensor.set_data_from_numpy(IMAGES)
+    return tensor
+
+
+def test_health_metadata_and_configuration(client: triton.InferenceServerClient) -> None:
+    assert client.is_server_live() and client.is_server_ready()
+    assert client.is_model_ready("digits") and client.is_model_ready("minilm", "1")
+    assert not client.is_model_ready("nope")
+    metadata = client.get_server_metadata(as_json=True)
+    assert metadata["name"] == "nograd"
+    assert "model_configuration" in metadata["extensions"]
+    digits = client.get_model_metadata("digits", as_json=True)
+    assert digits["inputs"] == [
+        {"name": "image", "datatype": "FP32", "shape": ["-1", "1", "8", "8"]}
+    ]
+    config = client.get_model_config("minilm", as_json=True)["config"]
+    assert config["name"] == "minilm"
+    text = config["input"][0]
+    assert (text["data_type"], text["dims"], text["reshape"]) == ("TYPE_STRING", ["1"], {})
+    assert config["parameters"]["batch_unit"] == {"string_value": "tokens"}
+    index = client.get_model_repository_index(as_json=True)["models"]
+    assert {(m["name"], m["state"]) for m in index} == {("digits", "READY"), ("minilm", "READY")}
+
+
+def test_infer_digits_matches_http(
+    served: GrpcServer, client: triton.InferenceServerClient
+) -> None:
+    result = client.infer("digits", [_images(True)], request_id="g-1")
+    assert result.get_response().id == "g-1"
+    labels = result.as_numpy("label")
+    logits = result.as_numpy("logits")
+    assert labels is not None and logits is not None
+    assert labels.shape == (len(IMAGES), 1)
+    over_http = httpx.post(
+        f"{served.server.url}/v2/models/digits/infer",
+        json={"inputs": [SAMPLE]},
+        timeout=30,
+    ).json()
+    by_name = {o["name"]: o for o in over_http["outputs"]}
+    assert labels.reshape(-1).tolist() == by_name["label"]["data"]
+    assert np.allclose(logits.reshape(-1), by_name["logits"]["data"], atol=1e-5)
+    only = client.infer("digits", [_images(True)], outputs=[triton.InferRequestedOutput("label")])
+    assert only.as_numpy("logits") is None and only.as_numpy("label") is not None
+
+
+def test_infer_texts_on_minilm(client: triton.InferenceServerClient) -> None:
+    texts = np.array([b"A man is eating food.", "Ünïcödé 🙂".encode(), b""], dtype=np.object_)
+    tensor = triton.InferInput("text", [3], "BYTES")
+    tensor.set_data_from_numpy(texts)
+    result = client.infer("minilm", [tensor])
+    embedding = result.as_numpy("embedding")
+    assert embedding is not None and embedding.shape == (3, 384)
+    assert np.allclose(np.linalg.norm(embedding, axis=1), 1.0, atol=1e-4)
+
+
+def test_typed_contents_are_accepted(served: GrpcServer) -> None:
+    """A request with the typed ``contents`` fields instead of raw bytes, as other clients send."""
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    with grpc.insecure_channel(served.address) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        request = service_pb2.ModelInferRequest(model_name="digits")
+        tensor = request.inputs.add(name="image", datatype="FP32", shape=list(IMAGES.shape))
+        tensor.contents.fp32_contents.extend(IMAGES.reshape(-1).tolist())
+        response = stub.ModelInfer(request, timeout=30)
+    names = [o.name for o in response.outputs]
+    raw = dict(zip(names, response.raw_output_contents, strict=True))
+    labels = np.frombuffer(raw["label"], dtype="<i8")
+    assert labels.size == len(IMAGES)
+
+
+@pytest.mark.parametrize(
+    ("model", "tensor", "code", "fragment"),
+    [
+        ("nope", ("image", "FP32", IMAGES), grpc.StatusCode.NOT_FOUND, "not in the repository"),
+        ("digits", ("pixels", "FP32", IMAGES), grpc.StatusCode.INVALID_ARGUMENT, "unexpected"),
+        (
+            "digits",
+            ("image", "FP64", IMAGES.astype(np.float64)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "FP32",
+        ),
+    ],
+)
+def test_errors_are_status_codes_naming_the_problem(
+    client: triton.InferenceServerClient,
+    model: str,
+    tensor: tuple[str, str, np.ndarray],
+    code: grpc.StatusCode,
+    fragment: str,
+) -> None:
+    name, datatype, array = tensor
+    bad = triton.InferInput(name, list(array.shape), datatype)
+    bad.set_data_from_numpy(array)
+    with pytest.raises(InferenceServerException, match=fragment) as raised:
+        client.infer(model, [bad])
+    assert raised.value.status() == f"StatusCode.{code.name}"
+
+
+def test_control_calls_say_model_control_is_off(client: triton.InferenceServerClient) -> None:
+    for control in (client.load_model, client.unload_model):
+        with pytest.raises(
+            InferenceServerException, match="model control is not enabled"
+        ) as raised:
+            control("digits")
+        assert raised.value.status() == "StatusCode.FAILED_PRECONDITION"
+    assert client.is_model_ready("digits")
+
+
+def test_statistics_health_service_and_metrics(
+    served: GrpcServer, client: triton.InferenceServerClient
+) -> None:
+    stats = client.get_inference_statistics("digits", as_json=True)["model_stats"][0]
+    assert int(stats["inference_stats"]["success"]["count"]) >= 1
+    with grpc.insecure_channel(served.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "inference.GRPCInferenceService"):
+            answer = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
+    url = served.server.url
+    assert (
+        metric_value(url, "nograd_requests_total", model="digits", protocol="grpc", code="200") >= 2
+    )
+    assert (
+        metric_value(url, "nograd_requests_total", model="_unknown", protocol="grpc", code="404")
+        >= 1
+    )
+
+
+def test_an_api_key_is_required_in_the_metadata(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT / "models" / "digits", repo / "digits")
+    port = free_port()
+    env = {
+        "NOGRAD_MODEL_REPOSITORY": str(repo),
+        "NOGRAD_GRPC_PORT": str(port),
+        "NOGRAD_API_KEYS": KEY,
+    }
+    with run_server(tmp_path, env):
+        client = triton.InferenceServerClient(f"127.0.0.1:{port}")
+        try:
+            assert client.is_server_live()  # health stays open, as over HTTP
+            with pytest.raises(InferenceServerException, match="missing API key") as raised:
+                client.infer("digits", [_images(True)])
+            assert raised.value.status() == "StatusCode.UNAUTHENTICATED"
+            with pytest.raises(InferenceServerException, match="invalid API key"):
+                client.infer("digits", [_images(True)], headers={"authorization": "Bearer nope"})
+            ok = client.infer("digits", [_images(True)], headers={"authorization": f"Bearer {KEY}"})
+            assert ok.as_numpy("label") is not None
+        finally:
+            client.close()
+
+
+def test_every_worker_serves_grpc_on_the_shared_port(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT / "models" / "digits", repo / "digits")
+    port = free_port()
+    env = {
+        "NOGRAD_MODEL_REPOSITORY": str(repo),
+        "NOGRAD_GRPC_PORT": str(port),
+        "NOGRAD_WORKERS": "2",
+    }
+    with run_server(tmp_path, env) as server:
+        # Each channel is one connection; the kernel hands each to one of the two workers.
+        clients = [triton.InferenceServerClient(f"127.0.0.1:{port}") for _ in range(8)]
+        try:
+            for client in clients:
+                assert client.infer("digits", [_images(True)]).as_numpy("label") is not None
+        finally:
+            for client in clients:
+                client.close()
+        log = server.log()
+    assert log.count("gRPC listening on port") == 2, log
+
+
+def test_sigterm_drains_accepted_grpc_calls(tmp_path: Path) -> None:
+    import asyncio
+    import signal
+
+    import tritonclient.grpc.aio as triton_aio
+
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT / "tests" / "fixtures" / "models" / "slow", repo / "slow")
+    config = repo / "slow" / "config.toml"
+    config.write_text(config.read_text().replace("max_queue_size = 4", "max_queue_size = 64"))
+    port = free_port()
+    env = {"NOGRAD_MODEL_REPOSITORY": str(repo), "NOGRAD_GRPC_PORT": str(port)}
+    with run_server(tmp_path, env) as server:
+
+        async def scenario() -> list[object]:
+            client = triton_aio.InferenceServerClient(f"127.0.0.1:{port}")
+            try:
+
+                async def one(value: float) -> object:
+                    row = triton_aio.InferInput("x", [1, 1], "FP32")
+                    row.set_data_from_numpy(np.array([[value]], dtype=np.float32))
+                    return (await client.infer("slow", [row])).as_numpy("y")
+
+                calls = [asyncio.ensure_future(one(float(i))) for i in range(12)]
+                await asyncio.sleep(0.3)  # all accepted, most still queued (0.6 s of work)
+                server.process.send_signal(signal.SIGTERM)
+                return await asyncio.gather(*calls, return_exceptions=True)
+            finally:
+                await client.close()
+
+        answers = asyncio.run(scenario())
+        assert server.process.wait(30) == 0
+    for index, answer in enumerate(answers):
+        assert isinstance(answer, np.ndarray), answer
+        assert answer.reshape(-1).tolist() == [index + 1.0]
