@@ -169,11 +169,12 @@ def test_compose_port_matches_expose(
     exposed = {
         int(port.split("/")[0]) for args in final(final_stage, "EXPOSE") for port in args.split()
     }
-    assert exposed == {8000}
+    assert exposed == {8000, 8001}, "HTTP and gRPC"
     service = compose["services"]["nograd"]
     assert container_ports(service) == exposed
-    port = int(service.get("environment", {}).get("NOGRAD_PORT", 8000))
-    assert port in exposed
+    environment = service.get("environment", {})
+    assert int(environment.get("NOGRAD_PORT", 8000)) in exposed
+    assert int(environment.get("NOGRAD_GRPC_PORT", 8001)) in exposed
 
 
 def test_compose_healthcheck_hits_ready(

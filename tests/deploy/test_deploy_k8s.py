@@ -81,7 +81,7 @@ def test_deployment_probes_and_drain(path: Path) -> None:
     pod = deployment["spec"]["template"]
     (container,) = pod["spec"]["containers"]
     ports = {port["name"]: port["containerPort"] for port in container["ports"]}
-    assert ports == {"http": 8000}
+    assert ports == {"http": 8000, "grpc": 8001}
 
     assert container["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
     assert container["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
@@ -153,9 +153,8 @@ def test_service_targets_the_deployment() -> None:
     deployment = _one("Deployment", K8S / "deployment.yaml")
     pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= pod_labels.items()
-    (port,) = service["spec"]["ports"]
-    assert port["port"] == 8000
-    assert port["targetPort"] == "http"
+    ports = {port["name"]: (port["port"], port["targetPort"]) for port in service["spec"]["ports"]}
+    assert ports == {"http": (8000, "http"), "grpc": (8001, "grpc")}
 
 
 def test_hpa_scales_on_a_served_custom_metric() -> None:
