@@ -14,6 +14,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 LogFormat = Literal["json", "text"]
+ModelControlMode = Literal["none", "explicit", "poll"]
 
 
 class Settings(BaseSettings):
@@ -39,6 +40,19 @@ class Settings(BaseSettings):
 
     model_repository: Path = Path("models")
     """Folder holding one sub-folder per model (config file, code, weights)."""
+
+    model_control: ModelControlMode = "none"
+    """How the set of served models changes while serving: ``none`` (every model loads at
+    start-up; load/unload calls are refused), ``explicit`` (load/unload calls; the start-up set
+    is ``load_models``) or ``poll`` (the repository is watched: new or changed models and
+    versions load, removed ones unload)."""
+
+    load_models: str = ""
+    """With ``model_control = explicit``: comma-separated models to load at start-up, ``*`` for
+    every model; empty loads none."""
+
+    repository_poll_s: float = Field(default=5.0, gt=0.0, le=3600.0)
+    """With ``model_control = poll``: seconds between two looks at the repository."""
 
     log_level: LogLevel = "info"
     """Log level of nograd and uvicorn."""
@@ -156,6 +170,12 @@ class Settings(BaseSettings):
         if self.api_keys is None:
             return ()
         return tuple(k.strip() for k in self.api_keys.get_secret_value().split(",") if k.strip())
+
+    @property
+    def load_model_names(self) -> frozenset[str] | None:
+        """The models ``load_models`` names; None for every model (``*``)."""
+        names = frozenset(n.strip() for n in self.load_models.split(",") if n.strip())
+        return None if "*" in names else names
 
     @field_validator("model_repository")
     @classmethod

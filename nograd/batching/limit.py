@@ -60,6 +60,19 @@ class BatchLimit:
         with self._lock:
             self._cap = cap
 
+    def remeasure(self, measured: int) -> None:
+        """A new measured limit (memory was planned again as models were loaded or unloaded):
+        what earlier OOMs taught about the old share no longer applies."""
+        if measured < 0:
+            raise ValueError(f"measured limit {measured} is negative")
+        with self._lock:
+            self._measured = measured
+            self._minimum = min(self._floor, measured)
+            self._current = measured
+            self._ceiling = measured
+            self._successes = 0
+            self._since_oom = 0
+
     @property
     def measured(self) -> int:
         return self._measured

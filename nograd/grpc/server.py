@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from nograd.grpc.generated import grpc_service_pb2_grpc as pb_grpc
 from nograd.grpc.service import InferenceService
 from nograd.observability.metrics import Metrics
+from nograd.serving.control import ModelControl
 from nograd.serving.dataplane import DataPlane
 from nograd.settings import Settings
 
@@ -53,7 +54,13 @@ class GrpcServer:
     """Started once the models are loaded, stopped after the HTTP drain."""
 
     def __init__(
-        self, settings: Settings, plane: DataPlane, metrics: Metrics, *, shared_port: bool
+        self,
+        settings: Settings,
+        plane: DataPlane,
+        control: ModelControl,
+        metrics: Metrics,
+        *,
+        shared_port: bool,
     ) -> None:
         self._settings = settings
         self._plane = plane
@@ -72,7 +79,11 @@ class GrpcServer:
         )
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(  # type: ignore[no-untyped-call]
             InferenceService(
-                plane, metrics, settings.api_key_list, protect_health=settings.auth_health
+                plane,
+                control,
+                metrics,
+                settings.api_key_list,
+                protect_health=settings.auth_health,
             ),
             self._server,
         )

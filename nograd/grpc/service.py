@@ -22,6 +22,7 @@ from nograd.grpc.generated import grpc_service_pb2_grpc as pb_grpc
 from nograd.grpc.generated import model_config_pb2
 from nograd.grpc.tensors import decode_inputs, encode_outputs
 from nograd.observability.metrics import UNKNOWN_MODEL, Metrics
+from nograd.serving.control import ControlRefused, LoadFailed, ModelControl, load_parameters
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.errors import (
     InferenceFailed,
@@ -35,10 +36,6 @@ from nograd.serving.triton_config import model_configuration, repository_index
 logger = logging.getLogger(__name__)
 PROTOCOL: Final = "grpc"
 EXTENSIONS: Final = ["model_configuration", "model_repository", "statistics"]
-MODEL_CONTROL_OFF: Final = (
-    "model control is not enabled on this server: every model in NOGRAD_MODEL_REPOSITORY "
-    "loads at start-up, and a restart applies changes"
-)
 
 CODES: Final[list[tuple[type[Exception], grpc.StatusCode, int]]] = [
     (DecodeError, grpc.StatusCode.INVALID_ARGUMENT, 400),
@@ -68,12 +65,14 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     def __init__(
         self,
         plane: DataPlane,
+        control: ModelControl,
         metrics: Metrics,
         api_keys: Sequence[str],
         *,
         protect_health: bool,
     ) -> None:
         self._plane = plane
+        self._control = control
         self._metrics = metrics
         self._keys = [key.encode() for key in api_keys]
         self._protect_health = protect_health
@@ -154,7 +153,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             tensor = pb.ModelMetadataResponse.TensorMetadata
             return pb.ModelMetadataResponse(
                 name=config.name,
-                versions=[config.version],
+                versions=self._plane.registry.version_names(config.name),
                 platform=config.platform,
                 inputs=[
                     tensor(name=s.name, datatype=s.datatype, shape=[-1, *(s.shape or (1,))])
@@ -198,21 +197,34 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     # ------------------------------------------------------------------ repository
     async def RepositoryIndex(self, request: Any, context: Any) -> pb.RepositoryIndexResponse:
         async def index() -> pb.RepositoryIndexResponse:
-            entries = repository_index(list(self._plane.models.values()), ready_only=request.ready)
+            entries = repository_index(self._control.index(), ready_only=request.ready)
             model = pb.RepositoryIndexResponse.ModelIndex
             return pb.RepositoryIndexResponse(models=[model(**entry) for entry in entries])
 
         return await self._answer(context, index)
 
-    async def RepositoryModelLoad(self, request: Any, context: Any) -> Any:
-        return await self._answer(context, lambda: self._control_off(request.model_name))
+    async def RepositoryModelLoad(
+        self, request: Any, context: Any
+    ) -> pb.RepositoryModelLoadResponse:
+        async def load() -> pb.RepositoryModelLoadResponse:
+            parameters = {
+                key: value.string_param if value.HasField("string_param") else value.bytes_param
+                for key, value in request.parameters.items()
+            }
+            override = load_parameters(parameters)
+            await self._control.load(request.model_name, override)
+            return pb.RepositoryModelLoadResponse()
 
-    async def RepositoryModelUnload(self, request: Any, context: Any) -> Any:
-        return await self._answer(context, lambda: self._control_off(request.model_name))
+        return await self._answer(context, load)
 
-    async def _control_off(self, name: str) -> Any:
-        self._plane.get(name)  # an unknown model is still NOT_FOUND
-        raise ControlOff(MODEL_CONTROL_OFF)
+    async def RepositoryModelUnload(
+        self, request: Any, context: Any
+    ) -> pb.RepositoryModelUnloadResponse:
+        async def unload() -> pb.RepositoryModelUnloadResponse:
+            await self._control.unload(request.model_name)
+            return pb.RepositoryModelUnloadResponse()
+
+        return await self._answer(context, unload)
 
     # ------------------------------------------------------------------ inference
     async def ModelInfer(self, request: Any, context: Any) -> pb.ModelInferResponse:
@@ -263,11 +275,8 @@ class Unauthenticated(Exception):
     """No valid API key in the call's metadata."""
 
 
-class ControlOff(InvalidInput):
-    """A model control call while model control is off."""
-
-
 CODES[:0] = [
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED, 401),
-    (ControlOff, grpc.StatusCode.FAILED_PRECONDITION, 400),
+    (ControlRefused, grpc.StatusCode.FAILED_PRECONDITION, 400),
+    (LoadFailed, grpc.StatusCode.FAILED_PRECONDITION, 400),
 ]

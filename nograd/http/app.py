@@ -29,6 +29,7 @@ from nograd.observability.metrics import Metrics
 from nograd.observability.stats import Statistics
 from nograd.protocol.v2_schemas import InferRequestDocument
 from nograd.runtime.config import ConfigError
+from nograd.serving.control import ModelControl
 from nograd.serving.dataplane import DataPlane
 from nograd.settings import Settings
 from nograd.supervisor.worker import WorkerContext
@@ -44,26 +45,31 @@ def create_app(settings: Settings | None = None, *, worker: WorkerContext | None
     plane = DataPlane(
         settings, metrics, Statistics(shared_dir), cores=worker.cores if worker else None
     )
+    control = ModelControl(plane, shared_dir)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         del app
-        plane.discover()
+        await control.open()
+        control.discover()
         if plane.config_errors:
+            await control.close()
             raise ConfigError("; ".join(plane.config_errors))
         tasks = []
         if worker is None:
             # Models load after the server starts listening, so liveness answers and readiness
             # tells the truth (not ready) while weights load and warm up.
-            tasks.append(asyncio.create_task(plane.load_all(), name="load-models"))
+            tasks.append(asyncio.create_task(control.load_startup(), name="load-models"))
         else:
             # The supervisor hands a worker connections only once it is warm.
-            await plane.load_all()
+            await control.load_startup()
             worker.ready()
         tasks.append(asyncio.create_task(plane.watch_batchers(), name="watch-batchers"))
+        if settings.model_control == "poll":
+            tasks.append(asyncio.create_task(control.poll_forever(), name="poll-repository"))
         # gRPC serves beside HTTP on this loop and data plane; its calls drain with HTTP's.
         grpc_server = (
-            GrpcServer(settings, plane, metrics, shared_port=worker is not None)
+            GrpcServer(settings, plane, control, metrics, shared_port=worker is not None)
             if settings.grpc_port
             else None
         )
@@ -79,6 +85,7 @@ def create_app(settings: Settings | None = None, *, worker: WorkerContext | None
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
+            await control.close()
             await plane.stop(settings.drain_timeout_s)
 
     app = FastAPI(
@@ -92,6 +99,7 @@ def create_app(settings: Settings | None = None, *, worker: WorkerContext | None
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.dataplane = plane
+    app.state.control = control
     install_error_handlers(app)
     known = plane.models.__contains__
     app.add_middleware(DirectRoutes, plane=plane, metrics=metrics)

@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nograd.batching import BatcherClosed, DeadlineExceeded, QueueFull, SampleTooLarge
 from nograd.core.errors import DecodeError
+from nograd.serving.control import ControlRefused, LoadFailed
 from nograd.serving.errors import (
     InferenceFailed,
     InvalidInput,
@@ -30,6 +31,8 @@ logger = logging.getLogger(__name__)
 RETRY_AFTER_S = "1"
 
 STATUS: dict[type[Exception], int] = {
+    ControlRefused: 400,
+    LoadFailed: 400,
     DecodeError: 400,
     InvalidInput: 400,
     LimitExceeded: 422,

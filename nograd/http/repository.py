@@ -9,19 +9,22 @@ import orjson
 from fastapi import APIRouter, Request, Response
 
 from nograd.http.errors import error_body
-from nograd.http.state import dataplane_of
+from nograd.http.state import control_of, dataplane_of
 from nograd.protocol.v2 import dumps
 from nograd.protocol.v2_schemas import ERROR_RESPONSES, ErrorResponse, RepositoryIndexEntry
+from nograd.serving.control import load_parameters
+from nograd.serving.errors import InvalidInput
+from nograd.serving.repository import Override
 from nograd.serving.triton_config import model_configuration, repository_index
 
 router = APIRouter(prefix="/v2", tags=["Model repository"])
 
-MODEL_CONTROL_OFF = (
-    "model control is not enabled on this server: every model in NOGRAD_MODEL_REPOSITORY "
-    "loads at start-up, and a restart applies changes"
-)
 CONTROL_RESPONSES: dict[int | str, dict[str, Any]] = {
-    400: {"model": ErrorResponse, "description": "Model control is not enabled"},
+    400: {
+        "model": ErrorResponse,
+        "description": "Model control is not enabled, the override is invalid, or a version "
+        "failed to load (the versions serving before still serve)",
+    },
 }
 
 
@@ -91,28 +94,43 @@ async def index(request: Request) -> Response:
         if not isinstance(ready, bool):
             return _error(f"'ready' must be true or false, got {ready!r}")
         ready_only = ready
-    plane = dataplane_of(request)
-    return _json(repository_index(list(plane.models.values()), ready_only=ready_only))
+    return _json(repository_index(control_of(request).index(), ready_only=ready_only))
 
 
-def _control_off(request: Request, name: str) -> Response:
-    dataplane_of(request).get(name)  # an unknown model is still a 404
-    return _error(MODEL_CONTROL_OFF)
+async def _load_parameters(request: Request) -> Override | None:
+    body = await request.body()
+    if not body.strip():
+        return None
+    try:
+        document = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidInput(f"malformed JSON body: {exc}") from exc
+    if not isinstance(document, dict) or not isinstance(document.get("parameters", {}), dict):
+        raise InvalidInput(
+            'the body must be a JSON object such as {"parameters": {"config": "{...}"}}'
+        )
+    return load_parameters(document.get("parameters", {}))
 
 
 @router.post(
     "/repository/models/{name}/load",
-    summary="Load a model (needs model control)",
+    summary="Load a model, or reload what changed of it (NOGRAD_MODEL_CONTROL=explicit); "
+    'body {"parameters": {"config": "<JSON of config fields>"}} overrides its config',
     responses={**CONTROL_RESPONSES, 404: ERROR_RESPONSES[404]},
 )
 async def load(request: Request, name: str) -> Response:
-    return _control_off(request, name)
+    override = await _load_parameters(request)
+    await control_of(request).load(name, override)
+    return Response(status_code=200)
 
 
 @router.post(
     "/repository/models/{name}/unload",
-    summary="Unload a model (needs model control)",
+    summary="Unload every version of a model once its accepted requests are answered "
+    "(NOGRAD_MODEL_CONTROL=explicit)",
     responses={**CONTROL_RESPONSES, 404: ERROR_RESPONSES[404]},
 )
 async def unload(request: Request, name: str) -> Response:
-    return _control_off(request, name)
+    await request.body()
+    await control_of(request).unload(name)
+    return Response(status_code=200)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import Request
 
 from nograd.observability.metrics import Metrics
+from nograd.serving.control import ModelControl
 from nograd.serving.dataplane import DataPlane
 
 
@@ -18,3 +19,9 @@ def metrics_of(request: Request) -> Metrics:
     metrics = request.app.state.metrics
     assert isinstance(metrics, Metrics)
     return metrics
+
+
+def control_of(request: Request) -> ModelControl:
+    control = request.app.state.control
+    assert isinstance(control, ModelControl)
+    return control

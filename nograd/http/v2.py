@@ -109,12 +109,12 @@ async def model_version_statistics(request: Request, name: str, version: str) ->
     return _statistics(plane, [plane.get(name, version)])
 
 
-def _metadata(model: ServedModel) -> ModelMetadata:
+def _metadata(model: ServedModel, versions: list[str]) -> ModelMetadata:
     config = model.config
     return ModelMetadata.model_validate(
         {
             "name": config.name,
-            "versions": [config.version],
+            "versions": versions,
             "platform": config.platform,
             # A scalar sample is listed as [1], as the model configuration's dims say (Triton's
             # convention); requests may send [n] or [n, 1].
@@ -137,7 +137,8 @@ def _metadata(model: ServedModel) -> ModelMetadata:
     responses=ERROR_RESPONSES,
 )
 async def model_metadata(request: Request, name: str) -> ModelMetadata:
-    return _metadata(dataplane_of(request).get(name))
+    plane = dataplane_of(request)
+    return _metadata(plane.get(name), plane.registry.version_names(name))
 
 
 @router.get(
@@ -147,7 +148,8 @@ async def model_metadata(request: Request, name: str) -> ModelMetadata:
     responses=ERROR_RESPONSES,
 )
 async def model_version_metadata(request: Request, name: str, version: str) -> ModelMetadata:
-    return _metadata(dataplane_of(request).get(name, version))
+    plane = dataplane_of(request)
+    return _metadata(plane.get(name, version), plane.registry.version_names(name))
 
 
 def _model_ready(request: Request, name: str, version: str | None) -> Response:

@@ -127,7 +127,8 @@ class StatisticsResponse(BaseModel):
 
 class RepositoryIndexEntry(BaseModel):
     name: str
-    version: str
+    version: str | None = None
+    """Absent for a model of the repository that is not loaded."""
     state: str
     reason: str | None = None
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import re
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
@@ -47,6 +48,59 @@ class TensorSpec(BaseModel):
         return shape
 
 
+class VersionPolicy(BaseModel):
+    """Which of a model's numbered version folders serve (Triton's version policy): the newest
+    ``latest`` ones, ``all`` of them, or the ``specific`` ones. Written ``{ latest = 2 }``,
+    ``"all"`` or ``{ specific = [1, 3] }``; the newest one alone by default."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    latest: int | None = Field(default=None, ge=1)
+    specific: tuple[str, ...] | None = None
+    all: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_word(cls, value: object) -> object:
+        if value == "all":
+            return {"all": True}
+        if isinstance(value, str):
+            raise ValueError(
+                f'must be "all", {{ latest = N }} or {{ specific = [...] }}, got {value!r}'
+            )
+        return value
+
+    @field_validator("specific", mode="before")
+    @classmethod
+    def _versions_text(cls, value: object) -> object:
+        if isinstance(value, list | tuple):
+            return tuple(str(v) for v in value)
+        return value
+
+    @model_validator(mode="after")
+    def _one_rule(self) -> VersionPolicy:
+        rules = [self.latest is not None, self.specific is not None, self.all]
+        if sum(rules) > 1:
+            raise ValueError("set one of latest, specific or all")
+        if self.specific is not None and not self.specific:
+            raise ValueError("specific must list at least one version")
+        return self
+
+    def select(self, versions: list[str]) -> list[str]:
+        """The versions to serve out of those present (numbered folder names), oldest first."""
+        ordered = sorted(versions, key=version_order)
+        if self.all:
+            return ordered
+        if self.specific is not None:
+            return [v for v in ordered if v in self.specific]
+        return ordered[-(self.latest or 1) :]
+
+
+def version_order(version: str) -> tuple[int, str]:
+    """Numbered versions sort by number; anything else after them, by text."""
+    return (int(version), "") if version.isdigit() else (1 << 62, version)
+
+
 class ModelConfig(BaseModel):
     """What nograd needs to serve one model."""
 
@@ -54,6 +108,9 @@ class ModelConfig(BaseModel):
 
     name: str
     version: str = "1"
+    """The version a model folder without numbered version folders serves; with them, each
+    folder's name is its version."""
+    version_policy: VersionPolicy = VersionPolicy()
     platform: str = "pytorch"
     module: str = "model.py"
     """Python file, inside the model folder, that builds the model."""
@@ -222,8 +279,18 @@ def find_config(model_dir: Path) -> Path | None:
     return None
 
 
-def load_config(path: Path) -> ModelConfig:
-    """Parse and validate one config file; every error names ``path`` and the field."""
+def load_config(
+    path: Path,
+    *,
+    override: Mapping[str, object] | None = None,
+    version: str | None = None,
+    name: str | None = None,
+) -> ModelConfig:
+    """Parse and validate one config file; every error names ``path`` and the field.
+
+    ``override``: fields that replace the file's (a load call's config); ``version``: the
+    numbered folder the config serves; ``name``: the model's, when the file names none (the
+    folder's name otherwise)."""
     try:
         text = path.read_text(encoding="utf-8")
         raw = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
@@ -231,7 +298,11 @@ def load_config(path: Path) -> ModelConfig:
         raise ConfigError(f"{path}: cannot parse: {exc}") from exc
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a table of settings at the top level")
-    raw.setdefault("name", path.parent.name)
+    raw.setdefault("name", name or path.parent.name)
+    if override:
+        raw.update(override)
+    if version is not None:
+        raw["version"] = version
     try:
         return ModelConfig.model_validate(raw)
     except ValidationError as exc:

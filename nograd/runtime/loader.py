@@ -36,12 +36,22 @@ def inside(root: Path, path: Path) -> Path:
     return resolved
 
 
+def locate(model_dir: Path, relative: str) -> Path:
+    """A file of the model: in its folder, or, for a numbered version folder, in the model's
+    folder above it (code shared by every version, weights per version)."""
+    path = model_dir / relative
+    if not path.exists() and model_dir.name.isdigit() and (model_dir.parent / relative).exists():
+        return model_dir.parent / relative
+    return path
+
+
 def import_model_module(repository: Path, model_dir: Path, config: ModelConfig) -> ModuleType:
     """Import the model's code by file path under a private name, never from the network."""
-    path = inside(repository, model_dir / config.module)
+    path = inside(repository, locate(model_dir, config.module))
     if not path.is_file():
         raise LoadError(f"{path}: model code not found (field 'module')")
-    name = f"nograd_models.{config.name}"
+    # One name per version: two versions of a model may be loaded at once.
+    name = f"nograd_models.{config.name}.v{config.version}"
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise LoadError(f"{path}: cannot import")
@@ -88,7 +98,7 @@ def build_handler(
         if not isinstance(module, torch.nn.Module):
             raise LoadError(f"{model_dir / config.module}: build() returned {type(module)}")
         if config.weights is not None:
-            state = load_weights(inside(repository, model_dir / config.weights), device)
+            state = load_weights(inside(repository, locate(model_dir, config.weights)), device)
             try:
                 module.load_state_dict(state, strict=True)
             except RuntimeError as exc:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -30,6 +30,7 @@ from nograd.serving.errors import (
 from nograd.serving.heap_return import HeapReturn
 from nograd.serving.loading import ModelLoader
 from nograd.serving.registry import ModelRegistry, ServedModel, State
+from nograd.serving.repository import Override
 from nograd.serving.validation import prepare_in_thread, squeeze_scalar_samples, validate
 from nograd.settings import Settings
 
@@ -69,22 +70,48 @@ class DataPlane:
         return self.registry.config_errors
 
     # ------------------------------------------------------------------ lifecycle
-    def discover(self) -> None:
-        """Read every model config; a malformed one is logged and its model shows failed."""
-        for model in self.registry.discover(self.settings.model_repository):
+    def discover(
+        self,
+        load: Callable[[str], bool] | None = None,
+        overrides: Mapping[str, Override] | None = None,
+    ) -> None:
+        """Read every model config and register the models ``load`` selects (all without it);
+        a malformed config is logged and recorded."""
+        root = self.settings.model_repository
+        for model in self.registry.discover(root, load, overrides):
             self.metrics.model_ready.labels(model.name).set(0)
 
     async def load_all(self) -> None:
-        await self._loader.load_all(list(self.models.values()))
+        """Load the registered start-up set; the server turns ready once every one has loaded
+        (or failed to)."""
+        await self._loader.load_all(self.registry.served())
         self._cores = self._loader.cores
+        for name in list(self.registry.versions):
+            self.registry.refresh(name)
         self._loaded.set()
         self.metrics.workers_ready.set(1)
+
+    async def load_models(self, models: list[ServedModel]) -> None:
+        """Load, warm up and plan ``models`` beside those serving (not registered: they take
+        requests once registered)."""
+        await self._loader.load_all(models, self.registry.served())
+        self._cores = self._loader.cores
+
+    def replan(self) -> None:
+        """Share each device's memory again among the models serving (after an unload)."""
+        self._loader.replan(self.registry.served())
+
+    def mark_ready(self, name: str) -> None:
+        """Export whether ``name`` has a ready version."""
+        model = self.models.get(name)
+        ready = model is not None and model.ready and not self._draining
+        self.metrics.model_ready.labels(name).set(1 if ready else 0)
 
     def begin_drain(self) -> None:
         """Turn not-ready at once and refuse new work; accepted requests still finish."""
         self._draining = True
-        for model in self.models.values():
-            self.metrics.model_ready.labels(model.name).set(0)
+        for name in self.registry.versions:
+            self.metrics.model_ready.labels(name).set(0)
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait until no accepted request is left (True) or the timeout passes (False)."""
@@ -107,7 +134,7 @@ class DataPlane:
 
     async def restart_dead_batchers(self) -> int:
         restarted = 0
-        for model in self.models.values():
+        for model in self.registry.served():
             if model.state is not State.READY or model.batcher is None or self._draining:
                 continue
             if await model.batcher.restart_if_dead():
@@ -118,7 +145,7 @@ class DataPlane:
 
     async def stop(self, drain_timeout_s: float = 0.0) -> None:
         self._draining = True
-        for model in self.models.values():
+        for model in self.registry.served():
             if model.batcher is not None:
                 await model.batcher.stop(drain_timeout_s)
             self.metrics.model_ready.labels(model.name).set(0)
@@ -183,6 +210,9 @@ class DataPlane:
             cores.set_active(True)
         self._inflight += 1
         large = self.heap_return.is_large(inputs)
+        # Counted from lookup (no await in between): an unload or reload frees this version only
+        # once it is answered.
+        model.active += 1
         try:
             outputs = await self._infer(model, inputs, deadline)
         except BaseException as exc:
@@ -192,6 +222,9 @@ class DataPlane:
                 self.metrics.rejected.labels(model.name, reason).inc()
             raise
         finally:
+            model.active -= 1
+            if model.active == 0 and model.drained is not None:
+                model.drained.set()
             if large:
                 self.heap_return.finished_large()
             self._inflight -= 1
@@ -252,7 +285,7 @@ class DataPlane:
     def _memory_readings(self) -> Iterable[tuple[str, int, int, int, int]]:
         devices = {
             device_label(m.handler.device): m.handler.device
-            for m in self.models.values()
+            for m in self.registry.served()
             if m.handler is not None
         }
         if not devices:

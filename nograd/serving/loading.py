@@ -11,11 +11,13 @@ import asyncio
 import gc
 import logging
 import time
+from collections.abc import Sequence
 from typing import Final
 
 import torch
 
 from nograd.batching import Batcher, BatchLimit
+from nograd.host.heap import release_free_memory
 from nograd.host.ledger import CoreLedger, CoreShare
 from nograd.observability.metrics import Metrics
 from nograd.observability.stats import FanOutObserver, Statistics
@@ -23,7 +25,7 @@ from nograd.runtime.config import ModelConfig
 from nograd.runtime.devices import DeviceThreads, configure_threads, device_label, resolve_device
 from nograd.runtime.handler import Outputs, TensorPart, TorchRunner
 from nograd.runtime.loader import build_handler, weights_bytes
-from nograd.runtime.memory import Profile, probe_for
+from nograd.runtime.memory import Profile, device_budget, probe_for
 from nograd.runtime.planner import PlanInput, log_plan, plan_device, profile_handler
 from nograd.runtime.speed.guard import apply_speed
 from nograd.runtime.speed.path import batch_cap
@@ -64,18 +66,26 @@ class ModelLoader:
         """One thread per device, running its models' loads and batches."""
         self.cores: CoreLedger | None = None
         """Joined at load: the CPU cores shared with the other workers, batch by batch."""
+        self._joined = False
+        self._pools: dict[str, int] = {}
+        """Per device, the memory first planned (activation budget plus weights)."""
 
     def _limit(self, config: ModelConfig) -> int:
         return configured_limit(config, self._settings.max_batch_size)
 
-    async def load_all(self, models: list[ServedModel]) -> None:
-        """Load and warm up every model, plan memory per device, then start the batchers.
+    async def load_all(
+        self, models: list[ServedModel], serving: Sequence[ServedModel] = ()
+    ) -> None:
+        """Load and warm up every model, plan memory per device (with the ``serving`` ones,
+        whose shares change), then start the batchers.
 
         Planning waits for every load so the free memory it budgets already excludes all
         weights; a model that fails at any step is reported and left not ready.
         """
         loop = asyncio.get_running_loop()
-        self._join_cores()
+        if not self._joined:
+            self._joined = True
+            self._join_cores()
         for model in models:
             try:
                 device = resolve_device(model.config.device)
@@ -83,7 +93,7 @@ class ModelLoader:
                 await loop.run_in_executor(executor, self._load, model, device)
             except Exception as exc:
                 _failed(model, exc, "failed to load")
-        await self._plan_memory(models)
+        await self._plan_memory(models, serving)
         for model in models:
             if model.handler is not None and model.state is State.LOADING:
                 try:
@@ -134,52 +144,94 @@ class ModelLoader:
             model.warmup_seconds,
         )
 
-    async def _plan_memory(self, models: list[ServedModel]) -> None:
-        """Measure each loaded model's activation cost and derive its batch limit."""
+    async def _plan_memory(
+        self, models: list[ServedModel], serving: Sequence[ServedModel] = ()
+    ) -> None:
+        """Measure each newly loaded model's activation cost, then split each device's budget
+        among those and the ``serving`` ones (whose limits change with their new shares)."""
         loop = asyncio.get_running_loop()
+        fresh = [m for m in models if m.handler is not None and m.state is State.LOADING]
+        for model in fresh:
+            assert model.handler is not None
+            executor = self.threads.executor(model.handler.device)
+            probe = probe_for(model.handler.device)
+            cap = self._limit(model.config)
+            try:
+                model.profile = await loop.run_in_executor(
+                    executor, profile_handler, model.handler, probe, cap
+                )
+            except Exception:
+                logger.exception(
+                    "memory profiling of model %s v%s failed; its limit stays at %d",
+                    model.name,
+                    model.version,
+                    cap,
+                )
+        others = [m for m in serving if m.ready and m not in fresh]
+        if fresh:
+            self._plan_devices(fresh, others)
+
+    def replan(self, serving: Sequence[ServedModel]) -> None:
+        """Split each device's budget again among the models left serving (after an unload)."""
+        self._plan_devices([], [m for m in serving if m.ready])
+
+    def _plan_devices(self, fresh: list[ServedModel], others: list[ServedModel]) -> None:
         by_device: dict[str, list[ServedModel]] = {}
-        for model in models:
-            if model.handler is not None and model.state is State.LOADING:
+        for model in [*others, *fresh]:
+            if model.handler is not None and model.profile is not None:
                 by_device.setdefault(device_label(model.handler.device), []).append(model)
         for label, group in by_device.items():
             assert group[0].handler is not None
-            device = group[0].handler.device
-            probe = probe_for(device)
-            executor = self.threads.executor(device)
+            probe = probe_for(group[0].handler.device)
+            names = [m.name for m in group]
+            keyed = {
+                (m.name if names.count(m.name) == 1 else f"{m.name} v{m.version}"): m for m in group
+            }
+            inputs = []
             profiles: dict[str, Profile] = {}
-            inputs: list[PlanInput] = []
-            for model in group:
-                assert model.handler is not None
+            for key, model in keyed.items():
+                assert model.handler is not None and model.profile is not None
+                profiles[key] = model.profile
                 cap = self._limit(model.config)
-                try:
-                    profiles[model.name] = await loop.run_in_executor(
-                        executor, profile_handler, model.handler, probe, cap
-                    )
-                except Exception:
-                    logger.exception(
-                        "memory profiling of model %s failed; its limit stays at %d",
-                        model.name,
-                        cap,
-                    )
-                    continue
-                inputs.append(PlanInput(model.name, model.handler, model.weights_bytes, cap))
-            # Worker processes share the device: each takes an equal part of what it sees free
-            # (a budget reserves nothing, so a later worker sees the earlier ones' budgets as free).
-            workers = self._settings.worker_count
-            explicit = self._settings.memory_budget_bytes
+                inputs.append(PlanInput(key, model.handler, model.weights_bytes, cap))
             budget, plans = plan_device(
                 inputs,
                 profiles,
                 probe,
-                fraction=self._settings.memory_fraction / workers,
-                explicit_bytes=explicit // workers if explicit else None,
+                fraction=self._settings.memory_fraction / self._settings.worker_count,
+                explicit_bytes=self._budget(label, group),
             )
             self._metrics.memory_budget.labels(label).set(budget)
             log_plan(label, budget, plans)
-            by_name = {model.name: model for model in group}
             for plan in plans:
-                by_name[plan.name].plan = plan
-                self._metrics.sample_bytes.labels(plan.name).set(plan.profile.model.per_unit)
+                model = keyed[plan.name]
+                model.plan = plan
+                self._metrics.sample_bytes.labels(model.name).set(plan.profile.model.per_unit)
+                if model.batcher is not None and model.handler is not None:
+                    model.batcher.limit.remeasure(plan.limit)
+                    model.batcher.limit.set_cap(batch_cap(model.handler))
+
+    def _budget(self, label: str, group: list[ServedModel]) -> int | None:
+        """An operator's budget (each worker takes an equal part), or None to measure it.
+
+        Worker processes share the device: each takes an equal part of what it sees free (a
+        budget reserves nothing, so a later worker sees the earlier ones' budgets as free).
+        Measured once per device: later plans keep that pool of memory (activations plus
+        weights) and subtract the weights loaded at the time, as freed activation memory may
+        still be held by the allocator and would not read as free.
+        """
+        explicit = self._settings.memory_budget_bytes
+        if explicit:
+            return explicit // self._settings.worker_count
+        weights = sum(m.weights_bytes for m in group)
+        pool = self._pools.get(label)
+        if pool is None:
+            assert group[0].handler is not None
+            probe = probe_for(group[0].handler.device)
+            fraction = self._settings.memory_fraction / self._settings.worker_count
+            self._pools[label] = device_budget(probe, fraction, None) + weights
+            return None
+        return max(0, pool - weights)
 
     async def _start(self, model: ServedModel) -> None:
         assert model.handler is not None
@@ -210,6 +262,19 @@ class ModelLoader:
         model.batcher = batcher
         model.state = State.READY
         self._metrics.model_ready.labels(model.name).set(1)
+
+
+def free(model: ServedModel) -> None:
+    """Drop an unloaded (or failed) version's model and batcher and hand its memory back: the
+    device's cached blocks, and the C heap's free pages."""
+    handler, model.handler, model.batcher = model.handler, None, None
+    model.state = State.UNLOADED
+    device = handler.device if handler is not None else None
+    del handler
+    gc.collect()
+    if device is not None and device.type == "cuda":
+        torch.cuda.empty_cache()
+    release_free_memory()
 
 
 def _failed(model: ServedModel, exc: Exception, what: str) -> None:

@@ -1,21 +1,26 @@
-"""The served models by name: each one's config, state, handler and batcher.
+"""The served models by name and version: each one's config, state, handler and batcher.
 
-One place answers "which models are there, and is this one ready"; the loader fills it and the
-data plane reads it, so models loaded or unloaded while serving change only this.
+One place answers "which models are there, which version answers, and is it ready"; the loader
+and model control fill it and the data plane reads it, so models loaded or unloaded while
+serving change only this.
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from nograd.batching import Batcher
-from nograd.runtime.config import ConfigError, ModelConfig, find_config, load_config
+from nograd.runtime.config import ModelConfig, version_order
 from nograd.runtime.handler import ModelHandler, Outputs, TensorPart
+from nograd.runtime.memory import Profile
 from nograd.runtime.planner import ModelPlan
 from nograd.serving.errors import ModelNotFound
+from nograd.serving.repository import Override, scan
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +29,7 @@ class State(enum.Enum):
     LOADING = "loading"
     READY = "ready"
     FAILED = "failed"
+    UNLOADED = "unloaded"
 
 
 @dataclass
@@ -40,6 +46,15 @@ class ServedModel:
     warmup_seconds: float = 0.0
     weights_bytes: int = 0
     plan: ModelPlan | None = None
+    profile: Profile | None = None
+    """The measured activation cost, kept so memory can be planned again when models change."""
+    fingerprint: str = ""
+    """The files it was loaded from (``nograd.serving.repository``): a change means a reload."""
+    active: int = 0
+    """Requests holding this version, from lookup to answer: an unloaded version is freed only
+    once they are done."""
+    drained: asyncio.Event | None = None
+    """Set when ``active`` drops to zero, for an unload waiting on it."""
 
     @property
     def name(self) -> str:
@@ -55,46 +70,97 @@ class ServedModel:
 
 
 class ModelRegistry:
-    """The repository's models by name, and the configs that could not be read."""
+    """The served models: every loaded version by name, the version each name answers with, the
+    models the repository holds but that are not loaded, and the configs that could not be read.
+    """
 
     def __init__(self) -> None:
         self.models: dict[str, ServedModel] = {}
+        """Per name, the version a request without a version goes to: the newest ready one (the
+        newest one while none is ready). Changed in place, so holders of the dict see changes."""
+        self.versions: dict[str, dict[str, ServedModel]] = {}
+        """Per name, every version loaded or loading."""
+        self.unloaded: dict[str, str] = {}
+        """Models of the repository that are not loaded, with the reason."""
         self.config_errors: list[str] = []
 
-    def discover(self, root: Path) -> list[ServedModel]:
-        """Read every model config under ``root``; a malformed one is logged and recorded."""
-        if not root.is_dir():
-            raise ConfigError(f"model repository {str(root)!r} is not a folder")
+    def discover(
+        self,
+        root: Path,
+        load: Callable[[str], bool] | None = None,
+        overrides: Mapping[str, Override] | None = None,
+    ) -> list[ServedModel]:
+        """Read every model config under ``root`` and register the versions to serve (those for
+        which ``load(name)`` holds; every model without it). A malformed config is logged and
+        recorded."""
+        sources, problems = scan(root, overrides)
+        for problem in problems:
+            self._reject(problem)
         found = []
-        for model_dir in sorted(p for p in root.iterdir() if p.is_dir()):
-            path = find_config(model_dir)
-            if path is None:
+        for name, source in sources.items():
+            if load is not None and not load(name):
+                self.unloaded[name] = "not loaded at start-up"
                 continue
-            try:
-                config = load_config(path)
-            except ConfigError as exc:
-                self._reject(str(exc))
-                continue
-            if config.name in self.models:
-                self._reject(f"{path}: field 'name': model {config.name!r} is defined twice")
-                continue
-            model = ServedModel(config, model_dir)
-            self.models[config.name] = model
-            found.append(model)
+            for version in source.versions.values():
+                model = ServedModel(
+                    version.config, version.directory, fingerprint=version.fingerprint
+                )
+                self.add(model)
+                found.append(model)
         return found
 
     def _reject(self, message: str) -> None:
         logger.error("model config rejected: %s", message)
         self.config_errors.append(message)
 
+    def add(self, model: ServedModel) -> None:
+        """Register a version (loading); it takes requests once ready and the newest."""
+        self.versions.setdefault(model.name, {})[model.version] = model
+        self.unloaded.pop(model.name, None)
+        self.refresh(model.name)
+
+    def remove(self, model: ServedModel, reason: str | None = None) -> None:
+        """Take a version out: requests that already hold it finish, new ones go elsewhere."""
+        versions = self.versions.get(model.name, {})
+        if versions.get(model.version) is model:
+            del versions[model.version]
+        if not versions:
+            self.versions.pop(model.name, None)
+            if reason is not None:
+                self.unloaded[model.name] = reason
+        self.refresh(model.name)
+
+    def refresh(self, name: str) -> None:
+        """Point ``name`` at its newest ready version (the newest one while none is ready)."""
+        versions = self.versions.get(name)
+        if not versions:
+            self.models.pop(name, None)
+            return
+        ordered = sorted(versions.values(), key=lambda m: version_order(m.version))
+        ready = [m for m in ordered if m.ready]
+        self.models[name] = (ready or ordered)[-1]
+
+    def served(self) -> list[ServedModel]:
+        """Every version loaded or loading."""
+        return [m for versions in self.versions.values() for m in versions.values()]
+
+    def version_names(self, name: str) -> list[str]:
+        return sorted(self.versions.get(name, {}), key=version_order)
+
     def get(self, name: str, version: str | None = None) -> ServedModel:
         model = self.models.get(name)
         if model is None:
+            if name in self.unloaded:
+                raise ModelNotFound(f"model {name!r} is not loaded ({self.unloaded[name]})")
             raise ModelNotFound(f"model {name!r} is not in the repository")
-        if version is not None and version != model.version:
-            raise ModelNotFound(f"model {name!r} has no version {version!r}")
-        return model
+        if version is None:
+            return model
+        found = self.versions.get(name, {}).get(version)
+        if found is None:
+            served = ", ".join(self.version_names(name))
+            raise ModelNotFound(f"model {name!r} has no version {version!r} (serving: {served})")
+        return found
 
     def all_ready(self) -> bool:
-        """Every config read and every model serving; a failed one keeps the server not ready."""
-        return not self.config_errors and all(m.ready for m in self.models.values())
+        """Every config read and every version serving; a failed one keeps the server not ready."""
+        return not self.config_errors and all(m.ready for m in self.served())

@@ -7,9 +7,10 @@ here, so HTTP and gRPC describe a model the same way.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Final
 
-from nograd.runtime.config import TensorSpec
+from nograd.runtime.config import TensorSpec, version_order
 from nograd.serving.registry import ServedModel, State
 from nograd.settings import Settings
 
@@ -35,6 +36,7 @@ INDEX_STATES: Final[dict[State, str]] = {
     State.LOADING: "LOADING",
     State.READY: "READY",
     State.FAILED: "UNAVAILABLE",
+    State.UNLOADED: "UNAVAILABLE",
 }
 
 
@@ -108,11 +110,13 @@ def model_configuration(model: ServedModel, settings: Settings) -> dict[str, Any
 
 
 def repository_index(
-    models: list[ServedModel], *, ready_only: bool = False
+    rows: Sequence[ServedModel | tuple[str, str]], *, ready_only: bool = False
 ) -> list[dict[str, str]]:
-    """Every model of the repository with its state, as Triton's repository index lists it."""
+    """Every model of the repository with its state, as Triton's repository index lists it:
+    each version loaded or loading, and each model not loaded (name and reason, no version)."""
     index = []
-    for model in sorted(models, key=lambda m: (m.name, m.version)):
+    models = [row for row in rows if isinstance(row, ServedModel)]
+    for model in sorted(models, key=lambda m: (m.name, version_order(m.version))):
         if ready_only and not model.ready:
             continue
         entry = {"name": model.name, "version": model.version, "state": INDEX_STATES[model.state]}
@@ -122,4 +126,8 @@ def repository_index(
         elif model.error:
             entry["reason"] = model.error
         index.append(entry)
+    if not ready_only:
+        for row in rows:
+            if isinstance(row, tuple):
+                index.append({"name": row[0], "state": "UNAVAILABLE", "reason": row[1]})
     return index

@@ -7,12 +7,15 @@ prometheus_client's multiprocess mode keeps every worker's metrics in files of o
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
 from nograd.observability.stats import STATS_PREFIX
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+CONTROL_FOLDER = "control"
+"""The workers' model control sockets, lock and state (``nograd.serving.peers``)."""
 CORES_FILE = "cores.i64"
 """The shared ledger of CPU cores (``nograd.host.ledger``), in the shared folder."""
 
@@ -29,6 +32,8 @@ def prepare_shared_dir() -> tuple[Path, bool]:
         directory.mkdir(parents=True, exist_ok=True)
         for stale in (*directory.glob("*.db"), *directory.glob(f"{STATS_PREFIX}*")):
             stale.unlink()
+        # An earlier run's model control state would load its models into this one.
+        shutil.rmtree(directory / CONTROL_FOLDER, ignore_errors=True)
         return directory, False
     directory = Path(tempfile.mkdtemp(prefix="nograd-metrics-"))
     # Set before any prometheus_client import here or in a worker: it picks file-backed values

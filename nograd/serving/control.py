@@ -1,0 +1,358 @@
+"""Model control: loading, reloading and unloading models while serving
+(``NOGRAD_MODEL_CONTROL``).
+
+A load builds, warms up and memory-plans the new versions while the old ones serve; traffic
+switches once they are ready, and the versions they replace drain their accepted requests before
+they are freed. Unchanged versions (same files, same config) are left alone. With several workers
+a call is applied by every worker before it answers, one call at a time server-wide.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from nograd.runtime.config import ConfigError, find_config, load_config, version_order
+from nograd.serving.dataplane import DataPlane
+from nograd.serving.errors import InvalidInput, ModelNotFound
+from nograd.serving.loading import free
+from nograd.serving.peers import Peers
+from nograd.serving.registry import ServedModel
+from nograd.serving.repository import ModelSource, Override, read_model, scan
+
+logger = logging.getLogger(__name__)
+
+Operation = Literal["load", "unload"]
+
+
+class ControlRefused(Exception):
+    """Load and unload calls are not taken in this model control mode."""
+
+
+class LoadFailed(Exception):
+    """A version could not be loaded (or a worker could not apply the call); what served before
+    still serves."""
+
+
+def load_parameters(parameters: Mapping[str, object]) -> Override | None:
+    """The config override of a load call's parameters (Triton's: ``config``, a JSON object of
+    config fields as text); a ``file:`` parameter or anything else is refused by name."""
+    override: Override | None = None
+    for key, value in parameters.items():
+        if key == "config":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError as exc:
+                    raise InvalidInput(f"parameter 'config' is not JSON: {exc}") from exc
+            if not isinstance(value, dict):
+                raise InvalidInput(
+                    "parameter 'config' must be a JSON object of model config fields, such as "
+                    '{"max_batch_size": 8}'
+                )
+            override = value
+        elif key.startswith("file:"):
+            raise InvalidInput(
+                f"parameter {key!r}: model files cannot be uploaded; put them in the model "
+                "repository and load the model by name"
+            )
+        elif key != "unload_dependents":
+            raise InvalidInput(f"unknown load parameter {key!r} (known: config)")
+    return override
+
+
+class ModelControl:
+    """Applies load and unload calls and repository changes to the data plane."""
+
+    def __init__(self, plane: DataPlane, shared_dir: Path | None = None) -> None:
+        """``shared_dir``: the folder this worker shares with its siblings (None: one process)."""
+        self._plane = plane
+        self._settings = plane.settings
+        self._peers = None if shared_dir is None else Peers(shared_dir, self.apply_from_peer)
+        self._lock = asyncio.Lock()
+        self._overrides: dict[str, Override] = {}
+        self._failed: dict[tuple[str, str], str] = {}
+        """Poll mode: the fingerprint of each version that failed to load, not retried unchanged."""
+        self._problems: set[str] = set()
+
+    @property
+    def mode(self) -> str:
+        return self._settings.model_control
+
+    @property
+    def root(self) -> Path:
+        return self._settings.model_repository
+
+    # ------------------------------------------------------------------ start-up
+    async def open(self) -> None:
+        """Join the sibling workers' control channel before reading what to load, so a call made
+        while this worker starts is applied after its start-up load, not lost."""
+        if self._peers is not None:
+            await self._peers.start()
+
+    async def close(self) -> None:
+        if self._peers is not None:
+            await self._peers.stop()
+
+    def discover(self) -> None:
+        """Read the repository and register the start-up set: every model (``none``, ``poll``),
+        or ``load_models`` and what later calls loaded (``explicit``)."""
+        wanted: frozenset[str] | None = None
+        if self.mode == "explicit":
+            state = self._peers.read_state() if self._peers is not None else None
+            if state is not None:
+                wanted = frozenset(state)
+                self._overrides = {n: o for n, o in state.items() if isinstance(o, dict)}
+            else:
+                wanted = self._settings.load_model_names
+        self._plane.discover(None if wanted is None else wanted.__contains__, self._overrides)
+        if self.mode != "none":
+            # Only a fixed repository must be whole to serve: under control, an unreadable
+            # folder is logged and listed, and the models that load serve.
+            self._problems = set(self._plane.registry.config_errors)
+            self._plane.registry.config_errors.clear()
+
+    async def load_startup(self) -> None:
+        async with self._lock:
+            await self._plane.load_all()
+
+    # ------------------------------------------------------------------ calls
+    async def load(self, name: str, override: Override | None = None) -> None:
+        """Load ``name`` (or reload what changed of it) on every worker."""
+        await self._everywhere({"op": "load", "name": name, "override": override})
+
+    async def unload(self, name: str) -> None:
+        """Unload every version of ``name`` on every worker; accepted requests finish first."""
+        await self._everywhere({"op": "unload", "name": name})
+
+    async def _everywhere(self, call: dict[str, Any]) -> None:
+        if self.mode != "explicit":
+            name = call["name"]
+            if name not in self._plane.registry.versions and not self._in_repository(name):
+                raise ModelNotFound(f"model {name!r} is not in the repository")
+            setting = "NOGRAD_MODEL_CONTROL"
+            if self.mode == "poll":
+                raise ControlRefused(
+                    f"model control is 'poll' ({setting}): models load and unload as the "
+                    "repository changes; load and unload calls are refused"
+                )
+            raise ControlRefused(
+                f"model control is not enabled ({setting}=none): every model loads at start-up "
+                f"and a restart applies changes; set {setting}=explicit for load and unload calls"
+            )
+        if self._peers is None:
+            await self.apply(call)
+            return
+        async with self._peers.exclusive():
+            await self.apply(call)
+            state = self._peers.read_state()
+            if state is None:
+                state = {name: None for name in self._plane.registry.versions}
+            if call["op"] == "load":
+                state[call["name"]] = call.get("override")
+            else:
+                state.pop(call["name"], None)
+            self._peers.write_state(state)
+            failures = await self._peers.broadcast(call)
+        if failures:
+            detail = "; ".join(f"{worker}: {error}" for worker, error in sorted(failures.items()))
+            raise LoadFailed(f"applied by this worker, but not by every worker: {detail}")
+
+    async def apply(self, call: dict[str, Any]) -> None:
+        """Apply one load or unload call in this worker."""
+        name = str(call["name"])
+        async with self._lock:
+            if call["op"] == "unload":
+                await self._unload(name)
+                return
+            override = call.get("override")
+            if override is not None and not isinstance(override, dict):
+                raise InvalidInput("the config override must be a JSON object of config fields")
+            await self._reconcile(name, self._find(name, override), override)
+
+    async def apply_from_peer(self, call: dict[str, Any]) -> str | None:
+        """``apply`` for a sibling worker: the error as text, or None."""
+        try:
+            await self.apply(call)
+        except Exception as exc:
+            return str(exc)
+        return None
+
+    def _find(self, name: str, override: Override | None) -> ModelSource:
+        """The repository folder of model ``name``, read with ``override``."""
+        if not self.root.is_dir():
+            raise ModelNotFound(f"model repository {str(self.root)!r} is not a folder")
+        for model_dir in sorted(p for p in self.root.iterdir() if p.is_dir()):
+            path = find_config(model_dir)
+            if path is None:
+                continue
+            try:
+                found = load_config(path).name == name
+                if found or model_dir.name == name:
+                    source = read_model(model_dir, override)
+            except ConfigError as exc:
+                if model_dir.name == name:
+                    raise InvalidInput(str(exc)) from exc
+                continue
+            if found and source is not None:
+                if not source.versions:
+                    raise InvalidInput(f"{model_dir}: its version policy selects no version")
+                return source
+        raise ModelNotFound(f"model {name!r} is not in the repository {str(self.root)!r}")
+
+    async def _unload(self, name: str) -> None:
+        registry = self._plane.registry
+        served = list(registry.versions.get(name, {}).values())
+        if not served:
+            if name in registry.unloaded or self._in_repository(name):
+                return  # already unloaded: nothing to do, as Triton answers
+            raise ModelNotFound(f"model {name!r} is not in the repository")
+        for model in served:
+            await self._retire(model, "unloaded by request")
+        self._overrides.pop(name, None)
+        self._plane.replan()
+
+    def _in_repository(self, name: str) -> bool:
+        try:
+            self._find(name, None)
+        except (ModelNotFound, InvalidInput):
+            return False
+        return True
+
+    async def _reconcile(
+        self, name: str, source: ModelSource | None, override: Override | None = None
+    ) -> None:
+        """Make the versions of ``name`` that serve those of ``source`` (None: none): load the
+        new and changed ones, switch to them once ready, then retire what they replace."""
+        registry = self._plane.registry
+        current = dict(registry.versions.get(name, {}))
+        wanted = source.versions if source is not None else {}
+        fresh = [
+            ServedModel(v.config, v.directory, fingerprint=v.fingerprint)
+            for version, v in wanted.items()
+            if version not in current
+            or current[version].fingerprint != v.fingerprint
+            or not current[version].ready
+        ]
+        if fresh:
+            await self._plane.load_models(fresh)
+        failed = [m for m in fresh if not m.ready]
+        for model in fresh:
+            if model.ready:
+                registry.add(model)
+        kept = {v for v in wanted if v in registry.versions.get(name, {})}
+        now = registry.versions.get(name, {})
+        # A version that failed to load replaces nothing: what served before serves on.
+        gone = [
+            m for v, m in current.items() if now.get(v) is not m or (v not in wanted and not failed)
+        ]
+        reason = "removed from the repository" if source is None else "no longer selected"
+        for model in gone:
+            replaced = model.version in kept
+            await self._retire(model, "replaced by a newer load" if replaced else reason)
+        if gone:
+            self._plane.replan()
+        if override is not None:
+            self._overrides[name] = override
+        elif source is not None:
+            self._overrides.pop(name, None)
+        for model in failed:
+            self._failed[(name, model.version)] = model.fingerprint
+            free(model)
+        if failed:
+            detail = "; ".join(f"version {m.version}: {m.error}" for m in failed)
+            if name not in registry.versions:
+                registry.unloaded[name] = f"failed to load: {detail}"
+            raise LoadFailed(f"model {name!r} did not load: {detail}")
+        loaded = ", ".join(sorted((m.version for m in fresh), key=version_order))
+        if fresh:
+            logger.info("model %s: version(s) %s serving", name, loaded)
+
+    async def _retire(self, model: ServedModel, reason: str) -> None:
+        """Stop routing to ``model``, let the requests that hold it finish, then free it."""
+        registry = self._plane.registry
+        registry.remove(model, reason)
+        deadline = time.monotonic() + self._settings.drain_timeout_s
+        if model.active:
+            model.drained = asyncio.Event()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(model.drained.wait(), self._settings.drain_timeout_s)
+        if model.batcher is not None:
+            await model.batcher.stop(max(0.0, deadline - time.monotonic()))
+        self._plane.mark_ready(model.name)
+        logger.info("model %s v%s unloaded (%s)", model.name, model.version, reason)
+        free(model)
+
+    # ------------------------------------------------------------------ index
+    def index(self) -> list[ServedModel | tuple[str, str]]:
+        """Every version loaded or loading, and (name, reason) for each model of the
+        repository that is not loaded."""
+        registry = self._plane.registry
+        rows: list[ServedModel | tuple[str, str]] = list(registry.served())
+        try:
+            sources, _ = scan(self.root)
+        except ConfigError:
+            sources = {}
+        for name in sorted(set(sources) | set(registry.unloaded)):
+            if name not in registry.versions:
+                rows.append((name, registry.unloaded.get(name, "not loaded")))
+        return rows
+
+    # ------------------------------------------------------------------ poll
+    async def poll_forever(self) -> None:
+        """Poll mode: look at the repository every ``repository_poll_s`` and apply changes."""
+        while True:
+            await asyncio.sleep(self._settings.repository_poll_s)
+            try:
+                await self.poll_once()
+            except Exception:
+                logger.exception("model repository poll failed")
+
+    async def poll_once(self) -> None:
+        loop = asyncio.get_running_loop()
+        sources, problems = await loop.run_in_executor(None, scan, self.root, self._overrides)
+        for problem in set(problems) - self._problems:
+            logger.error("model repository: %s (the versions serving stay)", problem)
+        self._problems = set(problems)
+        registry = self._plane.registry
+        async with self._lock:
+            for name in sorted(set(sources) | set(registry.versions)):
+                source = sources.get(name)
+                if source is None:
+                    if not self._folder_left(name):
+                        continue
+                    await self._reconcile(name, None)
+                    registry.unloaded.pop(name, None)
+                elif self._changed(name, source):
+                    try:
+                        await self._reconcile(name, source, self._overrides.get(name))
+                    except LoadFailed as exc:
+                        logger.error("%s; the versions serving before stay", exc)
+
+    def _folder_left(self, name: str) -> bool:
+        """Whether every folder ``name`` was loaded from is gone (an unreadable config keeps
+        the model serving: a half-copied folder must not unload it)."""
+        for model in self._plane.registry.versions.get(name, {}).values():
+            folder = model.directory.parent if model.directory.name.isdigit() else model.directory
+            if find_config(folder) is not None:
+                return False
+        return True
+
+    def _changed(self, name: str, source: ModelSource) -> bool:
+        current = self._plane.registry.versions.get(name, {})
+        if set(current) != set(source.versions):
+            return any(
+                self._failed.get((name, v)) != s.fingerprint
+                for v, s in source.versions.items()
+                if v not in current
+            ) or bool(set(current) - set(source.versions))
+        return any(
+            current[v].fingerprint != s.fingerprint and self._failed.get((name, v)) != s.fingerprint
+            for v, s in source.versions.items()
+        )

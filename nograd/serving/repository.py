@@ -1,0 +1,123 @@
+"""The model repository on disk: each model's folder, the versions its policy serves, and a
+fingerprint per version.
+
+A model folder holds its config, and either its files (one version, the config's ``version``) or
+numbered version folders (``1/``, ``2/``), each with its files and optionally its own config.
+Control calls and the poller compare fingerprints (file names, sizes and modification times) with
+what serves, so an unchanged version is never reloaded and weights are never read to find out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nograd.runtime.config import ConfigError, ModelConfig, find_config, load_config
+
+Override = Mapping[str, object]
+"""Config fields a load call sets over the file's (Triton's ``config`` parameter)."""
+
+
+@dataclass(frozen=True)
+class VersionSource:
+    """One version as found on disk."""
+
+    config: ModelConfig
+    directory: Path
+    """Where the version's code and weights are looked up first (then the model's folder)."""
+    fingerprint: str
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """One model folder: the versions its policy selects, oldest first."""
+
+    name: str
+    directory: Path
+    versions: dict[str, VersionSource] = field(default_factory=dict)
+
+
+def read_model(model_dir: Path, override: Override | None = None) -> ModelSource | None:
+    """The model in ``model_dir`` (None when the folder holds no config); a config that cannot be
+    used raises ``ConfigError`` naming the file and field."""
+    path = find_config(model_dir)
+    if path is None:
+        return None
+    top = load_config(path, override=override)
+    extra = _override_text(override)
+    numbered = sorted(d.name for d in model_dir.iterdir() if d.is_dir() and d.name.isdigit())
+    source = ModelSource(top.name, model_dir)
+    if not numbered:
+        fingerprint = _fingerprint([model_dir], extra)
+        source.versions[top.version] = VersionSource(top, model_dir, fingerprint)
+        return source
+    for version in top.version_policy.select(numbered):
+        version_dir = model_dir / version
+        own = find_config(version_dir)
+        config = load_config(own or path, override=override, version=version, name=top.name)
+        if config.name != top.name:
+            raise ConfigError(
+                f"{own}: field 'name': {config.name!r} differs from the model's {top.name!r}"
+            )
+        fingerprint = _fingerprint([version_dir, path], extra)
+        source.versions[version] = VersionSource(config, version_dir, fingerprint)
+    return source
+
+
+def scan(
+    root: Path, overrides: Mapping[str, Override] | None = None
+) -> tuple[dict[str, ModelSource], list[str]]:
+    """Every model under ``root`` by name, and the problems of the folders that could not be
+    read (each message names the file and field)."""
+    if not root.is_dir():
+        raise ConfigError(f"model repository {str(root)!r} is not a folder")
+    overrides = overrides or {}
+    found: dict[str, ModelSource] = {}
+    problems: list[str] = []
+    for model_dir in sorted(p for p in root.iterdir() if p.is_dir()):
+        try:
+            source = read_model(model_dir, overrides.get(_name_hint(model_dir, overrides)))
+        except ConfigError as exc:
+            problems.append(str(exc))
+            continue
+        if source is None:
+            continue
+        if source.name in found:
+            problems.append(f"{model_dir}: field 'name': model {source.name!r} is defined twice")
+            continue
+        found[source.name] = source
+    return found, problems
+
+
+def _name_hint(model_dir: Path, overrides: Mapping[str, Override]) -> str:
+    """The model name a folder's override is kept under: its config's name, read cheaply."""
+    if not overrides:
+        return model_dir.name
+    path = find_config(model_dir)
+    if path is None:
+        return model_dir.name
+    try:
+        return load_config(path).name
+    except ConfigError:
+        return model_dir.name
+
+
+def _override_text(override: Override | None) -> str:
+    return json.dumps(override, sort_keys=True, default=str) if override else ""
+
+
+def _fingerprint(roots: list[Path], extra: str) -> str:
+    """Names, sizes and modification times of every file under ``roots``: a change to any file
+    (code, weights, config) changes it."""
+    digest = hashlib.sha256(extra.encode())
+    for root in roots:
+        files = [root] if root.is_file() else sorted(root.rglob("*"))
+        for path in files:
+            if "__pycache__" in path.parts or not path.is_file():
+                continue
+            stat = path.stat()
+            digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:16]
