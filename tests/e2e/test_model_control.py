@@ -1,0 +1,158 @@
+"""Model control against a real server with two workers: digits v1 to v2 under concurrent load
+with no failed request, every worker switched when the load answers, the same index from every
+worker, overrides and unload over tritonclient's HTTP and gRPC clients."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import tritonclient.grpc as triton_grpc
+import tritonclient.http as triton_http
+from tritonclient.utils import InferenceServerException
+
+from tests.e2e.serving import ROOT, Server, free_port, run_server
+
+pytestmark = pytest.mark.e2e
+
+DIGITS = ROOT / "models" / "digits"
+SAMPLE = json.loads((DIGITS / "sample.json").read_text())
+BODY = {"inputs": SAMPLE["inputs"]}
+VERSION_FILES = ("model.py", "model.safetensors", "sample.json")
+
+
+def add_version(repo: Path, version: int) -> None:
+    folder = repo / "digits" / str(version)
+    folder.mkdir(parents=True)
+    for name in VERSION_FILES:
+        shutil.copy2(DIGITS / name, folder / name)
+
+
+class Served:
+    def __init__(self, server: Server, repo: Path, grpc_port: int) -> None:
+        self.server = server
+        self.repo = repo
+        self.grpc_url = f"127.0.0.1:{grpc_port}"
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def http_client(self) -> triton_http.InferenceServerClient:
+        return triton_http.InferenceServerClient(self.url.removeprefix("http://"))
+
+    def versions_answering(self, requests: int = 24) -> Counter[str]:
+        """The version of each of ``requests`` inferences, each on a new connection (so the
+        supervisor spreads them over both workers)."""
+        seen: Counter[str] = Counter()
+        for _ in range(requests):
+            answer = httpx.post(f"{self.url}/v2/models/digits/infer", json=BODY, timeout=10)
+            assert answer.status_code == 200, answer.text
+            seen[answer.json()["model_version"]] += 1
+        return seen
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    repo = tmp_path_factory.mktemp("repository")
+    (repo / "digits").mkdir()
+    shutil.copy2(DIGITS / "config.toml", repo / "digits" / "config.toml")
+    add_version(repo, 1)
+    port = free_port()
+    env = {
+        "NOGRAD_MODEL_REPOSITORY": str(repo),
+        "NOGRAD_WORKERS": "2",
+        "NOGRAD_MODEL_CONTROL": "explicit",
+        "NOGRAD_LOAD_MODELS": "digits",
+        "NOGRAD_GRPC_PORT": str(port),
+    }
+    with run_server(tmp_path_factory.mktemp("log"), env) as server:
+        yield Served(server, repo, port)
+
+
+def test_a_reload_under_load_fails_no_request_on_any_worker(served: Served) -> None:
+    assert set(served.versions_answering()) == {"1"}
+    statuses: Counter[int] = Counter()
+    versions: Counter[str] = Counter()
+    stop = threading.Event()
+    lock = threading.Lock()
+
+    def client() -> None:
+        # Short-lived connections, so both workers take requests throughout.
+        while not stop.is_set():
+            with httpx.Client(base_url=served.url, timeout=30) as http:
+                for _ in range(5):
+                    answer = http.post("/v2/models/digits/infer", json=BODY)
+                    with lock:
+                        statuses[answer.status_code] += 1
+                        if answer.status_code == 200:
+                            versions[answer.json()["model_version"]] += 1
+
+    threads = [threading.Thread(target=client) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    try:
+        add_version(served.repo, 2)
+        served.http_client().load_model("digits")
+        # The load answers once every worker applied it: no worker still serves version 1.
+        assert set(served.versions_answering()) == {"2"}
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(60)
+    assert set(statuses) == {200}, statuses
+    assert versions["1"] > 0 and versions["2"] > 0, versions
+    server_log = served.server.log()
+    assert server_log.count("model digits v1 unloaded (replaced by a newer load)") == 0
+    assert server_log.count("model digits v1 unloaded (no longer selected)") == 2, "each worker"
+
+
+def test_every_worker_answers_the_same_index(served: Served) -> None:
+    indexes = {
+        httpx.post(f"{served.url}/v2/repository/index", timeout=10).text for _ in range(12)
+    }
+    assert len(indexes) == 1
+    (index,) = indexes
+    assert json.loads(index) == [{"name": "digits", "version": "2", "state": "READY"}]
+    metadata = httpx.get(f"{served.url}/v2/models/digits", timeout=10).json()
+    assert metadata["versions"] == ["2"]
+
+
+def test_grpc_load_with_an_override_and_unload(served: Served) -> None:
+    client = triton_grpc.InferenceServerClient(served.grpc_url)
+    client.load_model("digits", config=json.dumps({"max_batch_size": 16}))
+    for _ in range(8):
+        config = httpx.get(f"{served.url}/v2/models/digits/config", timeout=10).json()
+        assert config["parameters"]["batch_limit"] == {"string_value": "16"}
+    with pytest.raises(InferenceServerException, match="max_batch_sise"):
+        client.load_model("digits", config=json.dumps({"max_batch_sise": 16}))
+
+    client.unload_model("digits")
+    for _ in range(8):
+        answer = httpx.post(f"{served.url}/v2/models/digits/infer", json=BODY, timeout=10)
+        assert answer.status_code == 404
+        assert "unloaded by request" in answer.json()["error"]
+    index = client.get_model_repository_index(as_json=True)["models"]
+    assert index == [{"name": "digits", "state": "UNAVAILABLE", "reason": "unloaded by request"}]
+    assert httpx.get(f"{served.url}/v2/health/ready", timeout=10).status_code == 200
+
+    served.http_client().load_model("digits")
+    assert set(served.versions_answering()) == {"2"}
+
+
+def test_control_calls_need_an_api_key_when_keys_are_set(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    env = {"NOGRAD_MODEL_CONTROL": "explicit", "NOGRAD_API_KEYS": "secret"}
+    with run_server(tmp_path_factory.mktemp("keys"), env) as server:
+        for action in ("load", "unload"):
+            path = f"{server.url}/v2/repository/models/digits/{action}"
+            assert httpx.post(path, timeout=10).status_code == 401
+            authorized = {"Authorization": "Bearer secret"}
+            assert httpx.post(path, headers=authorized, timeout=60).status_code == 200
