@@ -21,6 +21,7 @@ from nograd.serving.triton_config import repository_index
 from nograd.settings import Settings
 from tests.unit.conftest import FIXTURES
 
+DIGITS = Path(__file__).resolve().parents[3] / "models" / "digits"
 SCALER_CONFIG = """
 name = "scaler"
 weights = ""
@@ -274,3 +275,34 @@ async def test_poll_loads_new_versions_and_unloads_removed_models(
     await control.poll_once()
     assert "slow" not in plane.models
     assert plane.ready()
+
+
+async def test_memory_is_planned_again_when_models_load_and_unload(
+    tmp_path: Path, stop: list[DataPlane]
+) -> None:
+    repo = tmp_path / "repo"
+    shutil.copytree(DIGITS, repo / "digits")
+    shutil.copytree(DIGITS, repo / "twin")
+    config = repo / "twin" / "config.toml"
+    config.write_text(config.read_text().replace('name = "digits"', 'name = "twin"'))
+    plane, control = await started(
+        repo,
+        model_control="explicit",
+        load_models="digits",
+        memory_budget_bytes=128 * 1024,
+        warmup=False,
+    )
+    stop.append(plane)
+
+    def limit() -> int:
+        batcher = plane.models["digits"].batcher
+        assert batcher is not None
+        return batcher.limit.current
+
+    alone = limit()
+    assert 1 < alone < 64, "the budget, not the cap, sets the limit"
+    await control.load("twin")
+    shared = limit()
+    assert shared < alone, "digits kept its whole budget beside a second model"
+    await control.unload("twin")
+    assert limit() == alone
