@@ -1,6 +1,7 @@
 """Triton's perf_analyzer, the standard load tool for Open Inference Protocol servers, run
-unchanged against nograd: it reads the model's metadata and configuration, then drives
-inferences at a fixed concurrency and reports the server-side statistics it reads back.
+unchanged against nograd over HTTP and over gRPC: it reads the model's metadata and
+configuration, then drives inferences at a fixed concurrency and reports the server-side
+statistics it reads back.
 
 ``scripts/fetch_perf_analyzer.sh`` fetches the binary and its libraries on a fresh machine; only
 where that cannot work (no package index reachable) does the test skip, saying why.
@@ -16,10 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.serving import ROOT, Server, metric_value, run_server
+from tests.e2e.serving import ROOT, Server, free_port, metric_value, run_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 FETCH_SCRIPT = ROOT / "scripts" / "fetch_perf_analyzer.sh"
+FAILURE_CODES = (400, 401, 404, 408, 413, 422, 429, 500, 503, 504, 507)
 
 
 @functools.cache
@@ -40,49 +42,103 @@ def perf_analyzer() -> str:
     return path
 
 
+class Served:
+    """One nograd serving HTTP and gRPC (on a free port) for every test in this module."""
+
+    def __init__(self, server: Server, grpc_port: int) -> None:
+        self.server = server
+        self.url = server.url
+        self.grpc_address = f"127.0.0.1:{grpc_port}"
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with run_server(tmp_path_factory.mktemp("perf_analyzer")) as server:
-        yield server
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    grpc_port = free_port()
+    root = tmp_path_factory.mktemp("perf_analyzer")
+    with run_server(root, {"NOGRAD_GRPC_PORT": str(grpc_port)}) as server:
+        yield Served(server, grpc_port)
 
 
-@pytest.mark.parametrize(("model", "at_least_per_s"), [("digits", 50), ("minilm", 5)])
-def test_perf_analyzer_drives_each_model_over_http(
-    server: Server, model: str, at_least_per_s: float
-) -> None:
-    """On minilm it sends random texts shaped [1, 1], as the metadata and configuration say."""
-    tool = perf_analyzer()
-    host = server.url.removeprefix("http://")
-    before = metric_value(server.url, "nograd_requests_total", model=model, code="200")
-    done = subprocess.run(
+def _run(tool: str, model: str, protocol: str, address: str) -> subprocess.CompletedProcess[str]:
+    """Three to six windows of 1 s at concurrency 4. These tests check the protocol, not a steady
+    rate: on a shared 2-core machine one window's rate may be half the next one's, and a tighter
+    stability percentage made perf_analyzer give up ("Failed to obtain stable measurement") while
+    other tests ran beside it, so any three windows in a row end the run."""
+    return subprocess.run(
         [
             tool,
             "-m", model,
-            "-u", host,
-            "-i", "http",
+            "-u", address,
+            "-i", protocol,
             "--concurrency-range", "4",
             "--measurement-interval", "1000",
             "--max-trials", "6",
-            "--stability-percentage", "50",
+            "--stability-percentage", "1000",
         ],
         capture_output=True,
         text=True,
         timeout=120,
     )  # fmt: skip
-    report = done.stdout
-    assert done.returncode == 0, report + done.stderr
-    throughput = re.search(r"Throughput: ([\d.]+) infer/sec", report)
-    assert throughput is not None and float(throughput[1]) > at_least_per_s, report
-    # perf_analyzer read the server's own statistics back: every request succeeded.
+
+
+def _server_side_successes(report: str) -> int:
+    """perf_analyzer read the server's own statistics back: every request it counted succeeded."""
     server_side = re.search(
         r"Server:\s+Inference count: (\d+).*?Successful request count: (\d+)", report, re.S
     )
     assert server_side is not None, report
-    assert int(server_side[1]) == int(server_side[2]) > 0
-    served = metric_value(server.url, "nograd_requests_total", model=model, code="200") - before
-    assert served >= int(server_side[2])
-    failed = sum(
-        metric_value(server.url, "nograd_requests_total", model=model, code=str(code))
-        for code in (400, 404, 422, 500, 503, 504)
+    assert int(server_side[1]) == int(server_side[2]) > 0, report
+    return int(server_side[2])
+
+
+def _failed(url: str, model: str, **labels: str) -> float:
+    return sum(
+        metric_value(url, "nograd_requests_total", model=model, code=str(code), **labels)
+        for code in FAILURE_CODES
     )
-    assert failed == 0
+
+
+@pytest.mark.parametrize(("model", "at_least_per_s"), [("digits", 50), ("minilm", 5)])
+def test_perf_analyzer_drives_each_model_over_http(
+    server: Served, model: str, at_least_per_s: float
+) -> None:
+    """On minilm it sends random texts shaped [1, 1], as the metadata and configuration say."""
+    tool = perf_analyzer()
+    host = server.url.removeprefix("http://")
+    before = metric_value(server.url, "nograd_requests_total", model=model, code="200")
+    done = _run(tool, model, "http", host)
+    report = done.stdout
+    assert done.returncode == 0, report + done.stderr
+    throughput = re.search(r"Throughput: ([\d.]+) infer/sec", report)
+    assert throughput is not None and float(throughput[1]) > at_least_per_s, report
+    successes = _server_side_successes(report)
+    served = metric_value(server.url, "nograd_requests_total", model=model, code="200") - before
+    assert served >= successes
+    assert _failed(server.url, model) == 0
+
+
+def test_perf_analyzer_drives_digits_over_grpc(server: Served) -> None:
+    """perf_analyzer's gRPC client (``-i grpc``) reads metadata, configuration and statistics
+    over gRPC and sends raw tensors; nograd counts each call under ``protocol="grpc"``."""
+    tool = perf_analyzer()
+    url = server.url
+    before_grpc = metric_value(url, "nograd_requests_total", model="digits", protocol="grpc")
+    before_ok = metric_value(
+        url, "nograd_requests_total", model="digits", protocol="grpc", code="200"
+    )
+    before_http = metric_value(url, "nograd_requests_total", model="digits", protocol="http")
+    done = _run(tool, "digits", "grpc", server.grpc_address)
+    report = done.stdout
+    assert done.returncode == 0, report + done.stderr
+    throughput = re.search(r"Throughput: ([\d.]+) infer/sec", report)
+    assert throughput is not None and float(throughput[1]) > 10, report
+    successes = _server_side_successes(report)
+    answered = metric_value(url, "nograd_requests_total", model="digits", protocol="grpc")
+    ok = metric_value(url, "nograd_requests_total", model="digits", protocol="grpc", code="200")
+    # Every gRPC call was answered 200 (OK), at least as many as perf_analyzer measured, and
+    # none of them went over HTTP.
+    assert ok - before_ok == answered - before_grpc >= successes
+    assert _failed(url, "digits", protocol="grpc") == 0
+    assert metric_value(url, "nograd_requests_total", model="digits", protocol="http") == (
+        before_http
+    )
