@@ -114,9 +114,7 @@ def test_a_reload_under_load_fails_no_request_on_any_worker(served: Served) -> N
 
 
 def test_every_worker_answers_the_same_index(served: Served) -> None:
-    indexes = {
-        httpx.post(f"{served.url}/v2/repository/index", timeout=10).text for _ in range(12)
-    }
+    indexes = {httpx.post(f"{served.url}/v2/repository/index", timeout=10).text for _ in range(12)}
     assert len(indexes) == 1
     (index,) = indexes
     assert json.loads(index) == [{"name": "digits", "version": "2", "state": "READY"}]
