@@ -130,12 +130,19 @@ class Server:
     env: Mapping[str, str] = field(default_factory=dict)
     cpus: str | None = None
     port: int = field(default_factory=free_port)
+    grpc_port: int | None = None  # nograd's gRPC port, where it serves gRPC
     log_path: Path | None = None
     process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def grpc_address(self) -> str:
+        if self.grpc_port is None:
+            raise ValueError(f"{self.name} serves no gRPC")
+        return f"127.0.0.1:{self.grpc_port}"
 
     @property
     def pid(self) -> int:
@@ -229,7 +236,8 @@ def nograd_server(
     """nograd exactly as users start it: the ``nograd`` command with NOGRAD_* settings, one
     process unless ``extra_env`` asks for workers (the default, ``auto``, picks per machine:
     the bench measures one process and two workers as separate systems, and its report says
-    which of them ``auto`` chose here)."""
+    which of them ``auto`` chose here). gRPC is on, as by default, on a free port of its own:
+    servers that are up together (the paired rounds) cannot all have 8001."""
     env = {
         "NOGRAD_HOST": "127.0.0.1",
         "NOGRAD_WORKERS": "1",
@@ -237,6 +245,7 @@ def nograd_server(
         "NOGRAD_LOG_LEVEL": "warning",
         # The benchmark stops servers between phases; no drain wait is wanted there.
         "NOGRAD_DRAIN_TIMEOUT_S": "0",
+        "NOGRAD_GRPC_PORT": str(free_port()),
         **(extra_env or {}),
     }
     server = Server(
@@ -245,6 +254,7 @@ def nograd_server(
         "/v2/health/ready",
         env=env,
         cpus=cpus,
+        grpc_port=int(env["NOGRAD_GRPC_PORT"]) or None,
     )
     server.env = {**env, "NOGRAD_PORT": str(server.port)}
     return server

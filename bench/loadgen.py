@@ -1,4 +1,5 @@
-"""The load driver: wrk for closed loops, ``bench.openloop`` for open loops; one result type."""
+"""The load driver: wrk for closed loops, ``bench.openloop`` for open loops, ``bench.grpcload``
+for closed loops over gRPC; one result type."""
 
 from __future__ import annotations
 
@@ -217,3 +218,67 @@ def run_open(
         rate=rate,
         generator="bench.openloop (python, aiohttp)",
     )
+
+
+def run_grpc_closed(
+    address: str,
+    *,
+    system: str,
+    workload: str,
+    samples_per_request: int,
+    connections: int,
+    duration_s: float,
+    cpus: str | None,
+    timeout_s: float = 10.0,
+) -> LoadResult:
+    """``bench.grpcload``: ``connections`` callers, one channel each, for ``duration_s`` (a
+    closed loop, like ``run_closed``, over gRPC)."""
+    command = [
+        PYTHON,
+        "-m",
+        "bench.grpcload",
+        "--address",
+        address,
+        "--workload",
+        workload,
+        "--concurrency",
+        str(connections),
+        "--duration",
+        f"{duration_s:g}",
+        "--timeout",
+        f"{timeout_s:g}",
+    ]
+    cpu_before = os.times()
+    out = subprocess.run(
+        pinned(command, cpus),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=duration_s + timeout_s + 60,
+        check=False,
+    )
+    cpu_after = os.times()
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("GRPC_JSON ")), None)
+    if line is None:
+        raise RuntimeError(f"gRPC load printed no result (rc {out.returncode}):\n{out.stderr}")
+    raw = orjson.loads(line.removeprefix("GRPC_JSON "))
+    # As for wrk: the generator's whole CPU (start-up included, so the run's foreign-CPU check
+    # does not count it) over the measured time. Its CPU while measuring, the load it put on the
+    # machine meanwhile, is kept apart.
+    child_cpu = (cpu_after.children_user - cpu_before.children_user) + (
+        cpu_after.children_system - cpu_before.children_system
+    )
+    measuring = raw.pop("generator_cpu_share")
+    raw["generator_cpu_share"] = child_cpu / max(raw["duration_us"] / 1e6, 1e-9)
+    result = _from_raw(
+        raw,
+        system=system,
+        workload=workload,
+        mode="closed",
+        samples_per_request=samples_per_request,
+        concurrency=connections,
+        rate=None,
+        generator="bench.grpcload (python, grpc.aio)",
+    )
+    result.extra["generator_cpu_cores_measuring"] = measuring
+    return result

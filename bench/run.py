@@ -11,10 +11,11 @@ process is stopped in a ``finally``):
 4. nograd with batching off (a temporary model repository whose configs cap batches at 1), with
    one torch thread fewer, and as two worker processes (``NOGRAD_WORKERS=2``; every nograd
    server sets the count, the default ``auto`` picking per machine);
-5. paired rounds: nograd (one process and two workers), LitServe's best configuration, the HTTP
-   ceiling (and, as context, the same app in two processes) and (for minilm) the raw forward,
-   all started once and measured in turn (the others paused), round after round, order reversed
-   each round, so each round's ratios compare systems at the same machine speed;
+5. paired rounds: nograd (one process and two workers; on digits over HTTP and over gRPC),
+   LitServe's best configuration, the HTTP ceiling (and, as context, the same app in two
+   processes) and (for minilm) the raw forward, all started once and measured in turn (the
+   others paused), round after round, order reversed each round, so each round's ratios compare
+   systems at the same machine speed;
 6. speed levers (``bench.levers``), issue 3's memory benchmark (``bench.memory_bench``) and
    torch.profiler on nograd's batch path (``bench.profile_nograd``).
 
@@ -78,7 +79,8 @@ def count_steps(plan: Plan) -> int:
     steps += len(plan.litserve_grid) if "minilm" in {MODEL_OF[w] for w in plan.workloads} else 0
     steps += 3 * (2 + n_wl)  # batching off, fewer torch threads, two workers
     steps += int("minilm-1" in plan.workloads)  # two workers at concurrency 1
-    systems = 3 * n_wl + 2 * int(has_digits)  # nograd, two workers, LitServe (+ 2 ceilings)
+    # nograd, two workers, LitServe (+ 2 ceilings, and both nograds over gRPC, on digits)
+    systems = 3 * n_wl + 4 * int(has_digits)
     minilm_workloads = sum(1 for w in plan.workloads if MODEL_OF[w] == "minilm")
     systems += minilm_workloads  # the raw forward beside each minilm workload
     steps += 3 + models + 2 * int(has_digits) + plan.paired_rounds * systems  # paired rounds

@@ -25,6 +25,12 @@ QUIET_CORES = 0.3
 """Other processes' CPU (in cores) above which a run counts as disturbed."""
 MODEL_OF = {"digits": "digits", "minilm-1": "minilm", "minilm-8": "minilm"}
 WORKERS_2 = {"NOGRAD_WORKERS": "2"}
+GRPC_SUFFIX = "-grpc"
+"""A system named ``<nograd system>-grpc`` is that same server driven over gRPC."""
+
+
+def protocol_of(system: str) -> str:
+    return "grpc" if system.endswith(GRPC_SUFFIX) else "http"
 
 
 @dataclass
@@ -122,8 +128,14 @@ class Bench:
         rate: float | None = None,
         duration_s: float,
         nograd_metrics: bool = False,
+        protocol: str = "http",
     ) -> LoadResult:
-        """One measured run against ``server``: closed loop (wrk) or open loop (rate)."""
+        """One measured run against ``server``: closed loop (wrk, or ``bench.grpcload`` over
+        gRPC) or open loop (rate, HTTP only)."""
+        if protocol not in ("http", "grpc"):
+            raise ValueError(f"unknown protocol {protocol!r}: http or grpc")
+        if protocol == "grpc" and rate is not None:
+            raise ValueError("the gRPC load is a closed loop only: no fixed rate")
         wl = self.workload(name)
         url = server.url + wl.path
         # The concurrency-1 target's yardstick, measured beside the load (before and after it):
@@ -132,7 +144,17 @@ class Bench:
         raw_before = self.raw_batch1() if paired else None
         cpu = CpuWatch(server.pid)
         before = scrape(server.url) if nograd_metrics else {}
-        if rate is None:
+        if protocol == "grpc":
+            result = loadgen.run_grpc_closed(
+                server.grpc_address,
+                system=system,
+                workload=name,
+                samples_per_request=wl.samples_per_request,
+                connections=concurrency or self.plan.concurrency,
+                duration_s=duration_s,
+                cpus=self.plan.generator_cpus,
+            )
+        elif rate is None:
             result = loadgen.run_closed(
                 url,
                 self.bodies[name],
@@ -188,14 +210,22 @@ class Bench:
                 result.extra[key] = 1e3 * total / n if n else None
         return result
 
-    def warm(self, server: Server, name: str) -> None:
-        self.load(server, "warmup", name, duration_s=self.plan.warmup_s, record=False)
+    def warm(self, server: Server, name: str, protocol: str = "http") -> None:
+        self.load(
+            server,
+            "warmup",
+            name,
+            duration_s=self.plan.warmup_s,
+            record=False,
+            protocol=protocol,
+        )
 
     def headline(
         self, server: Server, system: str, name: str, label: str, **kwargs: Any
     ) -> LoadResult | None:
-        """A warm-up, then one run at the plan's concurrency and headline duration."""
-        self.warm(server, name)
+        """A warm-up, then one run at the plan's concurrency and headline duration (over the
+        ``protocol`` given, HTTP by default, warm-up included)."""
+        self.warm(server, name, kwargs.get("protocol", "http"))
         self.step(label)
         return self.load(server, system, name, duration_s=self.plan.duration_s, **kwargs)
 

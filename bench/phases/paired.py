@@ -10,9 +10,11 @@ from bench.common import ROOT, Server, nograd_server
 from bench.phases.litserve import litserve
 from bench.phases.single import ceiling_server
 from bench.session import (
+    GRPC_SUFFIX,
     MODEL_OF,
     WORKERS_2,
     Bench,
+    protocol_of,
     wait_workers,
 )
 
@@ -30,11 +32,15 @@ def phase_paired(bench: Bench) -> None:
     order reversed every round (ABBA), and each round gives its own ratios; the report takes
     their median. Paused, an idle server takes no CPU from the one measured (LitServe's idle
     workers poll: 0.23 cores of 2, measured).
+
+    On digits each nograd server is also driven over gRPC (``bench.grpcload``, the same
+    concurrency, right after or before its HTTP run), so the report can set gRPC against HTTP
+    on the same server. A workload without a LitServe configuration (the litserve phase not
+    run, or failed) is paired without LitServe.
     """
     best = bench.results.get("litserve_best") or {}
     if not best:
-        bench.note("paired rounds need the litserve phase's best configurations; skipped")
-        return
+        bench.note("no LitServe configuration from the litserve phase: paired without LitServe")
     cpus = bench.plan.server_cpus
     lineup: dict[str, list[tuple[str, Server | None]]] = {}
     with contextlib.ExitStack() as stack:
@@ -60,23 +66,24 @@ def phase_paired(bench: Bench) -> None:
                 ),
             ]
         for name in bench.plan.workloads:
+            lineup[name] = []
+            for system, nograd in (("nograd", one), ("nograd-workers-2", two)):
+                lineup[name].append((system, nograd))
+                if name == "digits":
+                    # The same server over gRPC, next to its HTTP run in every round.
+                    lineup[name].append((system + GRPC_SUFFIX, nograd))
             config = best.get(name)
-            if config is None:
-                continue
-            key = (
-                MODEL_OF[name],
-                int(config["max_batch_size"]),
-                float(config["batch_timeout"]),
-            )
-            if key not in litservers:
-                litservers[key] = up(
-                    f"LitServe {key[0]} {key[1]}/{key[2]:g}", litserve(bench, *key)
+            if config is not None:
+                key = (
+                    MODEL_OF[name],
+                    int(config["max_batch_size"]),
+                    float(config["batch_timeout"]),
                 )
-            lineup[name] = [
-                ("nograd", one),
-                ("nograd-workers-2", two),
-                ("litserve", litservers[key]),
-            ]
+                if key not in litservers:
+                    litservers[key] = up(
+                        f"LitServe {key[0]} {key[1]}/{key[2]:g}", litserve(bench, *key)
+                    )
+                lineup[name].append(("litserve", litservers[key]))
             if name == "digits":
                 lineup[name] += ceilings
             if MODEL_OF[name] == "minilm":
@@ -110,6 +117,7 @@ def phase_paired(bench: Bench) -> None:
                         f"paired round {index + 1}: {system} {name}",
                         nograd_metrics=system.startswith("nograd"),
                         keep=False,
+                        protocol=protocol_of(system),
                     )
                     if result is None:
                         continue

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from bench.report.common import (
     LABELS,
+    cpu_us,
     fmt,
     noise,
     ratio,
@@ -37,13 +38,33 @@ def paired_ratios(
 ) -> list[float]:
     """``system``'s ``key`` over ``other``'s (``other_key``, default the same), one ratio per
     round in which both were measured."""
+    return round_ratios(
+        results,
+        workload,
+        system,
+        other,
+        lambda run: float(run[key]),
+        lambda run: float(run[other_key or key]),
+    )
+
+
+def round_ratios(
+    results: dict[str, Any],
+    workload: str,
+    system: str,
+    other: str,
+    value: Callable[[dict[str, Any]], float | None],
+    other_value: Callable[[dict[str, Any]], float | None] | None = None,
+) -> list[float]:
+    """``value`` of ``system``'s run over ``other_value`` (default ``value``) of ``other``'s,
+    one ratio per round in which both were measured (and both values are known)."""
     mine = paired_runs(results, system, workload)
     theirs = paired_runs(results, other, workload)
     out = []
     for index in sorted(mine.keys() & theirs.keys()):
-        value = ratio(float(mine[index][key]), float(theirs[index][other_key or key]))
-        if value is not None:
-            out.append(value)
+        found = ratio(value(mine[index]), (other_value or value)(theirs[index]))
+        if found is not None:
+            out.append(found)
     return out
 
 
@@ -124,6 +145,73 @@ def paired_targets(
     return out
 
 
+GRPC_PAIRS = (("nograd", "nograd-grpc"), ("nograd-workers-2", "nograd-workers-2-grpc"))
+"""Each nograd server of the paired rounds over HTTP, and the same server over gRPC."""
+
+
+def grpc_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
+    """digits over gRPC against the same server over HTTP, round by round: throughput, p99 and
+    the server's CPU per request as ratios (median of rounds, each round in brackets), and the
+    two load generators' own CPU, which on two cores is taken from the server."""
+    rows = []
+    for http, grpc in GRPC_PAIRS:
+        runs = paired_runs(results, grpc, "digits")
+        if not runs:
+            continue
+        throughput = paired_ratios(results, "digits", grpc, http, "rps")
+        p99 = paired_ratios(results, "digits", grpc, http, "p99_ms")
+        cpu = round_ratios(results, "digits", grpc, http, cpu_us)
+        _, grpc_p99 = _median_p99(runs)
+        generators = []
+        for system in (grpc, http):
+            shares = [_generator_cores(r) for r in paired_runs(results, system, "digits").values()]
+            generators.append(fmt(statistics.median(shares), 2) if shares else "–")
+        rows.append(
+            (
+                LABELS[http].removeprefix("nograd, "),
+                _median_of(throughput, "×")[1],
+                _median_of(p99, "×")[1],
+                grpc_p99,
+                _median_of(cpu, "×")[1],
+                " / ".join(generators),
+            )
+        )
+    return rows
+
+
+def _generator_cores(run: dict[str, Any]) -> float:
+    """The load generator's CPU while it measured (wrk's start-up is negligible; the gRPC
+    generator's is not, and is left out)."""
+    measuring = run["extra"].get("generator_cpu_cores_measuring")
+    return float(measuring if measuring is not None else run.get("generator_cpu_share") or 0.0)
+
+
+def grpc_section(results: dict[str, Any], tag: str, concurrency: int) -> list[str]:
+    rows = grpc_rows(results)
+    if not rows:
+        return []
+    header = (
+        "server",
+        "throughput, gRPC ÷ HTTP",
+        "p99, gRPC ÷ HTTP",
+        "p99 over gRPC",
+        "server CPU per request, gRPC ÷ HTTP",
+        "load generator CPU (cores), gRPC / HTTP",
+    )
+    return [
+        f"### digits over gRPC against HTTP, same server ({tag}, c={concurrency})",
+        "",
+        "Each nograd server of the rounds is driven over HTTP by wrk and over gRPC by "
+        "`bench.grpcload` (grpc.aio, one channel per caller, the same images as raw tensors), "
+        "at the same concurrency, one right after the other in every round. Context, no target. "
+        "The gRPC generator is Python and takes more CPU per call than wrk: on two cores that "
+        "CPU is the server's, so the server's CPU per request is the fairer comparison.",
+        "",
+        table(header, rows),
+        "",
+    ]
+
+
 def paired_section(results: dict[str, Any], tag: str) -> list[str]:
     found = results.get("paired", {}).get("runs", [])
     if not found:
@@ -148,6 +236,7 @@ def paired_section(results: dict[str, Any], tag: str) -> list[str]:
         if rows:
             parts += [f"### {LABELS[system]}", ""]
             parts += [table(("target", "median of rounds", "target", "verdict"), rows), ""]
+    parts += grpc_section(results, tag, c)
     every: list[Sequence[Any]] = []
     for r in sorted(found, key=lambda r: (r["workload"], r["round"], r["position"])):
         extra = r["extra"]
