@@ -89,9 +89,18 @@ class GrpcServer:
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         address = f"{settings.host}:{settings.grpc_port}"
-        self.port = self._server.add_insecure_port(address)
+        try:
+            self.port = self._server.add_insecure_port(address)
+        except RuntimeError as exc:
+            self.port = 0
+            cause: Exception | None = exc
+        else:
+            cause = None
         if self.port == 0:
-            raise OSError(f"cannot listen for gRPC on {address} (NOGRAD_GRPC_PORT)")
+            raise OSError(
+                f"cannot listen for gRPC on {address}: the port is taken or the address is "
+                "not this host's (NOGRAD_GRPC_PORT; 0 turns gRPC off)"
+            ) from cause
 
     async def start(self) -> None:
         await self._server.start()

@@ -52,29 +52,36 @@ def create_app(settings: Settings | None = None, *, worker: WorkerContext | None
         del app
         await control.open()
         control.discover()
-        if plane.config_errors:
+        grpc_server: GrpcServer | None = None
+        try:
+            if plane.config_errors:
+                raise ConfigError("; ".join(plane.config_errors))
+            # gRPC serves beside HTTP on this loop and data plane; its calls drain with HTTP's.
+            # Bound now, so a port already taken fails the start-up before minutes of loading.
+            if settings.grpc_port:
+                grpc_server = GrpcServer(
+                    settings, plane, control, metrics, shared_port=worker is not None
+                )
+        except Exception:
             await control.close()
-            raise ConfigError("; ".join(plane.config_errors))
+            raise
         tasks = []
         if worker is None:
             # Models load after the server starts listening, so liveness answers and readiness
             # tells the truth (not ready) while weights load and warm up.
+            if grpc_server is not None:
+                await grpc_server.start()
             tasks.append(asyncio.create_task(control.load_startup(), name="load-models"))
         else:
-            # The supervisor hands a worker connections only once it is warm.
+            # The supervisor hands a worker connections only once it is warm; the kernel spreads
+            # gRPC connections over every worker listening, so gRPC listens from then on too.
             await control.load_startup()
+            if grpc_server is not None:
+                await grpc_server.start()
             worker.ready()
         tasks.append(asyncio.create_task(plane.watch_batchers(), name="watch-batchers"))
         if settings.model_control == "poll":
             tasks.append(asyncio.create_task(control.poll_forever(), name="poll-repository"))
-        # gRPC serves beside HTTP on this loop and data plane; its calls drain with HTTP's.
-        grpc_server = (
-            GrpcServer(settings, plane, control, metrics, shared_port=worker is not None)
-            if settings.grpc_port
-            else None
-        )
-        if grpc_server is not None:
-            await grpc_server.start()
         try:
             yield
         finally:

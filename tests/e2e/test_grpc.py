@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -260,3 +261,19 @@ def test_sigterm_drains_accepted_grpc_calls(tmp_path: Path) -> None:
     for index, answer in enumerate(answers):
         assert isinstance(answer, np.ndarray), answer
         assert answer.reshape(-1).tolist() == [index + 1.0]
+
+
+def test_a_taken_grpc_port_stops_the_start_up_naming_the_setting(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Bound before the models load: the server exits at once, instead of loading for minutes or
+    restarting workers that cannot listen."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {"NOGRAD_GRPC_PORT": str(port), "NOGRAD_WORKERS": "2"}
+        with run_server(tmp_path_factory.mktemp("taken"), env, wait_ready=False) as server:
+            assert server.process.wait(60) != 0
+            assert "NOGRAD_GRPC_PORT" in server.log()
+            assert server.log().count("started (pid") == 1, "a worker was started again"
