@@ -144,7 +144,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     bodies = requests(args.workload)
-    result = asyncio.run(drive(args.address, bodies, args.concurrency, args.duration, args.timeout))
+    result = asyncio.run(
+        drive(
+            args.address,
+            bodies,
+            args.concurrency,
+            args.duration,
+            args.timeout,
+            connections=args.connections,
+        )
+    )
     sys.stdout.write("GRPC_JSON " + orjson.dumps(result).decode() + "\n")
 
 
