@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from nograd.runtime.config import ConfigError, find_config, load_config
+from nograd.runtime.config import ConfigError, VersionPolicy, find_config, load_config
 from tests.e2e.serving import ROOT
 
 GOOD = """
@@ -81,3 +81,45 @@ def test_unparseable_config(tmp_path: Path) -> None:
     path = write(tmp_path, "name = [unclosed")
     with pytest.raises(ConfigError, match="cannot parse"):
         load_config(path)
+
+
+@pytest.mark.parametrize(
+    ("policy", "versions", "selected"),
+    [
+        ({}, ["1", "3", "2"], ["3"]),
+        ({"latest": 2}, ["1", "10", "9"], ["9", "10"]),
+        ("all", ["2", "1"], ["1", "2"]),
+        ({"specific": [1, 3]}, ["1", "2", "3"], ["1", "3"]),
+        ({"specific": [7]}, ["1"], []),
+    ],
+)
+def test_the_version_policy_selects_numbered_versions(
+    policy: object, versions: list[str], selected: list[str]
+) -> None:
+    assert VersionPolicy.model_validate(policy).select(versions) == selected
+
+
+@pytest.mark.parametrize(
+    ("policy", "message"),
+    [
+        ({"latest": 1, "all": True}, "one of latest, specific or all"),
+        ({"latest": 0}, "greater than or equal to 1"),
+        ({"specific": []}, "at least one version"),
+        ("newest", "must be"),
+    ],
+)
+def test_a_bad_version_policy_names_the_field(tmp_path: Path, policy: object, message: str) -> None:
+    text = f"version_policy = {_toml(policy)}\n" + GOOD
+    with pytest.raises(ConfigError, match="version_policy") as raised:
+        load_config(write(tmp_path, text))
+    assert message in str(raised.value)
+
+
+def _toml(value: object) -> str:
+    if isinstance(value, str):
+        return f'"{value}"'
+    assert isinstance(value, dict)
+    items = ", ".join(
+        f"{k} = {str(v).lower() if isinstance(v, bool) else v}" for k, v in value.items()
+    )
+    return "{ " + items + " }"

@@ -1,0 +1,65 @@
+"""The repository on disk: versions found, their configs, and fingerprints that change exactly
+when a version's files or override change."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from nograd.runtime.config import ConfigError
+from nograd.serving.repository import read_model, scan
+from tests.unit.conftest import FIXTURES
+
+
+def poison(root: Path, folder: str = "poison") -> Path:
+    shutil.copytree(FIXTURES / "poison", root / folder)
+    return root / folder
+
+
+def test_a_folder_without_numbered_versions_is_one_version(tmp_path: Path) -> None:
+    source = read_model(poison(tmp_path))
+    assert source is not None and list(source.versions) == ["1"]
+    version = source.versions["1"]
+    assert version.directory == tmp_path / "poison"
+    code = tmp_path / "poison" / "model.py"
+    os.utime(code, ns=(1, 1))
+    again = read_model(tmp_path / "poison")
+    assert again is not None and again.versions["1"].fingerprint != version.fingerprint
+
+
+def test_numbered_versions_take_their_folder_s_name_and_own_config(tmp_path: Path) -> None:
+    folder = poison(tmp_path)
+    (folder / "1").mkdir()
+    (folder / "2").mkdir()
+    own = (folder / "config.toml").read_text().replace("max_batch_size = 64", "max_batch_size = 8")
+    (folder / "2" / "config.toml").write_text(own)
+    source = read_model(folder)
+    assert source is not None and list(source.versions) == ["2"]
+    assert source.versions["2"].config.version == "2"
+    assert source.versions["2"].config.max_batch_size == 8
+    assert source.versions["2"].directory == folder / "2"
+
+    (folder / "2" / "config.toml").write_text(own.replace('name = "poison"', 'name = "other"'))
+    with pytest.raises(ConfigError, match="differs from the model's 'poison'"):
+        read_model(folder)
+
+
+def test_an_override_changes_the_config_and_the_fingerprint(tmp_path: Path) -> None:
+    folder = poison(tmp_path)
+    plain = read_model(folder)
+    changed = read_model(folder, {"max_batch_size": 4})
+    assert plain is not None and changed is not None
+    assert changed.versions["1"].config.max_batch_size == 4
+    assert changed.versions["1"].fingerprint != plain.versions["1"].fingerprint
+
+
+def test_scan_names_duplicates_and_skips_folders_without_config(tmp_path: Path) -> None:
+    poison(tmp_path, "a")
+    poison(tmp_path, "b")
+    (tmp_path / "notes").mkdir()
+    found, problems = scan(tmp_path)
+    assert list(found) == ["poison"]
+    assert len(problems) == 1 and "defined twice" in problems[0]
