@@ -75,8 +75,10 @@ async def trickle(
 ) -> tuple[bytes, float]:
     """Send ``head`` and then ``body`` one byte per ``every_s`` (the head too, if ``body`` is
     empty), stopping once the server answers or closes; the answer and the seconds it took."""
-    reader, writer = await asyncio.open_connection(*address(server))
+    # Timed from before the connection opens: the server's timers cannot start earlier, so a
+    # slow client loop never makes the server look early.
     started = time.monotonic()
+    reader, writer = await asyncio.open_connection(*address(server))
     answer = asyncio.ensure_future(reader.read())  # until the server closes
     pieces = [head[i : i + 1] for i in range(len(head))] if not body else [head]
     pieces += [body[i : i + 1] for i in range(len(body))]
