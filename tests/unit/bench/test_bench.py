@@ -342,7 +342,10 @@ def _listens_on(pid: int, port: int) -> bool:
     """Whether a socket open in ``pid`` is the listening socket on ``port`` (/proc/net/tcp)."""
     inodes = set()
     for fd in Path(f"/proc/{pid}/fd").iterdir():
-        target = os.readlink(fd)
+        try:
+            target = os.readlink(fd)
+        except FileNotFoundError:
+            continue  # closed since the listing
         if target.startswith("socket:["):
             inodes.add(target[len("socket:[") : -1])
     for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
