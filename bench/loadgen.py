@@ -101,6 +101,41 @@ def _ms(raw: dict[str, Any], key: str) -> float:
     return float("nan") if value is None else float(value) / 1e3
 
 
+def run_generator(
+    command: list[str],
+    tag: str,
+    *,
+    cpus: str | None,
+    timeout_s: float,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+) -> tuple[dict[str, Any], float]:
+    """Run a load generator to its end: the JSON result it printed on the line starting with
+    ``tag``, and its whole CPU (start-up included, so the run's foreign-CPU check does not count
+    it) as cores over the measured time."""
+    cpu_before = os.times()
+    out = subprocess.run(
+        pinned(command, cpus),
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+    cpu_after = os.times()
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith(f"{tag} ")), None)
+    if line is None:
+        raise RuntimeError(
+            f"{command[0]} printed no result (rc {out.returncode}):\n{out.stdout}{out.stderr}"
+        )
+    raw: dict[str, Any] = orjson.loads(line.removeprefix(f"{tag} "))
+    child_cpu = (cpu_after.children_user - cpu_before.children_user) + (
+        cpu_after.children_system - cpu_before.children_system
+    )
+    return raw, child_cpu / max(raw["duration_us"] / 1e6, 1e-9)
+
+
 def run_closed(
     url: str,
     bodies: Path,
@@ -137,26 +172,10 @@ def run_closed(
     env.pop("NOGRAD_BENCH_PAUSE_MS", None)
     if pause_ms is not None:
         env["NOGRAD_BENCH_PAUSE_MS"] = f"{pause_ms:g}"
-    cpu_before = os.times()
-    out = subprocess.run(
-        pinned(command, cpus),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=duration_s + timeout_s + 30,
-        check=False,
+    raw, whole = run_generator(
+        command, "WRK_JSON", cpus=cpus, timeout_s=duration_s + timeout_s + 30, env=env
     )
-    cpu_after = os.times()
-    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("WRK_JSON ")), None)
-    if line is None:
-        raise RuntimeError(
-            f"wrk printed no result (rc {out.returncode}):\n{out.stdout}{out.stderr}"
-        )
-    raw = orjson.loads(line.removeprefix("WRK_JSON "))
-    child_cpu = (cpu_after.children_user - cpu_before.children_user) + (
-        cpu_after.children_system - cpu_before.children_system
-    )
-    raw["generator_cpu_share"] = child_cpu / max(raw["duration_us"] / 1e6, 1e-9)
+    raw["generator_cpu_share"] = whole
     return _from_raw(
         raw,
         system=system,
@@ -248,28 +267,13 @@ def run_grpc_closed(
         "--timeout",
         f"{timeout_s:g}",
     ]
-    cpu_before = os.times()
-    out = subprocess.run(
-        pinned(command, cpus),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=duration_s + timeout_s + 60,
-        check=False,
+    raw, whole = run_generator(
+        command, "GRPC_JSON", cpus=cpus, timeout_s=duration_s + timeout_s + 60, cwd=ROOT
     )
-    cpu_after = os.times()
-    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("GRPC_JSON ")), None)
-    if line is None:
-        raise RuntimeError(f"gRPC load printed no result (rc {out.returncode}):\n{out.stderr}")
-    raw = orjson.loads(line.removeprefix("GRPC_JSON "))
-    # As for wrk: the generator's whole CPU (start-up included, so the run's foreign-CPU check
-    # does not count it) over the measured time. Its CPU while measuring, the load it put on the
-    # machine meanwhile, is kept apart.
-    child_cpu = (cpu_after.children_user - cpu_before.children_user) + (
-        cpu_after.children_system - cpu_before.children_system
-    )
+    # As for wrk: the generator's whole CPU over the measured time. Its CPU while measuring, the
+    # load it put on the machine meanwhile, is kept apart.
     measuring = raw.pop("generator_cpu_share")
-    raw["generator_cpu_share"] = child_cpu / max(raw["duration_us"] / 1e6, 1e-9)
+    raw["generator_cpu_share"] = whole
     result = _from_raw(
         raw,
         system=system,

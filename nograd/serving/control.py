@@ -18,13 +18,20 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from nograd.runtime.config import ConfigError, find_config, load_config, version_order
+from nograd.runtime.config import ConfigError, find_config, version_order
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.errors import InvalidInput, ModelNotFound
 from nograd.serving.loading import free
 from nograd.serving.peers import Peers
 from nograd.serving.registry import ServedModel
-from nograd.serving.repository import ModelSource, Override, read_model, scan
+from nograd.serving.repository import (
+    ModelSource,
+    Override,
+    model_folder,
+    model_names,
+    read_model,
+    scan,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -186,25 +193,16 @@ class ModelControl:
 
     def _find(self, name: str, override: Override | None) -> ModelSource:
         """The repository folder of model ``name``, read with ``override``."""
-        if not self.root.is_dir():
-            raise ModelNotFound(f"model repository {str(self.root)!r} is not a folder")
-        for model_dir in sorted(p for p in self.root.iterdir() if p.is_dir()):
-            path = find_config(model_dir)
-            if path is None:
-                continue
-            try:
-                found = load_config(path).name == name
-                if found or model_dir.name == name:
-                    source = read_model(model_dir, override)
-            except ConfigError as exc:
-                if model_dir.name == name:
-                    raise InvalidInput(str(exc)) from exc
-                continue
-            if found and source is not None:
-                if not source.versions:
-                    raise InvalidInput(f"{model_dir}: its version policy selects no version")
-                return source
-        raise ModelNotFound(f"model {name!r} is not in the repository {str(self.root)!r}")
+        folder = model_folder(self.root, name)
+        if folder is None:
+            raise ModelNotFound(f"model {name!r} is not in the repository {str(self.root)!r}")
+        try:
+            source = read_model(folder, override)
+        except ConfigError as exc:
+            raise InvalidInput(str(exc)) from exc
+        if source is None or not source.versions:
+            raise InvalidInput(f"{folder}: its version policy selects no version")
+        return source
 
     async def _unload(self, name: str) -> None:
         registry = self._plane.registry
@@ -219,11 +217,7 @@ class ModelControl:
         self._plane.replan()
 
     def _in_repository(self, name: str) -> bool:
-        try:
-            self._find(name, None)
-        except (ModelNotFound, InvalidInput):
-            return False
-        return True
+        return model_folder(self.root, name) is not None
 
     async def _reconcile(
         self, name: str, source: ModelSource | None, override: Override | None = None
@@ -246,16 +240,16 @@ class ModelControl:
         for model in fresh:
             if model.ready:
                 registry.add(model)
-        kept = {v for v in wanted if v in registry.versions.get(name, {})}
         now = registry.versions.get(name, {})
         # A version that failed to load replaces nothing: what served before serves on.
-        gone = [
-            m for v, m in current.items() if now.get(v) is not m or (v not in wanted and not failed)
-        ]
         reason = "removed from the repository" if source is None else "no longer selected"
-        for model in gone:
-            replaced = model.version in kept
-            await self._retire(model, "replaced by a newer load" if replaced else reason)
+        gone = [
+            (m, "replaced by a newer load" if now.get(v) is not m else reason)
+            for v, m in current.items()
+            if now.get(v) is not m or (v not in wanted and not failed)
+        ]
+        for model, why in gone:
+            await self._retire(model, why)
         if gone:
             self._plane.replan()
         if override is not None:
@@ -270,8 +264,8 @@ class ModelControl:
             if name not in registry.versions:
                 registry.unloaded[name] = f"failed to load: {detail}"
             raise LoadFailed(f"model {name!r} did not load: {detail}")
-        loaded = ", ".join(sorted((m.version for m in fresh), key=version_order))
         if fresh:
+            loaded = ", ".join(sorted((m.version for m in fresh), key=version_order))
             logger.info("model %s: version(s) %s serving", name, loaded)
 
     async def _retire(self, model: ServedModel, reason: str) -> None:
@@ -295,11 +289,7 @@ class ModelControl:
         repository that is not loaded."""
         registry = self._plane.registry
         rows: list[ServedModel | tuple[str, str]] = list(registry.served())
-        try:
-            sources, _ = scan(self.root)
-        except ConfigError:
-            sources = {}
-        for name in sorted(set(sources) | set(registry.unloaded)):
+        for name in sorted(set(model_names(self.root)) | set(registry.unloaded)):
             if name not in registry.versions:
                 rows.append((name, registry.unloaded.get(name, "not loaded")))
         return rows
@@ -345,14 +335,13 @@ class ModelControl:
         return True
 
     def _changed(self, name: str, source: ModelSource) -> bool:
+        """Whether a served version left the selection, or a selected one is new or changed
+        (unless that very version already failed to load)."""
         current = self._plane.registry.versions.get(name, {})
-        if set(current) != set(source.versions):
-            return any(
-                self._failed.get((name, v)) != s.fingerprint
-                for v, s in source.versions.items()
-                if v not in current
-            ) or bool(set(current) - set(source.versions))
+        if set(current) - set(source.versions):
+            return True
         return any(
-            current[v].fingerprint != s.fingerprint and self._failed.get((name, v)) != s.fingerprint
+            (v not in current or current[v].fingerprint != s.fingerprint)
+            and self._failed.get((name, v)) != s.fingerprint
             for v, s in source.versions.items()
         )

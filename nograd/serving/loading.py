@@ -167,9 +167,8 @@ class ModelLoader:
                     model.version,
                     cap,
                 )
-        others = [m for m in serving if m.ready and m not in fresh]
         if fresh:
-            self._plan_devices(fresh, others)
+            self._plan_devices(fresh, [m for m in serving if m.ready])
 
     def replan(self, serving: Sequence[ServedModel]) -> None:
         """Split each device's budget again among the models left serving (after an unload)."""
@@ -211,8 +210,8 @@ class ModelLoader:
                     model.batcher.limit.remeasure(plan.limit)
                     model.batcher.limit.set_cap(batch_cap(model.handler))
 
-    def _budget(self, label: str, group: list[ServedModel]) -> int | None:
-        """An operator's budget (each worker takes an equal part), or None to measure it.
+    def _budget(self, label: str, group: list[ServedModel]) -> int:
+        """An operator's budget (each worker takes an equal part), or the one measured.
 
         Worker processes share the device: each takes an equal part of what it sees free (a
         budget reserves nothing, so a later worker sees the earlier ones' budgets as free).
@@ -229,8 +228,9 @@ class ModelLoader:
             assert group[0].handler is not None
             probe = probe_for(group[0].handler.device)
             fraction = self._settings.memory_fraction / self._settings.worker_count
-            self._pools[label] = device_budget(probe, fraction, None) + weights
-            return None
+            budget = device_budget(probe, fraction, None)
+            self._pools[label] = budget + weights
+            return budget
         return max(0, pool - weights)
 
     async def _start(self, model: ServedModel) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,7 +79,9 @@ def scan(
     problems: list[str] = []
     for model_dir in sorted(p for p in root.iterdir() if p.is_dir()):
         try:
-            source = read_model(model_dir, overrides.get(_name_hint(model_dir, overrides)))
+            source = read_model(model_dir)
+            if source is not None and source.name in overrides:
+                source = read_model(model_dir, overrides[source.name])
         except ConfigError as exc:
             problems.append(str(exc))
             continue
@@ -92,17 +94,34 @@ def scan(
     return found, problems
 
 
-def _name_hint(model_dir: Path, overrides: Mapping[str, Override]) -> str:
-    """The model name a folder's override is kept under: its config's name, read cheaply."""
-    if not overrides:
-        return model_dir.name
-    path = find_config(model_dir)
-    if path is None:
-        return model_dir.name
-    try:
-        return load_config(path).name
-    except ConfigError:
-        return model_dir.name
+def _configs(root: Path) -> Iterator[tuple[Path, str | None]]:
+    """Each model folder under ``root`` with the name its config gives (None when the config
+    cannot be read); folders without a config are not models."""
+    if not root.is_dir():
+        return
+    for model_dir in sorted(p for p in root.iterdir() if p.is_dir()):
+        path = find_config(model_dir)
+        if path is None:
+            continue
+        try:
+            yield model_dir, load_config(path).name
+        except ConfigError:
+            yield model_dir, None
+
+
+def model_folder(root: Path, name: str) -> Path | None:
+    """The folder of model ``name``: the one whose config names it, or a folder of that name
+    whose config cannot be read (reading it then says why)."""
+    for model_dir, found in _configs(root):
+        if found == name or (found is None and model_dir.name == name):
+            return model_dir
+    return None
+
+
+def model_names(root: Path) -> list[str]:
+    """The names of the models under ``root`` whose configs can be read, without reading or
+    fingerprinting anything else."""
+    return [name for _, name in _configs(root) if name is not None]
 
 
 def _override_text(override: Override | None) -> str:
