@@ -26,7 +26,8 @@ RUN if ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then \
 FROM base AS requirements
 WORKDIR /src
 COPY pyproject.toml ./
-RUN python3 -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))' \
+# The onnx extra is included: the shipped models' engine = "auto" builds ONNX Runtime engines.
+RUN python3 -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; print("\n".join(p["dependencies"] + p["optional-dependencies"]["onnx"]))' \
         > requirements.txt
 
 # ---------------------------------------------------------------------------------------------------

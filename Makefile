@@ -15,7 +15,7 @@ $(BIN)/python:
 
 # Stamps make repeated `make test` cheap: pip runs again only when the dependency list changes.
 $(VENV)/.installed: $(BIN)/python pyproject.toml constraints.txt
-	$(PIP_INSTALL) -e .
+	$(PIP_INSTALL) -e '.[onnx]'
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml constraints.txt

@@ -6,6 +6,7 @@ Settings are read once, when the app is built (never at import time), from the e
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -53,6 +54,15 @@ class Settings(BaseSettings):
 
     repository_poll_s: float = Field(default=5.0, gt=0.0, le=3600.0)
     """With ``model_control = poll``: seconds between two looks at the repository."""
+
+    engine: Literal["", "eager", "auto", "onnx", "torch_export", "aoti"] = ""
+    """Replaces the ``engine`` of every python model's config when set (``eager`` skips building
+    and timing engines at start-up); empty keeps each config's own."""
+
+    engine_cache: Path | None = None
+    """Folder of the engine artifacts built at load (ONNX models, exported programs, AOTInductor
+    packages), reused by every later start while the model's code and weights are unchanged.
+    Unset: ``$XDG_CACHE_HOME/nograd/engines``, or ``~/.cache/nograd/engines``."""
 
     log_level: LogLevel = "info"
     """Log level of nograd and uvicorn."""
@@ -176,6 +186,13 @@ class Settings(BaseSettings):
         """The models ``load_models`` names; None for every model (``*``)."""
         names = frozenset(n.strip() for n in self.load_models.split(",") if n.strip())
         return None if "*" in names else names
+
+    @property
+    def engine_cache_dir(self) -> Path:
+        if self.engine_cache is not None:
+            return self.engine_cache
+        base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        return Path(base) / "nograd" / "engines"
 
     @field_validator("model_repository")
     @classmethod

@@ -359,7 +359,6 @@ class MiniLMHandler(ModelHandler):
 
     # ----------------------------------------------------------------- device thread
     def forward(self, batch: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
-        mask = batch["attention_mask"]
         # A fast path with buckets pads batches to fixed shapes (compiled or captured per
         # shape); packing would hand it a token count that changes with every batch, so it runs
         # the padded positions instead. Autocast alone keeps packing (bf16, 2 cores: faster at
@@ -367,6 +366,16 @@ class MiniLMHandler(ModelHandler):
         # torch.compile with dynamic shapes, which sets no fast path (faster at both sizes).
         fast = self.speed_path
         packed = fast is None or not fast.fixed_shapes
+        return self._outputs_of(batch, packed)
+
+    def traced_forward(self, batch: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """Every padded position: an engine's artifact cannot follow the packed token count."""
+        return self._outputs_of(batch, packed=False)
+
+    def _outputs_of(
+        self, batch: Mapping[str, torch.Tensor], packed: bool
+    ) -> Mapping[str, torch.Tensor]:
+        mask = batch["attention_mask"]
         embedding = self.module(*(batch[name] for name in TOKEN_TENSORS), packed=packed)
         return {EMBEDDING_OUTPUT: embedding, TOKEN_COUNT_OUTPUT: mask.sum(dim=1, keepdim=True)}
 
@@ -408,12 +417,21 @@ def _check_config(config: ModelConfig) -> None:
         raise ValueError(f"model {config.name!r}: outputs must be {expected}, got {declared}")
 
 
-def build_handler(model_dir: Path, config: ModelConfig, device: torch.device) -> MiniLMHandler:
-    """Called by the server; the loader then moves the module to ``device`` and its precision."""
+def build_handler(
+    model_dir: Path,
+    config: ModelConfig,
+    device: torch.device,
+    module: torch.nn.Module | None = None,
+) -> MiniLMHandler:
+    """Called by the server; the loader then moves the module to ``device``.
+
+    ``module`` is given when an artifact (an ONNX file, an exported program) runs the forward:
+    this handler then only tokenises and names the outputs, and the BERT weights are not loaded.
+    """
     del model_dir  # Weights and tokenizer live in the package; nothing else is needed here.
     _check_config(config)
     source = package_model_dir()
     max_length = max_seq_length(source)
     tokenizer = load_tokenizer(source, max_length)
-    encoder = PackedEncoder(load_bert(source)).eval()
+    encoder = module if module is not None else PackedEncoder(load_bert(source)).eval()
     return MiniLMHandler(encoder, config, device, tokenizer, max_length)

@@ -18,7 +18,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from nograd.core.datatypes import Datatype
 
-Precision = Literal["fp32", "bf16", "fp16"]
+Precision = Literal["fp32", "bf16", "fp16", "int8"]
+ModelFormat = Literal["python", "torch_export", "aoti", "onnx"]
+"""What a model folder holds: Python code (``module``) or a PyTorch 2 / ONNX artifact."""
+EngineName = Literal["eager", "torch_export", "aoti", "onnx"]
+"""What runs the forward: torch eager, a ``torch.export`` program, an AOTInductor package, or
+ONNX Runtime (nograd/runtime/engines/; docs/speed.md)."""
+SIGNATURE_FORMATS: tuple[str, ...] = ("torch_export", "onnx")
+"""Formats whose inputs and outputs nograd reads from the artifact when the config omits them."""
 CompileMode = Literal["default", "reduce-overhead", "max-autotune"]
 CONFIG_NAMES = ("config.toml", "config.yaml", "config.yml")
 _DEVICE_RE = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
@@ -117,8 +124,9 @@ class ModelConfig(BaseModel):
     weights: str | None = "model.safetensors"
     """Weights file inside the model folder: .safetensors, or .pt/.pth read with weights_only.
     Empty (``weights = ""``; TOML has no null) when the model's ``build_handler`` loads its own."""
-    inputs: tuple[TensorSpec, ...] = Field(min_length=1)
-    outputs: tuple[TensorSpec, ...] = Field(min_length=1)
+    inputs: tuple[TensorSpec, ...] = ()
+    """Required, except for a torch_export or onnx artifact, whose signature names them."""
+    outputs: tuple[TensorSpec, ...] = ()
     max_batch_size: int | None = Field(default=None, ge=1, le=65536)
     max_queue_delay_ms: float | None = Field(default=None, ge=0.0, le=10_000.0)
     max_queue_size: int | None = Field(default=None, ge=1)
@@ -132,6 +140,28 @@ class ModelConfig(BaseModel):
     """Refuse (400, naming the input) a request whose floating-point input holds NaN or +/-Inf:
     a model rarely means anything by them, and its outputs would only come back as nulls.
     False passes them to the model unchanged. Inputs of other datatypes are never checked."""
+
+    # Engines (nograd/runtime/engines/; docs/speed.md).
+    format: ModelFormat = "python"
+    """``python``: ``module`` builds a torch model. ``torch_export`` (a ``.pt2`` from
+    ``torch.export.save``), ``aoti`` (an AOTInductor package) or ``onnx``: ``artifact`` is the
+    model, served by its own engine; ``module``, if its file exists, supplies only the handler
+    (pre- and post-processing around the artifact)."""
+    artifact: str | None = None
+    """The artifact file inside the model folder, for formats other than python."""
+    artifact_sha256: str | None = Field(default=None, pattern=r"^[0-9a-fA-F]{64}$")
+    """When set, the artifact's SHA-256; checked before the artifact is loaded."""
+    engine: Literal["eager", "auto", "torch_export", "aoti", "onnx"] | None = None
+    """What runs a python model: ``eager`` (default), an engine built from it at load
+    (``torch_export``, ``aoti``, ``onnx``; cached, checked against eager like a speed mode), or
+    ``auto``: every engine in ``engines`` built, checked and timed, the fastest accepted one
+    serving (per batch-size range). Other formats run on their own engine only."""
+    engines: tuple[EngineName, ...] = ("eager", "onnx")
+    """The engines ``auto`` considers; aoti is not among the default ones because compiling
+    costs minutes of start-up (docs/speed.md)."""
+    min_match_rate: float | None = Field(default=None, ge=0.0, le=1.0)
+    """Integer and boolean outputs (a classifier's labels): the smallest fraction of elements
+    an engine or speed mode must give exactly as fp32 eager does. Unset: not checked."""
 
     # Speed modes (nograd/runtime/speed/; docs/speed.md). Each one is checked against fp32 eager
     # before it serves, and refused (fp32 eager serves instead) when its outputs drift too far or
@@ -195,7 +225,7 @@ class ModelConfig(BaseModel):
     def _empty_weights_none(cls, value: object) -> object:
         return None if value == "" else value
 
-    @field_validator("module", "weights", "accuracy_sample")
+    @field_validator("module", "weights", "accuracy_sample", "artifact")
     @classmethod
     def _inside_folder(cls, value: str | None) -> str | None:
         if value is not None and (Path(value).is_absolute() or ".." in Path(value).parts):
@@ -221,6 +251,11 @@ class ModelConfig(BaseModel):
             names = [spec.name for spec in specs]
             if len(names) != len(set(names)):
                 raise ValueError(f"{kind} names must be unique, got {names}")
+        return self
+
+    @model_validator(mode="after")
+    def _engine_consistent(self) -> ModelConfig:
+        check_engine_fields(self)
         return self
 
     @model_validator(mode="after")
@@ -268,6 +303,38 @@ class ModelConfig(BaseModel):
                 f"{self.max_batch_size}"
             )
         return self
+
+
+def check_engine_fields(config: ModelConfig) -> None:
+    """The format, artifact, engine and precision fields agree; each error names the field."""
+    python = config.format == "python"
+    if not python and config.artifact is None:
+        raise ValueError(f"field 'artifact': format {config.format!r} needs the artifact's file")
+    if python and config.artifact is not None:
+        raise ValueError("field 'artifact': only for a format other than \"python\"")
+    if not python and config.engine not in (None, config.format):
+        raise ValueError(
+            f"field 'engine': a {config.format} artifact runs on its own engine, "
+            f"got {config.engine!r}"
+        )
+    for kind, specs in (("inputs", config.inputs), ("outputs", config.outputs)):
+        if not specs and config.format not in SIGNATURE_FORMATS:
+            raise ValueError(
+                f"field '{kind}': required (only torch_export and onnx artifacts name their own)"
+            )
+    if not config.engines or len(set(config.engines)) != len(config.engines):
+        raise ValueError(f"field 'engines': list distinct engines, got {list(config.engines)}")
+    if config.precision == "int8":
+        if config.engine not in ("onnx", "auto"):
+            raise ValueError(
+                "field 'precision': int8 is built by ONNX Runtime from a python model; set "
+                'engine = "onnx" or "auto" (an artifact is quantised by nograd export)'
+            )
+        if config.autocast or config.compile or config.cuda_graphs:
+            raise ValueError(
+                "field 'precision': int8 is an engine's precision; autocast, compile and "
+                "cuda_graphs apply to bf16/fp16 on torch eager"
+            )
 
 
 def find_config(model_dir: Path) -> Path | None:

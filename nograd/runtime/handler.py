@@ -185,6 +185,12 @@ class ModelHandler:
         result = self.module(**batch)
         return self._name_outputs(result)
 
+    def traced_forward(self, batch: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """The forward an engine's artifact captures (``nograd/runtime/engines/``): the same
+        outputs, with no shape that follows the data. A handler whose forward has such shapes (a
+        packed forward's token count) overrides this with its padded forward."""
+        return self.forward(batch)
+
     def _name_outputs(self, result: object) -> dict[str, torch.Tensor]:
         if isinstance(result, torch.Tensor):
             result = (result,)

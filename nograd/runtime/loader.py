@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import logging
 import sys
 from pathlib import Path
@@ -13,6 +14,9 @@ import torch
 from safetensors.torch import load_file
 
 from nograd.runtime.config import ModelConfig
+from nograd.runtime.engines.artifacts import ArtifactError, verify_sha256
+from nograd.runtime.engines.paths import open_engine
+from nograd.runtime.engines.signature import with_signature
 from nograd.runtime.handler import ModelHandler
 
 logger = logging.getLogger(__name__)
@@ -85,7 +89,10 @@ def load_weights(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
 def build_handler(
     repository: Path, model_dir: Path, config: ModelConfig, device: torch.device
 ) -> ModelHandler:
-    """Build the model, load its weights, move it to its device (fp32), set eval mode."""
+    """Build the model, load its weights, move it to its device (fp32), set eval mode; or, for
+    an artifact format, open the artifact with the handler its code supplies."""
+    if config.format != "python":
+        return build_artifact_handler(repository, model_dir, config, device)
     code = import_model_module(repository, model_dir, config)
     factory = getattr(code, "build_handler", None)
     if factory is not None:
@@ -110,6 +117,52 @@ def build_handler(
     handler.module.eval()
     for parameter in handler.module.parameters():
         parameter.requires_grad_(False)
+    return handler
+
+
+def build_artifact_handler(
+    repository: Path, model_dir: Path, config: ModelConfig, device: torch.device
+) -> ModelHandler:
+    """The artifact, checked against ``artifact_sha256`` and opened by its engine; the handler
+    is the model code's ``build_handler(..., module=...)`` when ``module`` exists (its pre- and
+    post-processing), else the default one. The config's missing inputs and outputs are read
+    from the artifact."""
+    assert config.artifact is not None  # the config refuses an artifact format without one
+    path = inside(repository, locate(model_dir, config.artifact))
+    if not path.is_file():
+        raise LoadError(f"{path}: artifact not found (field 'artifact')")
+    try:
+        verify_sha256(path, config.artifact_sha256)
+        config = with_signature(config, path)
+        engine = open_engine(config.format, path, device)
+    except ArtifactError as exc:
+        raise LoadError(str(exc)) from exc
+    except Exception as exc:
+        first = str(exc).strip().splitlines()
+        raise LoadError(
+            f"{path}: cannot load the {config.format} artifact: {type(exc).__name__}: "
+            f"{first[0] if first else ''}"
+        ) from exc
+    # The engine holds the weights; the handler's module is an empty placeholder.
+    placeholder = torch.nn.Module()
+    code_path = locate(model_dir, config.module)
+    if code_path.is_file():
+        code = import_model_module(repository, model_dir, config)
+        factory = getattr(code, "build_handler", None)
+        if factory is None or "module" not in inspect.signature(factory).parameters:
+            raise LoadError(
+                f"{code_path}: with format {config.format!r} the model code only supplies the "
+                "handler: define build_handler(model_dir, config, device, module)"
+            )
+        handler = cast(ModelHandler, factory(model_dir, config, device, module=placeholder))
+    else:
+        handler = ModelHandler(placeholder, config, device)
+    try:
+        engine.check_inputs(handler)
+    except ArtifactError as exc:
+        raise LoadError(f"{path}: {exc}") from exc
+    handler.speed_path = engine
+    handler.speed_mode = config.format
     return handler
 
 

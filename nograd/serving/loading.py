@@ -23,11 +23,11 @@ from nograd.observability.metrics import Metrics
 from nograd.observability.stats import FanOutObserver, Statistics
 from nograd.runtime.config import ModelConfig
 from nograd.runtime.devices import DeviceThreads, configure_threads, device_label, resolve_device
+from nograd.runtime.engines.choice import prepare_engine
 from nograd.runtime.handler import Outputs, TensorPart, TorchRunner
-from nograd.runtime.loader import build_handler, weights_bytes
+from nograd.runtime.loader import build_handler, locate, weights_bytes
 from nograd.runtime.memory import Profile, device_budget, probe_for
 from nograd.runtime.planner import PlanInput, log_plan, plan_device, profile_handler
-from nograd.runtime.speed.guard import apply_speed
 from nograd.runtime.speed.path import batch_cap
 from nograd.runtime.warmup import warm_up
 from nograd.serving.registry import ServedModel, State
@@ -119,12 +119,23 @@ class ModelLoader:
 
     def _load(self, model: ServedModel, device: torch.device) -> None:
         config = model.config
+        if self._settings.engine and config.format == "python":
+            config = config.model_copy(update={"engine": self._settings.engine})
         started = time.perf_counter()
         handler = build_handler(self._settings.model_repository, model.directory, config, device)
-        # The config's speed mode, checked against fp32 eager; a refused mode leaves the handler
-        # fp32 eager. Counted as load time.
+        # An artifact's signature may have filled in the inputs and outputs.
+        model.config = config = handler.config
+        # The engine (and the config's speed mode), checked against fp32 eager and timed; what
+        # is refused leaves fp32 eager serving. Counted as load time.
         sample = load_accuracy_sample(handler, model.directory)
-        handler = apply_speed(handler, self._limit(config), sample, recorder(self._metrics))
+        handler = prepare_engine(
+            handler,
+            self._limit(config),
+            sample,
+            recorder(self._metrics),
+            code=[locate(model.directory, config.module)],
+            cache_dir=self._settings.engine_cache_dir,
+        )
         model.load_seconds = time.perf_counter() - started
         self._metrics.model_load.labels(model.name).set(model.load_seconds)
         model.weights_bytes = weights_bytes(handler.module)

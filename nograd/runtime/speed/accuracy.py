@@ -40,10 +40,18 @@ class AccuracyReport:
         cosines = [o.min_cosine for o in self.outputs if o.min_cosine is not None]
         return _worst(min, cosines) if cosines else 1.0
 
-    def problems(self, tolerance: float, min_cosine: float) -> list[str]:
+    def problems(
+        self, tolerance: float, min_cosine: float, min_match_rate: float | None = None
+    ) -> list[str]:
         """Why the mode must be refused; empty when it may serve."""
         found = []
         for out in self.outputs:
+            rate = out.match_rate
+            if rate is not None and min_match_rate is not None and rate < min_match_rate:
+                found.append(
+                    f"output {out.name!r} matches fp32 eager in {100 * rate:.1f}% of elements, "
+                    f"under min_match_rate {100 * min_match_rate:.1f}%"
+                )
             error, cosine = out.max_abs_error, out.min_cosine
             if error is not None and not error <= tolerance:  # NaN fails too
                 found.append(

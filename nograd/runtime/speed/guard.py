@@ -247,7 +247,7 @@ def _accepts(fn: Callable[..., object], name: str) -> bool:
     return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
-def _run_all(runner: TorchRunner, batches: Sequence[CheckBatch]) -> list[Outputs]:
+def run_all(runner: TorchRunner, batches: Sequence[CheckBatch]) -> list[Outputs]:
     return [runner.run_batch([batch.part])[0] for batch in batches]
 
 
@@ -268,7 +268,7 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:500]
 
@@ -305,7 +305,7 @@ def apply_speed(
     batches = check_batches(handler, plan, limit, sample)
     warmup = [b for b in batches if b.kind == "warmup"]
     runner = TorchRunner(handler)
-    reference = _run_all(runner, batches)
+    reference = run_all(runner, batches)
     fp32_seconds = time_batches(runner, warmup) if plan.min_speedup > 0 else None
     original = _Original(
         handler.module,
@@ -318,13 +318,13 @@ def apply_speed(
     speed: SpeedReport | None = None
     try:
         path = _build(handler, plan, len(warmup))
-        candidate = _run_all(runner, batches)
+        candidate = run_all(runner, batches)
         if plan.cuda_graphs and path is not None:
             _capture_graphs(handler, path, batches)
-            candidate = _run_all(runner, batches)
+            candidate = run_all(runner, batches)
         report = compare(reference, candidate)
         seconds = time.perf_counter() - started  # built, compiled and checked; timing excluded
-        problems = report.problems(plan.tolerance, plan.min_cosine)
+        problems = report.problems(plan.tolerance, plan.min_cosine, plan.min_match_rate)
         if fp32_seconds is not None and not problems:
             hopeless = 2 * sum(fp32_seconds) / plan.min_speedup
             speed = SpeedReport(fp32_seconds, time_batches(runner, warmup, give_up_above=hopeless))
@@ -337,7 +337,7 @@ def apply_speed(
             config.name,
             mode,
             time.perf_counter() - started,
-            _first_line(exc),
+            first_line(exc),
         )
         logger.debug("model %s: speed mode %s failure", config.name, mode, exc_info=True)
         return handler

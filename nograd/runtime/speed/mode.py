@@ -71,6 +71,7 @@ class SpeedMode:
     cuda_graphs: bool
     tolerance: float
     min_cosine: float
+    min_match_rate: float | None
     min_speedup: float
 
     @property
@@ -110,11 +111,13 @@ def mode_for(config: ModelConfig, device: torch.device) -> SpeedMode:
     buckets = None
     if config.compile_buckets is not None and (config.compile or cuda_graphs):
         buckets = Buckets(config.compile_buckets, config.compile_length_buckets)
+    # int8 is an engine's precision (nograd/runtime/engines/); torch eager stays fp32.
+    precision = "fp32" if config.precision == "int8" else config.precision
     tolerance = config.accuracy_tolerance
     if tolerance is None:
-        tolerance = LOW_PRECISION_TOLERANCE if config.precision != "fp32" else FP32_TOLERANCE
+        tolerance = LOW_PRECISION_TOLERANCE if precision != "fp32" else FP32_TOLERANCE
     return SpeedMode(
-        precision=config.precision,
+        precision=precision,
         autocast=config.autocast,
         channels_last=config.channels_last,
         compile=config.compile,
@@ -123,5 +126,6 @@ def mode_for(config: ModelConfig, device: torch.device) -> SpeedMode:
         cuda_graphs=cuda_graphs,
         tolerance=tolerance,
         min_cosine=config.min_cosine,
+        min_match_rate=config.min_match_rate,
         min_speedup=config.min_speedup,
     )

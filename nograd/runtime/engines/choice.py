@@ -1,0 +1,358 @@
+"""Which engine runs a python model's forward, decided at load by measurement.
+
+``engine = "eager"`` keeps torch eager (with the config's speed mode). An engine named alone
+(``onnx``, ``torch_export``, ``aoti``) is built from the eager model, checked against fp32 eager
+on the accuracy guard's batches, timed against eager on the timing batches, and serves when it is
+accurate and at least ``min_speedup`` times as fast; eager serves otherwise. ``auto`` builds
+every engine in ``engines``, drops the inaccurate ones and serves, for each range of batch sizes,
+the one timed fastest there (eager keeps a size unless another engine beats it by
+``SWITCH_MARGIN``, so timing noise does not switch engines). Built artifacts are cached by
+content, so only the first start pays for exporting and compiling.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Final
+
+import numpy as np
+import torch
+
+from nograd.runtime.config import ModelConfig
+from nograd.runtime.engines.artifacts import cache_key, cached, write_artifact
+from nograd.runtime.engines.paths import EnginePath, RangePath, open_engine
+from nograd.runtime.engines.trace import Traced, export_program
+from nograd.runtime.handler import ModelHandler, SpeedPath, TensorPart, TorchRunner
+from nograd.runtime.speed.accuracy import AccuracyReport, compare
+from nograd.runtime.speed.guard import (
+    SPEED_PASSES,
+    SpeedCheck,
+    SpeedReport,
+    apply_speed,
+    check_batches,
+    first_line,
+    run_all,
+)
+from nograd.runtime.speed.mode import FP32_TOLERANCE, mode_for
+
+logger = logging.getLogger(__name__)
+
+SWITCH_MARGIN: Final = 1.05
+"""Another engine takes a batch size from eager only when it runs it this much faster."""
+TIMING_SEED: Final = 2
+"""``ModelHandler.example`` seed of the timing batches (0 warms up, 1 is the held-out check)."""
+TIMING_ROWS: Final = (1, 4, 16, 32)
+"""Batch sizes (rows) timed for token models; sample models add their batch limit."""
+TIMING_LENGTHS: Final = (8, 48)
+"""Token models: texts of lengths spread over this range, as one-sentence requests have them, so
+a forward that skips padding is timed on the padding real batches carry."""
+EAGER: Final = "eager"
+
+
+@dataclass(frozen=True)
+class EngineResult:
+    """One engine's row of the load-time table."""
+
+    engine: str
+    accuracy: AccuracyReport | None = None
+    seconds: tuple[float, ...] | None = None
+    """Fastest pass of each timing batch, in ``EngineTable.rows`` order."""
+    refused: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineTable:
+    """What the choice measured; ``serving`` is (largest rows, engine) per range, ascending."""
+
+    model: str
+    rows: tuple[int, ...]
+    eager: EngineResult
+    engines: tuple[EngineResult, ...]
+    serving: tuple[tuple[int, str], ...]
+
+    @property
+    def label(self) -> str:
+        """The ``mode`` label of what serves: ``onnx``, or ``onnx<=4,eager`` for ranges."""
+        if len(self.serving) == 1:
+            return self.serving[0][1]
+        parts = [f"{name}<={most}" for most, name in self.serving[:-1]]
+        return ",".join([*parts, self.serving[-1][1]])
+
+    def lines(self) -> list[str]:
+        """The table as log lines: engine, accuracy, milliseconds per timed batch size."""
+        head = f"{'engine':<21} {'accuracy vs fp32 eager':<40} " + "".join(
+            f"{f'rows={rows}':>11}" for rows in self.rows
+        )
+        out = [head]
+        for result in (self.eager, *self.engines):
+            accuracy = "reference" if result is self.eager else "-"
+            if result.accuracy is not None:
+                accuracy = (
+                    f"max abs {result.accuracy.max_abs_error:.2g}, "
+                    f"min cos {result.accuracy.min_cosine:.6f}"
+                )
+            timing = "".join(f"{1e3 * seconds:>9.2f}ms" for seconds in (result.seconds or ()))
+            refused = f"  refused: {result.refused}" if result.refused else ""
+            out.append(f"{result.engine:<21} {accuracy:<40} {timing}{refused}")
+        return out
+
+
+def candidates(config: ModelConfig, device: torch.device) -> list[str]:
+    """The engines to build besides eager: ``engines`` for auto, else the one named; int8 is the
+    ONNX engine quantised, on CPU only (ONNX Runtime's int8 kernels are CPU kernels)."""
+    engine = config.engine or EAGER
+    names = list(config.engines) if engine == "auto" else [engine]
+    out: list[str] = []
+    for name in names:
+        if name == EAGER:
+            continue
+        if name == "onnx" and config.precision == "int8":
+            if device.type == "cpu":
+                out.append("onnx-int8")
+            else:
+                logger.warning("model %s: int8 runs on CPU only; not built", config.name)
+            if engine != "auto":
+                continue
+        out.append(name)
+    return out
+
+
+def tolerance_for(engine: str, config: ModelConfig) -> float:
+    """int8 is judged on cosine (and labels); fp32 engines on fp32's rounding, like compile."""
+    if config.accuracy_tolerance is not None:
+        return config.accuracy_tolerance
+    return math.inf if engine.endswith("int8") else FP32_TOLERANCE
+
+
+def timing_batches(handler: ModelHandler, limit: int) -> list[tuple[int, list[TensorPart]]]:
+    """(rows, parts) per timed batch: batch 1 and the sizes the model will serve."""
+    if handler.config.batch_unit != "tokens":
+        sizes = sorted({rows for rows in (1, 8, 32, limit) if rows <= limit})
+        return [(rows, [handler.example(rows, seed=TIMING_SEED)]) for rows in sizes]
+    generator = np.random.default_rng(TIMING_SEED)
+    low, high = TIMING_LENGTHS
+    batches = []
+    for rows in TIMING_ROWS:
+        if rows * high > limit and rows > 1:
+            continue
+        lengths = generator.integers(low, high + 1, size=rows)
+        parts = [handler.example(1, int(n), seed=TIMING_SEED + i) for i, n in enumerate(lengths)]
+        batches.append((rows, parts))
+    return batches
+
+
+def time_parts(
+    runner: TorchRunner, batches: Sequence[tuple[int, list[TensorPart]]], passes: int = SPEED_PASSES
+) -> tuple[float, ...]:
+    """Seconds of each batch at its fastest of ``passes`` passes (noise only slows a pass)."""
+    best = [math.inf] * len(batches)
+    for _ in range(passes):
+        for index, (_, parts) in enumerate(batches):
+            started = time.perf_counter()
+            runner.run_batch(parts)
+            best[index] = min(best[index], time.perf_counter() - started)
+    return tuple(best)
+
+
+def build_engine(
+    engine: str,
+    traced: Traced,
+    handler: ModelHandler,
+    code: Sequence[Path],
+    cache_dir: Path,
+) -> EnginePath:
+    """``engine``'s artifact for ``traced`` from the cache (built first if missing), opened."""
+    config = handler.config
+    key = cache_key(engine, traced, code, handler.device)
+    label = f"{config.name}-v{config.version}"
+    started = time.perf_counter()
+    path = cached(
+        cache_dir, label, engine, key, lambda target: write_artifact(engine, traced, target)
+    )
+    built = time.perf_counter() - started
+    if built > 0.5:
+        logger.info("model %s: built the %s engine in %.1fs: %s", config.name, engine, built, path)
+    opened = open_engine(engine, path, handler.device)
+    opened.check_inputs(handler)
+    return opened
+
+
+def prepare_engine(
+    handler: ModelHandler,
+    limit: int,
+    sample: TensorPart | None,
+    report_check: Callable[[SpeedCheck], None] | None,
+    code: Sequence[Path],
+    cache_dir: Path,
+) -> ModelHandler:
+    """The handler to serve, running the engine(s) its config asks for and measurement picks.
+
+    A model in an artifact format already runs its artifact (the loader set it up), and one with
+    ``engine = "eager"`` gets its speed mode alone (``apply_speed``).
+    """
+    config = handler.config
+    if config.format != "python":
+        return handler
+    engine = config.engine or EAGER
+    if engine == EAGER:
+        return apply_speed(handler, limit, sample, report_check)
+    plan = replace(mode_for(config, handler.device), buckets=None)
+    batches = check_batches(handler, plan, limit, sample)
+    runner = TorchRunner(handler)
+    reference = run_all(runner, batches)
+    names = candidates(config, handler.device)
+    built, results = _build_all(handler, names, batches, reference, code, cache_dir, runner)
+    handler = apply_speed(handler, limit, sample, report_check)
+    eager_path = handler.speed_path
+    timing = timing_batches(handler, limit)
+    eager_name = EAGER if handler.speed_mode == "fp32" else f"{EAGER}+{handler.speed_mode}"
+    eager = EngineResult(eager_name, seconds=time_parts(runner, timing))
+    timed = []
+    for result in results:
+        path = built.get(result.engine)
+        if path is not None:
+            handler.speed_path = path
+            result = replace(result, seconds=time_parts(runner, timing))
+        timed.append(result)
+    handler.speed_path = eager_path
+    rows = tuple(rows for rows, _ in timing)
+    serving = ranges(rows, _choose(engine == "auto", config, eager, timed))
+    table = EngineTable(config.name, rows, eager, tuple(timed), serving)
+    _install(handler, eager_path, built, table)
+    _report(table, report_check)
+    return handler
+
+
+def _build_all(
+    handler: ModelHandler,
+    names: Sequence[str],
+    batches: Sequence[object],
+    reference: Sequence[dict[str, np.ndarray]],
+    code: Sequence[Path],
+    cache_dir: Path,
+    runner: TorchRunner,
+) -> tuple[dict[str, EnginePath], list[EngineResult]]:
+    """Each engine built, opened and checked against fp32 eager: accepted ones, and every row."""
+    config = handler.config
+    built: dict[str, EnginePath] = {}
+    results: list[EngineResult] = []
+    traced: Traced | None = None
+    export_error = ""
+    if names:
+        try:
+            traced = export_program(handler)
+        except Exception as exc:
+            export_error = f"torch.export failed: {first_line(exc)}"
+            logger.debug("model %s: torch.export failure", config.name, exc_info=True)
+    for name in names:
+        if traced is None:
+            results.append(EngineResult(name, refused=export_error))
+            continue
+        try:
+            path = build_engine(name, traced, handler, code, cache_dir)
+            handler.speed_path = path
+            report = compare(reference, run_all(runner, batches))  # type: ignore[arg-type]
+        except Exception as exc:
+            results.append(EngineResult(name, refused=first_line(exc)))
+            logger.debug("model %s: engine %s failure", config.name, name, exc_info=True)
+            continue
+        finally:
+            handler.speed_path = None
+        problems = report.problems(
+            tolerance_for(name, config), config.min_cosine, config.min_match_rate
+        )
+        if problems:
+            results.append(EngineResult(name, report, refused="; ".join(problems)))
+            continue
+        built[name] = path
+        results.append(EngineResult(name, report))
+    return built, results
+
+
+def _choose(
+    auto: bool, config: ModelConfig, eager: EngineResult, engines: Sequence[EngineResult]
+) -> list[str]:
+    """The engine for each timed batch size: the fastest accepted one (auto), or the named
+    engine everywhere when it runs at least ``min_speedup`` times eager's speed over all sizes."""
+    assert eager.seconds is not None
+    accepted = [r for r in engines if r.refused is None and r.seconds is not None]
+    sizes = len(eager.seconds)
+    if not accepted:
+        return [eager.engine] * sizes
+    if not auto:
+        engine = accepted[0]
+        assert engine.seconds is not None
+        speedup = sum(eager.seconds) / max(sum(engine.seconds), 1e-12)
+        return [engine.engine if speedup >= config.min_speedup else eager.engine] * sizes
+    eager_allowed = EAGER in config.engines
+    winners = []
+    for index in range(sizes):
+        best, best_seconds = "", math.inf
+        if eager_allowed:
+            best, best_seconds = eager.engine, eager.seconds[index] / SWITCH_MARGIN
+        for result in accepted:
+            assert result.seconds is not None
+            if result.seconds[index] < best_seconds:
+                best, best_seconds = result.engine, result.seconds[index]
+        winners.append(best)
+    return winners
+
+
+def ranges(rows: Sequence[int], winners: Sequence[str]) -> tuple[tuple[int, str], ...]:
+    """Consecutive timed sizes with the same winner merged: (largest rows, engine), ascending;
+    the last range takes every larger batch too."""
+    merged: list[tuple[int, str]] = []
+    for size, name in zip(rows, winners, strict=True):
+        if merged and merged[-1][1] == name:
+            merged[-1] = (size, name)
+        else:
+            merged.append((size, name))
+    return tuple(merged)
+
+
+def _install(
+    handler: ModelHandler,
+    eager_path: SpeedPath | None,
+    built: dict[str, EnginePath],
+    table: EngineTable,
+) -> None:
+    names = {name for _, name in table.serving}
+    if names == {table.eager.engine}:
+        return  # eager with its speed mode, as apply_speed left it
+    if len(table.serving) == 1:
+        handler.speed_path = built[table.serving[0][1]]
+    else:
+        handler.speed_path = RangePath(
+            handler, eager_path, [(most, built.get(name)) for most, name in table.serving]
+        )
+    if table.eager.engine not in names:
+        # Eager serves no batch: its weights, casts and layouts go (the engines hold their own).
+        handler.module = torch.nn.Module()
+        handler.compute_dtype = torch.float32
+        handler.memory_format = torch.contiguous_format
+    handler.speed_mode = table.label
+
+
+def _report(table: EngineTable, report_check: Callable[[SpeedCheck], None] | None) -> None:
+    logger.info(
+        "model %s: engines measured at load (fastest pass of %d, milliseconds per batch); "
+        "serving %s\n%s",
+        table.model,
+        SPEED_PASSES,
+        table.label,
+        "\n".join(table.lines()),
+    )
+    if report_check is None or table.eager.seconds is None:
+        return
+    for result in table.engines:
+        if result.accuracy is None:
+            continue
+        speed = None
+        if result.seconds is not None:
+            speed = SpeedReport(table.eager.seconds, result.seconds)
+        report_check(SpeedCheck(table.model, result.engine, result.accuracy, speed))
