@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 from nograd.host.openmp import SPIN_COUNT, tune_openmp_wait
 from nograd.observability.logs import setup_logging
@@ -17,6 +19,9 @@ SERVE_WORKER = "nograd.http.server:serve_worker"
 
 
 def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["export"]:
+        sys.exit(export_command(args[1:]))
     settings = Settings(_cli_parse_args=argv if argv is not None else True, _cli_prog_name="nograd")
     setup_logging(settings.log_level, settings.log_format)
     settings, planned = resolve_workers(settings)
@@ -30,3 +35,36 @@ def main(argv: list[str] | None = None) -> None:
     from nograd.http.server import serve
 
     serve(settings)
+
+
+def export_command(argv: list[str]) -> int:
+    """``nograd export <model-dir> --to torch_export|aoti|onnx [--out DIR]``: the model folder's
+    artifact, checked against its eager model, in a new model folder."""
+    parser = argparse.ArgumentParser(
+        prog="nograd export",
+        description="Build a torch_export, aoti or onnx model folder from a python model folder; "
+        "the artifact is checked against the eager model before it is written.",
+    )
+    parser.add_argument("model_dir", type=Path, help="the python model's folder")
+    parser.add_argument("--to", required=True, choices=["torch_export", "aoti", "onnx"])
+    parser.add_argument("--out", type=Path, help="folder to write (default: <name>-<to> beside)")
+    parser.add_argument("--precision", choices=["fp32", "int8"], default="fp32")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (aoti compiles for it)")
+    options = parser.parse_args(argv)
+    setup_logging("warning", "text")
+    # Imported here: serving starts a torch-free supervisor from this module.
+    from nograd.runtime.engines.artifacts import ArtifactError
+    from nograd.runtime.engines.export import ExportError, export_model
+
+    try:
+        done = export_model(
+            options.model_dir, options.to, options.out, options.precision, options.device
+        )
+    except (ExportError, ArtifactError) as exc:
+        print(f"nograd export: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"wrote {done.folder} ({done.artifact.name}, {done.artifact.stat().st_size:,} bytes); "
+        f"against eager on {done.batches} batches: {done.accuracy.summary()}"
+    )
+    return 0

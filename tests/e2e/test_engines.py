@@ -1,0 +1,91 @@
+"""Engines in the real server: the shipped models on engine = "auto" (built, checked, timed, the
+table logged and exported, the cache reused by the next start), and exported model folders
+served over HTTP with the eager model's answers."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from nograd.runtime.config import load_config
+from nograd.runtime.engines.export import export_model
+from nograd.runtime.handler import TorchRunner
+from nograd.runtime.loader import build_handler
+from tests.e2e.serving import ROOT, run_server
+from tests.e2e.test_server import metrics, output
+
+pytestmark = pytest.mark.e2e
+
+SAMPLE = json.loads((ROOT / "models/digits/sample.json").read_text())
+TEXTS = ["A man is eating food.", "The engine is picked by measurement.", "ok"]
+
+
+@pytest.fixture(scope="module")
+def eager_embeddings() -> np.ndarray:
+    folder = ROOT / "models/minilm"
+    handler = build_handler(
+        ROOT / "models", folder, load_config(folder / "config.toml"), torch.device("cpu")
+    )
+    part = handler.prepare({"text": np.array([t.encode() for t in TEXTS], dtype=object)})
+    return TorchRunner(handler).run_batch([part])[0]["embedding"]
+
+
+def embed(url: str, model: str) -> np.ndarray:
+    body = {"inputs": [{"name": "text", "shape": [len(TEXTS)], "datatype": "BYTES", "data": TEXTS}]}
+    response = httpx.post(f"{url}/v2/models/{model}/infer", json=body, timeout=30)
+    assert response.status_code == 200, response.text
+    return output(response.json(), "embedding")
+
+
+def digits_labels(url: str, model: str) -> list[int]:
+    response = httpx.post(f"{url}/v2/models/{model}/infer", json=SAMPLE, timeout=30)
+    assert response.status_code == 200, response.text
+    return [int(v) for v in output(response.json(), "label").reshape(-1)]
+
+
+def test_shipped_models_on_auto_then_a_restart_reuses_the_built_engines(
+    tmp_path: Path, eager_embeddings: np.ndarray
+) -> None:
+    env = {"NOGRAD_ENGINE": "", "NOGRAD_ENGINE_CACHE": str(tmp_path / "cache")}
+    with run_server(tmp_path, env=env, ready_timeout_s=240) as server:
+        log = server.log()
+        for model in ("digits", "minilm"):
+            assert f"model {model}: built the onnx engine" in log
+            assert f"model {model}: engines measured at load" in log
+        speedups = {
+            (labels["model"], labels["mode"])
+            for labels, _, _ in metrics(server)["nograd_model_speedup"]
+        }
+        assert {("digits", "onnx"), ("minilm", "onnx")} <= speedups
+        eager_server_labels = digits_labels(server.url, "digits")
+        np.testing.assert_allclose(embed(server.url, "minilm"), eager_embeddings, atol=1e-5)
+    assert len(list((tmp_path / "cache").glob("*.onnx"))) == 2
+    with run_server(tmp_path, env=env, ready_timeout_s=240) as again:
+        log = again.log()
+        assert "built the onnx engine" not in log
+        assert "model digits: engines measured at load" in log
+        assert digits_labels(again.url, "digits") == eager_server_labels
+
+
+def test_exported_folders_serve_the_eager_models_answers(
+    tmp_path: Path, eager_embeddings: np.ndarray
+) -> None:
+    source = tmp_path / "source"
+    repository = tmp_path / "repository"
+    for name in ("digits", "minilm"):
+        shutil.copytree(ROOT / "models" / name, source / name)
+    export_model(source / "digits", "onnx", out=repository / "digits-onnx")
+    export_model(source / "minilm", "torch_export", out=repository / "minilm-export")
+    with run_server(tmp_path, env={"NOGRAD_MODEL_REPOSITORY": str(repository)}) as server:
+        with run_server(tmp_path, env={"NOGRAD_MODEL_REPOSITORY": str(source)}) as eager:
+            assert digits_labels(server.url, "digits-onnx") == digits_labels(eager.url, "digits")
+        np.testing.assert_allclose(embed(server.url, "minilm-export"), eager_embeddings, atol=1e-5)
+        metadata = httpx.get(f"{server.url}/v2/models/digits-onnx").json()
+        assert [i["name"] for i in metadata["inputs"]] == ["image"]
+        assert "model digits-onnx v1 loaded" in server.log()

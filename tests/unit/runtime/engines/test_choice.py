@@ -1,0 +1,211 @@
+"""The engine choice: candidates, the accuracy guard on engines, and auto picking by measurement
+(scripted timings, so the choice is checked without depending on this machine's speed)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from nograd.runtime.config import ConfigError, load_config
+from nograd.runtime.engines import choice
+from nograd.runtime.engines.choice import (
+    EngineResult,
+    candidates,
+    prepare_engine,
+    ranges,
+    tolerance_for,
+)
+from nograd.runtime.engines.paths import EnginePath, RangePath
+from nograd.runtime.handler import TorchRunner
+from nograd.runtime.speed.guard import SpeedCheck
+from tests.unit.runtime.engines.tiny import tiny_folder, tiny_handler
+
+LIMIT = 32
+
+
+def scripted(*per_engine: Sequence[float]) -> object:
+    """``time_parts`` returning the given seconds per timing batch, one call after another."""
+    calls = iter(per_engine)
+
+    def fake(runner: TorchRunner, batches: Sequence[object], passes: int = 3) -> tuple[float, ...]:
+        return tuple(next(calls))[: len(batches)]
+
+    return fake
+
+
+def run_tiny(handler: object, *inputs: np.ndarray) -> list[np.ndarray]:
+    from nograd.runtime.handler import ModelHandler
+
+    assert isinstance(handler, ModelHandler)
+    parts = [handler.prepare({"x": array}) for array in inputs]
+    return [out["scores"] for out in TorchRunner(handler).run_batch(parts)]
+
+
+def test_candidates_follow_engine_engines_and_precision(tmp_path: Path) -> None:
+    folder = tiny_folder(tmp_path)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    auto = load_config(folder / "config.toml", override={"engine": "auto"})
+    assert candidates(auto, cpu) == ["onnx"]
+    aoti = load_config(
+        folder / "config.toml", override={"engine": "auto", "engines": ["eager", "onnx", "aoti"]}
+    )
+    assert candidates(aoti, cpu) == ["onnx", "aoti"]
+    int8 = load_config(folder / "config.toml", override={"engine": "auto", "precision": "int8"})
+    assert candidates(int8, cpu) == ["onnx-int8", "onnx"]
+    assert candidates(int8, cuda) == ["onnx"]
+    only = load_config(folder / "config.toml", override={"engine": "onnx", "precision": "int8"})
+    assert candidates(only, cpu) == ["onnx-int8"]
+    assert tolerance_for("onnx-int8", only) == float("inf")
+    assert tolerance_for("onnx", auto) == pytest.approx(1e-4)
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ({"precision": "int8"}, "precision"),
+        ({"engine": "auto", "engines": ["onnx", "onnx"]}, "engines"),
+        ({"format": "onnx"}, "artifact"),
+        ({"artifact": "model.onnx"}, "artifact"),
+        ({"format": "onnx", "artifact": "m.onnx", "engine": "aoti"}, "engine"),
+        ({"format": "aoti", "artifact": "m.pt2", "inputs": []}, "inputs"),
+        ({"format": "onnx", "artifact": "../m.onnx"}, "artifact"),
+        ({"format": "onnx", "artifact": "m.onnx", "artifact_sha256": "abc"}, "artifact_sha256"),
+    ],
+)
+def test_engine_fields_refused_naming_the_field(
+    tmp_path: Path, override: dict[str, object], field: str
+) -> None:
+    folder = tiny_folder(tmp_path)
+    with pytest.raises(ConfigError, match=f"field '{field}'"):
+        load_config(folder / "config.toml", override=override)
+
+
+def test_ranges_merge_neighbours_with_the_same_winner() -> None:
+    assert ranges((1, 8, 32), ["onnx", "onnx", "eager"]) == ((8, "onnx"), (32, "eager"))
+    assert ranges((1, 8), ["eager", "eager"]) == ((8, "eager"),)
+
+
+def test_auto_serves_the_fastest_engine_per_batch_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    handler = tiny_handler(tmp_path, 'engine = "auto"')
+    x = np.random.default_rng(3).random((5, 16), dtype=np.float32)
+    eager_scores = run_tiny(handler, x)[0]
+    # Timing batches: rows 1, 8, 32. ONNX wins at 1 and 8, eager at 32.
+    monkeypatch.setattr(choice, "time_parts", scripted((1.0, 2.0, 3.0), (0.5, 1.0, 3.5)))
+    checks: list[SpeedCheck] = []
+    with caplog.at_level(logging.INFO, logger="nograd.runtime.engines.choice"):
+        served = prepare_engine(handler, LIMIT, None, checks.append, [], tmp_path / "cache")
+    assert isinstance(served.speed_path, RangePath)
+    assert served.speed_mode == "onnx<=8,eager"
+    assert [(most, type(path).__name__) for most, path in served.speed_path.ranges] == [
+        (8, "OnnxPath"),
+        (32, "NoneType"),
+    ]
+    assert np.allclose(run_tiny(served, x)[0], eager_scores, atol=1e-5)
+    assert [check.mode for check in checks] == ["onnx"]
+    assert checks[0].speed is not None and checks[0].speed.speedup == pytest.approx(6 / 5)
+    assert "serving onnx<=8,eager" in caplog.text
+    assert list((tmp_path / "cache").glob("tiny-v1-onnx-*.onnx"))
+
+
+def test_auto_keeps_eager_when_no_engine_is_faster_by_the_margin(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    handler = tiny_handler(tmp_path, 'engine = "auto"')
+    monkeypatch.setattr(choice, "time_parts", scripted((1.0, 2.0, 3.0), (0.99, 1.98, 2.97)))
+    served = prepare_engine(handler, LIMIT, None, None, [], tmp_path / "cache")
+    assert served.speed_path is None
+    assert served.speed_mode == "fp32"
+
+
+def test_an_engine_named_alone_is_refused_when_slower(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    handler = tiny_handler(tmp_path, 'engine = "onnx"')
+    monkeypatch.setattr(choice, "time_parts", scripted((1.0, 1.0, 1.0), (2.0, 2.0, 2.0)))
+    served = prepare_engine(handler, LIMIT, None, None, [], tmp_path / "cache")
+    assert served.speed_path is None
+    monkeypatch.setattr(choice, "time_parts", scripted((1.0, 1.0, 1.0), (0.5, 0.5, 0.5)))
+    handler = tiny_handler(tmp_path, 'engine = "onnx"')
+    served = prepare_engine(handler, LIMIT, None, None, [], tmp_path / "cache")
+    assert isinstance(served.speed_path, EnginePath) and served.speed_mode == "onnx"
+    # Eager serves no batch: its weights are let go.
+    assert not list(served.module.parameters())
+
+
+class _Broken(EnginePath):
+    """A real engine whose scores are off by 0.1: a wrong artifact."""
+
+    def __init__(self, inner: EnginePath) -> None:
+        super().__init__(inner.inputs, inner.outputs)
+        self.name = inner.name
+        self._inner = inner
+
+    def check_inputs(self, handler: object) -> None:
+        pass
+
+    def forward(self, batch: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        out = dict(self._inner.forward(batch))
+        out["scores"] = out["scores"] + 0.1
+        return out
+
+
+def test_a_wrong_engine_is_refused_and_eager_serves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    real = choice.build_engine
+    monkeypatch.setattr(choice, "build_engine", lambda *args: _Broken(real(*args)))
+    monkeypatch.setattr(choice, "time_parts", scripted((1.0, 1.0, 1.0)))
+    handler = tiny_handler(tmp_path, 'engine = "auto"')
+    with caplog.at_level(logging.INFO, logger="nograd.runtime.engines.choice"):
+        served = prepare_engine(handler, LIMIT, None, None, [], tmp_path / "cache")
+    assert served.speed_path is None
+    assert "refused: output 'scores' max abs error 0.1 exceeds accuracy_tolerance" in caplog.text
+
+
+def test_an_engine_that_cannot_be_built_is_refused_with_the_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def no_runtime(*args: object) -> EnginePath:
+        raise ImportError("no onnxruntime here")
+
+    monkeypatch.setattr(choice, "build_engine", no_runtime)
+    monkeypatch.setattr(choice, "time_parts", scripted((1.0, 1.0, 1.0)))
+    handler = tiny_handler(tmp_path, 'engine = "auto"')
+    with caplog.at_level(logging.INFO, logger="nograd.runtime.engines.choice"):
+        served = prepare_engine(handler, LIMIT, None, None, [], tmp_path / "cache")
+    assert served.speed_path is None
+    assert "refused: ImportError: no onnxruntime here" in caplog.text
+
+
+def test_labels_below_min_match_rate_refuse_an_engine() -> None:
+    from nograd.runtime.speed.accuracy import compare
+
+    reference = [{"label": np.array([[1], [2], [3], [4]])}]
+    candidate = [{"label": np.array([[1], [2], [3], [0]])}]
+    report = compare(reference, candidate)
+    assert report.problems(1e-4, 0.999, 0.9) == [
+        "output 'label' matches fp32 eager in 75.0% of elements, under min_match_rate 90.0%"
+    ]
+    assert report.problems(1e-4, 0.999, None) == []
+
+
+def test_engine_results_render_as_a_table() -> None:
+    table = choice.EngineTable(
+        "m",
+        (1, 32),
+        EngineResult("eager", seconds=(0.001, 0.01)),
+        (EngineResult("onnx", seconds=(0.0005, 0.02)), EngineResult("aoti", refused="boom")),
+        ((1, "onnx"), (32, "eager")),
+    )
+    lines = table.lines()
+    assert "rows=1" in lines[0] and "rows=32" in lines[0]
+    assert "0.50ms" in lines[2] and "20.00ms" in lines[2]
+    assert lines[3].endswith("refused: boom")
+    assert table.label == "onnx<=1,eager"

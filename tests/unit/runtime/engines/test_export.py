@@ -1,0 +1,140 @@
+"""``nograd export`` and the artifact formats: each format round-trips for digits and minilm
+(export, load the written folder as the server does, same answers as eager within the guard)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from nograd.cli import export_command
+from nograd.runtime.config import find_config, load_config
+from nograd.runtime.engines.export import ExportError, export_model
+from nograd.runtime.handler import ModelHandler, TorchRunner
+from nograd.runtime.loader import LoadError, build_handler
+from tests.unit.runtime.engines.tiny import tiny_folder
+
+ROOT = Path(__file__).resolve().parents[4]
+CPU = torch.device("cpu")
+TEXTS = [b"A man is eating food.", b"nograd serves models", b"short", b"x " * 300]
+
+
+def load(folder: Path) -> ModelHandler:
+    path = find_config(folder)
+    assert path is not None
+    return build_handler(folder.parent, folder, load_config(path), CPU)
+
+
+def digits_outputs(handler: ModelHandler) -> dict[str, np.ndarray]:
+    images = np.arange(5 * 64, dtype=np.float32).reshape(5, 1, 8, 8) % 17
+    parts = [handler.prepare({"image": images[:2]}), handler.prepare({"image": images[2:]})]
+    outs = TorchRunner(handler).run_batch(parts)
+    return {name: np.concatenate([o[name] for o in outs]) for name in outs[0]}
+
+
+def minilm_outputs(handler: ModelHandler) -> dict[str, np.ndarray]:
+    parts = [handler.prepare({"text": np.array([text], dtype=object)}) for text in TEXTS]
+    outs = TorchRunner(handler).run_batch(parts)
+    return {name: np.concatenate([o[name] for o in outs]) for name in outs[0]}
+
+
+@pytest.fixture(scope="module")
+def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("repository")
+    for name in ("digits", "minilm"):
+        shutil.copytree(ROOT / "models" / name, root / name)
+    return root
+
+
+@pytest.mark.parametrize("to", ["onnx", "torch_export", "aoti"])
+def test_digits_round_trips_through_each_format(repository: Path, to: str) -> None:
+    done = export_model(repository / "digits", to)
+    assert done.folder == repository / f"digits-{to}"
+    served = load(done.folder)
+    assert served.speed_mode == to
+    assert served.config.format == to
+    expected = digits_outputs(load(repository / "digits"))
+    got = digits_outputs(served)
+    np.testing.assert_allclose(got["logits"], expected["logits"], atol=1e-4)
+    np.testing.assert_array_equal(got["label"], expected["label"])
+
+
+@pytest.mark.parametrize("to", ["onnx", "torch_export"])
+def test_minilm_round_trips_with_its_tokenizer_kept(repository: Path, to: str) -> None:
+    done = export_model(repository / "minilm", to)
+    assert (done.folder / "model.py").is_file()  # the tokenizer and naming hooks
+    served = load(done.folder)
+    # The artifact holds the weights; the handler loaded none of its own.
+    assert not list(served.module.parameters())
+    expected = minilm_outputs(load(repository / "minilm"))
+    got = minilm_outputs(served)
+    np.testing.assert_allclose(got["embedding"], expected["embedding"], atol=1e-5)
+    np.testing.assert_array_equal(got["token_count"], expected["token_count"])
+
+
+def test_int8_export_is_checked_on_cosine(repository: Path) -> None:
+    done = export_model(repository / "digits", "onnx", precision="int8")
+    assert done.folder.name == "digits-onnx-int8"
+    assert done.accuracy.min_cosine > 0.99
+    assert (
+        done.artifact.stat().st_size
+        < 0.6 * (repository / "digits/model.safetensors").stat().st_size
+    )
+
+
+def test_an_artifact_names_its_own_inputs_and_outputs(repository: Path, tmp_path: Path) -> None:
+    for to in ("onnx", "torch_export"):
+        done = export_model(tiny_folder(tmp_path), to, out=tmp_path / f"bare-{to}")
+        config = (done.folder / "config.yaml").read_text()
+        head, _, _ = config.partition("inputs:")
+        (done.folder / "config.yaml").write_text(head)
+        served = load(done.folder)
+        assert [(s.name, s.datatype, s.shape) for s in served.config.inputs] == [
+            ("x", "FP32", (16,))
+        ]
+        assert [(s.name, s.datatype, s.shape) for s in served.config.outputs] == [
+            ("scores", "FP32", (4,)),
+            ("label", "INT64", (1,)),
+        ]
+
+
+def test_a_changed_artifact_fails_its_sha256(tmp_path: Path) -> None:
+    done = export_model(tiny_folder(tmp_path), "onnx", out=tmp_path / "tiny-onnx")
+    with done.artifact.open("ab") as stream:
+        stream.write(b"\0")
+    with pytest.raises(LoadError, match="does not match artifact_sha256"):
+        load(done.folder)
+
+
+def test_an_artifact_that_is_not_one_fails_the_load_naming_it(tmp_path: Path) -> None:
+    done = export_model(tiny_folder(tmp_path), "onnx", out=tmp_path / "tiny-onnx")
+    done.artifact.write_bytes(b"not an onnx model")
+    config = done.folder / "config.yaml"
+    config.write_text(
+        "\n".join(line for line in config.read_text().splitlines() if "sha256" not in line)
+    )
+    with pytest.raises(LoadError, match=r"model\.onnx: cannot load the onnx artifact"):
+        load(done.folder)
+
+
+def test_export_refuses_what_it_cannot_do(tmp_path: Path) -> None:
+    folder = tiny_folder(tmp_path)
+    with pytest.raises(ExportError, match="int8 is for --to onnx"):
+        export_model(folder, "aoti", precision="int8")
+    with pytest.raises(ExportError, match="no config file"):
+        export_model(tmp_path, "onnx")
+    done = export_model(folder, "onnx")
+    with pytest.raises(ExportError, match="already a onnx artifact"):
+        export_model(done.folder, "onnx")
+
+
+def test_the_export_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tiny_folder(tmp_path)
+    assert export_command([str(folder), "--to", "onnx", "--out", str(tmp_path / "out")]) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert (tmp_path / "out" / "model.onnx").is_file()
+    assert export_command([str(tmp_path / "nowhere"), "--to", "onnx"]) == 1
+    assert "no config file" in capsys.readouterr().err
