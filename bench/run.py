@@ -40,7 +40,7 @@ import orjson
 
 from bench import loadgen, workloads
 from bench.common import RESULTS, machine
-from bench.phases import litserve, paired, profiling, single
+from bench.phases import engines, litserve, paired, profiling, single
 from bench.plan import PAIRED_ROUNDS, Plan
 from bench.session import MODEL_OF, Bench, wait_quiet
 
@@ -60,6 +60,7 @@ ALL_PHASES = (
     "threads",
     "workers",
     "paired",
+    "engines",
     "levers",
     "memory",
     "torch_profile",
@@ -84,6 +85,7 @@ def count_steps(plan: Plan) -> int:
     minilm_workloads = sum(1 for w in plan.workloads if MODEL_OF[w] == "minilm")
     systems += minilm_workloads  # the raw forward beside each minilm workload
     steps += 3 + models + 2 * int(has_digits) + plan.paired_rounds * systems  # paired rounds
+    steps += 2 + plan.paired_rounds * n_wl * 2 * 2  # engines: auto and eager at c=1 and c=32
     steps += int(plan.levers) + int(plan.compile) + int(plan.memory) + int(plan.profile)
     return steps
 
@@ -175,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": single.phase_threads,
         "workers": single.phase_workers,
         "paired": paired.phase_paired,
+        "engines": engines.phase_engines,
         "levers": profiling.phase_levers,
         "memory": profiling.phase_memory,
         "torch_profile": profiling.phase_torch_profile,

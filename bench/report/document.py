@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from bench.report.engines import engines_section
 from bench.report.levers import levers_section
 from bench.report.memory import memory_section
 from bench.report.paired import paired_section
@@ -26,6 +27,7 @@ def markdown(results: dict[str, Any]) -> str:
     tag = f"{results['meta']['cores']} cores"
     parts = header_section(results)
     parts += paired_section(results, tag)
+    parts += engines_section(results, tag)
     parts += targets_section(results)
     parts += closed_loop_section(results)
     parts += ratios_section(results)

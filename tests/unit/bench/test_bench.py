@@ -358,3 +358,34 @@ def _listens_on(pid: int, port: int) -> bool:
 
 def _zombie(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_engines_section_pairs_auto_with_eager_round_by_round() -> None:
+    from bench.report.engines import engine_ratio_rows
+
+    runs = []
+    for round_, (auto, eager) in enumerate([(200.0, 100.0), (150.0, 100.0), (90.0, 100.0)], 1):
+        for system, rps in (("nograd", auto), ("nograd-eager", eager)):
+            runs.append(run(system, "digits", round_, rps, 10.0) | {"concurrency": 1})
+    runs.append(run("nograd", "digits", 4, 500.0, 10.0) | {"concurrency": 1})  # no partner
+    results = results_with([]) | {
+        "engines": {
+            "runs": runs,
+            "raw": [
+                {
+                    "model": "digits",
+                    "engine": "onnx",
+                    "batch1_per_s": 19709.0,
+                    "batch32_per_s": 253568.0,
+                    "batch1_ms": 0.05,
+                    "batch32_ms": 0.13,
+                    "accuracy": "logits: max abs error 3e-07",
+                }
+            ],
+        }
+    }
+    rows = engine_ratio_rows(results)
+    assert rows == [("digits", 1, 150.0, 100.0, 1.5, 1.0, 1.0, 3)]
+    text = markdown(results)
+    assert '## Engines: nograd as shipped (engine = "auto") against eager' in text
+    assert "| digits | onnx | 19,709 | 253,568 | 0.05 | 0.13 |" in text
