@@ -24,6 +24,7 @@ from nograd.observability.stats import FanOutObserver, Statistics
 from nograd.runtime.config import ModelConfig
 from nograd.runtime.devices import DeviceThreads, configure_threads, device_label, resolve_device
 from nograd.runtime.engines.choice import prepare_engine
+from nograd.runtime.engines.paths import engine_weights_bytes
 from nograd.runtime.handler import Outputs, TensorPart, TorchRunner
 from nograd.runtime.loader import build_handler, locate, weights_bytes
 from nograd.runtime.memory import Profile, device_budget, probe_for
@@ -138,7 +139,9 @@ class ModelLoader:
         )
         model.load_seconds = time.perf_counter() - started
         self._metrics.model_load.labels(model.name).set(model.load_seconds)
-        model.weights_bytes = weights_bytes(handler.module)
+        model.weights_bytes = weights_bytes(handler.module) + engine_weights_bytes(
+            handler.speed_path
+        )
         self._metrics.weights_bytes.labels(model.name).set(model.weights_bytes)
         if self._settings.warmup:
             started = time.perf_counter()

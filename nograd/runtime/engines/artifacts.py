@@ -7,6 +7,7 @@ workers building the same artifact at once both leave a whole one.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import tempfile
@@ -172,11 +173,20 @@ def _tensor_bytes(tensor: torch.Tensor) -> bytes:
 def cached(
     cache_dir: Path, label: str, engine: str, key: str, build: Callable[[Path], Path]
 ) -> Path:
-    """The artifact ``label`` + ``engine`` + ``key`` in ``cache_dir``, built first if missing."""
+    """The artifact ``label`` + ``engine`` + ``key`` in ``cache_dir``, built first if missing.
+
+    Builders take a lock file beside it, so workers starting together build it once: the others
+    wait, then find it built.
+    """
     target = cache_dir / f"{label}-{engine}-{key}{SUFFIXES[engine]}"
     if target.is_file():
         return target
-    return build(target)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with (cache_dir / f".{target.name}.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.is_file():
+            return target
+        return build(target)
 
 
 def _onnxruntime_version() -> str:

@@ -23,6 +23,8 @@ class EnginePath:
     def __init__(self, inputs: Sequence[str], outputs: Sequence[str]) -> None:
         self.inputs = tuple(inputs)
         self.outputs = tuple(outputs)
+        self.weights_bytes = 0
+        """The artifact's size: what its weights cost in memory, about (set by ``open_engine``)."""
 
     @property
     def max_rows(self) -> int | None:
@@ -142,7 +144,7 @@ class RangePath:
         self,
         handler: ModelHandler,
         eager: SpeedPath | None,
-        ranges: Sequence[tuple[int, SpeedPath | None]],
+        ranges: Sequence[tuple[int, EnginePath | None]],
     ) -> None:
         self._handler = handler
         self._eager = eager
@@ -206,14 +208,27 @@ def onnx_session(path: Path, device: torch.device) -> Any:
 
 def open_engine(engine: str, path: Path, device: torch.device) -> EnginePath:
     """Load ``engine``'s artifact at ``path`` onto ``device``."""
+    opened: EnginePath
     if engine in ("onnx", "onnx-int8"):
-        return OnnxPath(engine, onnx_session(path, device), device)
-    if engine == "torch_export":
+        opened = OnnxPath(engine, onnx_session(path, device), device)
+    elif engine == "torch_export":
         module = torch.export.load(str(path)).module()
         module.to(device)
-        return TorchProgramPath(engine, module)
-    if engine == "aoti":
+        opened = TorchProgramPath(engine, module)
+    elif engine == "aoti":
         index = (device.index or 0) if device.type == "cuda" else -1
         compiled = torch._inductor.aoti_load_package(str(path), device_index=index)
-        return TorchProgramPath(engine, compiled)
-    raise ArtifactError(f"unknown engine {engine!r}")
+        opened = TorchProgramPath(engine, compiled)
+    else:
+        raise ArtifactError(f"unknown engine {engine!r}")
+    opened.weights_bytes = path.stat().st_size
+    return opened
+
+
+def engine_weights_bytes(path: object) -> int:
+    """The weights the engines of a handler's speed path hold (0 for eager's own paths)."""
+    if isinstance(path, EnginePath):
+        return path.weights_bytes
+    if isinstance(path, RangePath):
+        return sum(engine.weights_bytes for _, engine in path.ranges if engine is not None)
+    return 0

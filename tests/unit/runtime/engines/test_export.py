@@ -138,3 +138,12 @@ def test_the_export_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert (tmp_path / "out" / "model.onnx").is_file()
     assert export_command([str(tmp_path / "nowhere"), "--to", "onnx"]) == 1
     assert "no config file" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_minilm_round_trips_through_aoti(repository: Path) -> None:
+    """AOTInductor compiles minilm in minutes on 2 cores: make test-slow runs it."""
+    done = export_model(repository / "minilm", "aoti")
+    expected = minilm_outputs(load(repository / "minilm"))
+    got = minilm_outputs(load(done.folder))
+    np.testing.assert_allclose(got["embedding"], expected["embedding"], atol=1e-5)
