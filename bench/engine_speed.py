@@ -1,5 +1,5 @@
 """Each engine's raw forward speed (no HTTP) at batch 1 and 32, for the engines table of
-``make bench`` and docs/engines.md: ``python -m bench.engine_speed [--json]``.
+``make bench`` and docs/speed.md: ``python -m bench.engine_speed [--json]``.
 
 The engines are built from the shipped models exactly as ``engine = "auto"`` builds them (the
 same export, artifacts and engine cache), then timed through the handler's runner, collate and

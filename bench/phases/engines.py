@@ -13,6 +13,7 @@ from bench.common import PYTHON, ROOT, nograd_server
 from bench.session import Bench
 
 AUTO, EAGER = "nograd", "nograd-eager"
+ENGINE_SPEED_TIMEOUT_S = 1200
 
 
 def phase_engines(bench: Bench) -> None:
@@ -53,16 +54,21 @@ def phase_engines(bench: Bench) -> None:
         for server in (auto, eager):
             server.resume()
     bench.step("engines: raw forward per engine")
-    done = subprocess.run(
-        [PYTHON, "-m", "bench.engine_speed", "--json"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
     raw: list[dict[str, Any]] = []
-    if done.returncode == 0:
-        raw = orjson.loads(done.stdout.strip().splitlines()[-1])
+    try:
+        done = subprocess.run(
+            [PYTHON, "-m", "bench.engine_speed", "--json"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=ENGINE_SPEED_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        bench.note(f"bench.engine_speed ran past {ENGINE_SPEED_TIMEOUT_S} s and was stopped")
     else:
-        bench.note(f"bench.engine_speed failed: {done.stderr[-300:]}")
+        if done.returncode == 0:
+            raw = orjson.loads(done.stdout.strip().splitlines()[-1])
+        else:
+            bench.note(f"bench.engine_speed failed: {done.stderr[-300:]}")
     bench.results["engines"] = {"runs": runs, "raw": raw}
