@@ -36,6 +36,7 @@ from nograd.batching.protocols import (
     padded_cost,
 )
 from nograd.batching.recovery import Recovery
+from nograd.batching.timing import BatchTiming
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +58,9 @@ class Batcher(Generic[P, R]):
     While a batch runs, the next one fills; it goes to the device as soon as the running batch ends,
     it is full, or its oldest request has waited ``max_queue_delay_s`` and the running batch is
     expected to end within ``max_queue_delay_s``. A batch handed over earlier would only wait for
-    the device with fewer batch-mates. The expectation comes from the model's measured seconds per
-    unit of cost; wrong either way, it costs what it saves: too short and the batch leaves early,
-    too long and it leaves when the device frees, one event-loop turn later.
+    the device with fewer batch-mates. The expectation comes from the model's measured batch
+    times (``BatchTiming``); wrong either way, it costs what it saves: too short and the batch
+    leaves early, too long and it leaves when the device frees, one event-loop turn later.
     """
 
     def __init__(
@@ -93,8 +94,8 @@ class Batcher(Generic[P, R]):
         self._task: asyncio.Task[None] | None = None
         self._batch_tasks: set[asyncio.Task[None]] = set()
         self._closed = False
-        self._seconds_per_cost = 0.0
-        """Measured on the device thread after each batch, smoothed; 0 until one has run."""
+        self._timing = BatchTiming()
+        """Learned on the device thread from each batch that ran; unknown until one has."""
         self._estimates: deque[float] = deque()
         """Expected seconds of each batch handed to the device and not yet finished, in order."""
         self._free_at = 0.0
@@ -125,11 +126,11 @@ class Batcher(Generic[P, R]):
         on the device, then everything queued, at the model's measured speed (0 until a batch
         has been measured)."""
         busy = max(0.0, self._free_at - time.monotonic())
-        return busy + self._queued_cost * self._seconds_per_cost
+        return busy + self._timing.queue_s(self._queued_cost, self.limit.current)
 
     def full_batch_s(self) -> float:
         """Expected seconds of one batch at the limit."""
-        return self.limit.current * self._seconds_per_cost
+        return self._timing.batch_s(self.limit.current)
 
     async def restart_if_dead(self) -> bool:
         """Restart a dead batch loop; True when a restart happened."""
@@ -208,7 +209,7 @@ class Batcher(Generic[P, R]):
     def check_wait(self, now: float, deadline: float | None, max_wait_s: float | None) -> None:
         """Raise ``WaitTooLong`` when a request queued ``now`` is expected to wait past its
         ``deadline`` or past ``max_wait_s`` (never less than one batch at the limit)."""
-        if self._seconds_per_cost <= 0 or (deadline is None and max_wait_s is None):
+        if not self._timing.known or (deadline is None and max_wait_s is None):
             return
         wait = self.expected_wait_s()
         allowed = math.inf if max_wait_s is None else max(max_wait_s, self.full_batch_s())
@@ -262,7 +263,7 @@ class Batcher(Generic[P, R]):
                 self._slots.release()
                 continue
             self._in_flight += 1
-            estimate = self._seconds_per_cost * cost
+            estimate = self._timing.batch_s(cost)
             self._estimates.append(estimate)
             self._free_at = max(self._free_at, time.monotonic()) + estimate
             task = asyncio.create_task(self._run(batch), name=f"batch-{self.name}")
@@ -402,8 +403,8 @@ class Batcher(Generic[P, R]):
         finally:
             ok = bool(outcomes) and not any(isinstance(o, BaseException) for o in outcomes)
             seconds = time.monotonic() - start
-            if ok and cost > 0:
-                self._learn_speed(seconds / cost)
+            if ok:
+                self._timing.observe(cost, seconds)
             self._observer.batch_finished(rows, seconds, ok)
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug(
@@ -415,13 +416,6 @@ class Batcher(Generic[P, R]):
                     extra={"model": self.name, "rows": rows, "ok": ok, "limit": self.limit.current},
                 )
         return live + expired, outcomes + late
-
-    def _learn_speed(self, seconds_per_cost: float) -> None:
-        """Smooth over recent batches; one float written by the device thread, read by the loop."""
-        old = self._seconds_per_cost
-        self._seconds_per_cost = (
-            seconds_per_cost if old == 0 else 0.7 * old + 0.3 * seconds_per_cost
-        )
 
 
 def _fail(future: asyncio.Future[R], exc: BaseException) -> None:
