@@ -25,7 +25,7 @@ import torch
 
 from nograd.runtime.config import ModelConfig
 from nograd.runtime.engines.artifacts import cache_key, cached, write_artifact
-from nograd.runtime.engines.paths import EnginePath, RangePath, open_engine
+from nograd.runtime.engines.paths import EnginePath, OnnxPath, RangePath, open_engine
 from nograd.runtime.engines.trace import Traced, export_program
 from nograd.runtime.handler import ModelHandler, SpeedPath, TensorPart, TorchRunner
 from nograd.runtime.speed.accuracy import AccuracyReport, compare
@@ -330,6 +330,12 @@ def _install(
         handler.speed_path = RangePath(
             handler, eager_path, [(most, built.get(name)) for most, name in table.serving]
         )
+        if any(not isinstance(built.get(name), OnnxPath) for name in names):
+            # ONNX Runtime takes turns with eager torch or a torch program in this worker.
+            for name in names:
+                path = built.get(name)
+                if isinstance(path, OnnxPath):
+                    path.stop_spinning()
     if table.eager.engine not in names:
         # Eager serves no batch: its weights, casts and layouts go (the engines hold their own).
         handler.module = torch.nn.Module()

@@ -88,13 +88,20 @@ class TorchProgramPath(EnginePath):
 class OnnxPath(EnginePath):
     """An ONNX Runtime session. On CUDA the inputs are bound where they lie (no host copy)."""
 
-    def __init__(self, name: str, session: Any, device: torch.device) -> None:
+    def __init__(self, name: str, path: Path, device: torch.device) -> None:
+        session = onnx_session(path, device, spinning=True)
         inputs = [value.name for value in session.get_inputs()]
         outputs = [value.name for value in session.get_outputs()]
         super().__init__(inputs, outputs)
         self.name = name
+        self.path = path
         self.session = session
         self.device = device
+
+    def stop_spinning(self) -> None:
+        """Reopen the session with threads that sleep after a run, for a worker that also runs
+        eager torch: a spinning pool holds the cores torch's next batch needs."""
+        self.session = onnx_session(self.path, self.device, spinning=False)
 
     def forward(self, batch: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         batch = self.plain(batch)
@@ -180,8 +187,13 @@ class RangePath:
         return self._handler.forward(batch)
 
 
-def onnx_session(path: Path, device: torch.device) -> Any:
-    """An ONNX Runtime session on ``device`` with torch's thread count (the worker's share)."""
+def onnx_session(path: Path, device: torch.device, spinning: bool) -> Any:
+    """An ONNX Runtime session on ``device`` with torch's thread count (the worker's share).
+
+    ``spinning`` keeps its threads busy-waiting for a while after each run, as ONNX Runtime does
+    by default: faster when it runs every batch, a tax on eager torch when the two take turns
+    (docs/engines.md measures both).
+    """
     try:
         import onnxruntime
     except ImportError as exc:
@@ -192,6 +204,9 @@ def onnx_session(path: Path, device: torch.device) -> Any:
     options.intra_op_num_threads = torch.get_num_threads()
     options.inter_op_num_threads = 1
     options.log_severity_level = 3
+    allow = "1" if spinning else "0"
+    options.add_session_config_entry("session.intra_op.allow_spinning", allow)
+    options.add_session_config_entry("session.inter_op.allow_spinning", allow)
     if device.type == "cuda":
         if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
             raise ArtifactError(
@@ -210,7 +225,7 @@ def open_engine(engine: str, path: Path, device: torch.device) -> EnginePath:
     """Load ``engine``'s artifact at ``path`` onto ``device``."""
     opened: EnginePath
     if engine in ("onnx", "onnx-int8"):
-        opened = OnnxPath(engine, onnx_session(path, device), device)
+        opened = OnnxPath(engine, path, device)
     elif engine == "torch_export":
         module = torch.export.load(str(path)).module()
         module.to(device)

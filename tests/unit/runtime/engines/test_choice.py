@@ -20,7 +20,7 @@ from nograd.runtime.engines.choice import (
     ranges,
     tolerance_for,
 )
-from nograd.runtime.engines.paths import EnginePath, RangePath
+from nograd.runtime.engines.paths import EnginePath, OnnxPath, RangePath
 from nograd.runtime.handler import TorchRunner
 from nograd.runtime.speed.guard import SpeedCheck
 from tests.unit.runtime.engines.tiny import tiny_folder, tiny_handler
@@ -108,10 +108,19 @@ def test_auto_serves_the_fastest_engine_per_batch_size(
         (32, "NoneType"),
     ]
     assert np.allclose(run_tiny(served, x)[0], eager_scores, atol=1e-5)
+    # Taking turns with eager torch, ONNX Runtime's threads sleep after each run.
+    assert spinning(served.speed_path.ranges[0][1]) == "0"
     assert [check.mode for check in checks] == ["onnx"]
     assert checks[0].speed is not None and checks[0].speed.speedup == pytest.approx(6 / 5)
     assert "serving onnx<=8,eager" in caplog.text
     assert list((tmp_path / "cache").glob("tiny-v1-onnx-*.onnx"))
+
+
+def spinning(path: object) -> str:
+    """The session's ``allow_spinning`` entry, "1" when its threads busy-wait after a run."""
+    assert isinstance(path, OnnxPath)
+    options = path.session.get_session_options()
+    return str(options.get_session_config_entry("session.intra_op.allow_spinning"))
 
 
 def test_auto_keeps_eager_when_no_engine_is_faster_by_the_margin(
@@ -135,6 +144,8 @@ def test_an_engine_named_alone_is_refused_when_slower(
     handler = tiny_handler(tmp_path, 'engine = "onnx"')
     served = prepare_engine(handler, LIMIT, None, None, [], tmp_path / "cache")
     assert isinstance(served.speed_path, EnginePath) and served.speed_mode == "onnx"
+    # ONNX Runtime runs every batch: its threads keep ONNX Runtime's default spinning.
+    assert spinning(served.speed_path) == "1"
     # Eager serves no batch: its weights are let go.
     assert not list(served.module.parameters())
 
