@@ -24,7 +24,7 @@ from nograd.observability.stats import FanOutObserver, Statistics
 from nograd.runtime.config import ModelConfig
 from nograd.runtime.devices import DeviceThreads, configure_threads, device_label, resolve_device
 from nograd.runtime.engines.choice import prepare_engine
-from nograd.runtime.engines.paths import engine_weights_bytes
+from nograd.runtime.engines.paths import engine_weights_bytes, share_cores
 from nograd.runtime.handler import Outputs, TensorPart, TorchRunner
 from nograd.runtime.loader import build_handler, locate, weights_bytes
 from nograd.runtime.memory import Profile, device_budget, probe_for
@@ -66,6 +66,8 @@ class ModelLoader:
         self.threads = DeviceThreads()
         """One thread per device, running its models' loads and batches."""
         self.cores: CoreLedger | None = None
+        self._widths: tuple[int, ...] = ()
+        """The intra-op widths a batch may be granted when workers share the cores."""
         """Joined at load: the CPU cores shared with the other workers, batch by batch."""
         self._joined = False
         self._pools: dict[str, int] = {}
@@ -111,6 +113,7 @@ class ModelLoader:
             logger.info("torch intra-op threads: %d", threads)
             return
         self.cores = CoreLedger(share, threads)
+        self._widths = tuple(range(1, threads + 1))
         logger.info(
             "torch intra-op threads: up to %d per batch, the cores the other %d workers' "
             "batches leave free",
@@ -137,6 +140,9 @@ class ModelLoader:
             code=[locate(model.directory, config.module)],
             cache_dir=self._settings.engine_cache_dir,
         )
+        if self.cores is not None:
+            # The ledger grants each batch a width; ONNX Runtime's pool is fixed per session.
+            share_cores(handler.speed_path, self._widths)
         model.load_seconds = time.perf_counter() - started
         self._metrics.model_load.labels(model.name).set(model.load_seconds)
         model.weights_bytes = weights_bytes(handler.module) + engine_weights_bytes(

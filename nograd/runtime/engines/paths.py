@@ -86,22 +86,41 @@ class TorchProgramPath(EnginePath):
 
 
 class OnnxPath(EnginePath):
-    """An ONNX Runtime session. On CUDA the inputs are bound where they lie (no host copy)."""
+    """ONNX Runtime sessions, one per intra-op width: each batch runs on as many threads as torch
+    has at that moment, the width the worker's core ledger granted when workers share the cores
+    (an ONNX Runtime pool is fixed at its session's creation). On CUDA the inputs are bound where
+    they lie (no host copy)."""
 
     def __init__(self, name: str, path: Path, device: torch.device) -> None:
-        session = onnx_session(path, device, spinning=True)
+        self.name = name
+        self.path = path
+        self.device = device
+        self.spinning = True
+        self._sessions: dict[int, Any] = {}
+        session = self.session
         inputs = [value.name for value in session.get_inputs()]
         outputs = [value.name for value in session.get_outputs()]
         super().__init__(inputs, outputs)
-        self.name = name
-        self.path = path
-        self.session = session
-        self.device = device
 
-    def stop_spinning(self) -> None:
-        """Reopen the session with threads that sleep after a run, for a worker that also runs
-        eager torch: a spinning pool holds the cores torch's next batch needs."""
-        self.session = onnx_session(self.path, self.device, spinning=False)
+    @property
+    def session(self) -> Any:
+        """The session for torch's current thread count, opened on first use."""
+        threads = torch.get_num_threads() if self.device.type == "cpu" else 0
+        session = self._sessions.get(threads)
+        if session is None:
+            session = onnx_session(self.path, self.device, self.spinning, threads)
+            self._sessions[threads] = session
+        return session
+
+    def stop_spinning(self, widths: Sequence[int] = ()) -> None:
+        """Reopen the sessions with threads that sleep after a run (and open one per width in
+        ``widths`` now, not under traffic): for a worker that also runs eager torch, or shares
+        the cores with other workers, a spinning pool holds cores another batch needs."""
+        self.spinning = False
+        self._sessions.clear()
+        for threads in widths:
+            self._sessions[threads] = onnx_session(self.path, self.device, False, threads)
+        _ = self.session
 
     def forward(self, batch: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         batch = self.plain(batch)
@@ -187,8 +206,8 @@ class RangePath:
         return self._handler.forward(batch)
 
 
-def onnx_session(path: Path, device: torch.device, spinning: bool) -> Any:
-    """An ONNX Runtime session on ``device`` with torch's thread count (the worker's share).
+def onnx_session(path: Path, device: torch.device, spinning: bool, threads: int) -> Any:
+    """An ONNX Runtime session on ``device`` with ``threads`` intra-op threads (0: its default).
 
     ``spinning`` keeps its threads busy-waiting for a while after each run, as ONNX Runtime does
     by default: faster when it runs every batch, a tax on eager torch when the two take turns
@@ -201,7 +220,7 @@ def onnx_session(path: Path, device: torch.device, spinning: bool) -> Any:
             "the onnx engine needs ONNX Runtime: pip install 'nograd[onnx]'"
         ) from exc
     options = onnxruntime.SessionOptions()
-    options.intra_op_num_threads = torch.get_num_threads()
+    options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.log_severity_level = 3
     allow = "1" if spinning else "0"
@@ -247,3 +266,14 @@ def engine_weights_bytes(path: object) -> int:
     if isinstance(path, RangePath):
         return sum(engine.weights_bytes for _, engine in path.ranges if engine is not None)
     return 0
+
+
+def share_cores(path: object, widths: Sequence[int]) -> None:
+    """The engines of a handler's speed path set up for a worker that shares the cores batch by
+    batch: ONNX Runtime without spinning, a session ready for each width the ledger may grant."""
+    engines = [path] if isinstance(path, EnginePath) else []
+    if isinstance(path, RangePath):
+        engines = [engine for _, engine in path.ranges if engine is not None]
+    for engine in engines:
+        if isinstance(engine, OnnxPath) and engine.device.type == "cpu":
+            engine.stop_spinning(widths)

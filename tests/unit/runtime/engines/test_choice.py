@@ -20,7 +20,7 @@ from nograd.runtime.engines.choice import (
     ranges,
     tolerance_for,
 )
-from nograd.runtime.engines.paths import EnginePath, OnnxPath, RangePath
+from nograd.runtime.engines.paths import EnginePath, OnnxPath, RangePath, share_cores
 from nograd.runtime.handler import TorchRunner
 from nograd.runtime.speed.guard import SpeedCheck
 from tests.unit.runtime.engines.tiny import tiny_folder, tiny_handler
@@ -220,3 +220,24 @@ def test_engine_results_render_as_a_table() -> None:
     assert "0.50ms" in lines[2] and "20.00ms" in lines[2]
     assert lines[3].endswith("refused: boom")
     assert table.label == "onnx<=1,eager"
+
+
+def test_workers_sharing_cores_run_onnx_at_the_width_each_batch_is_granted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    handler = tiny_handler(tmp_path, 'engine = "onnx"')
+    monkeypatch.setattr(choice, "time_parts", scripted((1.0, 1.0, 1.0), (0.5, 0.5, 0.5)))
+    served = prepare_engine(handler, LIMIT, None, None, [], tmp_path / "cache")
+    path = served.speed_path
+    assert isinstance(path, OnnxPath)
+    share_cores(path, (1, 2))
+    before = torch.get_num_threads()
+    try:
+        for width in (1, 2):
+            torch.set_num_threads(width)
+            options = path.session.get_session_options()
+            assert options.intra_op_num_threads == width
+            assert spinning(path) == "0"  # another worker's batch may need the core
+        assert len(path._sessions) == 2  # opened at load, not under traffic
+    finally:
+        torch.set_num_threads(before)
