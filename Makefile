@@ -47,10 +47,12 @@ format: install-dev
 	$(BIN)/ruff check --fix .
 
 # --- make bench --------------------------------------------------------------------------------
-# nograd against the raw model, plain FastAPI, LitServe and the HTTP ceiling, in one run
-# (bench/run.py and bench/phases/; tables in bench/results/<timestamp>.md, quoted by BENCHMARKS.md).
-# Takes ~45 minutes on 2 cores; `make bench BENCH_ARGS=--quick` is a shorter smoke run.
-# wrk is a Debian package: installed here when missing (as root, or through sudo).
+# nograd against the raw model, plain FastAPI, LitServe, the HTTP ceiling and the real peers
+# (Triton through PyTriton, TorchServe, infinity), in one run (bench/run.py and bench/phases/;
+# tables in bench/results/<timestamp>.md, quoted by BENCHMARKS.md). The peers' pinned venvs are
+# built by the run itself under bench/.peers/ (bench/peers/envs.py), once.
+# Takes ~75 minutes on 2 cores; `make bench BENCH_ARGS=--quick` is a shorter smoke run.
+# wrk and Java (TorchServe) are Debian packages: installed here when missing (as root, or sudo).
 BENCH_ARGS ?=
 
 $(VENV)/.installed-bench: $(VENV)/.installed pyproject.toml constraints.txt
@@ -59,6 +61,7 @@ $(VENV)/.installed-bench: $(VENV)/.installed pyproject.toml constraints.txt
 
 bench: $(VENV)/.installed-bench
 	bash scripts/install_debian_package.sh wrk wrk
+	bash scripts/install_debian_package.sh openjdk-17-jre-headless java
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
 
 container-test:

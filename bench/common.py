@@ -131,6 +131,12 @@ class Server:
     cpus: str | None = None
     port: int = field(default_factory=free_port)
     grpc_port: int | None = None  # nograd's gRPC port, where it serves gRPC
+    pausable: bool = True
+    """False for a server that does not survive SIGSTOP: it stays running, idle, and any CPU it
+    takes shows as foreign CPU in the measured server's run."""
+    peer: str | None = None
+    """The peer system (``bench.peers``) this server is, when its route or body format differs
+    from nograd's V2 JSON; None for nograd and the baselines that share its route."""
     log_path: Path | None = None
     process: subprocess.Popen[bytes] | None = None
 
@@ -202,7 +208,8 @@ class Server:
         """SIGSTOP to every process of the server's group, while another server is measured:
         an idle server that polls (LitServe's workers used 0.23 cores of 2 idle, measured)
         would take CPU from the one under load."""
-        self._signal_group(signal.SIGSTOP)
+        if self.pausable:
+            self._signal_group(signal.SIGSTOP)
 
     def resume(self) -> None:
         self._signal_group(signal.SIGCONT)

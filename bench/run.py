@@ -16,7 +16,14 @@ process is stopped in a ``finally``):
    processes) and (for minilm) the raw forward, all started once and measured in turn (the
    others paused), round after round, order reversed each round, so each round's ratios compare
    systems at the same machine speed;
-6. speed levers (``bench.levers``), issue 3's memory benchmark (``bench.memory_bench``) and
+6. engines: nograd as shipped (``engine = "auto"``) against ``NOGRAD_ENGINE=eager``, paired,
+   and each engine's raw forward (``bench.engine_speed``);
+7. peers: real Triton (PyTriton), TorchServe and infinity (torch and ONNX engines), each in its
+   own pinned venv under ``bench/.peers/`` built on first use (``bench.peers``), answers checked
+   against nograd's before any number counts, a few batching configurations each, then the best
+   of each paired with nograd (its default worker count) and the HTTP ceiling, at concurrency 32
+   and 1; a peer that cannot be set up or started is reported with the reason;
+8. speed levers (``bench.levers``), issue 3's memory benchmark (``bench.memory_bench``) and
    torch.profiler on nograd's batch path (``bench.profile_nograd``).
 
 Results: ``bench/results/<timestamp>.json``, ``.png`` (latency vs throughput) and ``.md`` (the
@@ -40,7 +47,8 @@ import orjson
 
 from bench import loadgen, workloads
 from bench.common import RESULTS, machine
-from bench.phases import engines, litserve, paired, profiling, single
+from bench.peers.servers import MODELS_OF_SYSTEM, SWEEPS
+from bench.phases import engines, litserve, paired, peers, profiling, single
 from bench.plan import PAIRED_ROUNDS, Plan
 from bench.session import MODEL_OF, Bench, wait_quiet
 
@@ -61,6 +69,7 @@ ALL_PHASES = (
     "workers",
     "paired",
     "engines",
+    "peers",
     "levers",
     "memory",
     "torch_profile",
@@ -86,6 +95,21 @@ def count_steps(plan: Plan) -> int:
     systems += minilm_workloads  # the raw forward beside each minilm workload
     steps += 3 + models + 2 * int(has_digits) + plan.paired_rounds * systems  # paired rounds
     steps += 2 + plan.paired_rounds * n_wl * 2 * 2  # engines: auto and eager at c=1 and c=32
+    # peers: three venvs, a sweep per peer system and model, every server started, then paired
+    # rounds of nograd, the ceiling (digits) and the peer systems at two concurrencies
+    peer_models = [
+        (system, model)
+        for system, served in MODELS_OF_SYSTEM.items()
+        for model in served
+        if model in {MODEL_OF[w] for w in plan.workloads}
+    ]
+    steps += 3 + sum(1 if plan.quick else len(SWEEPS[s]) for s, _ in peer_models)
+    steps += 1 + int(has_digits) + len(peer_models)
+    per_round = sum(
+        1 + int(w == "digits") + sum(1 for s, m in peer_models if m == MODEL_OF[w])
+        for w in plan.workloads
+    )
+    steps += plan.paired_rounds * 2 * per_round
     steps += int(plan.levers) + int(plan.compile) + int(plan.memory) + int(plan.profile)
     return steps
 
@@ -178,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         "workers": single.phase_workers,
         "paired": paired.phase_paired,
         "engines": engines.phase_engines,
+        "peers": peers.phase_peers,
         "levers": profiling.phase_levers,
         "memory": profiling.phase_memory,
         "torch_profile": profiling.phase_torch_profile,

@@ -19,6 +19,7 @@ from bench import loadgen, workloads
 from bench.common import PYTHON, RESULTS, ROOT, Server, metric
 from bench.common import scrape_metrics as scrape
 from bench.loadgen import LoadResult
+from bench.peers.protocol import route, write_peer_bodies
 from bench.plan import PAIRED_RAW_BATCHES, Plan
 
 QUIET_CORES = 0.3
@@ -137,7 +138,7 @@ class Bench:
         if protocol == "grpc" and rate is not None:
             raise ValueError("the gRPC load is a closed loop only: no fixed rate")
         wl = self.workload(name)
-        url = server.url + wl.path
+        url, bodies = self.target(server, name)
         # The concurrency-1 target's yardstick, measured beside the load (before and after it):
         # the forward's speed moves with the machine's between a run's phases.
         paired = system.startswith("nograd") and name == "minilm-1" and concurrency == 1
@@ -157,7 +158,7 @@ class Bench:
         elif rate is None:
             result = loadgen.run_closed(
                 url,
-                self.bodies[name],
+                bodies,
                 system=system,
                 workload=name,
                 samples_per_request=wl.samples_per_request,
@@ -168,7 +169,7 @@ class Bench:
         else:
             result = loadgen.run_open(
                 url,
-                self.bodies[name],
+                bodies,
                 system=system,
                 workload=name,
                 samples_per_request=wl.samples_per_request,
@@ -210,11 +211,26 @@ class Bench:
                 result.extra[key] = 1e3 * total / n if n else None
         return result
 
-    def warm(self, server: Server, name: str, protocol: str = "http") -> None:
+    def target(self, server: Server, name: str) -> tuple[str, Path]:
+        """The URL and bodies file of workload ``name`` on ``server``: nograd's V2 route and
+        bodies, or a peer's own route with the same requests in its format."""
+        if server.peer is None:
+            return server.url + self.workload(name).path, self.bodies[name]
+        where = route(server.peer, name)
+        key = f"{name}:{where.body_format}"
+        if key not in self.bodies:
+            directory = self.bodies[name].parent
+            self.bodies[key] = write_peer_bodies(self.workload(name), where.body_format, directory)
+        return server.url + where.path, self.bodies[key]
+
+    def warm(
+        self, server: Server, name: str, protocol: str = "http", concurrency: int | None = None
+    ) -> None:
         self.load(
             server,
             "warmup",
             name,
+            concurrency=concurrency,
             duration_s=self.plan.warmup_s,
             record=False,
             protocol=protocol,

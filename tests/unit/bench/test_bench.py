@@ -389,3 +389,84 @@ def test_engines_section_pairs_auto_with_eager_round_by_round() -> None:
     text = markdown(results)
     assert '## Engines: nograd as shipped (engine = "auto") against eager' in text
     assert "| digits | onnx | 19,709 | 253,568 | 0.05 | 0.13 |" in text
+
+
+def peer_run(
+    system: str, workload: str, round_: int, rps: float, p50: float, p99: float, c: int = 32
+) -> dict[str, Any]:
+    return run(system, workload, round_, rps, p99) | {"p50_ms": p50, "concurrency": c}
+
+
+def test_peers_are_judged_against_the_best_peer_of_each_round() -> None:
+    from bench.report.peers import peer_targets, versus_best
+
+    runs = []
+    # Round 1: TorchServe is the best peer; round 2: PyTriton; round 3: PyTriton, and a
+    # peer that failed requests is no peer's best even when its count is higher.
+    for round_, (triton, torchserve) in enumerate(
+        [(100.0, 150.0), (120.0, 90.0), (110.0, 80.0)], 1
+    ):
+        runs += [
+            peer_run("nograd", "minilm-1", round_, 300.0, 50.0, 80.0),
+            peer_run("pytriton", "minilm-1", round_, triton, 100.0, 200.0),
+            peer_run("torchserve", "minilm-1", round_, torchserve, 100.0, 100.0),
+            peer_run("infinity-onnx", "minilm-1", round_, 999.0, 10.0, 10.0) | {"errors": 5},
+            peer_run("nograd", "minilm-1", round_, 70.0, 10.0, 12.0, c=1),
+            peer_run("infinity-onnx", "minilm-1", round_, 60.0, 20.0, 25.0, c=1),
+            peer_run("nograd", "digits", round_, 6000.0, 2.0, 8.0),
+            peer_run("pytriton", "digits", round_, 1500.0, 10.0, 30.0),
+            peer_run("http-ceiling", "digits", round_, 7000.0, 2.0, 5.0),
+        ]
+    results = results_with([]) | {
+        "peers": {"envs": {}, "checks": [], "refused": [], "sweep": [], "best": {}, "runs": runs}
+    }
+    found = versus_best(results, "minilm-1", 32, by_latency=False)
+    assert found is not None
+    assert found.best == "pytriton"  # best in two rounds of three
+    assert found.rps == pytest.approx(300 / 120)  # median of 2.0, 2.5, 2.73
+    assert found.p99 == pytest.approx(0.4)  # median of 0.8, 0.4, 0.4
+    low = versus_best(results, "minilm-1", 1, by_latency=True)
+    assert low is not None and low.p50 == pytest.approx(0.5)
+    verdicts = {row[0].split(" (")[0]: (row[3], row[4]) for row in peer_targets(results, 32)}
+    assert verdicts["minilm-1 c=32: throughput vs best peer"] == ("**met**", "")
+    assert verdicts["minilm-1 c=32: p99 vs best peer's"] == ("**met**", "")
+    assert verdicts["minilm-1 c=1: p50 vs best peer's"] == ("**met**", "")
+    assert verdicts["digits c=32: throughput vs PyTriton"] == ("**met**", "")
+    assert verdicts["digits c=32: throughput vs HTTP ceiling"][0] == "**not met**"
+    assert verdicts["digits c=32: throughput vs HTTP ceiling"][1] == "at 0.95 of the target"
+    assert verdicts["minilm-8 c=32: throughput vs best peer"] == ("–", "not measured")
+    assert verdicts["digits c=32: nograd p99"] == ("**met**", "")
+    text = markdown(results)
+    # The report leads with the real peers: their section is the first after the header.
+    sections = [line for line in text.splitlines() if line.startswith("## ")]
+    assert sections[0].startswith("## nograd against the real peers")
+    assert "| minilm-1 | 32 | pytriton | 2.50 | 0.50 | 0.40 | 3 |" in text
+
+
+def test_a_peers_best_configuration_is_the_fastest_that_failed_nothing() -> None:
+    from bench.phases.peers import _best
+
+    def row(label: str, rps: float, errors: int) -> dict[str, Any]:
+        return {"system": "pytriton", "workload": "minilm-1", "label": label} | {
+            "rps": rps,
+            "errors": errors,
+        }
+
+    best = _best([row("16", 200.0, 0), row("64", 400.0, 12), row("32", 250.0, 0)])
+    assert best[("pytriton", "minilm-1")]["label"] == "32"
+
+
+def test_a_server_that_cannot_be_paused_is_left_running() -> None:
+    from bench.common import Server
+
+    server = Server("sleeper", [sys.executable, "-c", "import time; time.sleep(30)"], "/")
+    server.pausable = False
+    server.process = subprocess.Popen(server.command, start_new_session=True)
+    try:
+        server.pause()
+        time.sleep(0.2)
+        state = Path(f"/proc/{server.process.pid}/stat").read_text().split()[2]
+        assert state != "T"  # not stopped
+    finally:
+        server.process.kill()
+        server.process.wait()
