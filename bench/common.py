@@ -237,6 +237,16 @@ class Server:
         self.stop()
 
 
+def run_only(server: Server | None, everyone: Sequence[Server]) -> None:
+    """Resume ``server`` and pause every other one of ``everyone`` (SIGSTOP): only the server
+    under load takes CPU. ``None`` (a raw-forward measurement) pauses them all."""
+    for other in everyone:
+        if other is server:
+            other.resume()
+        else:
+            other.pause()
+
+
 def nograd_server(
     repository: Path, cpus: str | None, extra_env: Mapping[str, str] | None = None
 ) -> Server:

@@ -9,7 +9,7 @@ from typing import Any
 
 import orjson
 
-from bench.common import PYTHON, ROOT, nograd_server
+from bench.common import PYTHON, ROOT, nograd_server, run_only
 from bench.session import Bench
 
 AUTO, EAGER = "nograd", "nograd-eager"
@@ -34,11 +34,7 @@ def phase_engines(bench: Bench) -> None:
             for name in bench.plan.workloads:
                 for concurrency in concurrencies:
                     for system, server in order:
-                        for other in (auto, eager):
-                            if other is server:
-                                other.resume()
-                            else:
-                                other.pause()
+                        run_only(server, [auto, eager])
                         bench.warm(server, name, "http")
                         bench.step(f"engines round {index + 1}: {system} {name} c={concurrency}")
                         result = bench.load(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from bench.common import ROOT, Server, nograd_server
+from bench.common import ROOT, Server, nograd_server, run_only
 from bench.phases.litserve import litserve
 from bench.phases.single import ceiling_server
 from bench.session import (
@@ -98,11 +98,7 @@ def phase_paired(bench: Bench) -> None:
                 order = systems if index % 2 == 0 else systems[::-1]
                 for position, (system, server) in enumerate(order):
                     # Only the server under load runs; the others are paused (SIGSTOP).
-                    for other in everyone:
-                        if other is server:
-                            other.resume()
-                        else:
-                            other.pause()
+                    run_only(server, everyone)
                     if server is None:
                         bench.step(f"paired round {index + 1}: raw model for {name}")
                         raw.append(

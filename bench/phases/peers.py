@@ -8,7 +8,7 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
-from bench.common import ROOT, Server, nograd_server
+from bench.common import ROOT, Server, nograd_server, run_only
 from bench.peers.check import Reference, check_workload
 from bench.peers.envs import ensure_env
 from bench.peers.servers import (
@@ -204,11 +204,7 @@ def _paired(
                 for concurrency in concurrencies:
                     order = systems if index % 2 == 0 else systems[::-1]
                     for position, (system, server) in enumerate(order):
-                        for other in everyone:
-                            if other is server:
-                                other.resume()
-                            else:
-                                other.pause()
+                        run_only(server, everyone)
                         bench.warm(server, name, concurrency=concurrency)
                         bench.step(f"peers round {index + 1}: {system} {name} c={concurrency}")
                         result = bench.load(

@@ -5,7 +5,6 @@ and paired numbers."""
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,132 +97,65 @@ def versus(results: dict[str, Any], workload: str, concurrency: int, other: str)
     return _median(values)
 
 
-Check = Callable[[float], bool]
-
-
 def _target(
-    name: str, measured: float | None, threshold: str, ok: Check, unit: str = "×"
+    name: str, measured: float | None, threshold: float, at_least: bool, unit: str = "×"
 ) -> tuple[str, str, str, str, str]:
-    """(target, measured, threshold, verdict, shortfall): the shortfall says by how much a
-    missed target is missed."""
+    """(target, measured, threshold, verdict, shortfall); a missed target's shortfall is the
+    measured value over the threshold."""
+    sign = "≥" if at_least else "≤"
+    limit = f"{sign} {threshold:g}{'×' if unit == '×' else unit}"
     if measured is None:
-        return (name, "–", threshold, verdict(None), "not measured")
-    met = ok(measured)
-    return (name, f"{fmt(measured, 2)}{unit}", threshold, verdict(met), "" if met else "missed")
+        return (name, "–", limit, verdict(None), "not measured")
+    met = measured >= threshold if at_least else measured <= threshold
+    shortfall = "" if met else f"at {measured / threshold:.2f} of the target"
+    return (name, f"{fmt(measured, 2)}{unit}", limit, verdict(met), shortfall)
 
 
 def peer_targets(results: dict[str, Any], concurrency: int) -> list[tuple[str, ...]]:
     """The issue's targets against the real peers, each with its verdict and shortfall."""
-    rows: list[tuple[str, ...]] = []
-    one = versus_best(results, "minilm-1", concurrency, by_latency=False)
-    rows.append(
-        _shortfall(
-            _target(
-                f"minilm-1 c={concurrency}: throughput vs best peer"
-                + (f" ({one.best})" if one else ""),
-                one.rps if one else None,
-                "≥ 1.5×",
-                lambda v: v >= 1.5,
-            ),
-            one.rps if one else None,
-            1.5,
-        )
-    )
-    rows.append(
-        _shortfall(
-            _target(
-                f"minilm-1 c={concurrency}: p99 vs best peer's",
-                one.p99 if one else None,
-                "≤ 0.6×",
-                lambda v: v <= 0.6,
-            ),
-            one.p99 if one else None,
-            0.6,
-        )
-    )
+    c = concurrency
+    one = versus_best(results, "minilm-1", c, by_latency=False)
     low = versus_best(results, "minilm-1", 1, by_latency=True)
-    rows.append(
-        _shortfall(
-            _target(
-                "minilm-1 c=1: p50 vs best peer's" + (f" ({low.best})" if low else ""),
-                low.p50 if low else None,
-                "≤ 0.7×",
-                lambda v: v <= 0.7,
-            ),
-            low.p50 if low else None,
-            0.7,
-        )
-    )
-    eight = versus_best(results, "minilm-8", concurrency, by_latency=False)
-    rows.append(
-        _shortfall(
-            _target(
-                f"minilm-8 c={concurrency}: throughput vs best peer"
-                + (f" ({eight.best})" if eight else ""),
-                eight.rps if eight else None,
-                "≥ 1.5×",
-                lambda v: v >= 1.5,
-            ),
-            eight.rps if eight else None,
-            1.5,
-        )
-    )
-    triton = versus(results, "digits", concurrency, PYTRITON)
-    rows.append(
-        _shortfall(
-            _target(
-                f"digits c={concurrency}: throughput vs PyTriton",
-                triton,
-                "≥ 3×",
-                lambda v: v >= 3,
-            ),
-            triton,
-            3.0,
-        )
-    )
-    ceiling = versus(results, "digits", concurrency, CEILING)
-    rows.append(
-        _shortfall(
-            _target(
-                f"digits c={concurrency}: throughput vs HTTP ceiling",
-                ceiling,
-                "≥ 0.9×",
-                lambda v: v >= 0.9,
-            ),
-            ceiling,
-            0.9,
-        )
-    )
+    eight = versus_best(results, "minilm-8", c, by_latency=False)
+
+    def best(found: VersusBest | None) -> str:
+        return f" ({found.best})" if found else ""
+
     p99 = _median(
         [
             systems[NOGRAD]["p99_ms"]
-            for systems in _rounds(results, "digits", concurrency)
+            for systems in _rounds(results, "digits", c)
             if _answered(systems.get(NOGRAD))
         ]
     )
-    rows.append(
-        _shortfall(
-            _target(
-                f"digits c={concurrency}: nograd p99",
-                p99,
-                "≤ 10 ms",
-                lambda v: v <= 10,
-                unit=" ms",
-            ),
-            p99,
-            10.0,
-        )
-    )
-    return rows
-
-
-def _shortfall(
-    row: tuple[str, str, str, str, str], measured: float | None, threshold: float
-) -> tuple[str, ...]:
-    """A missed target's shortfall as the measured value over the threshold."""
-    if row[4] != "missed" or measured is None:
-        return row
-    return (*row[:4], f"at {measured / threshold:.2f} of the target")
+    return [
+        _target(
+            f"minilm-1 c={c}: throughput vs best peer{best(one)}",
+            one.rps if one else None,
+            1.5,
+            True,
+        ),
+        _target(f"minilm-1 c={c}: p99 vs best peer's", one.p99 if one else None, 0.6, False),
+        _target(
+            f"minilm-1 c=1: p50 vs best peer's{best(low)}", low.p50 if low else None, 0.7, False
+        ),
+        _target(
+            f"minilm-8 c={c}: throughput vs best peer{best(eight)}",
+            eight.rps if eight else None,
+            1.5,
+            True,
+        ),
+        _target(
+            f"digits c={c}: throughput vs PyTriton", versus(results, "digits", c, PYTRITON), 3, True
+        ),
+        _target(
+            f"digits c={c}: throughput vs HTTP ceiling",
+            versus(results, "digits", c, CEILING),
+            0.9,
+            True,
+        ),
+        _target(f"digits c={c}: nograd p99", p99, 10, False, unit=" ms"),
+    ]
 
 
 def where_time_goes(results: dict[str, Any], concurrency: int) -> list[tuple[Any, ...]]:
