@@ -138,6 +138,15 @@ class GuardedProtocol(HttpToolsProtocol):
         self._unmeasured = 0
         self._read_size = 0
         self._refused = False
+        self._heads_read = 0
+
+    @property
+    def expecting_request(self) -> bool:
+        """A request is on its way and no app holds it yet: part of its head arrived, or the
+        connection is new (clients open one to send a request; its bytes may be unread)."""
+        if self._refused or self.transport is None or self.transport.is_closing():
+            return False
+        return self._reading_head and (self._head_bytes > 0 or self._heads_read == 0)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         if len(self.connections) >= self._max_connections:
@@ -193,6 +202,7 @@ class GuardedProtocol(HttpToolsProtocol):
             self._head_timer = None
         self._head_started_at = None
         self._reading_head = False
+        self._heads_read += 1
         might_be_too_large = self._head_bytes + self._unmeasured > self._max_header_bytes
         self._unmeasured = 0
         if might_be_too_large and self._head_too_large():

@@ -27,6 +27,7 @@ from nograd.http.app import create_app
 from nograd.http.connections import (
     ConnectionGuard,
     ConnectionLimits,
+    GuardedProtocol,
     fit_file_limit,
     guarded_protocol,
 )
@@ -38,6 +39,9 @@ from nograd.supervisor.stopping import DRAIN_SIGNAL, STOP_SIGNALS, StopSignals, 
 from nograd.supervisor.worker import WorkerContext
 
 logger = logging.getLogger(__name__)
+
+QUIET_POLL_S = 0.02
+"""How often a drain looks again for requests still held by uvicorn."""
 
 
 class DrainingServer(uvicorn.Server):
@@ -128,7 +132,15 @@ class DrainingServer(uvicorn.Server):
         try:
             self._plane.begin_drain()
             logger.info("draining: not ready, refusing new requests")
-            idle = await self._plane.wait_idle(self._drain_timeout_s)
+            deadline = started + self._drain_timeout_s
+            idle = await self._wait_quiet(deadline)
+            if self._inbox is not None and idle:
+                # A worker: its supervisor may still be handing it connections (each answered
+                # 503). It finishes once the supervisor stopped accepting and ended the channel,
+                # and what came through it is answered.
+                self._inbox.report_quiet()
+                remaining = max(0.0, deadline - time.monotonic())
+                idle = await self._inbox.wait_ended(remaining) and await self._wait_quiet(deadline)
         finally:
             logger.info(
                 "drain finished in %.2fs%s; shutting down",
@@ -136,6 +148,30 @@ class DrainingServer(uvicorn.Server):
                 "" if idle else " with work still in flight",
             )
             self.should_exit = True
+
+    async def _wait_quiet(self, deadline: float) -> bool:
+        """Wait until no request is held anywhere, or ``deadline`` passes (False): neither in
+        the data plane nor in uvicorn, whose requests may not have reached admission yet (a
+        head just parsed, or not yet read from a connection accepted moments ago, on a loaded
+        machine). Ending the drain earlier closes the port and the accepted connections while
+        their requests still wait for an answer; new connections are bounded by the header
+        timeout (408), so none can hold the drain past it."""
+        while True:
+            if not await self._plane.wait_idle(max(0.0, deadline - time.monotonic())):
+                return False
+            if not self._requests_held():
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(QUIET_POLL_S)
+
+    def _requests_held(self) -> bool:
+        state = self.server_state
+        if state.tasks or (self._inbox is not None and self._inbox.adopting):
+            return True
+        return any(
+            isinstance(c, GuardedProtocol) and c.expecting_request for c in state.connections
+        )
 
 
 def build_server(

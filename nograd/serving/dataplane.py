@@ -113,9 +113,15 @@ class DataPlane:
         for name in self.registry.versions:
             self.metrics.model_ready.labels(name).set(0)
 
+    @property
+    def idle(self) -> bool:
+        """No request admitted (a front holds it, its body perhaps still arriving) or in
+        inference."""
+        return self._inflight == 0 and self.admission.in_flight == 0
+
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait until no accepted request is left (True) or the timeout passes (False)."""
-        if self._inflight == 0:
+        if self.idle:
             return True
         self._idle = asyncio.Event()
         try:
@@ -177,6 +183,11 @@ class DataPlane:
     def release(self) -> None:
         self.admission.leave()
         self.heap_return.answered()
+        self._signal_idle()
+
+    def _signal_idle(self) -> None:
+        if self._idle is not None and self.idle:
+            self._idle.set()
 
     def get(self, name: str, version: str | None = None) -> ServedModel:
         return self.registry.get(name, version)
@@ -231,8 +242,7 @@ class DataPlane:
             if self._inflight == 0:
                 if cores is not None:
                     cores.set_active(False)
-                if self._idle is not None:
-                    self._idle.set()
+                self._signal_idle()
         stats.request_succeeded(len(next(iter(inputs.values()))), time.perf_counter() - started)
         return model, outputs
 

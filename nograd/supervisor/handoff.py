@@ -6,6 +6,10 @@ into its event loop as if it had accepted it. Letting the kernel spread connecti
 shared listening socket, or one ``SO_REUSEPORT`` socket per worker) left one worker with most of
 a client's connections (docs/architecture.md). Each worker counts the connections it closed in a
 shared counter, so the supervisor knows how many each has open.
+
+At a stop the channel carries the one message a worker sends back, ``QUIET`` (it holds no request
+and would exit), and the supervisor ends each channel once it stopped accepting, so a worker
+exits only when no hand-off can still reach it.
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
+
+QUIET = b"q"
+"""A draining worker's word to its supervisor: it holds no request."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +94,26 @@ class Inbox:
         self._loop = loop
         self._create_protocol = create_protocol
         self._adopting: set[asyncio.Task[None]] = set()
+        self._ended = asyncio.Event()
+
+    @property
+    def adopting(self) -> bool:
+        """Connections received and not yet served (their protocol not made yet)."""
+        return bool(self._adopting)
+
+    def report_quiet(self) -> None:
+        """Tell the supervisor this draining worker holds no request (``QUIET``)."""
+        with contextlib.suppress(OSError):  # the supervisor is gone: nothing waits for it
+            self._handoff.channel.send(QUIET)
+
+    async def wait_ended(self, timeout_s: float) -> bool:
+        """Wait until the supervisor has handed over its last connection (its end closed), or
+        ``timeout_s`` passed (False)."""
+        try:
+            await asyncio.wait_for(self._ended.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
 
     def open(self) -> None:
         self._loop.add_reader(self._handoff.channel.fileno(), self._receive)
@@ -96,6 +123,7 @@ class Inbox:
         with contextlib.suppress(ValueError, OSError):  # already closed
             self._loop.remove_reader(self._handoff.channel.fileno())
         self._handoff.channel.close()
+        self._ended.set()
 
     def _receive(self) -> None:
         """Take every connection waiting in the channel and serve each like an accepted one."""
@@ -107,8 +135,9 @@ class Inbox:
                 return
             except OSError:
                 message, fds = b"", []
-            if not message and not fds:  # the supervisor is gone: nothing more will come
+            if not message and not fds:  # the supervisor's end closed: nothing more will come
                 self._loop.remove_reader(channel.fileno())
+                self._ended.set()
                 return
             for fd in fds:
                 task = self._loop.create_task(self._adopt(socket.socket(fileno=fd)))

@@ -42,7 +42,7 @@ from types import FrameType
 from nograd.host.ledger import CoreShare, clear_slot, create_ledger
 from nograd.host.readings import HostMemory, resident_bytes
 from nograd.settings import Settings
-from nograd.supervisor.handoff import Handoff, bind_socket, least_loaded, send_connection
+from nograd.supervisor.handoff import QUIET, Handoff, bind_socket, least_loaded, send_connection
 from nograd.supervisor.plan import AUTO_MEMORY_SHARE, another_fits
 from nograd.supervisor.shared_dir import CORES_FILE, mark_dead, prepare_shared_dir
 from nograd.supervisor.stopping import DRAIN_SIGNAL, STOP_SIGNALS, StopSignals, Verdict, describe
@@ -79,6 +79,8 @@ class _Slot:
     restart_at: float | None = None
     resident: int | None = None
     """Resident memory (bytes) when the worker last became ready; None if unreadable."""
+    quiet: bool = False
+    """Draining, it said it holds no request (``QUIET``)."""
 
 
 def supervise(settings: Settings, serve: str, *, fit_to_memory: bool = False) -> int:
@@ -225,6 +227,7 @@ class Supervisor:
         slot.started_at = time.monotonic()
         slot.restart_at = None
         slot.serving = False
+        slot.quiet = False
         logger.info("worker %d started (pid %s)", slot.index, slot.process.pid)
 
     def _wait_ready(self, slot: _Slot) -> bool:
@@ -282,10 +285,14 @@ class Supervisor:
         if due:
             timeout_s = max(0.0, min(timeout_s, min(due) - time.monotonic()))
         # Only a listening socket: one that is merely bound polls as hung up, always ready.
-        wait([*live, self._sock] if accepting else live, timeout_s)
+        waited: list[object] = [*live, self._sock] if accepting else list(live)
+        if self._closing:
+            waited += [s.channel for s in self._slots if s.channel is not None]
+        wait(waited, timeout_s)  # type: ignore[arg-type]
         self._bury_dead()
         self._hand_over()
         if self._closing:
+            self._read_reports()
             return
         now = time.monotonic()
         for slot in self._slots:
@@ -393,12 +400,50 @@ class Supervisor:
             delay,
         )
 
+    def _read_reports(self) -> None:
+        """Note each draining worker that said it holds no request."""
+        for slot in self._slots:
+            while slot.channel is not None:
+                try:
+                    message = slot.channel.recv(16)
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError:
+                    message = b""
+                if message == QUIET:
+                    slot.quiet = True
+                    continue
+                # Its end closed: the worker is exiting (its exit is watched for), and a closed
+                # channel would wake every wait at once.
+                self._close_channel(slot)
+
+    def _stop_listening(self) -> None:
+        """Hand over every connection the kernel has queued, then close the port: from here on
+        new connections are refused, and none the supervisor accepted is left unanswered."""
+        if self._listening:
+            self._hand_over()
+            self._listening = False
+            self._sock.close()
+            logger.info("stopped accepting connections")
+        for slot in self._slots:
+            # Its inbox still reads what was sent before the end; nothing more can reach it.
+            self._close_channel(slot)
+
     def _stop_all(self) -> None:
-        """Tell every worker to drain and wait for them; connections arriving meanwhile are still
-        handed to the workers that drain (they answer 503, as a draining server does)."""
+        """Tell every worker to drain and wait for them. Connections arriving meanwhile are still
+        handed to the workers that drain (they answer 503, as a draining server does) until every
+        serving worker holds no request; then the port closes and each worker's channel ends, and
+        the workers exit once what they hold is answered."""
         self._closing = True
         self._signal_workers(DRAIN_SIGNAL)
         deadline = time.monotonic() + self._settings.drain_timeout_s + 10.0
+
+        def draining() -> bool:
+            return any(s.serving and s.process is not None and not s.quiet for s in self._slots)
+
+        while draining() and time.monotonic() < deadline:
+            self._watch(timeout_s=max(0.0, min(0.5, deadline - time.monotonic())))
+        self._stop_listening()
         while any(s.process is not None for s in self._slots) and time.monotonic() < deadline:
             self._watch(timeout_s=max(0.0, min(0.5, deadline - time.monotonic())))
         for slot in self._slots:

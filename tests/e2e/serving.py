@@ -115,21 +115,45 @@ def metric_value(url: str, name: str, **labels: str) -> float:
     return total
 
 
+def wait_until_accepted(url: str, count: int, model: str, timeout_s: float = 60.0) -> None:
+    """Wait until the server holds or has answered ``count`` requests for ``model`` (every
+    worker's, from one scrape), so a test signals a server that really holds its work rather
+    than one whose event loop, on a loaded machine, has not read the requests yet."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        held = metric_value(url, "nograd_inflight_requests")
+        answered = metric_value(url, "nograd_requests_total", model=model)
+        if held + answered >= count:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{held + answered:.0f} of {count} requests reached the server")
+        time.sleep(0.02)
+
+
+async def until_accepted(url: str, count: int, model: str = "slow") -> None:
+    """``wait_until_accepted`` from a test's event loop, without blocking the loop's clients."""
+    await asyncio.to_thread(wait_until_accepted, url, count, model)
+
+
 SLOW_BODY = {"inputs": [{"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [1.0]}]}
 """One row for the ``slow`` fixture model (100 ms per batch of at most 2 rows)."""
 
 
 def stop_then_interrupt_under_load(server: Server, requests: int) -> float:
-    """Send ``requests`` to the slow model at once, SIGTERM after 1 s and a copy of it at once
-    (as make passes it on), check that a connection opened during the drain gets 503, then
-    Ctrl+C once the stop was acknowledged; the seconds until the server exited."""
+    """Send ``requests`` to the slow model at once, SIGTERM once the server holds them all and a
+    copy of it at once (as make passes it on), check that a connection opened during the drain
+    gets 503, then Ctrl+C once the stop was acknowledged; the seconds from the first SIGTERM
+    until the server exited."""
+    stopped_at = 0.0
 
     async def wave() -> None:
+        nonlocal stopped_at
         limits = httpx.Limits(max_connections=requests)
         async with httpx.AsyncClient(base_url=server.url, timeout=90, limits=limits) as client:
             calls = [client.post("/v2/models/slow/infer", json=SLOW_BODY) for _ in range(requests)]
             tasks = [asyncio.ensure_future(call) for call in calls]
-            await asyncio.sleep(1.0)
+            await until_accepted(server.url, requests)
+            stopped_at = time.monotonic()
             server.process.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.02)
             server.process.send_signal(signal.SIGTERM)
@@ -142,7 +166,6 @@ def stop_then_interrupt_under_load(server: Server, requests: int) -> float:
             server.process.send_signal(signal.SIGINT)
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    started = time.monotonic()
     asyncio.run(wave())
     assert server.process.wait(30) == 0, server.log()
-    return time.monotonic() - started
+    return time.monotonic() - stopped_at

@@ -18,7 +18,7 @@ import tritonclient.grpc as triton
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from tests.e2e.serving import ROOT, Server, free_port, metric_value, run_server
+from tests.e2e.serving import ROOT, Server, free_port, metric_value, run_server, until_accepted
 
 pytestmark = pytest.mark.e2e
 
@@ -250,7 +250,7 @@ def test_sigterm_drains_accepted_grpc_calls(tmp_path: Path) -> None:
                     return (await client.infer("slow", [row])).as_numpy("y")
 
                 calls = [asyncio.ensure_future(one(float(i))) for i in range(12)]
-                await asyncio.sleep(0.3)  # all accepted, most still queued (0.6 s of work)
+                await until_accepted(server.url, len(calls))  # most still queued: 0.6 s of work
                 server.process.send_signal(signal.SIGTERM)
                 return await asyncio.gather(*calls, return_exceptions=True)
             finally:

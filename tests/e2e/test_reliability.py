@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +13,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.serving import Server, metric_value, run_server, stop_then_interrupt_under_load
+from tests.e2e.serving import (
+    SLOW_BODY,
+    Server,
+    metric_value,
+    run_server,
+    stop_then_interrupt_under_load,
+    until_accepted,
+)
 
 pytestmark = pytest.mark.e2e
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "models"
@@ -193,11 +201,13 @@ def test_sigterm_drains_accepted_requests(tmp_path: Path) -> None:
                     asyncio.create_task(client.post("/v2/models/slow/infer", json=body("slow", i)))
                     for i in range(16)
                 ]
-                await asyncio.sleep(0.3)  # all accepted, most still queued (0.8 s of work)
+                await until_accepted(server.url, len(wave))  # most still queued: 0.8 s of work
                 server.process.send_signal(signal.SIGTERM)
                 await asyncio.sleep(0.15)
                 ready = (await client.get("/v2/health/ready")).status_code
-                late = await client.post("/v2/models/slow/infer", json=body("slow", 99))
+                # A connection opened during the drain is answered, not refused.
+                async with httpx.AsyncClient(base_url=server.url, timeout=10) as fresh:
+                    late = await fresh.post("/v2/models/slow/infer", json=body("slow", 99))
                 return await asyncio.gather(*wave), ready, late.status_code
 
         started = time.monotonic()
@@ -210,6 +220,47 @@ def test_sigterm_drains_accepted_requests(tmp_path: Path) -> None:
         assert server.process.wait(20) == 0
         assert time.monotonic() - started < 20
         assert "SIGTERM: draining" in server.log()
+
+
+@pytest.mark.parametrize("workers", [1, 2], ids=["one-process", "two-workers"])
+def test_a_stop_answers_connections_accepted_before_it(tmp_path: Path, workers: int) -> None:
+    """Connections the server accepted whose requests it had not read when SIGTERM came (on a
+    loaded machine the event loop runs behind its clients; with workers, the supervisor accepted
+    them): each request is answered, the drain lasts until they are, and one connection that
+    never sends a request holds it no longer than the header timeout."""
+    env = {
+        "NOGRAD_WORKERS": str(workers),
+        "NOGRAD_MODEL_REPOSITORY": str(repository(tmp_path, "slow")),
+        "NOGRAD_DRAIN_TIMEOUT_S": "60",
+        "NOGRAD_HEADER_TIMEOUT_S": "3",
+        "NOGRAD_LOG_FORMAT": "text",
+    }
+    request = httpx.Request("POST", "http://x/v2/models/slow/infer", json=SLOW_BODY)
+    head = (
+        f"POST /v2/models/slow/infer HTTP/1.1\r\nhost: nograd\r\n"
+        f"content-type: application/json\r\ncontent-length: {len(request.read())}\r\n\r\n"
+    ).encode()
+    with run_server(tmp_path, env) as server:
+        port = int(server.url.rsplit(":", 1)[1])
+        silent = socket.create_connection(("127.0.0.1", port))
+        waiting = [socket.create_connection(("127.0.0.1", port)) for _ in range(8)]
+        time.sleep(0.5)  # accepted (and handed to a worker) by now
+        stopped = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        time.sleep(0.5)  # the server, with nothing in flight, would have exited by now
+        answers = []
+        for conn in waiting:
+            conn.sendall(head + request.read())
+            conn.settimeout(10)
+            answers.append(conn.recv(65536).split(b"\r\n", 1)[0])
+            conn.close()
+        assert answers == [b"HTTP/1.1 503 Service Unavailable"] * len(waiting), answers
+        silent.settimeout(10)
+        assert silent.recv(65536).startswith(b"HTTP/1.1 408 ")
+        silent.close()
+        assert server.process.wait(20) == 0, server.log()
+        # The header timeout (3 s) bounded the drain that the silent connection held.
+        assert 2.5 < time.monotonic() - stopped < 10, server.log()
 
 
 def test_ctrl_c_during_the_drain_exits_without_waiting(tmp_path: Path) -> None:

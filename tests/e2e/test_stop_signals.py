@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.serving import SLOW_BODY, Server, run_server
+from tests.e2e.serving import SLOW_BODY, Server, run_server, until_accepted
 
 pytestmark = pytest.mark.e2e
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "models"
@@ -51,7 +51,7 @@ def signal_group_under_load(server: Server, sig: int, *, copy_to_leader: bool) -
                 asyncio.ensure_future(client.post("/v2/models/slow/infer", json=SLOW_BODY))
                 for _ in range(IN_FLIGHT)
             ]
-            await asyncio.sleep(0.3)  # every request accepted; most still queued
+            await until_accepted(server.url, IN_FLIGHT)  # most still queued
             os.killpg(server.process.pid, sig)
             if copy_to_leader:
                 await asyncio.sleep(0.005)

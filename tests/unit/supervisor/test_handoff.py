@@ -9,6 +9,7 @@ import socket
 import pytest
 
 from nograd.supervisor.handoff import (
+    QUIET,
     Handoff,
     Inbox,
     bind_socket,
@@ -84,4 +85,32 @@ async def test_a_worker_serves_the_connections_it_is_sent_and_counts_those_it_cl
     finally:
         inbox.close()
         ours.close()
+        listener.close()
+
+
+async def test_a_draining_worker_reports_quiet_and_serves_what_was_sent_before_the_end() -> None:
+    """At a stop: the worker's ``QUIET`` reaches the supervisor's end, a connection sent before
+    the supervisor closed its end is still served, and the end is seen once it was read."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    theirs.setblocking(False)
+    closed = ctypes.c_longlong(0)
+    loop = asyncio.get_running_loop()
+    inbox = Inbox(Handoff(theirs, closed), loop, counting(Echo, closed))
+    inbox.open()
+    listener = socket.create_server(("127.0.0.1", 0))
+    try:
+        inbox.report_quiet()
+        assert ours.recv(16) == QUIET
+        assert not await inbox.wait_ended(0.05)
+        client = socket.create_connection(listener.getsockname(), timeout=2)
+        accepted, _ = listener.accept()
+        with accepted:
+            send_connection(ours, accepted)
+        ours.close()  # the supervisor stopped accepting: nothing more will come
+        assert await inbox.wait_ended(2)
+        client.sendall(b"late")
+        assert await loop.run_in_executor(None, client.recv, 64) == b"late"
+        client.close()
+    finally:
+        inbox.close()
         listener.close()
