@@ -1,11 +1,13 @@
-"""Issue 3's benchmark: measured memory cost, derived batch limits, and serving under a budget.
+"""Memory benchmark: measured memory per engine, derived batch limits, and serving under a budget.
 
-Part A (in process, nograd's own code paths, as ``nograd/serving/dataplane.py`` calls them): for
-each shipped
-model, ``build_handler`` → ``profile_handler`` with a ``CpuMemoryProbe`` (live tensor bytes during
-the forward) → the fitted cost model, its points and its check-point error; then ``plan_device``
-with explicit budgets → the batch limit each budget gives, and the measured peak of a batch at
-that limit (it must stay within the budget).
+Part A (in process, nograd's own code paths, as ``nograd/serving/loading.py`` calls them): for
+each shipped model and each engine (eager, ONNX Runtime, torch.export; AOTInductor with
+``--engines``), ``build_handler`` → ``prepare_engine`` with that engine forced →
+``profile_handler``, which measures each engine as it allocates (the process's resident peak on
+CPU) → each range's fit, its verdict and check errors; then ``plan_device`` with explicit
+budgets → the batch limit each budget gives, and the measured peak of a batch at that limit,
+through the same engine's probe (it must stay within the budget): the planned bytes per sample
+(or token) against what a batch really took.
 
 Part B (served by ``nograd`` under wrk, concurrency 32):
 * digits with the default budget vs a small ``NOGRAD_MEMORY_BUDGET_BYTES`` whose limit is 4
@@ -16,7 +18,8 @@ Part B (served by ``nograd`` under wrk, concurrency 32):
   cap that overruns it, as other servers are configured): throughput, errors (there should be
   none), ``nograd_oom_total``, ``nograd_batch_splits_total`` and the learned ``nograd_batch_limit``.
 
-``python -m bench.memory_bench --out FILE [--duration S]``; ``bench.run`` calls it too.
+``python -m bench.memory_bench --out FILE [--duration S] [--engines eager,onnx,...]
+[--skip-served]``; ``bench.run`` calls it too. Without wrk, part B is skipped.
 """
 
 from __future__ import annotations
@@ -36,97 +39,110 @@ import torch
 from bench import loadgen, workloads
 from bench.common import ROOT, metric, nograd_server, scrape_metrics
 
-BUDGETS = (64 * 1024, 256 * 1024, 1024**2, 16 * 1024**2, 256 * 1024**2, 1024**3)
+BUDGETS = (64 * 1024, 256 * 1024, 1024**2, 16 * 1024**2, 64 * 1024**2, 256 * 1024**2)
+ENGINES = ("eager", "onnx", "torch_export")
 OOMY = ROOT / "tests" / "fixtures" / "models" / "oomy"
 
 
-def profile_models(names: tuple[str, ...] = ("digits", "minilm")) -> dict[str, Any]:
+def profile_models(
+    names: tuple[str, ...] = ("digits", "minilm"), engines: tuple[str, ...] = ENGINES
+) -> dict[str, dict[str, Any]]:
+    """Per model, per engine forced: the fits the plan makes and the limits it derives."""
+    out: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="nograd-bench-engines-") as cache:
+        for name in names:
+            out[name] = {engine: profile_engine(name, engine, Path(cache)) for engine in engines}
+    return out
+
+
+def profile_engine(name: str, engine: str, cache: Path) -> dict[str, Any]:
     from nograd.runtime.config import find_config, load_config
+    from nograd.runtime.engines.choice import prepare_engine
+    from nograd.runtime.engines.paths import engine_weights_bytes, serving_ranges
     from nograd.runtime.handler import TorchRunner
-    from nograd.runtime.loader import build_handler, weights_bytes
-    from nograd.runtime.memory import CpuMemoryProbe
-    from nograd.runtime.planner import PlanInput, plan_device, profile_handler
+    from nograd.runtime.loader import build_handler, locate, weights_bytes
+    from nograd.runtime.memory import probe_for
+    from nograd.runtime.planner import PlanInput, per_unit_bytes, plan_device, profile_handler
+    from nograd.serving.loading import configured_limit
     from nograd.settings import Settings
 
     repository = ROOT / "models"
     device = torch.device("cpu")
-    probe = CpuMemoryProbe()
-    default_cap = Settings().max_batch_size
-    out: dict[str, Any] = {}
-    for name in names:
-        path = find_config(repository / name)
-        assert path is not None
-        config = load_config(path)
-        handler = build_handler(repository, repository / name, config, device)
-        tokens = config.batch_unit == "tokens"
-        # The same cap as nograd.serving.loading.configured_limit.
-        cap = (
-            (config.max_batch_tokens or 16384) if tokens else (config.max_batch_size or default_cap)
-        )
-        profile = profile_handler(handler, probe, cap)
-        cost = profile.model
-        check = profile.check_point
-        weights = weights_bytes(handler.module)
-        entry: dict[str, Any] = {
-            "unit": "token" if tokens else "sample",
-            "cap": cap,
-            "model_max_length": handler.max_length,
-            "weights_bytes": weights,
-            "points": [
-                {
-                    "rows": r,
-                    "length": length,
-                    "measured_bytes": b,
-                    "predicted_bytes": cost.predict(r, length),
-                }
-                for r, length, b in profile.points
-            ],
-            "fixed_bytes": cost.fixed,
-            "per_unit_bytes": cost.per_unit,
-            "quadratic_bytes": cost.quadratic,
-            "check": {
-                "rows": check.rows,
-                "length": check.length,
-                "measured_bytes": check.measured_bytes,
-                "predicted_bytes": check.predicted_bytes,
-                "relative_error": check.relative_error,
-            },
-            "budgets": [],
-        }
-        runner = TorchRunner(handler)
-        for budget in (*BUDGETS, None):
-            spent, plans = plan_device(
-                [PlanInput(name, handler, weights, cap)],
-                {name: profile},
-                probe,
-                fraction=0.9,
-                explicit_bytes=budget,
-            )
-            plan = plans[0]
-            row: dict[str, Any] = {
-                "budget_bytes": spent,
-                "explicit": budget is not None,
-                "limit": plan.limit,
-                "unit": plan.unit,
-                "reference_length": plan.reference_length,
+    path = find_config(repository / name)
+    assert path is not None
+    # Forced: served whatever its speed against eager, so every engine's memory is measured.
+    config = load_config(path, override={"engine": engine, "min_speedup": 0})
+    handler = build_handler(repository, repository / name, config, device)
+    cap = configured_limit(config, Settings().max_batch_size)
+    code = [locate(repository / name, config.module)]
+    handler = prepare_engine(handler, cap, None, None, code, cache)
+    probe = probe_for(device)
+    cost = profile_handler(handler, probe, cap)
+    weights = weights_bytes(handler.module) + engine_weights_bytes(handler.speed_path)
+    tokens = config.batch_unit == "tokens"
+    unit = "token" if tokens else "sample"
+    entry: dict[str, Any] = {
+        "serving": handler.speed_mode,
+        "unit": unit,
+        "cap": cap,
+        "weights_bytes": weights,
+        "ranges": [],
+        "budgets": [],
+    }
+    engines = dict((e.name, e) for _, e in serving_ranges(handler))
+    for item in cost.ranges:
+        fit, check = item.fit, item.fit.profile.check_point
+        entry["ranges"].append(
+            {
+                "engine": item.engine,
+                "most_rows": item.most_rows,
+                "verdict": str(fit.verdict),
+                "errors": list(fit.errors),
+                "fixed_bytes": fit.model.fixed,
+                "per_unit_bytes": fit.model.per_unit,
+                "quadratic_bytes": fit.model.quadratic,
+                "points": [list(point) for point in fit.profile.points],
+                "check": {
+                    "rows": check.rows,
+                    "length": check.length,
+                    "measured_bytes": check.measured_bytes,
+                    "predicted_bytes": check.predicted_bytes,
+                },
             }
-            if plan.limit >= 1 and budget is not None:
-                # Measure a batch at the limit: it must fit the budget the limit came from.
-                # Token models: the longest text the model reads (the planner's reference
-                # length, or the model's own truncation length when that is shorter), as many
-                # rows of it as the token limit allows.
-                length = plan.reference_length if tokens else 1
-                length = min(length, handler.max_length or length)
-                rows = max(1, plan.limit // length) if tokens else plan.limit
-                example = handler.example(rows, length)
-                parts = [example.slice(i, i + 1) for i in range(rows)]
-                peak = probe.measure_peak(functools.partial(runner.run_batch, parts))
-                row.update(
-                    {"measured_rows": rows, "measured_length": length, "measured_peak_bytes": peak}
-                )
-            entry["budgets"].append(row)
-        out[name] = entry
-    return out
+        )
+    for budget in BUDGETS:
+        _, plans = plan_device(
+            [PlanInput(name, handler, weights, cap)],
+            {name: cost},
+            probe,
+            fraction=0.9,
+            explicit_bytes=budget,
+        )
+        plan = plans[0]
+        row: dict[str, Any] = {"budget_bytes": budget, "limit": plan.limit}
+        if plan.limit >= 1:
+            # A batch at the limit, measured through the probe of the engine serving it: token
+            # models at the length the plan budgets them at, as many rows as the limit allows.
+            length = plan.reference_length if tokens else 1
+            rows = plan.limit_rows
+            serving = cost.fit_for(rows)
+            runner = TorchRunner(handler, path=engines[serving.engine])
+            example = handler.example(rows, length)
+            parts = [example.slice(i, i + 1) for i in range(rows)]
+            measured = engines[serving.engine].memory_probe(probe)
+            peak = measured.measure_peak(functools.partial(runner.run_batch, parts))
+            row.update(
+                {
+                    "engine": serving.engine,
+                    "planned_unit_bytes": per_unit_bytes(serving.fit.model, unit, length),
+                    "measured_rows": rows,
+                    "measured_length": length,
+                    "predicted_bytes": cost.predict(rows, length),
+                    "measured_peak_bytes": peak,
+                }
+            )
+        entry["budgets"].append(row)
+    return entry
 
 
 def _temp_repository(models: dict[str, Path], edits: dict[str, dict[str, str]]) -> Path:
@@ -242,8 +258,9 @@ def served(duration_s: float, profiles: dict[str, Any], bodies_dir: Path) -> lis
     runs: list[dict[str, Any]] = []
     digits_repo = _temp_repository({"digits": ROOT / "models" / "digits"}, {})
     digits = workloads.make("digits")
-    cost = profiles["digits"]
-    small = int(cost["fixed_bytes"] + 4 * cost["per_unit_bytes"]) + 1
+    # Digits on eager: a budget that holds 4 samples and not 5.
+    (fit,) = profiles["digits"]["eager"]["ranges"]
+    small = int(fit["fixed_bytes"] + 4.5 * fit["per_unit_bytes"])
     try:
         runs.append(
             served_run("digits, default budget", digits_repo, digits, {}, duration_s, bodies_dir)
@@ -281,8 +298,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--duration", type=float, default=8.0, help="seconds per served run")
     parser.add_argument("--skip-served", action="store_true")
+    parser.add_argument(
+        "--engines",
+        default=",".join(ENGINES),
+        help="engines to profile, comma-separated (aoti compiles for minutes on 2 cores)",
+    )
     args = parser.parse_args(argv)
-    profiles = profile_models()
+    profiles = profile_models(engines=tuple(args.engines.split(",")))
     result: dict[str, Any] = {"profiles": profiles}
     if not args.skip_served and loadgen.have_wrk():
         result["served"] = served(args.duration, profiles, args.out.parent / "bodies")

@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from nograd.core.engines import artifact_engines
 from nograd.host.openmp import SPIN_COUNT, tune_openmp_wait
 from nograd.observability.logs import setup_logging
 from nograd.settings import Settings
@@ -38,22 +39,23 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def export_command(argv: list[str]) -> int:
-    """``nograd export <model-dir> --to torch_export|aoti|onnx [--out DIR]``: the model folder's
-    artifact, checked against its eager model, in a new model folder."""
+    """``nograd export <model-dir> --to <engine> [--out DIR]``: the model folder's artifact,
+    checked against its eager model, in a new model folder (engines: ``nograd.core.engines``)."""
+    engines = artifact_engines()
     parser = argparse.ArgumentParser(
         prog="nograd export",
-        description="Build a torch_export, aoti or onnx model folder from a python model folder; "
+        description=f"Build a {', '.join(engines)} model folder from a python model folder; "
         "the artifact is checked against the eager model before it is written.",
     )
     parser.add_argument("model_dir", type=Path, help="the python model's folder")
-    parser.add_argument("--to", required=True, choices=["torch_export", "aoti", "onnx"])
+    parser.add_argument("--to", required=True, choices=list(engines))
     parser.add_argument("--out", type=Path, help="folder to write (default: <name>-<to> beside)")
     parser.add_argument("--precision", choices=["fp32", "int8"], default="fp32")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (aoti compiles for it)")
     options = parser.parse_args(argv)
     setup_logging("warning", "text")
     # Imported here: serving starts a torch-free supervisor from this module.
-    from nograd.runtime.engines.artifacts import ArtifactError
+    from nograd.runtime.engines.errors import ArtifactError
     from nograd.runtime.engines.export import ExportError, export_model
 
     try:

@@ -13,6 +13,8 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from nograd.core.engines import engine_choices
+
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 LogFormat = Literal["json", "text"]
 ModelControlMode = Literal["none", "explicit", "poll"]
@@ -55,9 +57,10 @@ class Settings(BaseSettings):
     repository_poll_s: float = Field(default=5.0, gt=0.0, le=3600.0)
     """With ``model_control = poll``: seconds between two looks at the repository."""
 
-    engine: Literal["", "eager", "auto", "onnx", "torch_export", "aoti"] = ""
+    engine: str = ""
     """Replaces the ``engine`` of every python model's config when set (``eager`` skips building
-    and timing engines at start-up); empty keeps each config's own."""
+    and timing engines at start-up; ``auto``, or one engine of ``nograd.core.engines``); empty
+    keeps each config's own."""
 
     engine_cache: Path | None = None
     """Folder of the engine artifacts built at load (ONNX models, exported programs, AOTInductor
@@ -199,6 +202,14 @@ class Settings(BaseSettings):
     def _repository_is_folder(cls, value: Path) -> Path:
         if value.exists() and not value.is_dir():
             raise ValueError(f"model_repository {str(value)!r} is not a folder")
+        return value
+
+    @field_validator("engine")
+    @classmethod
+    def _engine_known(cls, value: str) -> str:
+        if value and value not in engine_choices():
+            choices = ", ".join(engine_choices())
+            raise ValueError(f"engine {value!r} must be empty or one of {choices}")
         return value
 
     @field_validator("log_level", mode="before")

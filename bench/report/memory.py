@@ -1,4 +1,5 @@
-"""Report section: memory-sized batches (fitted cost models, limits, served under a budget)."""
+"""Report section: memory-sized batches (each engine's fitted cost, limits, served under a
+budget)."""
 
 from __future__ import annotations
 
@@ -13,64 +14,89 @@ def memory_section(results: dict[str, Any], tag: str) -> list[str]:
     memory = results.get("memory")
     if not memory:
         return []
-    out = [f"## Memory-sized batches (issue 3) ({tag})", ""]
+    out = [f"## Memory-sized batches, measured per engine ({tag})", ""]
     rows: list[tuple[Any, ...]] = []
-    for model, p in memory["profiles"].items():
-        check = p["check"]
-        rows.append(
-            (
-                model,
-                p["unit"],
-                kib(p["weights_bytes"]),
-                kib(p["fixed_bytes"]),
-                f"{p['per_unit_bytes']:,.0f}",
-                f"{p['quadratic_bytes']:.2f}",
-                f"{check['rows']}×{check['length']}",
-                kib(check["measured_bytes"]),
-                kib(check["predicted_bytes"]),
-                f"{100 * check['relative_error']:.1f}%",
-            )
-        )
+    for model, engines in memory["profiles"].items():
+        for forced, p in engines.items():
+            for r in p["ranges"]:
+                check = r["check"]
+                rows.append(
+                    (
+                        model,
+                        forced,
+                        r["engine"]
+                        if r["most_rows"] is None
+                        else f"{r['engine']}<={r['most_rows']}",
+                        kib(r["fixed_bytes"]),
+                        f"{r['per_unit_bytes']:,.0f} B/{p['unit']}",
+                        f"{r['quadratic_bytes']:.2f}",
+                        f"{check['rows']}×{check['length']}",
+                        kib(check["measured_bytes"]),
+                        kib(check["predicted_bytes"]),
+                        r["verdict"],
+                        ", ".join(f"{100 * e:+.1f}%" for e in r["errors"]),
+                    )
+                )
     out += [
-        "### Fitted cost model: bytes = fixed + per_unit × n (+ quadratic × rows × len²)",
+        "### Fitted cost per engine: bytes = fixed + per_unit × n (+ quadratic × rows × len²), "
+        "measured as each engine allocates (process resident peak on CPU)",
         "",
         table(
             (
                 "model",
-                "unit",
-                "weights KiB",
+                "engine forced",
+                "serving range",
                 "fixed KiB",
-                "B per unit",
+                "per unit",
                 "quadratic B",
                 "check point",
                 "measured KiB",
                 "predicted KiB",
-                "error",
+                "verdict",
+                "check errors",
             ),
             rows,
         ),
         "",
     ]
     rows = []
-    for model, p in memory["profiles"].items():
-        for b in p["budgets"]:
-            peak = b.get("measured_peak_bytes")
-            rows.append(
-                (
-                    model,
-                    kib(b["budget_bytes"])
-                    + ("" if b["explicit"] else " (default: 0.9 × available)"),
-                    f"{b['limit']} {b['unit']}s",
+    for model, engines in memory["profiles"].items():
+        for forced, p in engines.items():
+            for b in p["budgets"]:
+                peak = b.get("measured_peak_bytes")
+                measured = (
                     "–"
                     if peak is None
-                    else f"{kib(peak)} ({b['measured_rows']}×{b['measured_length']})",
-                    "–" if peak is None else ("yes" if peak <= b["budget_bytes"] else "**no**"),
+                    else f"{kib(peak)} ({b['measured_rows']}×{b['measured_length']})"
                 )
-            )
+                rows.append(
+                    (
+                        model,
+                        forced,
+                        kib(b["budget_bytes"]),
+                        f"{b['limit']} {p['unit']}s",
+                        "–" if peak is None else f"{b['planned_unit_bytes']:,.0f} B/{p['unit']}",
+                        "–" if peak is None else kib(b["predicted_bytes"]),
+                        measured,
+                        "–" if peak is None else f"{100 * peak / b['budget_bytes']:.0f}%",
+                    )
+                )
     out += [
-        "### Derived batch limit per budget (plan_device, one model per device)",
+        "### Batch limit per budget, and a batch at the limit: planned against measured",
         "",
-        table(("model", "budget KiB", "limit", "measured peak at the limit", "fits"), rows),
+        table(
+            (
+                "model",
+                "engine",
+                "budget KiB",
+                "limit",
+                "planned per unit",
+                "predicted KiB",
+                "measured peak KiB",
+                "peak / budget",
+            ),
+            rows,
+        ),
         "",
     ]
     served = memory.get("served", [])

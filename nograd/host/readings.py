@@ -226,6 +226,12 @@ def gpu_visible(dev_root: Path = Path("/dev"), environ: Mapping[str, str] = os.e
     return nvidia or "kfd" in names
 
 
+def status_bytes(path: Path, field: str) -> int | None:
+    """A ``name: value kB`` field of a ``/proc/<pid>/status`` file, in bytes; None when the file
+    or the field cannot be read."""
+    return _field(path, field)
+
+
 def resident_bytes(pid: int, proc_root: Path = Path("/proc")) -> int | None:
     """A process's resident memory (VmRSS), or None when it is gone or unreadable."""
-    return _field(proc_root / str(pid) / "status", "VmRSS")
+    return status_bytes(proc_root / str(pid) / "status", "VmRSS")

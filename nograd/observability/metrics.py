@@ -185,6 +185,22 @@ class Metrics:
             registry=r,
             multiprocess_mode="livemax",
         )
+        self.engine_unit_bytes = Gauge(
+            "nograd_model_engine_unit_bytes",
+            "Planned activation bytes per sample (or per token) of each engine serving a range of "
+            "the model's batch sizes, measured as that engine allocates.",
+            ["model", "engine"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.memory_fit_error = Gauge(
+            "nograd_model_memory_fit_error",
+            "Signed relative error of the memory fit each engine range is planned on, at its "
+            "last check: (predicted - measured) / measured, below 0 when it promised less.",
+            ["model", "engine"],
+            registry=r,
+            multiprocess_mode="livemin",
+        )
         self.weights_bytes = Gauge(
             "nograd_model_weights_bytes",
             "Bytes of parameters and buffers.",
@@ -299,6 +315,12 @@ class Metrics:
         for device, *readings in self._memory_reader():
             for gauge, value in zip(self._memory_gauges, readings, strict=True):
                 gauge.labels(device).set(value)
+
+    def memory_fits(self, model: str, fits: Iterable[tuple[str, float, float]]) -> None:
+        """A model's plan, per engine range: (engine, bytes per unit, signed check error)."""
+        for engine, unit_bytes, error in fits:
+            self.engine_unit_bytes.labels(model, engine).set(unit_bytes)
+            self.memory_fit_error.labels(model, engine).set(error)
 
     def observer(self, model: str) -> ModelObserver:
         return ModelObserver(self, model)

@@ -17,15 +17,20 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from nograd.core.datatypes import Datatype
+from nograd.core.engines import (
+    AUTO,
+    EAGER,
+    artifact_engines,
+    auto_defaults,
+    engine_choices,
+    int8_variant,
+    signature_formats,
+)
 
 Precision = Literal["fp32", "bf16", "fp16", "int8"]
-ModelFormat = Literal["python", "torch_export", "aoti", "onnx"]
-"""What a model folder holds: Python code (``module``) or a PyTorch 2 / ONNX artifact."""
-EngineName = Literal["eager", "torch_export", "aoti", "onnx"]
-"""What runs the forward: torch eager, a ``torch.export`` program, an AOTInductor package, or
-ONNX Runtime (nograd/runtime/engines/; docs/speed.md)."""
-SIGNATURE_FORMATS: tuple[str, ...] = ("torch_export", "onnx")
-"""Formats whose inputs and outputs nograd reads from the artifact when the config omits them."""
+PYTHON_FORMAT = "python"
+"""A model folder of Python code (``module``); every other format is an engine's artifact, named
+as in the engine table (``nograd.core.engines``)."""
 CompileMode = Literal["default", "reduce-overhead", "max-autotune"]
 CONFIG_NAMES = ("config.toml", "config.yaml", "config.yml")
 _DEVICE_RE = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
@@ -142,21 +147,21 @@ class ModelConfig(BaseModel):
     False passes them to the model unchanged. Inputs of other datatypes are never checked."""
 
     # Engines (nograd/runtime/engines/; docs/speed.md).
-    format: ModelFormat = "python"
-    """``python``: ``module`` builds a torch model. ``torch_export`` (a ``.pt2`` from
-    ``torch.export.save``), ``aoti`` (an AOTInductor package) or ``onnx``: ``artifact`` is the
+    format: str = PYTHON_FORMAT
+    """``python``: ``module`` builds a torch model. An engine's name (``torch_export``: a ``.pt2``
+    from ``torch.export.save``; ``aoti``: an AOTInductor package; ``onnx``): ``artifact`` is the
     model, served by its own engine; ``module``, if its file exists, supplies only the handler
     (pre- and post-processing around the artifact)."""
     artifact: str | None = None
     """The artifact file inside the model folder, for formats other than python."""
     artifact_sha256: str | None = Field(default=None, pattern=r"^[0-9a-fA-F]{64}$")
     """When set, the artifact's SHA-256; checked before the artifact is loaded."""
-    engine: Literal["eager", "auto", "torch_export", "aoti", "onnx"] | None = None
+    engine: str | None = None
     """What runs a python model: ``eager`` (default), an engine built from it at load
     (``torch_export``, ``aoti``, ``onnx``; cached, checked against eager like a speed mode), or
     ``auto``: every engine in ``engines`` built, checked and timed, the fastest accepted one
     serving (per batch-size range). Other formats run on their own engine only."""
-    engines: tuple[EngineName, ...] = ("eager", "onnx")
+    engines: tuple[str, ...] = auto_defaults()
     """The engines ``auto`` considers; aoti is not among the default ones because compiling
     costs minutes of start-up (docs/speed.md)."""
     min_match_rate: float | None = Field(default=None, ge=0.0, le=1.0)
@@ -219,6 +224,23 @@ class ModelConfig(BaseModel):
         if not _DEVICE_RE.match(device):
             raise ValueError(f"device {device!r} must be cpu, cuda, cuda:N or auto")
         return device
+
+    @field_validator("format")
+    @classmethod
+    def _format_known(cls, value: str) -> str:
+        return _one_of(value, (PYTHON_FORMAT, *artifact_engines()))
+
+    @field_validator("engine")
+    @classmethod
+    def _engine_known(cls, value: str | None) -> str | None:
+        return None if value is None else _one_of(value, engine_choices())
+
+    @field_validator("engines")
+    @classmethod
+    def _engines_known(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for name in value:
+            _one_of(name, (EAGER, *artifact_engines()))
+        return value
 
     @field_validator("weights", mode="before")
     @classmethod
@@ -307,7 +329,7 @@ class ModelConfig(BaseModel):
 
 def check_engine_fields(config: ModelConfig) -> None:
     """The format, artifact, engine and precision fields agree; each error names the field."""
-    python = config.format == "python"
+    python = config.format == PYTHON_FORMAT
     if not python and config.artifact is None:
         raise ValueError(f"field 'artifact': format {config.format!r} needs the artifact's file")
     if python and config.artifact is not None:
@@ -318,23 +340,32 @@ def check_engine_fields(config: ModelConfig) -> None:
             f"got {config.engine!r}"
         )
     for kind, specs in (("inputs", config.inputs), ("outputs", config.outputs)):
-        if not specs and config.format not in SIGNATURE_FORMATS:
+        if not specs and config.format not in signature_formats():
             raise ValueError(
-                f"field '{kind}': required (only torch_export and onnx artifacts name their own)"
+                f"field '{kind}': required (only {' and '.join(signature_formats())} artifacts "
+                "name their own)"
             )
     if not config.engines or len(set(config.engines)) != len(config.engines):
         raise ValueError(f"field 'engines': list distinct engines, got {list(config.engines)}")
     if config.precision == "int8":
-        if config.engine not in ("onnx", "auto"):
+        if config.engine != AUTO and int8_variant(config.engine or EAGER) is None:
+            quantising = [name for name in artifact_engines() if int8_variant(name) is not None]
             raise ValueError(
-                "field 'precision': int8 is built by ONNX Runtime from a python model; set "
-                'engine = "onnx" or "auto" (an artifact is quantised by nograd export)'
+                "field 'precision': int8 is an engine's quantised variant, built from a python "
+                f"model; set engine to {' or '.join(repr(n) for n in [*quantising, AUTO])} (an "
+                "artifact is quantised by nograd export)"
             )
         if config.autocast or config.compile or config.cuda_graphs:
             raise ValueError(
                 "field 'precision': int8 is an engine's precision; autocast, compile and "
                 "cuda_graphs apply to bf16/fp16 on torch eager"
             )
+
+
+def _one_of(value: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"{value!r} is not one of {', '.join(allowed)}")
+    return value
 
 
 def find_config(model_dir: Path) -> Path | None:

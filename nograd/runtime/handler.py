@@ -225,11 +225,21 @@ class ModelHandler:
 
 
 class TorchRunner:
-    """The batcher's ``Runner`` for torch: collate, forward under inference_mode, fan out."""
+    """The batcher's ``Runner`` for torch: collate, forward under inference_mode, fan out.
 
-    def __init__(self, handler: ModelHandler, cores: CoreLedger | None = None) -> None:
+    ``path``: the forward to run, when not the handler's own ``speed_path`` (the engine choice
+    times, and the memory plan measures, one engine at a time without touching the handler).
+    """
+
+    def __init__(
+        self,
+        handler: ModelHandler,
+        cores: CoreLedger | None = None,
+        path: SpeedPath | None = None,
+    ) -> None:
         self.handler = handler
         self.device = handler.device
+        self._path = path
         self._cores = cores if handler.device.type == "cpu" else None
         self._seconds = float("inf")
         """This model's last batch, timed when cores are shared; unknown counts as long."""
@@ -252,7 +262,7 @@ class TorchRunner:
 
     def _run_batch(self, parts: Sequence[TensorPart]) -> list[Outputs]:
         rows = [part.rows for part in parts]
-        fast = self.handler.speed_path
+        fast = self._fast()
         most = None if fast is None else fast.max_rows
         if most is not None and sum(rows) > most:
             # Fixed shapes: a batch above the largest bucket runs as several bucket-sized
@@ -266,9 +276,12 @@ class TorchRunner:
         handler = self.handler
         with torch.inference_mode():
             batch = handler.collate(parts)
-            fast = handler.speed_path
+            fast = self._fast()
             result = handler.forward(batch) if fast is None else fast.forward(batch)
             return handler.to_numpy(result, rows=sum(part.rows for part in parts))
+
+    def _fast(self) -> SpeedPath | None:
+        return self.handler.speed_path if self._path is None else self._path
 
     def concat(self, results: Sequence[Outputs]) -> Outputs:
         return {name: np.concatenate([r[name] for r in results]) for name in results[0]}

@@ -1,8 +1,11 @@
 """The memory plan: measure each model's activation cost, budget each device, derive batch limits.
 
 Runs once after every model is loaded (so free memory already excludes all weights) and before any
-model reports ready. Profiling forwards run on the device's own thread, because the CPU tracker
-sees only the thread that entered it and CUDA peak counters are per device.
+model reports ready. Each engine that serves a range of a model's batch sizes is measured the way
+it allocates (its ``memory_probe``: the process's resident peak on CPU; torch's allocator, or the
+device's free memory for an engine with an arena of its own, on CUDA), its fit checked and
+refused when wrong (``nograd.runtime.memory.fits``). Profiling forwards run on the device's own
+thread, as batches do.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from nograd.runtime.handler import ModelHandler, TorchRunner
+from nograd.runtime.engines.paths import EnginePath, serving_ranges
+from nograd.runtime.handler import ModelHandler, TensorPart, TorchRunner
 from nograd.runtime.memory import (
     CostModel,
     MemoryProbe,
@@ -26,6 +30,14 @@ from nograd.runtime.memory import (
     share_budget,
 )
 from nograd.runtime.memory.budget import Demand
+from nograd.runtime.memory.cost import Cost
+from nograd.runtime.memory.fits import (
+    FIT_TOLERANCE,
+    RangedCost,
+    RangeFit,
+    VerifiedFit,
+    verified_profile,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +51,7 @@ class ModelPlan:
     """One model's outcome: its cost model, share of the budget and the limit in its unit."""
 
     name: str
-    profile: Profile
+    cost: RangedCost
     weights_bytes: int
     share_bytes: int
     limit: int
@@ -55,7 +67,29 @@ class ModelPlan:
     def predict_bytes(self, rows: int, cost: int) -> float:
         """Predicted peak for a batch of ``rows`` whose cost (samples or padded tokens) is known."""
         length = max(1, cost // max(rows, 1)) if self.unit == "token" else 1
-        return self.profile.model.predict(rows, length)
+        return self.cost.predict(rows, length)
+
+    @property
+    def limit_rows(self) -> int:
+        """The limit in rows: samples, or sequences at the reference length."""
+        return self.limit // self.reference_length if self.unit == "token" else self.limit
+
+    @property
+    def unit_bytes(self) -> float:
+        """Bytes per unit of the engine that serves a batch at the limit (the one that binds)."""
+        model = self.cost.fit_for(max(1, self.limit_rows)).fit.model
+        return per_unit_bytes(model, self.unit, self.reference_length)
+
+    def fit_rows(self) -> list[tuple[str, float, float]]:
+        """(engine, planned bytes per unit, signed error at its last check) per range."""
+        return [
+            (
+                item.engine,
+                per_unit_bytes(item.fit.model, self.unit, self.reference_length),
+                item.fit.errors[-1],
+            )
+            for item in self.cost.ranges
+        ]
 
 
 @dataclass(frozen=True)
@@ -73,30 +107,65 @@ def max_sequence_length(handler: ModelHandler) -> int:
     return handler.max_length or DEFAULT_MAX_SEQUENCE
 
 
-def profile_handler(handler: ModelHandler, probe: MemoryProbe, cap: int) -> Profile:
-    """Peak activation bytes over a grid of batch shapes; runs on the caller's (device) thread."""
-    runner = TorchRunner(handler)
+def profile_handler(handler: ModelHandler, probe: MemoryProbe, cap: int) -> RangedCost:
+    """Peak activation bytes over a grid of batch shapes, fitted and checked, for each engine that
+    serves a range of the handler's batch sizes; ``probe`` is the device's. Runs on the caller's
+    (device) thread."""
+    ranges = [
+        RangeFit(engine.name, most, _profile_engine(handler, engine, probe, cap))
+        for most, engine in serving_ranges(handler)
+    ]
+    return RangedCost(tuple(ranges))
+
+
+def _profile_engine(
+    handler: ModelHandler, engine: EnginePath, probe: MemoryProbe, cap: int
+) -> VerifiedFit:
+    """``engine`` measured through its own probe over every batch size of the grid: a fit over
+    sizes outside its range too is still that engine's cost, and needs no narrower grid."""
+    runner = TorchRunner(handler, path=engine)
+    measured = engine.memory_probe(probe)
+    ready: dict[tuple[int, int], list[TensorPart]] = {}
+
+    def prepare(rows: int, length: int) -> list[TensorPart]:
+        # One part per row, as under load: collation then allocates the batch's input buffer,
+        # which belongs to the batch's cost; the parts, as requests bring them, do not.
+        if (rows, length) not in ready:
+            ready.clear()
+            example = handler.example(rows, length)
+            ready[(rows, length)] = [example.slice(i, i + 1) for i in range(rows)]
+        return ready[(rows, length)]
 
     def run(rows: int, length: int) -> object:
-        # One part per row, as under load: collation then allocates the batch's input buffer,
-        # which belongs to the batch's cost.
-        example = handler.example(rows, length)
-        return runner.run_batch([example.slice(i, i + 1) for i in range(rows)])
+        return runner.run_batch(prepare(rows, length))
 
-    if handler.config.batch_unit == "tokens":
+    def measure(rows: int, length: int) -> int:
+        prepare(rows, length)
+        return measured.measure_peak(lambda: run(rows, length))
+
+    tokens = handler.config.batch_unit == "tokens"
+    if tokens:
+        # The grid reaches the longest sequence, where the plan budgets token batches and where
+        # attention's quadratic term shows; the check sits between the grid's lengths, at more
+        # rows than it measured.
         longest = max_sequence_length(handler)
-        lengths = sorted({min(16, longest), min(32, longest), min(64, longest)})
-        return profile_forward(run, probe, rows=(1, 2, 4), lengths=lengths, quadratic=True)
-    top = max(1, min(cap, 32))
-    rows = sorted({1, *(2**k for k in range(1, 6) if 2**k <= top)})
-    if len(rows) < 2:
-        rows = [1, 2]
-    return profile_forward(run, probe, rows=rows)
+        rows: Sequence[int] = (1, 2, 4)
+        lengths = sorted({min(16, longest), min(64, longest), longest})
+        check = (6, max(2, (lengths[-2] + lengths[-1]) // 2)) if len(lengths) > 1 else None
+    else:
+        top = max(1, min(cap, 32))
+        rows = sorted({1, *(2**k for k in range(1, 6) if 2**k <= top)}) if top > 1 else [1, 2]
+        lengths, check = [1], None
+
+    def profile() -> Profile:
+        return profile_forward(run, measured, rows, lengths, check, tokens, prepare)
+
+    return verified_profile(profile, measure, quadratic=tokens)
 
 
 def plan_device(
     models: Sequence[PlanInput],
-    profiles: dict[str, Profile],
+    profiles: dict[str, RangedCost],
     probe: MemoryProbe,
     *,
     fraction: float,
@@ -104,11 +173,11 @@ def plan_device(
 ) -> tuple[int, list[ModelPlan]]:
     """Budget one device and split it among its models, max-min fair (see ``share_budget``)."""
     budget = device_budget(probe, fraction, explicit_bytes)
-    demands = {item.name: demand_of(item, profiles[item.name].model) for item in models}
+    demands = {item.name: demand_of(item, profiles[item.name]) for item in models}
     shares = share_budget(budget, demands)
     plans = []
     for item in models:
-        cost = profiles[item.name].model
+        cost = profiles[item.name]
         length = _reference_length(item)
         if item.handler.config.batch_unit == "tokens":
             rows = batch_limit(cost, shares[item.name], max(item.cap // length, 1), length)
@@ -118,7 +187,7 @@ def plan_device(
         plans.append(
             ModelPlan(
                 item.name,
-                profiles[item.name],
+                cost,
                 item.weights_bytes,
                 shares[item.name],
                 limit,
@@ -130,7 +199,7 @@ def plan_device(
     return budget, plans
 
 
-def demand_of(item: PlanInput, cost: CostModel) -> Demand:
+def demand_of(item: PlanInput, cost: Cost) -> Demand:
     """Bytes of one row and of a batch at the cap; a token model's rows are sequences at its
     reference length. Rounded up so that a share of that many bytes holds the batch."""
     length = _reference_length(item)
@@ -155,36 +224,28 @@ def per_unit_bytes(cost: CostModel, unit: str, reference_length: int) -> float:
 
 
 def log_plan(device: str, budget: int, plans: Sequence[ModelPlan]) -> None:
+    """The plan as a table, one line per model and engine range, then each fit's numbers."""
     rows = [
         PlanRow(
             p.name,
             device,
             p.weights_bytes,
-            per_unit_bytes(p.profile.model, p.unit, p.reference_length),
+            per_unit_bytes(item.fit.model, p.unit, p.reference_length),
             p.limit,
             p.share_bytes,
             p.unit,
+            engine=_range_label(item),
+            fit=f"{item.fit.verdict} {100 * item.fit.errors[-1]:+.1f}%",
         )
         for p in plans
+        for item in p.cost.ranges
     ]
     logger.info(
         "memory plan for %s (budget %s):\n%s", device, format_bytes(budget), format_plan(rows)
     )
     for plan in plans:
-        check = plan.profile.check_point
-        logger.info(
-            "model %s cost model: %.0f B + %.1f B/unit + %.3f B/unit·len; check at rows=%d "
-            "len=%d measured %s predicted %s (error %.1f%%)",
-            plan.name,
-            plan.profile.model.fixed,
-            plan.profile.model.per_unit,
-            plan.profile.model.quadratic,
-            check.rows,
-            check.length,
-            format_bytes(check.measured_bytes),
-            format_bytes(check.predicted_bytes),
-            100 * check.relative_error,
-        )
+        for item in plan.cost.ranges:
+            _log_fit(plan.name, item)
         if not plan.fits_one:
             beside = "" if plan.minimum_bytes > budget else " beside the other models' minimums"
             logger.warning(
@@ -197,6 +258,33 @@ def log_plan(device: str, budget: int, plans: Sequence[ModelPlan]) -> None:
                 device,
                 beside,
             )
+
+
+def _range_label(item: RangeFit) -> str:
+    return item.engine if item.most_rows is None else f"{item.engine}<={item.most_rows}"
+
+
+def _log_fit(model: str, item: RangeFit) -> None:
+    fit, check = item.fit, item.fit.profile.check_point
+    errors = ", ".join(f"{100 * error:+.1f}%" for error in fit.errors)
+    logger.log(
+        logging.WARNING if fit.refused else logging.INFO,
+        "model %s on %s: cost model %.0f B + %.1f B/unit + %.3f B/unit·len; check at rows=%d "
+        "len=%d measured %s predicted %s; %s (check errors %s, tolerance %.0f%%)%s",
+        model,
+        _range_label(item),
+        fit.model.fixed,
+        fit.model.per_unit,
+        fit.model.quadratic,
+        check.rows,
+        check.length,
+        format_bytes(check.measured_bytes),
+        format_bytes(check.predicted_bytes),
+        fit.verdict,
+        errors,
+        100 * FIT_TOLERANCE,
+        "; its memory is unpredictable, so it serves no batch of this range" if fit.refused else "",
+    )
 
 
 def _smallest_batch(plan: ModelPlan) -> str:

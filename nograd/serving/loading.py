@@ -27,7 +27,8 @@ from nograd.runtime.engines.choice import prepare_engine
 from nograd.runtime.engines.paths import engine_weights_bytes, share_cores
 from nograd.runtime.handler import Outputs, TensorPart, TorchRunner
 from nograd.runtime.loader import build_handler, locate, weights_bytes
-from nograd.runtime.memory import Profile, device_budget, probe_for
+from nograd.runtime.memory import device_budget, probe_for
+from nograd.runtime.memory.fits import RangedCost
 from nograd.runtime.planner import PlanInput, log_plan, plan_device, profile_handler
 from nograd.runtime.speed.path import batch_cap
 from nograd.runtime.warmup import warm_up
@@ -207,7 +208,7 @@ class ModelLoader:
                 (m.name if names.count(m.name) == 1 else f"{m.name} v{m.version}"): m for m in group
             }
             inputs = []
-            profiles: dict[str, Profile] = {}
+            profiles: dict[str, RangedCost] = {}
             for key, model in keyed.items():
                 assert model.handler is not None and model.profile is not None
                 profiles[key] = model.profile
@@ -225,7 +226,8 @@ class ModelLoader:
             for plan in plans:
                 model = keyed[plan.name]
                 model.plan = plan
-                self._metrics.sample_bytes.labels(model.name).set(plan.profile.model.per_unit)
+                self._metrics.sample_bytes.labels(model.name).set(plan.unit_bytes)
+                self._metrics.memory_fits(model.name, plan.fit_rows())
                 if model.batcher is not None and model.handler is not None:
                     model.batcher.limit.remeasure(plan.limit)
                     model.batcher.limit.set_cap(batch_cap(model.handler))

@@ -17,7 +17,7 @@ from pathlib import Path
 from nograd.batching import Batcher
 from nograd.runtime.config import ModelConfig, version_order
 from nograd.runtime.handler import ModelHandler, Outputs, TensorPart
-from nograd.runtime.memory import Profile
+from nograd.runtime.memory.fits import RangedCost
 from nograd.runtime.planner import ModelPlan
 from nograd.serving.errors import ModelNotFound
 from nograd.serving.repository import Override, scan
@@ -46,7 +46,7 @@ class ServedModel:
     warmup_seconds: float = 0.0
     weights_bytes: int = 0
     plan: ModelPlan | None = None
-    profile: Profile | None = None
+    profile: RangedCost | None = None
     """The measured activation cost, kept so memory can be planned again when models change."""
     fingerprint: str = ""
     """The files it was loaded from (``nograd.serving.repository``): a change means a reload."""

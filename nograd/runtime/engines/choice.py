@@ -23,11 +23,13 @@ from typing import Final
 import numpy as np
 import torch
 
-from nograd.runtime.config import ModelConfig
+from nograd.core.engines import AUTO, EAGER, engine_row, int8_variant
+from nograd.runtime.config import PYTHON_FORMAT, ModelConfig
 from nograd.runtime.engines.artifacts import cache_key, cached, write_artifact
-from nograd.runtime.engines.paths import EnginePath, OnnxPath, RangePath, open_engine
+from nograd.runtime.engines.paths import EagerPath, EnginePath, RangePath
+from nograd.runtime.engines.registry import engine, open_engine
 from nograd.runtime.engines.trace import Traced, export_program
-from nograd.runtime.handler import ModelHandler, SpeedPath, TensorPart, TorchRunner
+from nograd.runtime.handler import ModelHandler, TensorPart, TorchRunner
 from nograd.runtime.speed.accuracy import AccuracyReport, compare
 from nograd.runtime.speed.guard import (
     SPEED_PASSES,
@@ -51,7 +53,6 @@ TIMING_ROWS: Final = (1, 4, 16, 32)
 TIMING_LENGTHS: Final = (8, 48)
 """Token models: texts of lengths spread over this range, as one-sentence requests have them, so
 a forward that skips padding is timed on the padding real batches carry."""
-EAGER: Final = "eager"
 
 
 @dataclass(frozen=True)
@@ -103,30 +104,34 @@ class EngineTable:
 
 
 def candidates(config: ModelConfig, device: torch.device) -> list[str]:
-    """The engines to build besides eager: ``engines`` for auto, else the one named; int8 is the
-    ONNX engine quantised, on CPU only (ONNX Runtime's int8 kernels are CPU kernels)."""
-    engine = config.engine or EAGER
-    names = list(config.engines) if engine == "auto" else [engine]
+    """The engines to build besides eager: ``engines`` for auto, else the one named. With
+    ``precision = "int8"`` an engine's quantised variant too (alone when the engine is named),
+    where it runs on ``device``."""
+    chosen = config.engine or EAGER
+    auto = chosen == AUTO
+    names = list(config.engines) if auto else [chosen]
     out: list[str] = []
     for name in names:
         if name == EAGER:
             continue
-        if name == "onnx" and config.precision == "int8":
-            if device.type == "cpu":
-                out.append("onnx-int8")
+        variant = int8_variant(name) if config.precision == "int8" else None
+        if variant is not None:
+            why = engine(variant).unsupported(device)
+            if why is None:
+                out.append(variant)
             else:
-                logger.warning("model %s: int8 runs on CPU only; not built", config.name)
-            if engine != "auto":
+                logger.warning("model %s: %s not built: %s", config.name, variant, why)
+            if not auto:
                 continue
         out.append(name)
     return out
 
 
-def tolerance_for(engine: str, config: ModelConfig) -> float:
+def tolerance_for(name: str, config: ModelConfig) -> float:
     """int8 is judged on cosine (and labels); fp32 engines on fp32's rounding, like compile."""
     if config.accuracy_tolerance is not None:
         return config.accuracy_tolerance
-    return math.inf if engine.endswith("int8") else FP32_TOLERANCE
+    return math.inf if engine_row(name).int8_of is not None else FP32_TOLERANCE
 
 
 def timing_batches(handler: ModelHandler, limit: int) -> list[tuple[int, list[TensorPart]]]:
@@ -160,24 +165,26 @@ def time_parts(
 
 
 def build_engine(
-    engine: str,
+    name: str,
     traced: Traced,
     handler: ModelHandler,
     code: Sequence[Path],
     cache_dir: Path,
 ) -> EnginePath:
-    """``engine``'s artifact for ``traced`` from the cache (built first if missing), opened."""
+    """Engine ``name``'s artifact for ``traced`` from the cache (built first if missing),
+    opened."""
     config = handler.config
-    key = cache_key(engine, traced, code, handler.device)
+    why = engine(name).unsupported(handler.device)
+    if why is not None:
+        raise RuntimeError(why)
+    key = cache_key(name, traced, code, handler.device)
     label = f"{config.name}-v{config.version}"
     started = time.perf_counter()
-    path = cached(
-        cache_dir, label, engine, key, lambda target: write_artifact(engine, traced, target)
-    )
+    path = cached(cache_dir, label, name, key, lambda target: write_artifact(name, traced, target))
     built = time.perf_counter() - started
     if built > 0.5:
-        logger.info("model %s: built the %s engine in %.1fs: %s", config.name, engine, built, path)
-    opened = open_engine(engine, path, handler.device)
+        logger.info("model %s: built the %s engine in %.1fs: %s", config.name, name, built, path)
+    opened = open_engine(name, path, handler.device)
     opened.check_inputs(handler)
     return opened
 
@@ -196,36 +203,39 @@ def prepare_engine(
     ``engine = "eager"`` gets its speed mode alone (``apply_speed``).
     """
     config = handler.config
-    if config.format != "python":
+    if config.format != PYTHON_FORMAT:
         return handler
-    engine = config.engine or EAGER
-    if engine == EAGER:
+    chosen = config.engine or EAGER
+    if chosen == EAGER:
         return apply_speed(handler, limit, sample, report_check)
     plan = replace(mode_for(config, handler.device), buckets=None)
     batches = check_batches(handler, plan, limit, sample)
-    runner = TorchRunner(handler)
-    reference = run_all(runner, batches)
+    reference = run_all(TorchRunner(handler), batches)
     names = candidates(config, handler.device)
-    built, results = _build_all(handler, names, batches, reference, code, cache_dir, runner)
+    built, results = _build_all(handler, names, batches, reference, code, cache_dir)
     handler = apply_speed(handler, limit, sample, report_check)
-    eager_path = handler.speed_path
+    eager_path = EagerPath(handler, handler.speed_path)
     timing = timing_batches(handler, limit)
-    eager_name = EAGER if handler.speed_mode == "fp32" else f"{EAGER}+{handler.speed_mode}"
-    eager = EngineResult(eager_name, seconds=time_parts(runner, timing))
+    eager = EngineResult(eager_path.name, seconds=_time_engine(handler, eager_path, timing))
     timed = []
     for result in results:
         path = built.get(result.engine)
         if path is not None:
-            handler.speed_path = path
-            result = replace(result, seconds=time_parts(runner, timing))
+            result = replace(result, seconds=_time_engine(handler, path, timing))
         timed.append(result)
-    handler.speed_path = eager_path
     rows = tuple(rows for rows, _ in timing)
-    serving = ranges(rows, _choose(engine == "auto", config, eager, timed))
+    serving = ranges(rows, _choose(chosen == AUTO, config, eager, timed))
     table = EngineTable(config.name, rows, eager, tuple(timed), serving)
-    _install(handler, eager_path, built, table)
+    _install(handler, {eager.engine: eager_path, **built}, table)
     _report(table, report_check)
     return handler
+
+
+def _time_engine(
+    handler: ModelHandler, path: EnginePath, timing: Sequence[tuple[int, list[TensorPart]]]
+) -> tuple[float, ...]:
+    """``path``'s seconds on the timing batches, run as the batcher runs them."""
+    return time_parts(TorchRunner(handler, path=path), timing)
 
 
 def _build_all(
@@ -235,7 +245,6 @@ def _build_all(
     reference: Sequence[dict[str, np.ndarray]],
     code: Sequence[Path],
     cache_dir: Path,
-    runner: TorchRunner,
 ) -> tuple[dict[str, EnginePath], list[EngineResult]]:
     """Each engine built, opened and checked against fp32 eager: accepted ones, and every row."""
     config = handler.config
@@ -255,14 +264,12 @@ def _build_all(
             continue
         try:
             path = build_engine(name, traced, handler, code, cache_dir)
-            handler.speed_path = path
-            report = compare(reference, run_all(runner, batches))  # type: ignore[arg-type]
+            candidate = run_all(TorchRunner(handler, path=path), batches)  # type: ignore[arg-type]
+            report = compare(reference, candidate)
         except Exception as exc:
             results.append(EngineResult(name, refused=first_line(exc)))
             logger.debug("model %s: engine %s failure", config.name, name, exc_info=True)
             continue
-        finally:
-            handler.speed_path = None
         problems = report.problems(
             tolerance_for(name, config), config.min_cosine, config.min_match_rate
         )
@@ -315,27 +322,17 @@ def ranges(rows: Sequence[int], winners: Sequence[str]) -> tuple[tuple[int, str]
     return tuple(merged)
 
 
-def _install(
-    handler: ModelHandler,
-    eager_path: SpeedPath | None,
-    built: dict[str, EnginePath],
-    table: EngineTable,
-) -> None:
+def _install(handler: ModelHandler, opened: dict[str, EnginePath], table: EngineTable) -> None:
+    """Serve what the table chose: eager as ``apply_speed`` left it, one engine, or ranges."""
     names = {name for _, name in table.serving}
     if names == {table.eager.engine}:
         return  # eager with its speed mode, as apply_speed left it
     if len(table.serving) == 1:
-        handler.speed_path = built[table.serving[0][1]]
+        handler.speed_path = opened[table.serving[0][1]]
     else:
-        handler.speed_path = RangePath(
-            handler, eager_path, [(most, built.get(name)) for most, name in table.serving]
-        )
-        if any(not isinstance(built.get(name), OnnxPath) for name in names):
-            # ONNX Runtime takes turns with eager torch or a torch program in this worker.
-            for name in names:
-                path = built.get(name)
-                if isinstance(path, OnnxPath):
-                    path.stop_spinning()
+        handler.speed_path = RangePath([(most, opened[name]) for most, name in table.serving])
+        for name in names:
+            opened[name].take_turns()
     if table.eager.engine not in names:
         # Eager serves no batch: its weights, casts and layouts go (the engines hold their own).
         handler.module = torch.nn.Module()

@@ -16,10 +16,19 @@ from typing import Final
 import torch
 import yaml
 
-from nograd.runtime.config import CONFIG_NAMES, ConfigError, ModelConfig, find_config, load_config
-from nograd.runtime.engines.artifacts import SUFFIXES, ArtifactError, sha256_of, write_artifact
+from nograd.core.engines import artifact_engines, engine_row, int8_variant
+from nograd.runtime.config import (
+    CONFIG_NAMES,
+    PYTHON_FORMAT,
+    ConfigError,
+    ModelConfig,
+    find_config,
+    load_config,
+)
+from nograd.runtime.engines.artifacts import sha256_of, write_artifact
 from nograd.runtime.engines.choice import tolerance_for
-from nograd.runtime.engines.paths import open_engine
+from nograd.runtime.engines.errors import ArtifactError
+from nograd.runtime.engines.registry import open_engine
 from nograd.runtime.engines.trace import export_program
 from nograd.runtime.handler import ModelHandler, TorchRunner
 from nograd.runtime.loader import LoadError, build_handler
@@ -27,7 +36,6 @@ from nograd.runtime.speed.accuracy import AccuracyReport, compare
 from nograd.runtime.speed.guard import check_batches, run_all
 from nograd.runtime.speed.mode import mode_for
 
-FORMATS: Final = ("torch_export", "aoti", "onnx")
 KEPT_FIELDS: Final = (
     "version",
     "version_policy",
@@ -63,10 +71,12 @@ def export_model(
 ) -> Exported:
     """Write ``out`` (default: ``<name>-<to>`` beside ``model_dir``) with the artifact, a config
     and, when the model has a handler of its own, its code."""
-    if to not in FORMATS:
-        raise ExportError(f"--to must be one of {', '.join(FORMATS)}, got {to!r}")
-    if precision == "int8" and to != "onnx":
-        raise ExportError("--precision int8 is for --to onnx (ONNX Runtime's quantisation)")
+    if to not in artifact_engines():
+        raise ExportError(f"--to must be one of {', '.join(artifact_engines())}, got {to!r}")
+    variant = int8_variant(to) if precision == "int8" else to
+    if variant is None:
+        quantising = [name for name in artifact_engines() if int8_variant(name) is not None]
+        raise ExportError(f"--precision int8 is for --to {' or '.join(quantising)}")
     config_path = find_config(model_dir)
     if config_path is None:
         raise ExportError(f"{model_dir}: no config file ({', '.join(CONFIG_NAMES)})")
@@ -74,9 +84,9 @@ def export_model(
         config = load_config(config_path)
     except ConfigError as exc:
         raise ExportError(str(exc)) from exc
-    if config.format != "python":
+    if config.format != PYTHON_FORMAT:
         raise ExportError(f"{config_path}: already a {config.format} artifact")
-    engine = "onnx-int8" if precision == "int8" else to
+    engine = variant
     target_device = torch.device(device)
     try:
         handler = build_handler(model_dir.parent, model_dir, config, target_device)
@@ -84,7 +94,7 @@ def export_model(
         raise ExportError(str(exc)) from exc
     name = f"{config.name}-{to}" + ("-int8" if precision == "int8" else "")
     folder = out if out is not None else model_dir.parent / name
-    artifact = folder / f"model{SUFFIXES[engine]}"
+    artifact = folder / f"model{engine_row(engine).suffix}"
     traced = export_program(handler)
     write_artifact(engine, traced, artifact)
     try:
@@ -112,12 +122,10 @@ def _check(
     )
     plan = replace(mode_for(config, device), buckets=None)
     batches = check_batches(handler, plan, limit)
-    runner = TorchRunner(handler)
-    reference = run_all(runner, batches)
+    reference = run_all(TorchRunner(handler), batches)
     path = open_engine(engine, artifact, device)
     path.check_inputs(handler)
-    handler.speed_path = path
-    report = compare(reference, run_all(runner, batches))
+    report = compare(reference, run_all(TorchRunner(handler, path=path), batches))
     problems = report.problems(
         tolerance_for(engine, config), config.min_cosine, config.min_match_rate
     )

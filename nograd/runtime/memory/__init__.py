@@ -26,7 +26,9 @@ from nograd.runtime.memory.cost import (
 from nograd.runtime.memory.probes import (
     CpuMemoryProbe,
     CudaMemoryProbe,
+    DeviceFreeProbe,
     MemoryProbe,
+    ProcessPeakProbe,
     is_out_of_memory,
     probe_for,
 )
@@ -38,9 +40,11 @@ __all__ = [
     "CostModel",
     "CpuMemoryProbe",
     "CudaMemoryProbe",
+    "DeviceFreeProbe",
     "LiveTensorTracker",
     "MemoryProbe",
     "PlanRow",
+    "ProcessPeakProbe",
     "Profile",
     "batch_limit",
     "device_budget",

@@ -7,7 +7,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from nograd.runtime.memory.cost import CostModel
+from nograd.runtime.memory.cost import Cost
 from nograd.runtime.memory.probes import MemoryProbe
 
 
@@ -95,7 +95,7 @@ def _spent_at_level(demands: Mapping[str, Demand]) -> Callable[[int], int]:
     return spent
 
 
-def batch_limit(model: CostModel, share_bytes: int, max_batch_size: int, length: int = 1) -> int:
+def batch_limit(model: Cost, share_bytes: int, max_batch_size: int, length: int = 1) -> int:
     """Rows per batch for a model: its configured cap, lowered to what its share can hold.
 
     Returns 0 when even a single row does not fit so the caller can reject such requests
@@ -108,7 +108,7 @@ def batch_limit(model: CostModel, share_bytes: int, max_batch_size: int, length:
 
 @dataclass
 class PlanRow:
-    """One model's line in the startup memory plan."""
+    """One line of the startup memory plan: a model, or one engine range of it."""
 
     model: str
     device: str
@@ -117,6 +117,10 @@ class PlanRow:
     limit: int
     budget_bytes: int
     unit: str = "sample"
+    engine: str = "eager"
+    """The engine measured for this line, with its range of batch sizes (``onnx<=1``)."""
+    fit: str = ""
+    """How far the engine's fit was trusted: its verdict and its last check's signed error."""
 
 
 def format_bytes(value: float) -> str:
@@ -132,14 +136,17 @@ def format_bytes(value: float) -> str:
 
 
 def format_plan(rows: Sequence[PlanRow]) -> str:
-    """Fixed-width table so operators can see at a glance why a batch limit is what it is."""
-    header = ("model", "device", "weights", "per unit", "limit", "budget")
+    """Fixed-width table so operators can see at a glance why a batch limit is what it is, and
+    which engine's measurement (and how good a fit) each range of batch sizes is planned on."""
+    header = ("model", "device", "weights", "engine", "per unit", "fit", "limit", "budget")
     body = [
         (
             row.model,
             row.device,
             format_bytes(row.weights_bytes),
+            row.engine,
             f"{format_bytes(row.per_unit_bytes)}/{row.unit}",
+            row.fit,
             str(row.limit),
             format_bytes(row.budget_bytes),
         )
@@ -147,7 +154,7 @@ def format_plan(rows: Sequence[PlanRow]) -> str:
     ]
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
     # Text columns read left-aligned, numbers right-aligned.
-    align = ["<", "<", ">", ">", ">", ">"]
+    align = ["<", "<", ">", "<", ">", "<", ">", ">"]
 
     def render(line: Sequence[str]) -> str:
         cells = (f"{cell:{a}{w}}" for cell, a, w in zip(line, align, widths, strict=True))

@@ -7,7 +7,7 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Protocol
 
 import numpy as np
 
@@ -18,6 +18,14 @@ Point = tuple[int, int, int]
 
 # Returned by CostModel.max_rows when memory does not bound the batch at all.
 UNBOUNDED_ROWS: Final = 1 << 62
+
+
+class Cost(Protocol):
+    """What the budget needs of a cost: a batch's predicted peak, and the rows a budget holds."""
+
+    def predict(self, rows: int, length: int = 1) -> float: ...
+
+    def max_rows(self, budget_bytes: float, length: int = 1) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -141,9 +149,14 @@ class CheckPoint:
 
     @property
     def relative_error(self) -> float:
+        return abs(self.signed_error)
+
+    @property
+    def signed_error(self) -> float:
+        """(predicted - measured) / measured: below zero the fit promises less than was used."""
         if self.measured_bytes == 0:
             return 0.0 if self.predicted_bytes == 0 else math.inf
-        return abs(self.predicted_bytes - self.measured_bytes) / self.measured_bytes
+        return (self.predicted_bytes - self.measured_bytes) / self.measured_bytes
 
 
 @dataclass
@@ -172,6 +185,7 @@ def profile_forward(
     lengths: Sequence[int] = (1,),
     check: tuple[int, int] | None = None,
     quadratic: bool = False,
+    prepare: Callable[[int, int], object] | None = None,
 ) -> Profile:
     """Measures ``run(rows, length)`` over the grid, fits a cost model and validates it.
 
@@ -179,6 +193,8 @@ def profile_forward(
     should run under ``torch.inference_mode()`` like serving does, since autograd would keep
     every activation alive and inflate the numbers.  One unmeasured warm-up call comes first
     so lazily initialised state (workspaces, caches) is not billed to the first shape.
+    ``prepare(rows, length)``, when given, runs unmeasured before each measured shape: the
+    inputs a request brings exist before its batch runs, so they are built there, not billed.
     """
     if not rows or not lengths:
         raise ValueError("rows and lengths must be non-empty")
@@ -190,6 +206,8 @@ def profile_forward(
         raise ValueError(f"check point {(check_rows, check_length)} is part of the fit grid")
 
     def measure(n: int, length: int) -> int:
+        if prepare is not None:
+            prepare(n, length)
         return probe.measure_peak(lambda: run(n, length))
 
     warmup = run(min(rows), min(lengths))

@@ -3,11 +3,15 @@ whether an exception means memory ran out."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Final, Protocol, runtime_checkable
 
 import torch
 
+from nograd.host.peak import ResidentPeak
 from nograd.host.readings import HostMemory
 from nograd.runtime.memory.tracker import LiveTensorTracker
 
@@ -48,7 +52,9 @@ class MemoryProbe(Protocol):
 
 
 class CpuMemoryProbe(HostMemory):
-    """Host memory probe; peaks come from :class:`LiveTensorTracker`, not from RSS."""
+    """Host memory probe; its peak counts torch's live tensor storages
+    (:class:`LiveTensorTracker`): exact, but blind to memory allocated outside torch's Python
+    operators, which :class:`ProcessPeakProbe` sees."""
 
     device = "cpu"
 
@@ -109,6 +115,77 @@ class CudaMemoryProbe:
 
     def release_cache(self) -> None:
         torch.cuda.empty_cache()
+
+
+class ProcessPeakProbe(CpuMemoryProbe):
+    """CPU: what a forward really adds to the process, whoever allocates it.
+
+    The live tensor count misses every buffer allocated outside torch's Python operators (oneDNN
+    and BLAS scratch, ONNX Runtime's and an AOTInductor library's buffers); the resident peak
+    (``nograd.host.peak``) sees them all, and the tensor count stays a floor under it. A measure
+    is the median of ``runs`` runs, so a page another thread touched, or one the heap happened to
+    keep, moves one run and not the result. ``fresh``, when given, is entered around each run: an
+    engine that keeps memory between runs (an arena, per-thread scratch) hands it back there, so
+    the run is measured needing all it uses. ``enough_bytes``: a first reading at least this
+    large is taken alone, for an engine whose runs allocate the same each time, where only small
+    readings feel the noise (and each run costs a fresh session).
+    """
+
+    def __init__(
+        self,
+        runs: int = 3,
+        fresh: Callable[[], AbstractContextManager[object]] | None = None,
+        enough_bytes: int | None = None,
+        resident: ResidentPeak | None = None,
+        proc_root: Path | str = "/proc",
+        cgroup_root: Path | str = "/sys/fs/cgroup",
+    ) -> None:
+        super().__init__(proc_root, cgroup_root)
+        if runs < 1:
+            raise ValueError(f"runs must be >= 1, got {runs}")
+        self._runs = runs
+        self._enough = enough_bytes
+        self._fresh = fresh or contextlib.nullcontext
+        self._resident = resident or ResidentPeak(proc_root)
+
+    def measure_peak(self, fn: Callable[[], object]) -> int:
+        peaks = []
+        for _ in range(self._runs):
+            with self._fresh(), LiveTensorTracker("cpu") as tracker:
+                result, peak = self._resident.measure(fn)
+                del result
+            peaks.append(max(peak.extra_bytes, tracker.peak_bytes))
+            if self._enough is not None and peaks[0] >= self._enough:
+                break
+        return sorted(peaks)[len(peaks) // 2]
+
+
+class DeviceFreeProbe(CudaMemoryProbe):
+    """CUDA, for an engine with an allocator of its own (ONNX Runtime's arena), which torch's
+    counters cannot see: the device's free memory before and after the forward, inside
+    ``fresh``, which empties the engine's allocator before and keeps it from handing memory back
+    until the reading is taken. Torch's cached blocks are released first, and torch's own peak
+    stays a floor under the reading."""
+
+    def __init__(
+        self, device: torch.device, fresh: Callable[[], AbstractContextManager[object]]
+    ) -> None:
+        super().__init__(device)
+        self._fresh = fresh
+
+    def measure_peak(self, fn: Callable[[], object]) -> int:
+        with self._fresh():
+            torch.cuda.synchronize(self.torch_device)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.torch_device)
+            baseline = self.allocated_bytes()
+            free_before, _ = torch.cuda.mem_get_info(self.torch_device)
+            result = fn()
+            torch.cuda.synchronize(self.torch_device)
+            free_after, _ = torch.cuda.mem_get_info(self.torch_device)
+            torch_peak = self.peak_allocated_bytes() - baseline
+            del result
+        return max(0, int(free_before) - int(free_after), torch_peak)
 
 
 def probe_for(device: torch.device) -> MemoryProbe:

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from nograd.runtime.handler import ModelHandler
-from nograd.runtime.memory import CheckPoint, CostModel, Profile
+from nograd.runtime.memory import CostModel
+from nograd.runtime.memory.fits import RangedCost, Verdict
 from nograd.runtime.planner import PlanInput, plan_device, profile_handler
+from tests.unit.runtime.memory.conftest import one_engine
 
 
 class FakeGpuProbe:
@@ -38,8 +40,8 @@ class FakeGpuProbe:
         pass
 
 
-def profile(cost: CostModel) -> Profile:
-    return Profile((), cost, CheckPoint(1, 1, 1, 1.0))
+def profile(cost: CostModel) -> RangedCost:
+    return one_engine(cost)
 
 
 def handler(unit: str = "samples", max_length: int | None = None) -> ModelHandler:
@@ -112,6 +114,9 @@ def test_profile_of_a_real_linear_model_is_linear_in_rows() -> None:
     module = Lin().eval()
     real = ModelHandler(module, config, torch.device("cpu"))
     result = profile_handler(real, CpuMemoryProbe(), cap=32)
-    # Input (collated, 256 floats) and output (512 floats) are alive together: 3 KiB per row.
-    assert result.model.per_unit == pytest.approx((256 + 512) * 4, rel=0.2)
-    assert result.relative_error < 0.05
+    (only,) = result.ranges
+    assert only.engine == "eager" and only.most_rows is None
+    # Input (collated, 256 floats) and output (512 floats) are alive together: 3 KiB per row,
+    # measured as the process's resident peak, in whole pages.
+    assert only.fit.model.per_unit == pytest.approx((256 + 512) * 4, rel=0.2)
+    assert only.fit.verdict is Verdict.FITS

@@ -20,7 +20,8 @@ from nograd.runtime.engines.choice import (
     ranges,
     tolerance_for,
 )
-from nograd.runtime.engines.paths import EnginePath, OnnxPath, RangePath, share_cores
+from nograd.runtime.engines.onnx import OnnxPath
+from nograd.runtime.engines.paths import EnginePath, RangePath, share_cores
 from nograd.runtime.handler import TorchRunner
 from nograd.runtime.speed.guard import SpeedCheck
 from tests.unit.runtime.engines.tiny import tiny_folder, tiny_handler
@@ -105,7 +106,7 @@ def test_auto_serves_the_fastest_engine_per_batch_size(
     assert served.speed_mode == "onnx<=8,eager"
     assert [(most, type(path).__name__) for most, path in served.speed_path.ranges] == [
         (8, "OnnxPath"),
-        (32, "NoneType"),
+        (32, "EagerPath"),
     ]
     assert np.allclose(run_tiny(served, x)[0], eager_scores, atol=1e-5)
     # Taking turns with eager torch, ONNX Runtime's threads sleep after each run.

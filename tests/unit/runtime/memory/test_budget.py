@@ -52,16 +52,38 @@ def test_device_budget() -> None:
 def test_format_plan() -> None:
     table = format_plan(
         [
-            PlanRow("resnet", "cuda:0", 97_800_000, 10240.0, 64, 2 * 2**30),
-            PlanRow("minilm", "cpu", 90_000_000, 1536.0, 4096, 512 * 2**20, unit="token"),
+            PlanRow("resnet", "cuda:0", 97_800_000, 10240.0, 64, 2 * 2**30, fit="fits +1.0%"),
+            PlanRow(
+                "minilm",
+                "cpu",
+                90_000_000,
+                1536.0,
+                4096,
+                512 * 2**20,
+                unit="token",
+                engine="onnx<=1",
+                fit="bounded +30.2%",
+            ),
         ]
     )
     lines = table.splitlines()
     assert len(lines) == 4
-    assert lines[0].split() == ["model", "device", "weights", "per", "unit", "limit", "budget"]
+    assert lines[0].split() == [
+        "model",
+        "device",
+        "weights",
+        "engine",
+        "per",
+        "unit",
+        "fit",
+        "limit",
+        "budget",
+    ]
     assert set(lines[1]) <= {"-", " "}
     assert "resnet" in lines[2] and "10.0 KiB/sample" in lines[2] and "2.0 GiB" in lines[2]
+    assert "eager" in lines[2] and "fits +1.0%" in lines[2]
     assert "1.5 KiB/token" in lines[3] and "4096" in lines[3]
+    assert "onnx<=1" in lines[3] and "bounded +30.2%" in lines[3]
     # Right-aligned numeric columns end at the same offset.
     assert lines[2].index("64") + 2 == lines[3].index("4096") + 4
 

@@ -11,15 +11,14 @@ import pytest
 
 from nograd.runtime.handler import ModelHandler
 from nograd.runtime.memory import (
-    CheckPoint,
     CostModel,
     CpuMemoryProbe,
-    Profile,
     batch_limit,
     share_budget,
 )
 from nograd.runtime.memory.budget import Demand
 from nograd.runtime.planner import PlanInput, log_plan, plan_device
+from tests.unit.runtime.memory.conftest import one_engine
 
 KIB = 1024
 
@@ -121,9 +120,9 @@ def test_the_plan_leaves_out_a_model_that_fits_only_alone_and_says_so(
         PlanInput("text", handler("tokens", max_length=128), 0, cap=4096),
     ]
     profiles = {
-        "images": Profile((), CostModel(fixed=0, per_unit=600), CheckPoint(1, 1, 1, 1.0)),
+        "images": one_engine(CostModel(fixed=0, per_unit=600)),
         # One sequence of 128 tokens: 128 * 5 = 640 bytes, within 1000 alone, not beside images.
-        "text": Profile((), CostModel(fixed=0, per_unit=5), CheckPoint(1, 1, 1, 1.0)),
+        "text": one_engine(CostModel(fixed=0, per_unit=5)),
     }
     budget, plans = plan_device(
         inputs, profiles, CpuMemoryProbe(), fraction=0.9, explicit_bytes=1000

@@ -1,0 +1,159 @@
+"""The fits a plan may use: each checked at a shape it was not fitted on, and one that the check
+shows wrong is measured again, bounded from above, or refused, never planned on as it is. A
+model whose batch sizes are served by different engines has one fit per range.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Final
+
+from nograd.runtime.memory.cost import (
+    UNBOUNDED_ROWS,
+    CheckPoint,
+    CostModel,
+    Point,
+    Profile,
+    fit_cost_model,
+)
+
+FIT_TOLERANCE: Final = 0.25
+"""Largest relative error at the check point of a fit the plan takes as it is."""
+
+
+class Verdict(StrEnum):
+    """What became of a fit after its check."""
+
+    FITS = "fits"
+    """Within the tolerance at the first check."""
+    REMEASURED = "re-measured"
+    """Off at the first check, within the tolerance when measured again."""
+    BOUNDED = "bounded"
+    """Off twice: the plan uses a bound no measured point lies above, checked once more at a
+    larger batch (where it may promise more than is used, never less beyond the tolerance)."""
+    REFUSED = "refused"
+    """Off twice, and the bound too: the engine serves no batch of its range."""
+
+
+@dataclass(frozen=True)
+class VerifiedFit:
+    """A fit and how far its checks trust it."""
+
+    profile: Profile
+    """The points, the model the plan uses (the bound, once bounded) and its last check."""
+    verdict: Verdict
+    errors: tuple[float, ...]
+    """Signed error at the check point of each attempt, in order: (predicted - measured) /
+    measured, below zero when the fit promised less than was used."""
+
+    @property
+    def model(self) -> CostModel:
+        return self.profile.model
+
+    @property
+    def refused(self) -> bool:
+        return self.verdict is Verdict.REFUSED
+
+
+def verified_profile(
+    profile: Callable[[], Profile],
+    measure: Callable[[int, int], int],
+    quadratic: bool,
+    tolerance: float = FIT_TOLERANCE,
+) -> VerifiedFit:
+    """The result of ``profile`` (``profile_forward`` over a grid, run again when asked) that the
+    plan may use, by the rules of :class:`Verdict`; ``measure(rows, length)`` measures one more
+    shape, to check a bound."""
+    first = profile()
+    if first.relative_error <= tolerance:
+        return VerifiedFit(first, Verdict.FITS, (first.check_point.signed_error,))
+    second = profile()
+    errors = (first.check_point.signed_error, second.check_point.signed_error)
+    if second.relative_error <= tolerance:
+        return VerifiedFit(second, Verdict.REMEASURED, errors)
+    measured = (
+        *first.points,
+        *second.points,
+        _as_point(first.check_point),
+        _as_point(second.check_point),
+    )
+    bound = upper_bound(measured, quadratic)
+    further_rows, further_length = 2 * second.check_point.rows, second.check_point.length
+    used = measure(further_rows, further_length)
+    last = CheckPoint(
+        further_rows, further_length, used, bound.predict(further_rows, further_length)
+    )
+    verdict = Verdict.BOUNDED if last.signed_error >= -tolerance else Verdict.REFUSED
+    return VerifiedFit(Profile(measured, bound, last), verdict, (*errors, last.signed_error))
+
+
+def _as_point(check: CheckPoint) -> Point:
+    return (check.rows, check.length, check.measured_bytes)
+
+
+def upper_bound(points: Sequence[Point], quadratic: bool) -> CostModel:
+    """The least-squares fit of ``points`` scaled up, then raised, until no point lies above it:
+    scaling keeps the measured growth per row (and bounds it), raising covers what a scale
+    cannot (a point the fit put at zero)."""
+    fit = fit_cost_model(points, quadratic)
+    ratios = [m / fit.predict(r, n) for r, n, m in points if fit.predict(r, n) > 0]
+    scale = max([1.0, *ratios])
+    scaled = CostModel(fit.fixed * scale, fit.per_unit * scale, fit.quadratic * scale)
+    short = max([0.0, *(m - scaled.predict(r, n) for r, n, m in points)])
+    return CostModel(scaled.fixed + short, scaled.per_unit, scaled.quadratic)
+
+
+@dataclass(frozen=True)
+class RangeFit:
+    """The fit of the engine that serves one range of batch sizes (rows)."""
+
+    engine: str
+    most_rows: int | None
+    """The range's largest batch; None for the last range, which takes every larger one."""
+    fit: VerifiedFit
+
+
+@dataclass(frozen=True)
+class RangedCost:
+    """A model's cost when each range of batch sizes has its own engine, and so its own fit: a
+    batch costs what its range's fit predicts, and a budget holds a batch size only when every
+    smaller one fits too (the batcher forms any size up to the limit)."""
+
+    ranges: tuple[RangeFit, ...]
+
+    def __post_init__(self) -> None:
+        if not self.ranges or self.ranges[-1].most_rows is not None:
+            raise ValueError("ranges must end with an open range (most_rows None)")
+        tops = [r.most_rows for r in self.ranges[:-1]]
+        bounded = [top for top in tops if top is not None]
+        if len(bounded) != len(tops) or bounded != sorted(set(bounded)):
+            raise ValueError(f"ranges must ascend, got {tops}")
+
+    def fit_for(self, rows: int) -> RangeFit:
+        for item in self.ranges:
+            if item.most_rows is None or rows <= item.most_rows:
+                return item
+        raise AssertionError("unreachable: the last range is open")
+
+    def predict(self, rows: int, length: int = 1) -> float:
+        item = self.fit_for(max(rows, 1))
+        return math.inf if item.fit.refused else item.fit.model.predict(rows, length)
+
+    def max_rows(self, budget_bytes: float, length: int = 1) -> int:
+        """Largest batch whose range's fit, and every smaller batch's, fits the budget; 0 if
+        not even one row (or the first range's engine was refused)."""
+        held = 0
+        for item in self.ranges:
+            if item.fit.refused:
+                return held
+            rows = item.fit.model.max_rows(budget_bytes, length)
+            top = UNBOUNDED_ROWS if item.most_rows is None else item.most_rows
+            if rows <= held:
+                return held
+            if rows < top:
+                return rows
+            held = top
+        return held
