@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from nograd.core.engines import artifact_engines
+from nograd.host.heap import use_one_arena
 from nograd.host.openmp import SPIN_COUNT, tune_openmp_wait
 from nograd.observability.logs import setup_logging
 from nograd.settings import Settings
@@ -23,6 +24,8 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["export"]:
         sys.exit(export_command(args[1:]))
+    # Before any thread allocates: the memory plan measures batches in the resident set.
+    use_one_arena()
     settings = Settings(_cli_parse_args=argv if argv is not None else True, _cli_prog_name="nograd")
     setup_logging(settings.log_level, settings.log_format)
     settings, planned = resolve_workers(settings)

@@ -15,6 +15,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from nograd.host.heap import release_free_memory
 from nograd.runtime.engines.paths import EnginePath, serving_ranges
 from nograd.runtime.handler import ModelHandler, TensorPart, TorchRunner
 from nograd.runtime.memory import (
@@ -30,7 +31,7 @@ from nograd.runtime.memory import (
     share_budget,
 )
 from nograd.runtime.memory.budget import Demand
-from nograd.runtime.memory.cost import Cost
+from nograd.runtime.memory.cost import UNBOUNDED_ROWS, Cost
 from nograd.runtime.memory.fits import (
     FIT_TOLERANCE,
     RangedCost,
@@ -44,6 +45,12 @@ logger = logging.getLogger(__name__)
 # Token models are budgeted at their longest sequence: a batch of that many tokens fits in memory
 # whatever its length mix, because attention's quadratic term is largest at the longest length.
 DEFAULT_MAX_SEQUENCE = 512
+CHECK_REACH = 16
+"""A sample model's fit is checked at up to this many times the grid's largest batch (its cap,
+when that is nearer)."""
+NEVER_FITS = UNBOUNDED_ROWS
+"""The demand of a model whose one-row batch cannot be served (its engine's fit was refused):
+larger than any budget, so it gets no share and its requests answer 507."""
 
 
 @dataclass(frozen=True)
@@ -115,6 +122,11 @@ def profile_handler(handler: ModelHandler, probe: MemoryProbe, cap: int) -> Rang
         RangeFit(engine.name, most, _profile_engine(handler, engine, probe, cap))
         for most, engine in serving_ranges(handler)
     ]
+    # The largest batches measured leave memory in the engines and the heap: handed back, so
+    # serving starts from the idle state the plan's budget is counted above.
+    for _, engine in serving_ranges(handler):
+        engine.release_memory()
+    release_free_memory()
     return RangedCost(tuple(ranges))
 
 
@@ -155,7 +167,9 @@ def _profile_engine(
     else:
         top = max(1, min(cap, 32))
         rows = sorted({1, *(2**k for k in range(1, 6) if 2**k <= top)}) if top > 1 else [1, 2]
-        lengths, check = [1], None
+        # Checked towards the cap, where the limit may take the plan: memory can grow faster
+        # than the small batches of the grid show (larger kernels, larger scratch).
+        lengths, check = [1], (max(rows[-1] + 1, min(cap, CHECK_REACH * rows[-1])), 1)
 
     def profile() -> Profile:
         return profile_forward(run, measured, rows, lengths, check, tokens, prepare)
@@ -204,9 +218,13 @@ def demand_of(item: PlanInput, cost: Cost) -> Demand:
     reference length. Rounded up so that a share of that many bytes holds the batch."""
     length = _reference_length(item)
     rows_at_cap = item.cap // length if item.handler.config.batch_unit == "tokens" else item.cap
+    # A range whose engine was refused serves nothing: the largest batch is below it.
+    largest = min(max(rows_at_cap, 1), cost.max_rows(math.inf, length))
+    if largest < 1:
+        return Demand(NEVER_FITS, NEVER_FITS)
     return Demand(
         minimum=math.ceil(cost.predict(1, length)),
-        at_cap=math.ceil(cost.predict(max(rows_at_cap, 1), length)),
+        at_cap=math.ceil(cost.predict(largest, length)),
     )
 
 
@@ -284,6 +302,12 @@ def _log_fit(model: str, item: RangeFit) -> None:
         errors,
         100 * FIT_TOLERANCE,
         "; its memory is unpredictable, so it serves no batch of this range" if fit.refused else "",
+    )
+    logger.debug(
+        "model %s on %s: measured (rows, length, bytes) %s",
+        model,
+        _range_label(item),
+        list(fit.profile.points),
     )
 
 

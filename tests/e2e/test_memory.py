@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import math
+import re
 import shutil
 from pathlib import Path
 
@@ -54,6 +56,13 @@ def batch_size_buckets(
     }
 
 
+def planned_cost(log: str, model: str) -> tuple[float, float]:
+    """(fixed bytes, bytes per sample) of the cost model the plan logged for ``model``."""
+    found = re.search(rf"model {model} on \S+: cost model (\d+) B \+ ([\d.]+) B/unit", log)
+    assert found is not None, "the plan logged no cost model"
+    return float(found[1]), float(found[2])
+
+
 def reference_digits(images: np.ndarray) -> np.ndarray:
     import importlib.util
 
@@ -74,18 +83,22 @@ async def post_all(url: str, path: str, bodies: list[dict[str, object]]) -> list
 
 
 def test_small_budget_shrinks_the_limit_and_no_batch_exceeds_it(tmp_path: Path) -> None:
-    # digits needs 16,640 activation bytes per sample (measured: conv activations of 8x8x16 and
-    # 8x8x32 floats alive together); 75,000 bytes hold 4 samples but not 5.
+    # digits on eager: the plan's cost model (logged) gives the largest batch whose predicted
+    # peak fits 256 KiB; a few samples, where 64 run without a budget.
     repo = repository(tmp_path, ROOT / "models/digits")
-    env = {"NOGRAD_MODEL_REPOSITORY": str(repo), "NOGRAD_MEMORY_BUDGET_BYTES": "75000"}
+    env = {"NOGRAD_MODEL_REPOSITORY": str(repo), "NOGRAD_MEMORY_BUDGET_BYTES": "262144"}
     with run_server(tmp_path, env) as server:
         found = scrape(server.url)
-        assert value(found, "nograd_device_memory_budget_bytes", device="cpu") == 75000
+        assert value(found, "nograd_device_memory_budget_bytes", device="cpu") == 262144
         sample_bytes = value(found, "nograd_model_sample_bytes", model="digits")
-        assert 12_000 < sample_bytes < 22_000
-        limit = value(found, "nograd_batch_limit", model="digits")
-        assert limit == 75000 // sample_bytes == 4
+        assert 12_000 < sample_bytes < 40_000
+        limit = int(value(found, "nograd_batch_limit", model="digits"))
+        fixed, per_sample = planned_cost(server.log(), "digits")
+        assert per_sample == pytest.approx(sample_bytes, rel=0.01)
+        assert abs(limit - (262144 - fixed) // per_sample) <= 1  # the log rounds the bytes
+        assert 1 < limit < 64
         assert "memory plan for cpu" in server.log()
+        bucket = float(2 ** math.ceil(math.log2(limit)))
 
         rng = np.random.default_rng(3)
         images = rng.integers(0, 17, size=(64, 1, 8, 8)).astype(np.float32)
@@ -129,7 +142,7 @@ def test_small_budget_shrinks_the_limit_and_no_batch_exceeds_it(tmp_path: Path) 
         after_found = scrape(server.url)
         after = batch_size_buckets(after_found, "digits")
         ran = after[float("inf")] - before[float("inf")]
-        within_limit = after[4.0] - before[4.0]
+        within_limit = after[bucket] - before[bucket]
         assert ran > 0 and within_limit == ran, "a batch above the memory-derived limit ran"
         assert value(after_found, "nograd_batch_predicted_bytes_count", model="digits") > 0
 

@@ -9,6 +9,7 @@ starts holding nothing. On CPU every run hands its arena's growth back when it e
 from __future__ import annotations
 
 import contextlib
+import logging
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -18,7 +19,9 @@ from typing import TYPE_CHECKING, Any, Final
 import numpy as np
 import torch
 
+from nograd.core.datatypes import NUMPY_DTYPES
 from nograd.core.engines import EngineRow, engine_row
+from nograd.host.heap import release_free_memory
 from nograd.runtime.engines.errors import ArtifactError
 from nograd.runtime.engines.paths import EnginePath
 from nograd.runtime.engines.signature import tensor_spec
@@ -27,6 +30,8 @@ from nograd.runtime.memory import DeviceFreeProbe, MemoryProbe, ProcessPeakProbe
 if TYPE_CHECKING:
     from nograd.runtime.config import TensorSpec
     from nograd.runtime.engines.trace import Traced
+
+logger = logging.getLogger(__name__)
 
 ONNX_OPSET: Final = 18
 INT8_OPS: Final = ("MatMul", "Gemm")
@@ -164,16 +169,24 @@ class OnnxPath(EnginePath):
 
     @contextlib.contextmanager
     def fresh_session(self) -> Iterator[None]:
-        """The current width's session reopened, its arena empty and its threads' scratch gone,
-        and kept from shrinking at the end of the run while this lasts: what the run then
-        allocates is what it needs."""
-        kept, self._run_options = self._run_options, None
-        self._sessions.pop(self._width(), None)
-        _ = self.session
+        """The current width's session reopened, its arena empty and its threads' scratch gone:
+        what the run then allocates is what it needs. On CUDA the arena is kept from shrinking
+        at the end of the run while this lasts, so its growth can be read after it."""
+        kept = self._run_options
+        if self.device.type == "cuda":
+            self._run_options = None
+        self.release_memory()
         try:
             yield
         finally:
             self._run_options = kept
+
+    def release_memory(self) -> None:
+        """The current width's session reopened: its arena and its threads' scratch go back,
+        to the system before the new session allocates, so what that one touches is new."""
+        self._sessions.pop(self._width(), None)
+        release_free_memory()
+        _ = self.session
 
     def _width(self) -> int:
         return torch.get_num_threads() if self.device.type == "cpu" else 0
@@ -186,6 +199,10 @@ class OnnxPath(EnginePath):
             else:
                 feeds = {name: batch[name].numpy() for name in self.inputs}
                 results = self.session.run(list(self.outputs), feeds, self._run_options)
+                # The arena's growth, handed back when the run ended, stays resident in the C
+                # heap, and the next run does not find it again: a few runs of a batch size
+                # held twice its memory. Back to the system, each run holds what it needs.
+                release_free_memory()
         except Exception as exc:
             if any(fragment in str(exc) for fragment in _OUT_OF_MEMORY):
                 raise MemoryError(f"ONNX Runtime ran out of memory: {exc}") from exc
@@ -254,7 +271,28 @@ def onnx_session(path: Path, device: torch.device, spinning: bool, threads: int)
         providers: list[Any] = [("CUDAExecutionProvider", cuda), "CPUExecutionProvider"]
     else:
         providers = ["CPUExecutionProvider"]
-    return onnxruntime.InferenceSession(str(path), options, providers=providers)
+    session = onnxruntime.InferenceSession(str(path), options, providers=providers)
+    _seat_arena(session, device)
+    return session
+
+
+def _seat_arena(session: Any, device: torch.device) -> None:
+    """Run the smallest batch the inputs allow first. An arena keeps the first region it
+    allocates for good, and a shrink returns only what came after: seated by the smallest
+    batch, a session holds next to nothing between runs, so a batch served by another engine
+    finds the memory the plan gave it."""
+    feeds = {}
+    for value in session.get_inputs():
+        datatype = ONNX_DATATYPES.get(value.type)
+        if datatype is None:
+            return
+        shape = [dim if isinstance(dim, int) and dim > 0 else 1 for dim in value.shape]
+        feeds[value.name] = np.zeros(shape, dtype=NUMPY_DTYPES[datatype])
+    try:
+        session.run(None, feeds, _shrinking(device))
+    except Exception:
+        # A graph that refuses one-element inputs keeps its arena as its first batch sizes it.
+        logger.debug("no seating run for %s", session, exc_info=True)
 
 
 def _write_onnx(traced: Traced, path: Path) -> None:

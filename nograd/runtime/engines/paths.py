@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from nograd.core.engines import EAGER
+from nograd.host.heap import release_free_memory
 from nograd.runtime.engines.errors import ArtifactError
 from nograd.runtime.handler import ModelHandler, SpeedPath
 from nograd.runtime.memory import MemoryProbe, ProcessPeakProbe
@@ -59,6 +60,10 @@ class EnginePath:
 
     def take_turns(self) -> None:
         """Set up for serving some batch sizes while another engine serves the others."""
+
+    def release_memory(self) -> None:
+        """Hand back what the engine keeps between runs, so serving starts from what the memory
+        plan counted as idle. Nothing to do for an engine that keeps nothing."""
 
     @staticmethod
     def plain(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -122,6 +127,7 @@ class RangePath:
         self.ranges = tuple(ranges)
         """(largest rows, engine) pairs, ascending; the last one takes every larger batch."""
         self._eager = next((e for _, e in self.ranges if isinstance(e, EagerPath)), None)
+        self._last: EnginePath | None = None
 
     @property
     def max_rows(self) -> int | None:
@@ -147,7 +153,13 @@ class RangePath:
 
     def forward(self, batch: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         rows = next(iter(batch.values())).shape[0]
-        return self.engine_for(rows).forward(batch)
+        engine = self.engine_for(rows)
+        if engine is not self._last and self._last is not None:
+            # What the other engine's batches left free in the C heap, this one's allocations
+            # (an arena's regions) may not fit in: handed back, the two do not add up.
+            release_free_memory()
+        self._last = engine
+        return engine.forward(batch)
 
 
 def serving_ranges(handler: ModelHandler) -> tuple[tuple[int | None, EnginePath], ...]:

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
-from nograd.core.engines import ENGINES, EngineRow, engine_row
+from nograd.core import engines as table
+from nograd.core.engines import EngineRow, engine_row
 
 if TYPE_CHECKING:
     from nograd.runtime.config import TensorSpec
@@ -73,7 +74,7 @@ def engine(name: str) -> Engine:
 
 def every_engine() -> tuple[Engine, ...]:
     """Every engine of the table, in its order."""
-    return tuple(engine(row.name) for row in ENGINES)
+    return tuple(engine(row.name) for row in table.ENGINES)
 
 
 def open_engine(name: str, path: Path, device: torch.device) -> EnginePath:

@@ -191,8 +191,9 @@ def profile_forward(
 
     ``run`` must build the batch itself (collation buffers are part of the real cost) and
     should run under ``torch.inference_mode()`` like serving does, since autograd would keep
-    every activation alive and inflate the numbers.  One unmeasured warm-up call comes first
-    so lazily initialised state (workspaces, caches) is not billed to the first shape.
+    every activation alive and inflate the numbers.  One warm-up call, measured and discarded,
+    comes first so lazily initialised state (workspaces, caches) is not billed to the first
+    shape.
     ``prepare(rows, length)``, when given, runs unmeasured before each measured shape: the
     inputs a request brings exist before its batch runs, so they are built there, not billed.
     """
@@ -210,8 +211,10 @@ def profile_forward(
             prepare(n, length)
         return probe.measure_peak(lambda: run(n, length))
 
-    warmup = run(min(rows), min(lengths))
-    del warmup
+    # Through the probe, so what the probe itself sets up on first use is not billed either.
+    if prepare is not None:
+        prepare(min(rows), min(lengths))
+    probe.measure_peak(lambda: run(min(rows), min(lengths)))
     points = tuple((n, length, measure(n, length)) for n, length in grid)
     model = fit_cost_model(points, quadratic=quadratic)
     checkpoint = CheckPoint(

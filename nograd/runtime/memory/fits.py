@@ -32,26 +32,26 @@ class Verdict(StrEnum):
     REMEASURED = "re-measured"
     """Off at the first check, within the tolerance when measured again."""
     BOUNDED = "bounded"
-    """Off twice: the plan uses a bound no measured point lies above, checked once more at a
-    larger batch (where it may promise more than is used, never less beyond the tolerance)."""
+    """Off twice: planned on the bound of every point measured, checked once more at a batch it
+    was not fitted on (where it may promise more than is used, never less beyond the
+    tolerance)."""
     REFUSED = "refused"
     """Off twice, and the bound too: the engine serves no batch of its range."""
 
 
 @dataclass(frozen=True)
 class VerifiedFit:
-    """A fit and how far its checks trust it."""
+    """A fit, how far its checks trust it, and the cost the plan uses."""
 
     profile: Profile
-    """The points, the model the plan uses (the bound, once bounded) and its last check."""
+    """The points, the fitted model and its last check."""
     verdict: Verdict
     errors: tuple[float, ...]
     """Signed error at the check point of each attempt, in order: (predicted - measured) /
     measured, below zero when the fit promised less than was used."""
-
-    @property
-    def model(self) -> CostModel:
-        return self.profile.model
+    model: CostModel
+    """What the plan uses: the fit raised until no measured point, the checks included, lies
+    above it; a trusted fit is still planned at no less than what was measured."""
 
     @property
     def refused(self) -> bool:
@@ -68,42 +68,45 @@ def verified_profile(
     plan may use, by the rules of :class:`Verdict`; ``measure(rows, length)`` measures one more
     shape, to check a bound."""
     first = profile()
+    measured = (*first.points, _as_point(first.check_point))
     if first.relative_error <= tolerance:
-        return VerifiedFit(first, Verdict.FITS, (first.check_point.signed_error,))
+        planned = covering(measured, quadratic)
+        return VerifiedFit(first, Verdict.FITS, (first.check_point.signed_error,), planned)
     second = profile()
     errors = (first.check_point.signed_error, second.check_point.signed_error)
+    measured = (*measured, *second.points, _as_point(second.check_point))
+    bound = covering(measured, quadratic)
     if second.relative_error <= tolerance:
-        return VerifiedFit(second, Verdict.REMEASURED, errors)
-    measured = (
-        *first.points,
-        *second.points,
-        _as_point(first.check_point),
-        _as_point(second.check_point),
-    )
-    bound = upper_bound(measured, quadratic)
-    further_rows, further_length = 2 * second.check_point.rows, second.check_point.length
+        return VerifiedFit(second, Verdict.REMEASURED, errors, bound)
+    further_rows, further_length = _further(second)
     used = measure(further_rows, further_length)
     last = CheckPoint(
         further_rows, further_length, used, bound.predict(further_rows, further_length)
     )
     verdict = Verdict.BOUNDED if last.signed_error >= -tolerance else Verdict.REFUSED
-    return VerifiedFit(Profile(measured, bound, last), verdict, (*errors, last.signed_error))
+    checked = Profile(measured, bound, last)
+    return VerifiedFit(checked, verdict, (*errors, last.signed_error), bound)
+
+
+def _further(profile: Profile) -> tuple[int, int]:
+    """A shape neither the grid nor the check measured: between the grid's largest batch and
+    the check's, where the bound interpolates (beyond the check when they are neighbours)."""
+    check = profile.check_point
+    top = max(rows for rows, _, _ in profile.points)
+    between = (top + check.rows) // 2
+    return (between if between not in (top, check.rows) else 2 * check.rows), check.length
 
 
 def _as_point(check: CheckPoint) -> Point:
     return (check.rows, check.length, check.measured_bytes)
 
 
-def upper_bound(points: Sequence[Point], quadratic: bool) -> CostModel:
-    """The least-squares fit of ``points`` scaled up, then raised, until no point lies above it:
-    scaling keeps the measured growth per row (and bounds it), raising covers what a scale
-    cannot (a point the fit put at zero)."""
+def covering(points: Sequence[Point], quadratic: bool) -> CostModel:
+    """The least-squares fit of ``points`` raised by its largest shortfall, so no point lies
+    above it: measured memory grows faster at large batches than a line through small ones."""
     fit = fit_cost_model(points, quadratic)
-    ratios = [m / fit.predict(r, n) for r, n, m in points if fit.predict(r, n) > 0]
-    scale = max([1.0, *ratios])
-    scaled = CostModel(fit.fixed * scale, fit.per_unit * scale, fit.quadratic * scale)
-    short = max([0.0, *(m - scaled.predict(r, n) for r, n, m in points)])
-    return CostModel(scaled.fixed + short, scaled.per_unit, scaled.quadratic)
+    short = max([0.0, *(m - fit.predict(r, n) for r, n, m in points)])
+    return CostModel(fit.fixed + short, fit.per_unit, fit.quadratic)
 
 
 @dataclass(frozen=True)

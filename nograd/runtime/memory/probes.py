@@ -123,8 +123,10 @@ class ProcessPeakProbe(CpuMemoryProbe):
     The live tensor count misses every buffer allocated outside torch's Python operators (oneDNN
     and BLAS scratch, ONNX Runtime's and an AOTInductor library's buffers); the resident peak
     (``nograd.host.peak``) sees them all, and the tensor count stays a floor under it. A measure
-    is the median of ``runs`` runs, so a page another thread touched, or one the heap happened to
-    keep, moves one run and not the result. ``fresh``, when given, is entered around each run: an
+    is the largest of ``runs`` runs: the first run at a new shape also builds what later runs
+    find cached (oneDNN's kernels and their scratch), as every new batch size does once under
+    traffic, and a page the heap happened to keep hides memory from one run, not from all.
+    ``fresh``, when given, is entered around each run: an
     engine that keeps memory between runs (an arena, per-thread scratch) hands it back there, so
     the run is measured needing all it uses. ``enough_bytes``: a first reading at least this
     large is taken alone, for an engine whose runs allocate the same each time, where only small
@@ -157,7 +159,7 @@ class ProcessPeakProbe(CpuMemoryProbe):
             peaks.append(max(peak.extra_bytes, tracker.peak_bytes))
             if self._enough is not None and peaks[0] >= self._enough:
                 break
-        return sorted(peaks)[len(peaks) // 2]
+        return max(peaks)
 
 
 class DeviceFreeProbe(CudaMemoryProbe):

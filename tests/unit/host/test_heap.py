@@ -44,3 +44,16 @@ def test_memory_freed_between_live_blocks_goes_back_to_the_os() -> None:
     released = held - rss_mib()
     assert released > 100, f"released {released:.0f} MiB of about 215 MiB freed"
     assert len(kept) == 400
+
+
+@pytest.mark.skipif(not GLIBC, reason="mallopt is glibc's")
+def test_one_arena_for_this_process_and_the_ones_it_starts() -> None:
+    environ: dict[str, str] = {}
+    assert heap.use_one_arena(environ)
+    assert environ == {"MALLOC_ARENA_MAX": "1"}
+
+
+def test_an_operators_arena_setting_is_kept() -> None:
+    environ = {"MALLOC_ARENA_MAX": "4"}
+    assert not heap.use_one_arena(environ)
+    assert environ == {"MALLOC_ARENA_MAX": "4"}

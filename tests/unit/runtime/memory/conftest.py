@@ -24,5 +24,5 @@ def mlp() -> torch.nn.Module:
 
 def one_engine(cost: CostModel, engine: str = "eager") -> RangedCost:
     """``cost`` as the plan gets it when one engine serves every batch size and its fit held."""
-    fit = VerifiedFit(Profile((), cost, CheckPoint(1, 1, 1, 1.0)), Verdict.FITS, (0.0,))
+    fit = VerifiedFit(Profile((), cost, CheckPoint(1, 1, 1, 1.0)), Verdict.FITS, (0.0,), cost)
     return RangedCost((RangeFit(engine, None, fit),))

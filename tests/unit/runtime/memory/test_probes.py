@@ -189,3 +189,50 @@ def test_is_out_of_memory_follows_explicit_cause() -> None:
             raise ValueError("model failed") from exc
     except ValueError as wrapped:
         assert is_out_of_memory(wrapped)
+
+
+def test_the_process_peak_sees_memory_torch_does_not_allocate() -> None:
+    import mmap
+
+    from nograd.runtime.memory import ProcessPeakProbe
+
+    def forward() -> int:
+        # 16 MiB mapped outside torch, as an engine's own allocator maps it, every page written,
+        # and unmapped before the probe reads its peak.
+        with mmap.mmap(-1, 16 << 20) as block:
+            for offset in range(0, 16 << 20, 4096):
+                block[offset] = 1
+            return block[0]
+
+    assert CpuMemoryProbe().measure_peak(forward) == 0
+    assert 15 << 20 <= ProcessPeakProbe().measure_peak(forward) <= 20 << 20
+    # And torch's own storages stay a floor under it.
+    assert ProcessPeakProbe().measure_peak(lambda: torch.ones(1 << 20)) >= 4 << 20
+
+
+def test_the_device_free_probe_reads_an_arena_torch_cannot_see(
+    fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from contextlib import contextmanager
+
+    from nograd.runtime.memory import DeviceFreeProbe
+
+    free = [10_000]
+    fresh: list[str] = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[0], 80_000))
+
+    @contextmanager
+    def fresh_arena() -> Iterator[None]:
+        fresh.append("in")
+        yield
+        fresh.append("out")
+
+    def forward() -> str:
+        free[0] -= 6000  # the engine's arena grows; torch allocates nothing
+        return "output"
+
+    probe = DeviceFreeProbe(torch.device("cuda", 0), fresh_arena)
+    assert probe.measure_peak(forward) == 6000
+    assert fresh == ["in", "out"]
+    # Torch's own peak still counts when it is the larger.
+    assert probe.measure_peak(lambda: fake_cuda.alloc(9000)) == 9000
