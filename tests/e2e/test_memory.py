@@ -84,18 +84,18 @@ async def post_all(url: str, path: str, bodies: list[dict[str, object]]) -> list
 
 def test_small_budget_shrinks_the_limit_and_no_batch_exceeds_it(tmp_path: Path) -> None:
     # digits on eager: the plan's cost model (logged) gives the largest batch whose predicted
-    # peak fits 256 KiB; a few samples, where 64 run without a budget.
+    # peak fits 1 MiB: a few dozen samples, where 64 run without a budget.
     repo = repository(tmp_path, ROOT / "models/digits")
-    env = {"NOGRAD_MODEL_REPOSITORY": str(repo), "NOGRAD_MEMORY_BUDGET_BYTES": "262144"}
+    env = {"NOGRAD_MODEL_REPOSITORY": str(repo), "NOGRAD_MEMORY_BUDGET_BYTES": "1048576"}
     with run_server(tmp_path, env) as server:
         found = scrape(server.url)
-        assert value(found, "nograd_device_memory_budget_bytes", device="cpu") == 262144
+        assert value(found, "nograd_device_memory_budget_bytes", device="cpu") == 1048576
         sample_bytes = value(found, "nograd_model_sample_bytes", model="digits")
         assert 12_000 < sample_bytes < 40_000
         limit = int(value(found, "nograd_batch_limit", model="digits"))
         fixed, per_sample = planned_cost(server.log(), "digits")
         assert per_sample == pytest.approx(sample_bytes, rel=0.01)
-        assert abs(limit - (262144 - fixed) // per_sample) <= 1  # the log rounds the bytes
+        assert abs(limit - (1048576 - fixed) // per_sample) <= 1  # the log rounds the bytes
         assert 1 < limit < 64
         assert "memory plan for cpu" in server.log()
         bucket = float(2 ** math.ceil(math.log2(limit)))

@@ -65,3 +65,38 @@ def test_auto_chooses_among_gpu_engines(digits: Path, tmp_path: Path) -> None:
     served = prepare_engine(handler, 64, None, None, [digits / "model.py"], tmp_path / "cache")
     assert served.speed_mode
     np.testing.assert_allclose(logits(served), expected, atol=1e-3)
+
+
+@pytest.mark.parametrize("engine", ["eager", "torch_export", "aoti", "onnx"])
+def test_the_plan_measures_each_engine_on_the_gpu(
+    digits: Path, tmp_path: Path, engine: str
+) -> None:
+    """Each engine's memory measured on the device as it allocates (torch's allocator, or the
+    device's free memory for ONNX Runtime's arena); a batch at the limit then fits the budget."""
+    from nograd.runtime.engines.paths import serving_ranges
+    from nograd.runtime.memory import probe_for
+    from nograd.runtime.planner import PlanInput, plan_device, profile_handler
+
+    if engine == "onnx" and not onnx_cuda():
+        pytest.skip("ONNX Runtime without its CUDA provider (install onnxruntime-gpu)")
+    handler = load(digits, device="cuda", engine=engine, min_speedup=0, max_batch_size=1024)
+    served = prepare_engine(handler, 1024, None, None, [digits / "model.py"], tmp_path / "cache")
+    probe = probe_for(CUDA)
+    cost = profile_handler(served, probe, 1024)
+    ((_, path),) = serving_ranges(served)
+    assert [item.engine for item in cost.ranges] == [path.name]
+    assert not cost.ranges[0].fit.refused
+    budget = 8 << 20
+    _, (plan,) = plan_device(
+        [PlanInput("digits", served, 0, 1024)],
+        {"digits": cost},
+        probe,
+        fraction=0.9,
+        explicit_bytes=budget,
+    )
+    assert 1 <= plan.limit < 1024
+    images = np.zeros((plan.limit, 1, 8, 8), dtype=np.float32)
+    runner = TorchRunner(served)
+    measured = path.memory_probe(probe)
+    peak = measured.measure_peak(lambda: runner.run_batch([served.prepare({"image": images})]))
+    assert peak <= budget * 1.25
