@@ -1,6 +1,7 @@
 """The Open Inference Protocol's gRPC service (``inference.GRPCInferenceService``), with the
 Triton extension RPCs its clients and tools call: thin, like the HTTP routes; every call goes to
-the same data plane, so one batch may mix HTTP and gRPC requests."""
+the same data plane, so one batch may mix HTTP and gRPC requests. Served over
+``nograd.grpc.rpc``; an RPC of the service not defined here answers UNIMPLEMENTED."""
 
 from __future__ import annotations
 
@@ -11,15 +12,14 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final, TypeVar
 
-import grpc
 from google.protobuf import json_format
 
 from nograd import __version__
 from nograd.batching import BatcherClosed, DeadlineExceeded, QueueFull, SampleTooLarge
 from nograd.core.errors import DecodeError
 from nograd.grpc.generated import grpc_service_pb2 as pb
-from nograd.grpc.generated import grpc_service_pb2_grpc as pb_grpc
 from nograd.grpc.generated import model_config_pb2
+from nograd.grpc.rpc import CallContext, Code
 from nograd.grpc.tensors import decode_inputs, encode_outputs
 from nograd.observability.metrics import UNKNOWN_MODEL, Metrics
 from nograd.serving.control import ControlRefused, LoadFailed, ModelControl, load_parameters
@@ -37,31 +37,31 @@ logger = logging.getLogger(__name__)
 PROTOCOL: Final = "grpc"
 EXTENSIONS: Final = ["model_configuration", "model_repository", "statistics"]
 
-CODES: Final[list[tuple[type[Exception], grpc.StatusCode, int]]] = [
-    (DecodeError, grpc.StatusCode.INVALID_ARGUMENT, 400),
-    (InvalidInput, grpc.StatusCode.INVALID_ARGUMENT, 400),
-    (LimitExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED, 422),
-    (ModelNotFound, grpc.StatusCode.NOT_FOUND, 404),
-    (ModelNotReady, grpc.StatusCode.UNAVAILABLE, 503),
-    (QueueFull, grpc.StatusCode.UNAVAILABLE, 503),
-    (BatcherClosed, grpc.StatusCode.UNAVAILABLE, 503),
-    (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED, 504),
-    (SampleTooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED, 507),
-    (InferenceFailed, grpc.StatusCode.INTERNAL, 500),
+CODES: Final[list[tuple[type[Exception], Code, int]]] = [
+    (DecodeError, Code.INVALID_ARGUMENT, 400),
+    (InvalidInput, Code.INVALID_ARGUMENT, 400),
+    (LimitExceeded, Code.RESOURCE_EXHAUSTED, 422),
+    (ModelNotFound, Code.NOT_FOUND, 404),
+    (ModelNotReady, Code.UNAVAILABLE, 503),
+    (QueueFull, Code.UNAVAILABLE, 503),
+    (BatcherClosed, Code.UNAVAILABLE, 503),
+    (DeadlineExceeded, Code.DEADLINE_EXCEEDED, 504),
+    (SampleTooLarge, Code.RESOURCE_EXHAUSTED, 507),
+    (InferenceFailed, Code.INTERNAL, 500),
 ]
 """Each failure's gRPC code and the HTTP status it answers over HTTP (the metrics' ``code``)."""
 
 Reply = TypeVar("Reply")
 
 
-def code_of(exc: BaseException) -> tuple[grpc.StatusCode, int]:
+def code_of(exc: BaseException) -> tuple[Code, int]:
     for kind, code, status in CODES:
         if isinstance(exc, kind):
             return code, status
-    return grpc.StatusCode.INTERNAL, 500
+    return Code.INTERNAL, 500
 
 
-class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
+class InferenceService:
     def __init__(
         self,
         plane: DataPlane,
@@ -78,7 +78,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         self._protect_health = protect_health
 
     # ------------------------------------------------------------------ plumbing
-    def _check_key(self, context: grpc.aio.ServicerContext) -> None:
+    def _check_key(self, context: CallContext) -> None:
         if not self._keys:
             return
         values = [v for k, v in context.invocation_metadata() or () if k == "authorization"]
@@ -91,7 +91,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
 
     async def _answer(
         self,
-        context: grpc.aio.ServicerContext,
+        context: CallContext,
         work: Callable[[], Awaitable[Reply]],
         record: Callable[[int], None] | None = None,
         *,
@@ -116,19 +116,19 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             raise  # abort raises; this line only satisfies the type checker
 
     # ------------------------------------------------------------------ health and metadata
-    async def ServerLive(self, request: Any, context: Any) -> pb.ServerLiveResponse:
+    async def ServerLive(self, request: Any, context: CallContext) -> pb.ServerLiveResponse:
         return await self._answer(context, self._live, health=True)
 
     async def _live(self) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
 
-    async def ServerReady(self, request: Any, context: Any) -> pb.ServerReadyResponse:
+    async def ServerReady(self, request: Any, context: CallContext) -> pb.ServerReadyResponse:
         async def ready() -> pb.ServerReadyResponse:
             return pb.ServerReadyResponse(ready=self._plane.ready())
 
         return await self._answer(context, ready, health=True)
 
-    async def ModelReady(self, request: Any, context: Any) -> pb.ModelReadyResponse:
+    async def ModelReady(self, request: Any, context: CallContext) -> pb.ModelReadyResponse:
         async def ready() -> pb.ModelReadyResponse:
             try:
                 model = self._plane.get(request.name, request.version or None)
@@ -138,7 +138,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
 
         return await self._answer(context, ready, health=True)
 
-    async def ServerMetadata(self, request: Any, context: Any) -> pb.ServerMetadataResponse:
+    async def ServerMetadata(self, request: Any, context: CallContext) -> pb.ServerMetadataResponse:
         async def metadata() -> pb.ServerMetadataResponse:
             return pb.ServerMetadataResponse(
                 name="nograd", version=__version__, extensions=EXTENSIONS
@@ -146,7 +146,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
 
         return await self._answer(context, metadata)
 
-    async def ModelMetadata(self, request: Any, context: Any) -> pb.ModelMetadataResponse:
+    async def ModelMetadata(self, request: Any, context: CallContext) -> pb.ModelMetadataResponse:
         async def metadata() -> pb.ModelMetadataResponse:
             model = self._plane.get(request.name, request.version or None)
             config = model.config
@@ -167,7 +167,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
 
         return await self._answer(context, metadata)
 
-    async def ModelConfig(self, request: Any, context: Any) -> pb.ModelConfigResponse:
+    async def ModelConfig(self, request: Any, context: CallContext) -> pb.ModelConfigResponse:
         async def config() -> pb.ModelConfigResponse:
             model = self._plane.get(request.name, request.version or None)
             document = model_configuration(model, self._plane.settings)
@@ -177,7 +177,9 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
 
         return await self._answer(context, config)
 
-    async def ModelStatistics(self, request: Any, context: Any) -> pb.ModelStatisticsResponse:
+    async def ModelStatistics(
+        self, request: Any, context: CallContext
+    ) -> pb.ModelStatisticsResponse:
         async def statistics() -> pb.ModelStatisticsResponse:
             if request.name:
                 models = [self._plane.get(request.name, request.version or None)]
@@ -195,7 +197,9 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         return await self._answer(context, statistics)
 
     # ------------------------------------------------------------------ repository
-    async def RepositoryIndex(self, request: Any, context: Any) -> pb.RepositoryIndexResponse:
+    async def RepositoryIndex(
+        self, request: Any, context: CallContext
+    ) -> pb.RepositoryIndexResponse:
         async def index() -> pb.RepositoryIndexResponse:
             entries = repository_index(self._control.index(), ready_only=request.ready)
             model = pb.RepositoryIndexResponse.ModelIndex
@@ -204,7 +208,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         return await self._answer(context, index)
 
     async def RepositoryModelLoad(
-        self, request: Any, context: Any
+        self, request: Any, context: CallContext
     ) -> pb.RepositoryModelLoadResponse:
         async def load() -> pb.RepositoryModelLoadResponse:
             parameters = {
@@ -218,7 +222,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         return await self._answer(context, load)
 
     async def RepositoryModelUnload(
-        self, request: Any, context: Any
+        self, request: Any, context: CallContext
     ) -> pb.RepositoryModelUnloadResponse:
         async def unload() -> pb.RepositoryModelUnloadResponse:
             await self._control.unload(request.model_name)
@@ -227,7 +231,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         return await self._answer(context, unload)
 
     # ------------------------------------------------------------------ inference
-    async def ModelInfer(self, request: Any, context: Any) -> pb.ModelInferResponse:
+    async def ModelInfer(self, request: Any, context: CallContext) -> pb.ModelInferResponse:
         started = time.perf_counter()
         label = request.model_name if request.model_name in self._plane.models else UNKNOWN_MODEL
         status = [499]  # cancelled unless answered: the client left, or its deadline passed
@@ -244,7 +248,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             self._metrics.inflight.dec()
             self._metrics.request_done(label, PROTOCOL, status[0], time.perf_counter() - started)
 
-    async def _infer(self, request: Any, context: Any) -> pb.ModelInferResponse:
+    async def _infer(self, request: Any, context: CallContext) -> pb.ModelInferResponse:
         plane = self._plane
         try:
             plane.admit(request.model_name)
@@ -276,7 +280,7 @@ class Unauthenticated(Exception):
 
 
 CODES[:0] = [
-    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED, 401),
-    (ControlRefused, grpc.StatusCode.FAILED_PRECONDITION, 400),
-    (LoadFailed, grpc.StatusCode.FAILED_PRECONDITION, 400),
+    (Unauthenticated, Code.UNAUTHENTICATED, 401),
+    (ControlRefused, Code.FAILED_PRECONDITION, 400),
+    (LoadFailed, Code.FAILED_PRECONDITION, 400),
 ]

@@ -32,10 +32,7 @@ import shutil
 import signal
 import socket
 import time
-from dataclasses import dataclass
 from multiprocessing.connection import wait
-from multiprocessing.context import SpawnProcess
-from multiprocessing.synchronize import Event
 from pathlib import Path
 from types import FrameType
 
@@ -45,14 +42,12 @@ from nograd.settings import Settings
 from nograd.supervisor.handoff import QUIET, Handoff, bind_socket, least_loaded, send_connection
 from nograd.supervisor.plan import AUTO_MEMORY_SHARE, another_fits
 from nograd.supervisor.shared_dir import CORES_FILE, mark_dead, prepare_shared_dir
+from nograd.supervisor.slots import Slot, next_restart
 from nograd.supervisor.stopping import DRAIN_SIGNAL, STOP_SIGNALS, StopSignals, Verdict, describe
 from nograd.supervisor.worker import worker_main
 
 logger = logging.getLogger(__name__)
 
-RESTART_DELAY_MAX_S = 30.0
-STABLE_AFTER_S = 60.0
-"""A worker that served this long before dying is restarted at once."""
 BACKLOG = 2048
 """Connections the kernel queues for the supervisor to accept (uvicorn's default backlog)."""
 _ACCEPTS_PER_ROUND = 256
@@ -60,27 +55,6 @@ _ACCEPTS_PER_ROUND = 256
 ACCEPT_RETRY_S = 1.0
 """Pause after accept itself fails (out of file descriptors): the queued connection stays
 readable, so accepting again at once would spin a core (asyncio waits as long)."""
-
-
-@dataclass
-class _Slot:
-    index: int
-    process: SpawnProcess | None = None
-    ready: Event | None = None
-    channel: socket.socket | None = None
-    """The supervisor's end of the worker's Handoff channel."""
-    closed: ctypes.c_longlong | None = None
-    sent: int = 0
-    """Connections handed to this worker; with ``closed``, the ones it has open."""
-    serving: bool = False
-    """Warm and handed connections."""
-    started_at: float = 0.0
-    failures: int = 0
-    restart_at: float | None = None
-    resident: int | None = None
-    """Resident memory (bytes) when the worker last became ready; None if unreadable."""
-    quiet: bool = False
-    """Draining, it said it holds no request (``QUIET``)."""
 
 
 def supervise(settings: Settings, serve: str, *, fit_to_memory: bool = False) -> int:
@@ -116,7 +90,7 @@ class Supervisor:
         self._port = int(sock.getsockname()[1])
         self._dir = shared_dir
         self._ctx = multiprocessing.get_context("spawn")
-        self._slots = [_Slot(i) for i in range(settings.worker_count)]
+        self._slots = [Slot(i) for i in range(settings.worker_count)]
         self._stop_signal: int | None = None
         self._stops = StopSignals()
         self._listening = False
@@ -204,7 +178,7 @@ class Supervisor:
         start_http_server(self._settings.metrics_port, self._settings.host, registry)
         logger.info("metrics of all workers also served on port %d", self._settings.metrics_port)
 
-    def _start(self, slot: _Slot) -> None:
+    def _start(self, slot: Slot) -> None:
         slot.ready = self._ctx.Event()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         ours.setblocking(False)
@@ -230,7 +204,7 @@ class Supervisor:
         slot.quiet = False
         logger.info("worker %d started (pid %s)", slot.index, slot.process.pid)
 
-    def _wait_ready(self, slot: _Slot) -> bool:
+    def _wait_ready(self, slot: Slot) -> bool:
         assert slot.process is not None and slot.ready is not None
         while not slot.ready.wait(0.2):
             if self._stop_signal is not None:
@@ -245,7 +219,7 @@ class Supervisor:
         self._mark_serving(slot)
         return True
 
-    def _mark_serving(self, slot: _Slot) -> None:
+    def _mark_serving(self, slot: Slot) -> None:
         slot.serving = True
         pid = slot.process.pid if slot.process is not None else None
         slot.resident = None if pid is None else resident_bytes(pid)
@@ -362,18 +336,18 @@ class Supervisor:
             return True
 
     @staticmethod
-    def _open_connections(slot: _Slot) -> int | None:
+    def _open_connections(slot: Slot) -> int | None:
         # A serving slot always has its channel and counter (_close_channel clears all three).
         if not slot.serving or slot.closed is None:
             return None
         return slot.sent - slot.closed.value
 
-    def _close_channel(self, slot: _Slot) -> None:
+    def _close_channel(self, slot: Slot) -> None:
         if slot.channel is not None:
             slot.channel.close()
         slot.channel, slot.closed, slot.serving = None, None, False
 
-    def _bury(self, slot: _Slot, now: float) -> None:
+    def _bury(self, slot: Slot, now: float) -> None:
         assert slot.process is not None
         pid, code = slot.process.pid, slot.process.exitcode
         slot.process.close()
@@ -453,18 +427,6 @@ class Supervisor:
                 slot.process.join()
                 self._bury(slot, time.monotonic())
         logger.info("all workers stopped")
-
-
-def next_restart(lived_s: float, failures: int) -> tuple[int, float]:
-    """(failures so far, delay before the next start) for a worker that died after ``lived_s``.
-
-    A worker that served a while restarts at once; one that keeps dying soon after it starts
-    (a bad model, a broken device) waits 1, 2, 4 … up to 30 s, so it cannot spin a core.
-    """
-    if lived_s >= STABLE_AFTER_S:
-        return 0, 0.0
-    failures += 1
-    return failures, min(RESTART_DELAY_MAX_S, 2.0 ** (failures - 1))
 
 
 def _gigabytes(value: int | None) -> str:

@@ -20,13 +20,8 @@ import pytest
 from nograd.observability.metrics import Metrics
 from nograd.settings import Settings
 from nograd.supervisor.handoff import bind_socket
-from nograd.supervisor.supervisor import (
-    RESTART_DELAY_MAX_S,
-    STABLE_AFTER_S,
-    Supervisor,
-    _Slot,
-    next_restart,
-)
+from nograd.supervisor.slots import RESTART_DELAY_MAX_S, STABLE_AFTER_S, Slot, next_restart
+from nograd.supervisor.supervisor import Supervisor
 
 SERVE = "tests.never:imported"
 """No worker process is started here: the serving function is never imported."""
@@ -84,7 +79,7 @@ class Workers:
         self.clients: list[socket.socket] = []
 
     @property
-    def slots(self) -> list[_Slot]:
+    def slots(self) -> list[Slot]:
         return self.supervisor._slots
 
     def connect(self, count: int) -> None:
@@ -252,13 +247,13 @@ def test_auto_starts_a_second_worker_only_if_another_copy_fits_in_memory(
     )
     starts: list[int] = []
 
-    def start(slot: _Slot) -> None:
+    def start(slot: Slot) -> None:
         starts.append(slot.index)
         slot.process = Started()  # type: ignore[assignment]
 
     supervisor._start = start  # type: ignore[method-assign]
 
-    def ready(slot: _Slot) -> bool:
+    def ready(slot: Slot) -> bool:
         supervisor._mark_serving(slot)  # as a warm worker does: its resident memory is read
         return True
 
