@@ -133,7 +133,9 @@ class GrpcCalls(Handler):
         self._methods = methods
         self._max_message_bytes = max_message_bytes
         self.calls: set[asyncio.Task[None]] = set()
-        """Calls under way, for the drain."""
+        """Unary calls under way, for the drain."""
+        self.streams: set[asyncio.Task[None]] = set()
+        """Server-streaming calls under way (health watches: they end with the connection)."""
 
     def stream_opened(self, connection: Http2Connection, stream: Stream) -> None:
         """Refuse at once what cannot be served, so a client that streams its request (or a
@@ -176,8 +178,9 @@ class GrpcCalls(Handler):
         task = asyncio.get_running_loop().create_task(
             self._run(connection, stream, method, request, context)
         )
-        self.calls.add(task)
-        task.add_done_callback(self.calls.discard)
+        under_way = self.calls if method.unary is not None else self.streams
+        under_way.add(task)
+        task.add_done_callback(under_way.discard)
 
         def cancel() -> None:
             task.cancel()

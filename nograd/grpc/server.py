@@ -1,15 +1,16 @@
-"""The gRPC server of one process: nograd's HTTP/2 transport (``nograd.grpc.h2``) on the process's
+"""The gRPC front of one process: nograd's HTTP/2 transport (``nograd.grpc.h2``) on the process's
 own event loop, so its calls reach the same data plane and batchers as HTTP's.
 
-With several worker processes each binds the port with ``SO_REUSEPORT``, and the kernel spreads
-new connections among them. An HTTP/2 connection is long-lived, so one client channel stays with
-the worker that accepted it; clients that open several channels (or several clients) spread.
+With several worker processes the supervisor accepts gRPC connections as it does HTTP's and hands
+each to the least busy worker. An HTTP/2 connection is long-lived, so one client channel stays
+with the worker it was handed to; clients that open several channels (or several clients) spread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import socket
 from collections.abc import Mapping
@@ -21,16 +22,14 @@ from nograd.grpc.h2 import Http2Connection
 from nograd.grpc.health import Health
 from nograd.grpc.rpc import GrpcCalls, Method
 from nograd.grpc.service import InferenceService
-from nograd.observability.metrics import Metrics
-from nograd.serving.control import ModelControl
-from nograd.serving.dataplane import DataPlane
-from nograd.settings import Settings
+from nograd.serving.core import Core
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME: Final = "inference.GRPCInferenceService"
 MAX_MESSAGE_BYTES_MARGIN: Final = 1024 * 1024
 """Room above the largest request body for the message's own framing."""
 BACKLOG: Final = 2048
+"""Connections the kernel queues for the port (uvicorn's default backlog)."""
 
 
 def inference_methods(service: InferenceService) -> dict[str, Method]:
@@ -56,22 +55,16 @@ def health_methods(health: Health) -> dict[str, Method]:
 
 
 class GrpcServer:
-    """Bound when built (a taken port fails the start-up at once), listening from ``start``."""
+    """The gRPC front: listening on a socket the server bound, or serving connections handed
+    over by a supervisor."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        plane: DataPlane,
-        control: ModelControl,
-        metrics: Metrics,
-        *,
-        shared_port: bool,
-    ) -> None:
+    def __init__(self, core: Core, closed: ctypes.c_longlong | None = None) -> None:
+        """``closed``: a count of closed connections to keep (a worker's, for its supervisor)."""
+        settings = core.settings
         self._settings = settings
-        self._health = Health(plane.ready)
-        service = InferenceService(
-            plane, control, metrics, settings.api_key_list, protect_health=settings.auth_health
-        )
+        self._closed = closed
+        self._health = Health(core.plane.ready)
+        service = InferenceService(core, protect_health=settings.auth_health)
         methods: Mapping[str, Method] = {
             **inference_methods(service),
             **health_methods(self._health),
@@ -79,20 +72,23 @@ class GrpcServer:
         self._calls = GrpcCalls(methods, settings.max_request_bytes + MAX_MESSAGE_BYTES_MARGIN)
         self._connections: set[Http2Connection] = set()
         self._server: asyncio.AbstractServer | None = None
-        self._sock = _bind(settings.host, settings.grpc_port, shared_port)
-        self.port = int(self._sock.getsockname()[1])
 
-    async def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(self._connection, sock=self._sock, backlog=BACKLOG)
+    async def start(self, sock: socket.socket | None) -> None:
+        """Listen on ``sock``; None: take only the connections ``protocol`` is asked for."""
+        if sock is not None:
+            loop = asyncio.get_running_loop()
+            self._server = await loop.create_server(self.protocol, sock=sock, backlog=BACKLOG)
+            logger.info("gRPC listening on port %d", sock.getsockname()[1])
         self._health.start()
-        logger.info("gRPC listening on port %d", self.port)
 
-    def _connection(self) -> Http2Connection:
+    def protocol(self) -> Http2Connection:
+        """A connection's protocol, for one accepted here or handed over."""
         connection: Http2Connection
 
         def closed() -> None:
             self._connections.discard(connection)
+            if self._closed is not None:
+                self._closed.value += 1
 
         connection = Http2Connection(self._calls, self._settings.max_requests_in_flight, closed)
         self._connections.add(connection)
@@ -105,40 +101,19 @@ class GrpcServer:
 
     async def stop(self, grace_s: float) -> None:
         """Take no new connection or call (GOAWAY), give the calls under way ``grace_s`` to
-        finish (the drain has already waited for every accepted inference, whichever transport
-        it came by), then close every connection."""
+        finish (the drain has already waited for every accepted call), then close every
+        connection."""
         await self._health.stop()
         if self._server is not None:
             self._server.close()
         for connection in list(self._connections):
             connection.go_away()
         calls = list(self._calls.calls)
-        if calls:
+        if calls and grace_s > 0:
             await asyncio.wait(calls, timeout=grace_s)
         for connection in list(self._connections):
             if connection.transport is not None:
                 connection.transport.close()
         if self._server is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._server.wait_closed(), timeout=1.0)
-        self._sock.close()
-
-
-def _bind(host: str, port: int, shared: bool) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if shared:
-        # Workers share the port; a single process must own it, so a second server started on
-        # the same port fails instead of silently taking half its calls.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise OSError(
-            f"cannot listen for gRPC on {host}:{port}: the port is taken or the address is not "
-            "this host's (NOGRAD_GRPC_PORT; 0 turns gRPC off)"
-        ) from exc
-    sock.setblocking(False)
-    return sock

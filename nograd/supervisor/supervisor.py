@@ -32,6 +32,7 @@ import shutil
 import signal
 import socket
 import time
+from collections.abc import Mapping
 from multiprocessing.connection import wait
 from pathlib import Path
 from types import FrameType
@@ -39,9 +40,16 @@ from types import FrameType
 from nograd.host.ledger import CoreShare, clear_slot, create_ledger
 from nograd.host.readings import HostMemory, resident_bytes
 from nograd.settings import Settings
-from nograd.supervisor.handoff import QUIET, Handoff, bind_socket, least_loaded, send_connection
+from nograd.supervisor.handoff import (
+    QUIET,
+    Handoff,
+    bind_ports,
+    describe_ports,
+    least_loaded,
+    send_connection,
+)
 from nograd.supervisor.plan import AUTO_MEMORY_SHARE, another_fits
-from nograd.supervisor.shared_dir import CORES_FILE, mark_dead, prepare_shared_dir
+from nograd.supervisor.shared_dir import CORES_FILE, mark_dead, prepare_shared_dir, serve_metrics
 from nograd.supervisor.slots import Slot, next_restart
 from nograd.supervisor.stopping import DRAIN_SIGNAL, STOP_SIGNALS, StopSignals, Verdict, describe
 from nograd.supervisor.worker import worker_main
@@ -62,10 +70,14 @@ def supervise(settings: Settings, serve: str, *, fit_to_memory: bool = False) ->
     (``"module:function"``, a ``ServeWorker``), until SIGTERM/SIGINT;
     the process exit code. ``fit_to_memory``: start a worker after the first only if another
     copy fits in memory."""
+    try:
+        sockets = bind_ports(settings)
+    except OSError as exc:
+        logger.error("start-up failed: %s", exc)
+        return 1
     directory, owned = prepare_shared_dir()
     try:
-        sock = bind_socket(settings.host, settings.port)
-        return Supervisor(settings, serve, sock, directory, fit_to_memory=fit_to_memory).run()
+        return Supervisor(settings, serve, sockets, directory, fit_to_memory=fit_to_memory).run()
     finally:
         if owned:
             shutil.rmtree(directory, ignore_errors=True)
@@ -76,7 +88,7 @@ class Supervisor:
         self,
         settings: Settings,
         serve: str,
-        sock: socket.socket,
+        sockets: Mapping[bytes, socket.socket],
         shared_dir: Path,
         *,
         fit_to_memory: bool = False,
@@ -86,8 +98,8 @@ class Supervisor:
         self._serve_worker = serve
         self._fit_to_memory = fit_to_memory
         self._host = host or HostMemory()
-        self._sock = sock
-        self._port = int(sock.getsockname()[1])
+        self._sockets = dict(sockets)
+        """The bound ports by the front their connections are for."""
         self._dir = shared_dir
         self._ctx = multiprocessing.get_context("spawn")
         self._slots = [Slot(i) for i in range(settings.worker_count)]
@@ -108,20 +120,24 @@ class Supervisor:
     def run(self) -> int:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
         try:
-            self._serve_metrics()
+            port = self._settings.metrics_port
+            if port is not None:
+                serve_metrics(self._dir, self._settings.host, port)
+                logger.info("metrics of all workers also served on port %d", port)
             if self._cores is not None:
                 create_ledger(self._cores, len(self._slots))
             if not self._start_all():
                 return 0 if self._stop_signal is not None else 1
             # Listening only once every worker is warm: a client's connections opened while
             # some workers were still loading would stay on the others while kept alive.
-            self._sock.setblocking(False)
-            self._sock.listen(BACKLOG)
+            for sock in self._sockets.values():
+                sock.setblocking(False)
+                sock.listen(BACKLOG)
             self._listening = True
             logger.info(
-                "listening on %s:%d with %d worker processes",
+                "listening on %s (%s) with %d worker processes",
                 self._settings.host,
-                self._port,
+                describe_ports(self._sockets),
                 len(self._slots),
             )
             while self._stop_signal is None:
@@ -131,7 +147,8 @@ class Supervisor:
             self._stop_all()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-            self._sock.close()
+            for sock in self._sockets.values():
+                sock.close()
             for slot in self._slots:
                 self._close_channel(slot)
 
@@ -166,17 +183,6 @@ class Supervisor:
             if process is not None and process.pid is not None and process.is_alive():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(process.pid, sig)
-
-    def _serve_metrics(self) -> None:
-        if self._settings.metrics_port is None:
-            return
-        from prometheus_client import CollectorRegistry, start_http_server
-        from prometheus_client.multiprocess import MultiProcessCollector
-
-        registry = CollectorRegistry()
-        MultiProcessCollector(registry, path=str(self._dir))  # type: ignore[no-untyped-call]
-        start_http_server(self._settings.metrics_port, self._settings.host, registry)
-        logger.info("metrics of all workers also served on port %d", self._settings.metrics_port)
 
     def _start(self, slot: Slot) -> None:
         slot.ready = self._ctx.Event()
@@ -259,7 +265,9 @@ class Supervisor:
         if due:
             timeout_s = max(0.0, min(timeout_s, min(due) - time.monotonic()))
         # Only a listening socket: one that is merely bound polls as hung up, always ready.
-        waited: list[object] = [*live, self._sock] if accepting else list(live)
+        waited: list[object] = list(live)
+        if accepting:
+            waited += self._sockets.values()
         if self._closing:
             waited += [s.channel for s in self._slots if s.channel is not None]
         wait(waited, timeout_s)  # type: ignore[arg-type]
@@ -283,12 +291,16 @@ class Supervisor:
                 self._bury(slot, now)
 
     def _hand_over(self) -> None:
-        """Accept waiting connections and hand each to the least busy serving worker."""
-        if not self._accepting():
-            return
+        """Accept waiting connections on each port and hand each to the least busy serving
+        worker, with the front it is for."""
+        for front, sock in self._sockets.items():
+            if self._accepting():
+                self._hand_over_from(sock, front)
+
+    def _hand_over_from(self, sock: socket.socket, front: bytes) -> None:
         for _ in range(_ACCEPTS_PER_ROUND):
             try:
-                conn, _ = self._sock.accept()
+                conn, _ = sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except ConnectionAbortedError:  # reset by its client while queued
@@ -302,7 +314,7 @@ class Supervisor:
                 self._accept_resume_at = time.monotonic() + ACCEPT_RETRY_S
                 return
             with conn:
-                if not self._send(conn):
+                if not self._send(conn, front):
                     self._dropped += 1
                     logger.warning(
                         "no worker could take a connection; closed it (%d so far)", self._dropped
@@ -311,7 +323,7 @@ class Supervisor:
     def _accepting(self) -> bool:
         return self._listening and time.monotonic() >= self._accept_resume_at
 
-    def _send(self, conn: socket.socket) -> bool:
+    def _send(self, conn: socket.socket, front: bytes) -> bool:
         tried: set[int] = set()
         while True:
             loads = [
@@ -323,7 +335,7 @@ class Supervisor:
             slot = self._slots[index]
             assert slot.channel is not None
             try:
-                send_connection(slot.channel, conn)
+                send_connection(slot.channel, conn, front)
             except BlockingIOError:
                 tried.add(index)  # its inbox is full: the worker is stuck; try another
                 continue
@@ -397,7 +409,8 @@ class Supervisor:
         if self._listening:
             self._hand_over()
             self._listening = False
-            self._sock.close()
+            for sock in self._sockets.values():
+                sock.close()
             logger.info("stopped accepting connections")
         for slot in self._slots:
             # Its inbox still reads what was sent before the end; nothing more can reach it.

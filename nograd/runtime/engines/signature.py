@@ -7,24 +7,12 @@ from typing import Any, Final
 
 import torch
 
+from nograd.core.datatypes import TABLE
 from nograd.runtime.config import ModelConfig, TensorSpec
 from nograd.runtime.engines.artifacts import ArtifactError
 from nograd.runtime.handler import TORCH_DTYPES
 
-ONNX_DATATYPES: Final = {
-    "tensor(bool)": "BOOL",
-    "tensor(uint8)": "UINT8",
-    "tensor(uint16)": "UINT16",
-    "tensor(uint32)": "UINT32",
-    "tensor(uint64)": "UINT64",
-    "tensor(int8)": "INT8",
-    "tensor(int16)": "INT16",
-    "tensor(int32)": "INT32",
-    "tensor(int64)": "INT64",
-    "tensor(float16)": "FP16",
-    "tensor(float)": "FP32",
-    "tensor(double)": "FP64",
-}
+ONNX_DATATYPES: Final = {row.onnx: row.name for row in TABLE if row.onnx is not None}
 _DATATYPE_OF_TORCH: Final = {dtype: name for name, dtype in TORCH_DTYPES.items()}
 
 

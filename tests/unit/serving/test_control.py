@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from nograd.observability.metrics import Metrics
-from nograd.serving.control import ControlRefused, LoadFailed, ModelControl, load_parameters
+from nograd.serving.control import ModelControl, load_parameters
 from nograd.serving.dataplane import DataPlane
-from nograd.serving.errors import InvalidInput, ModelNotFound
+from nograd.serving.errors import ControlRefused, InvalidInput, LoadFailed, ModelNotFound
 from nograd.serving.registry import State
 from nograd.serving.triton_config import repository_index
 from nograd.settings import Settings

@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from nograd.http import openai, v2
 from nograd.http.direct import DirectRoutes
 from nograd.observability.metrics import Metrics
+from nograd.serving.calls import Calls
 from nograd.serving.dataplane import DataPlane
 from nograd.settings import Settings
 
@@ -40,9 +41,10 @@ async def post(plane: DataPlane, path: str, body: object) -> httpx.Response:
     app = FastAPI()
     app.state.dataplane = plane
     app.state.metrics = plane.metrics
+    app.state.calls = Calls(plane, plane.metrics, ())
     app.include_router(v2.router)
     app.include_router(openai.router)
-    transport = httpx.ASGITransport(app=DirectRoutes(app, plane, plane.metrics))
+    transport = httpx.ASGITransport(app=DirectRoutes(app, app.state.calls))
     async with httpx.AsyncClient(transport=transport, base_url="http://nograd") as client:
         return await client.post(path, json=body)
 

@@ -19,7 +19,7 @@ import pytest
 
 from nograd.observability.metrics import Metrics
 from nograd.settings import Settings
-from nograd.supervisor.handoff import bind_socket
+from nograd.supervisor.handoff import HTTP, bind_socket
 from nograd.supervisor.slots import RESTART_DELAY_MAX_S, STABLE_AFTER_S, Slot, next_restart
 from nograd.supervisor.supervisor import Supervisor
 
@@ -44,7 +44,9 @@ def test_cores_are_shared_unless_turned_off_or_fixed_by_a_thread_count() -> None
     def ledger(**settings: object) -> Path | None:
         sock = bind_socket("127.0.0.1", 0)
         try:
-            supervisor = Supervisor(Settings(workers=2, **settings), SERVE, sock, Path("/tmp/m"))  # type: ignore[arg-type]
+            supervisor = Supervisor(
+                Settings(workers=2, **settings), SERVE, {HTTP: sock}, Path("/tmp/m")
+            )  # type: ignore[arg-type]
             return supervisor._cores
         finally:
             sock.close()
@@ -61,7 +63,7 @@ class Workers:
         self.sock = bind_socket("127.0.0.1", 0)
         self.port = self.sock.getsockname()[1]
         self.supervisor = Supervisor(
-            Settings(workers=count), SERVE, self.sock, Path("/nonexistent")
+            Settings(workers=count), SERVE, {HTTP: self.sock}, Path("/nonexistent")
         )
         self.inboxes: list[socket.socket] = []
         self.closed: list[ctypes.c_longlong] = []
@@ -184,7 +186,7 @@ def test_a_failing_accept_pauses_accepting_instead_of_spinning(
     workers: Workers, caplog: pytest.LogCaptureFixture
 ) -> None:
     failing = OutOfDescriptors(workers.sock)
-    workers.supervisor._sock = failing  # type: ignore[assignment]
+    workers.supervisor._sockets[HTTP] = failing  # type: ignore[assignment]
     with caplog.at_level(logging.WARNING, "nograd.supervisor.supervisor"):
         workers.supervisor._hand_over()
         workers.supervisor._hand_over()  # within the pause: accept is not tried again
@@ -240,7 +242,7 @@ def test_auto_starts_a_second_worker_only_if_another_copy_fits_in_memory(
     supervisor = Supervisor(
         Settings(workers=2),
         SERVE,
-        sock,
+        {HTTP: sock},
         Path("/nonexistent"),
         fit_to_memory=True,
         host=FixedMemory(int(available_gb * 1e9)),  # type: ignore[arg-type]
