@@ -48,7 +48,7 @@ from nograd.supervisor.handoff import (
     least_loaded,
     send_connection,
 )
-from nograd.supervisor.plan import AUTO_MEMORY_SHARE, another_fits
+from nograd.supervisor.plan import another_fits, gigabytes
 from nograd.supervisor.shared_dir import CORES_FILE, mark_dead, prepare_shared_dir, serve_metrics
 from nograd.supervisor.slots import Slot, next_restart
 from nograd.supervisor.stopping import DRAIN_SIGNAL, STOP_SIGNALS, StopSignals, Verdict, describe
@@ -100,6 +100,10 @@ class Supervisor:
         self._host = host or HostMemory()
         self._sockets = dict(sockets)
         """The bound ports by the front their connections are for."""
+        self._wakeup = socket.socketpair()
+        """Written to by the signal machinery when a signal arrives (``signal.set_wakeup_fd``)."""
+        for end in self._wakeup:
+            end.setblocking(False)
         self._dir = shared_dir
         self._ctx = multiprocessing.get_context("spawn")
         self._slots = [Slot(i) for i in range(settings.worker_count)]
@@ -119,6 +123,8 @@ class Supervisor:
 
     def run(self) -> int:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+        # A stop signal wakes the wait at once (it would otherwise end only at its timeout).
+        previous_wakeup = signal.set_wakeup_fd(self._wakeup[1].fileno(), warn_on_full_buffer=False)
         try:
             port = self._settings.metrics_port
             if port is not None:
@@ -147,6 +153,9 @@ class Supervisor:
             self._stop_all()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            signal.set_wakeup_fd(previous_wakeup)
+            for sock in self._wakeup:
+                sock.close()
             for sock in self._sockets.values():
                 sock.close()
             for slot in self._slots:
@@ -233,27 +242,14 @@ class Supervisor:
             "worker %d ready after %.1fs, %s resident",
             slot.index,
             time.monotonic() - slot.started_at,
-            _gigabytes(slot.resident),
+            gigabytes(slot.resident),
         )
 
     def _another_fits(self, started: int) -> bool:
         """Whether one more copy of the first worker, as measured warm, fits in the memory left.
         Without it a second worker on a tight memory limit would be OOM-killed during start-up,
         which stops the whole server; one worker serves instead."""
-        footprint = self._slots[0].resident
-        available = self._host.available_bytes()
-        if another_fits(footprint, available):
-            return True
-        logger.warning(
-            "workers: auto, serving with %d: another worker would hold %s more (the first one's "
-            "resident memory) and %s is available, of which %.0f%% may go to it; set "
-            "NOGRAD_WORKERS to choose",
-            started,
-            _gigabytes(footprint),
-            _gigabytes(available),
-            AUTO_MEMORY_SHARE * 100,
-        )
-        return False
+        return another_fits(self._slots[0].resident, self._host.available_bytes(), started)
 
     def _watch(self, timeout_s: float) -> None:
         """Wait for a connection, a worker's exit or a due restart, then handle each."""
@@ -265,12 +261,15 @@ class Supervisor:
         if due:
             timeout_s = max(0.0, min(timeout_s, min(due) - time.monotonic()))
         # Only a listening socket: one that is merely bound polls as hung up, always ready.
-        waited: list[object] = list(live)
+        waited: list[object] = [*live, self._wakeup[0]]
         if accepting:
             waited += self._sockets.values()
         if self._closing:
             waited += [s.channel for s in self._slots if s.channel is not None]
         wait(waited, timeout_s)  # type: ignore[arg-type]
+        with contextlib.suppress(BlockingIOError):
+            while self._wakeup[0].recv(64):
+                pass
         self._bury_dead()
         self._hand_over()
         if self._closing:
@@ -440,7 +439,3 @@ class Supervisor:
                 slot.process.join()
                 self._bury(slot, time.monotonic())
         logger.info("all workers stopped")
-
-
-def _gigabytes(value: int | None) -> str:
-    return "?" if value is None else f"{value / 1e9:.2f} GB"
