@@ -36,11 +36,9 @@ class GrpcServer:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GrpcServer]:
-    root = tmp_path_factory.mktemp("grpc")
-    port = free_port()
-    with run_server(root, {"NOGRAD_GRPC_PORT": str(port)}) as server:
-        yield GrpcServer(server, port)
+def served(server: Server) -> GrpcServer:
+    assert server.grpc_address is not None
+    return GrpcServer(server, int(server.grpc_address.rsplit(":", 1)[1]))
 
 
 @pytest.fixture(scope="module")
