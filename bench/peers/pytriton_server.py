@@ -12,7 +12,8 @@ output names, so the V2 bodies of ``bench/workloads.py`` are posted unchanged to
   FP32) and ``label`` ([1] INT64).
 
 Triton's ``max_batch_size`` and ``max_queue_delay_microseconds`` are options, so the bench can
-try several. Every endpoint binds 127.0.0.1; gRPC and metrics take free ports of their own.
+try several. Every endpoint binds 127.0.0.1; gRPC takes ``--grpc-port`` (the bench drives it with
+perf_analyzer) or a free port, metrics a free port.
 """
 
 from __future__ import annotations
@@ -109,6 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=("digits", "minilm"), required=True)
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--grpc-port", type=int, default=0, help="0: a free port")
     parser.add_argument("--model-dir", type=Path, help="minilm: the HF-style model folder")
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--max-queue-delay-us", type=int, default=2000)
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
         http_address="127.0.0.1",
         http_port=args.port,
         grpc_address="127.0.0.1",
-        grpc_port=_free_port(),
+        grpc_port=args.grpc_port or _free_port(),
         metrics_address="127.0.0.1",
         metrics_port=_free_port(),
         log_verbose=0,
