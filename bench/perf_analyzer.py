@@ -36,6 +36,9 @@ WINDOWS: Final = 3
 """perf_analyzer judges stability over its last three windows and never reports fewer."""
 WINDOW_STRETCH: Final = 1.2
 """perf_analyzer waits 1.2 times ``--measurement-interval`` per window (its profiler's sleep)."""
+MIN_WINDOW_MS: Final = 1000
+"""A window shorter than one batch's latency (minilm on one process at concurrency 32) can hold no
+answer at all, and perf_analyzer then gives up; short runs (warm-ups) last longer instead."""
 NEVER_UNSTABLE: Final = "100000"
 """A stability percentage (max / min of three windows) no run reaches: three windows, then stop."""
 PROTOCOLS: Final = ("http", "grpc")
@@ -105,7 +108,7 @@ def command(
     ``duration_s``; ``--percentile 99`` makes p99 the latency perf_analyzer prints and judges."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"unknown protocol {protocol!r}: http or grpc")
-    window_ms = max(1, round(duration_s * 1000 / (WINDOWS * WINDOW_STRETCH)))
+    window_ms = max(MIN_WINDOW_MS, round(duration_s * 1000 / (WINDOWS * WINDOW_STRETCH)))
     return [
         tool_path,
         *("-m", model, "-x", "1", "-u", address, "-i", protocol),
@@ -216,10 +219,8 @@ def perf_analyzer_load(
     try:
         done, cpu_s = run_timed(args, cpus=cpus, timeout_s=4 * duration_s + 60)
         if done.returncode != 0 or not report.exists():
-            raise RuntimeError(
-                f"perf_analyzer exited with {done.returncode}:\n"
-                f"{done.stdout[-1500:]}{done.stderr[-1500:]}"
-            )
+            said = (done.stdout + done.stderr).strip()
+            raise RuntimeError(f"perf_analyzer exited with {done.returncode}: {said[-400:]}")
         measured = parse(report.read_text(), done.stdout)
     finally:
         report.unlink(missing_ok=True)

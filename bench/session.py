@@ -134,7 +134,12 @@ class Bench:
         url, bodies = self.target(server, name)
         # The concurrency-1 target's yardstick, measured beside the load (before and after it):
         # the forward's speed moves with the machine's between a run's phases.
-        paired = system.startswith("nograd") and name == "minilm-1" and concurrency == 1
+        paired = (
+            system.startswith("nograd")
+            and name == "minilm-1"
+            and concurrency == 1
+            and perf_analyzer is None
+        )
         raw_before = self.raw_batch1() if paired else None
         cpu = CpuWatch(server.pid)
         before = scrape(server.url) if nograd_metrics else {}

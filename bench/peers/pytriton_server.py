@@ -13,7 +13,9 @@ output names, so the V2 bodies of ``bench/workloads.py`` are posted unchanged to
 
 Triton's ``max_batch_size`` and ``max_queue_delay_microseconds`` are options, so the bench can
 try several. Every endpoint binds 127.0.0.1; gRPC takes ``--grpc-port`` (the bench drives it with
-perf_analyzer) or a free port, metrics a free port.
+perf_analyzer) or a free port, metrics a free port. PyTriton puts Triton's statistics behind a
+token by default; they are left open here, as a plain ``tritonserver`` serves them, because
+perf_analyzer reads them around every measurement (its other restrictions stay).
 """
 
 from __future__ import annotations
@@ -119,7 +121,12 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--model-dir is required for minilm")
     _libpython_on_library_path()
     from pytriton.model_config import DynamicBatcher, ModelConfig
-    from pytriton.triton import Triton, TritonConfig  # type: ignore[import-not-found]
+    from pytriton.triton import (  # type: ignore[import-not-found]
+        DEFAULT_PROTECTED_ENDPOINTS,
+        Triton,
+        TritonConfig,
+        TritonSecurityConfig,
+    )
 
     infer = _minilm_callable(args.model_dir) if args.model == "minilm" else _digits_callable()
     inputs, outputs = _tensors(args.model)
@@ -142,7 +149,11 @@ def main(argv: list[str] | None = None) -> None:
     folder = Path(tempfile.mkdtemp(prefix="nograd-pytriton-"))
     try:
         # PyTriton creates the workspace folder itself and refuses one that exists.
-        with Triton(config=config, workspace=folder / "workspace") as triton:
+        restricted = [name for name in DEFAULT_PROTECTED_ENDPOINTS if name != "statistics"]
+        security = TritonSecurityConfig(restricted_endpoints=restricted)
+        with Triton(
+            config=config, workspace=folder / "workspace", security_config=security
+        ) as triton:
             triton.bind(
                 model_name=args.model,
                 infer_func=infer,
