@@ -190,7 +190,7 @@ def grpc_section(results: dict[str, Any], tag: str) -> list[str]:
     rounds = max(r["round"] for r in data["runs"])
     parts = [
         f"## gRPC against HTTP, and against Triton's gRPC, by perf_analyzer ({tag}, {rounds} "
-        "rounds)",
+        f"round{'s' if rounds != 1 else ''})",
         "",
         "Triton's perf_analyzer drives every run, over HTTP and over gRPC alike: a closed loop "
         "of synchronous calls at a fixed concurrency, three measurement windows of the same "
