@@ -51,7 +51,7 @@ format: install-dev
 # (Triton through PyTriton, TorchServe, infinity), in one run (bench/run.py and bench/phases/;
 # tables in bench/results/<timestamp>.md, quoted by BENCHMARKS.md). The peers' pinned venvs are
 # built by the run itself under bench/.peers/ (bench/peers/envs.py), once.
-# Takes ~75 minutes on 2 cores; `make bench BENCH_ARGS=--quick` is a shorter smoke run.
+# Takes ~90 minutes on 2 cores; `make bench BENCH_ARGS=--quick` is a shorter smoke run.
 # wrk and Java (TorchServe) are Debian packages: installed here when missing (as root, or sudo).
 BENCH_ARGS ?=
 

@@ -1,5 +1,5 @@
-"""The load driver: wrk for closed loops, ``bench.openloop`` for open loops, ``bench.grpcload``
-for closed loops over gRPC; one result type."""
+"""The load driver: wrk for closed loops, ``bench.openloop`` for open loops (``bench.perf_analyzer``
+for perf_analyzer's runs); one result type."""
 
 from __future__ import annotations
 
@@ -101,6 +101,30 @@ def _ms(raw: dict[str, Any], key: str) -> float:
     return float("nan") if value is None else float(value) / 1e3
 
 
+def run_timed(
+    command: list[str],
+    *,
+    cpus: str | None,
+    timeout_s: float,
+    env: dict[str, str] | None = None,
+) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Run a load generator to its end: what it printed, and the CPU seconds it used."""
+    cpu_before = os.times()
+    out = subprocess.run(
+        pinned(command, cpus),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+    cpu_after = os.times()
+    child_cpu = (cpu_after.children_user - cpu_before.children_user) + (
+        cpu_after.children_system - cpu_before.children_system
+    )
+    return out, child_cpu
+
+
 def run_generator(
     command: list[str],
     tag: str,
@@ -108,31 +132,17 @@ def run_generator(
     cpus: str | None,
     timeout_s: float,
     env: dict[str, str] | None = None,
-    cwd: Path | None = None,
 ) -> tuple[dict[str, Any], float]:
     """Run a load generator to its end: the JSON result it printed on the line starting with
     ``tag``, and its whole CPU (start-up included, so the run's foreign-CPU check does not count
     it) as cores over the measured time."""
-    cpu_before = os.times()
-    out = subprocess.run(
-        pinned(command, cpus),
-        env=env,
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        check=False,
-    )
-    cpu_after = os.times()
+    out, child_cpu = run_timed(command, cpus=cpus, timeout_s=timeout_s, env=env)
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith(f"{tag} ")), None)
     if line is None:
         raise RuntimeError(
             f"{command[0]} printed no result (rc {out.returncode}):\n{out.stdout}{out.stderr}"
         )
     raw: dict[str, Any] = orjson.loads(line.removeprefix(f"{tag} "))
-    child_cpu = (cpu_after.children_user - cpu_before.children_user) + (
-        cpu_after.children_system - cpu_before.children_system
-    )
     return raw, child_cpu / max(raw["duration_us"] / 1e6, 1e-9)
 
 
@@ -237,52 +247,3 @@ def run_open(
         rate=rate,
         generator="bench.openloop (python, aiohttp)",
     )
-
-
-def run_grpc_closed(
-    address: str,
-    *,
-    system: str,
-    workload: str,
-    samples_per_request: int,
-    connections: int,
-    duration_s: float,
-    cpus: str | None,
-    timeout_s: float = 10.0,
-) -> LoadResult:
-    """``bench.grpcload``: ``connections`` callers, one channel each, for ``duration_s`` (a
-    closed loop, like ``run_closed``, over gRPC)."""
-    command = [
-        PYTHON,
-        "-m",
-        "bench.grpcload",
-        "--address",
-        address,
-        "--workload",
-        workload,
-        "--concurrency",
-        str(connections),
-        "--duration",
-        f"{duration_s:g}",
-        "--timeout",
-        f"{timeout_s:g}",
-    ]
-    raw, whole = run_generator(
-        command, "GRPC_JSON", cpus=cpus, timeout_s=duration_s + timeout_s + 60, cwd=ROOT
-    )
-    # As for wrk: the generator's whole CPU over the measured time. Its CPU while measuring, the
-    # load it put on the machine meanwhile, is kept apart.
-    measuring = raw.pop("generator_cpu_share")
-    raw["generator_cpu_share"] = whole
-    result = _from_raw(
-        raw,
-        system=system,
-        workload=workload,
-        mode="closed",
-        samples_per_request=samples_per_request,
-        concurrency=connections,
-        rate=None,
-        generator="bench.grpcload (python, grpc.aio)",
-    )
-    result.extra["generator_cpu_cores_measuring"] = measuring
-    return result

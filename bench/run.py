@@ -11,11 +11,10 @@ process is stopped in a ``finally``):
 4. nograd with batching off (a temporary model repository whose configs cap batches at 1), with
    one torch thread fewer, and as two worker processes (``NOGRAD_WORKERS=2``; every nograd
    server sets the count, the default ``auto`` picking per machine);
-5. paired rounds: nograd (one process and two workers; on digits over HTTP and over gRPC),
-   LitServe's best configuration, the HTTP ceiling (and, as context, the same app in two
-   processes) and (for minilm) the raw forward, all started once and measured in turn (the
-   others paused), round after round, order reversed each round, so each round's ratios compare
-   systems at the same machine speed;
+5. paired rounds: nograd (one process and two workers), LitServe's best configuration, the HTTP
+   ceiling (and, as context, the same app in two processes) and (for minilm) the raw forward,
+   all started once and measured in turn (the others paused), round after round, order
+   reversed each round, so each round's ratios compare systems at the same machine speed;
 6. engines: nograd as shipped (``engine = "auto"``) against ``NOGRAD_ENGINE=eager``, paired,
    and each engine's raw forward (``bench.engine_speed``);
 7. peers: real Triton (PyTriton), TorchServe and infinity (torch and ONNX engines), each in its
@@ -23,7 +22,9 @@ process is stopped in a ``finally``):
    against nograd's before any number counts, a few batching configurations each, then the best
    of each paired with nograd (its default worker count) and the HTTP ceiling, at concurrency 32
    and 1; a peer that cannot be set up or started is reported with the reason;
-8. speed levers (``bench.levers``), issue 3's memory benchmark (``bench.memory_bench``) and
+8. gRPC: Triton's perf_analyzer drives nograd (one process and two workers) over HTTP and over
+   gRPC, and Triton (PyTriton) over gRPC, in paired rounds at concurrency 32 and 1;
+9. speed levers (``bench.levers``), issue 3's memory benchmark (``bench.memory_bench``) and
    torch.profiler on nograd's batch path (``bench.profile_nograd``).
 
 Results: ``bench/results/<timestamp>.json``, ``.png`` (latency vs throughput) and ``.md`` (the
@@ -48,7 +49,7 @@ import orjson
 from bench import loadgen, workloads
 from bench.common import RESULTS, machine
 from bench.peers.servers import MODELS_OF_SYSTEM, SWEEPS
-from bench.phases import engines, litserve, paired, peers, profiling, single
+from bench.phases import engines, litserve, over_grpc, paired, peers, profiling, single
 from bench.plan import PAIRED_ROUNDS, Plan
 from bench.session import MODEL_OF, Bench, wait_quiet
 
@@ -70,6 +71,7 @@ ALL_PHASES = (
     "paired",
     "engines",
     "peers",
+    "grpc",
     "levers",
     "memory",
     "torch_profile",
@@ -89,8 +91,8 @@ def count_steps(plan: Plan) -> int:
     steps += len(plan.litserve_grid) if "minilm" in {MODEL_OF[w] for w in plan.workloads} else 0
     steps += 3 * (2 + n_wl)  # batching off, fewer torch threads, two workers
     steps += int("minilm-1" in plan.workloads)  # two workers at concurrency 1
-    # nograd, two workers, LitServe (+ 2 ceilings, and both nograds over gRPC, on digits)
-    systems = 3 * n_wl + 4 * int(has_digits)
+    # nograd, two workers, LitServe (+ 2 ceilings on digits)
+    systems = 3 * n_wl + 2 * int(has_digits)
     minilm_workloads = sum(1 for w in plan.workloads if MODEL_OF[w] == "minilm")
     systems += minilm_workloads  # the raw forward beside each minilm workload
     steps += 3 + models + 2 * int(has_digits) + plan.paired_rounds * systems  # paired rounds
@@ -110,6 +112,10 @@ def count_steps(plan: Plan) -> int:
         for w in plan.workloads
     )
     steps += plan.paired_rounds * 2 * per_round
+    # gRPC: two nograds and PyTriton's venv, PyTriton per workload, then per round and
+    # concurrency both nograds over both protocols and PyTriton over gRPC
+    one_sample = sum(1 for w in plan.workloads if workloads.make(w, 1).samples_per_request == 1)
+    steps += 3 + one_sample + plan.paired_rounds * 2 * 5 * one_sample
     steps += int(plan.levers) + int(plan.compile) + int(plan.memory) + int(plan.profile)
     return steps
 
@@ -126,7 +132,8 @@ def progress_bar(total: int) -> Iterator[Any]:
         bar.close()
 
 
-def main(argv: list[str] | None = None) -> int:
+def command_line() -> argparse.ArgumentParser:
+    """The command line; tests build plans from it as a run does."""
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)
     parser.add_argument(
         "--quick", action="store_true", help="~5 minute smoke run: shorter runs, fewer configs"
@@ -159,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         "--paired-rounds",
         type=int,
         default=None,
-        help=f"interleaved rounds of the paired phase (default {PAIRED_ROUNDS}; 2 with --quick)",
+        help=f"rounds of the paired, engines, peers and grpc phases (default {PAIRED_ROUNDS}; "
+        "2 with --quick)",
     )
     parser.add_argument("--skip-levers", action="store_true")
     parser.add_argument("--skip-compile", action="store_true")
@@ -170,7 +178,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="comma-separated subset of: " + ",".join(ALL_PHASES),
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = command_line().parse_args(argv)
     if args.phases is None:
         # --quick is a smoke run: every kind of measurement once, without the thread variant.
         args.phases = ",".join(p for p in ALL_PHASES if not (args.quick and p == "threads"))
@@ -203,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         "paired": paired.phase_paired,
         "engines": engines.phase_engines,
         "peers": peers.phase_peers,
+        "grpc": over_grpc.phase_grpc,
         "levers": profiling.phase_levers,
         "memory": profiling.phase_memory,
         "torch_profile": profiling.phase_torch_profile,

@@ -20,18 +20,13 @@ from bench.common import PYTHON, RESULTS, ROOT, Server, metric
 from bench.common import scrape_metrics as scrape
 from bench.loadgen import LoadResult
 from bench.peers.protocol import route, write_peer_bodies
+from bench.perf_analyzer import perf_analyzer_load
 from bench.plan import PAIRED_RAW_BATCHES, Plan
 
 QUIET_CORES = 0.3
 """Other processes' CPU (in cores) above which a run counts as disturbed."""
 MODEL_OF = {"digits": "digits", "minilm-1": "minilm", "minilm-8": "minilm"}
 WORKERS_2 = {"NOGRAD_WORKERS": "2"}
-GRPC_SUFFIX = "-grpc"
-"""A system named ``<nograd system>-grpc`` is that same server driven over gRPC."""
-
-
-def protocol_of(system: str) -> str:
-    return "grpc" if system.endswith(GRPC_SUFFIX) else "http"
 
 
 @dataclass
@@ -129,31 +124,35 @@ class Bench:
         rate: float | None = None,
         duration_s: float,
         nograd_metrics: bool = False,
-        protocol: str = "http",
+        perf_analyzer: str | None = None,
     ) -> LoadResult:
-        """One measured run against ``server``: closed loop (wrk, or ``bench.grpcload`` over
-        gRPC) or open loop (rate, HTTP only)."""
-        if protocol not in ("http", "grpc"):
-            raise ValueError(f"unknown protocol {protocol!r}: http or grpc")
-        if protocol == "grpc" and rate is not None:
-            raise ValueError("the gRPC load is a closed loop only: no fixed rate")
+        """One measured run against ``server``: closed loop (wrk, or perf_analyzer over the
+        protocol ``perf_analyzer`` names) or open loop (rate, wrk's HTTP bodies)."""
+        if perf_analyzer is not None and rate is not None:
+            raise ValueError("perf_analyzer runs a closed loop here: no fixed rate")
         wl = self.workload(name)
         url, bodies = self.target(server, name)
         # The concurrency-1 target's yardstick, measured beside the load (before and after it):
         # the forward's speed moves with the machine's between a run's phases.
-        paired = system.startswith("nograd") and name == "minilm-1" and concurrency == 1
+        paired = (
+            system.startswith("nograd")
+            and name == "minilm-1"
+            and concurrency == 1
+            and perf_analyzer is None
+        )
         raw_before = self.raw_batch1() if paired else None
         cpu = CpuWatch(server.pid)
         before = scrape(server.url) if nograd_metrics else {}
-        if protocol == "grpc":
-            result = loadgen.run_grpc_closed(
-                server.grpc_address,
+        if perf_analyzer is not None:
+            result = perf_analyzer_load(
+                server,
+                wl,
+                perf_analyzer,
                 system=system,
-                workload=name,
-                samples_per_request=wl.samples_per_request,
-                connections=concurrency or self.plan.concurrency,
+                concurrency=concurrency or self.plan.concurrency,
                 duration_s=duration_s,
                 cpus=self.plan.generator_cpus,
+                directory=self.bodies[name].parent,
             )
         elif rate is None:
             result = loadgen.run_closed(
@@ -195,6 +194,11 @@ class Bench:
                 before, "nograd_batch_size_sum", model=model
             )
             result.extra["batches"] = count
+            # Every answer the server gave during the run, its start-up and end included, for its
+            # CPU per request over the same span as its CPU.
+            result.extra["server_answers"] = metric(
+                after, "nograd_requests_total", model=model
+            ) - metric(before, "nograd_requests_total", model=model)
             result.extra["mean_batch_size"] = rows / count if count else 0.0
             # Server-side means (ms) from nograd's own histograms: where a request's time went.
             for key, name in (
@@ -224,8 +228,13 @@ class Bench:
         return server.url + where.path, self.bodies[key]
 
     def warm(
-        self, server: Server, name: str, protocol: str = "http", concurrency: int | None = None
+        self,
+        server: Server,
+        name: str,
+        concurrency: int | None = None,
+        perf_analyzer: str | None = None,
     ) -> None:
+        """A short run at the same concurrency, with the same generator, before a measured one."""
         self.load(
             server,
             "warmup",
@@ -233,15 +242,14 @@ class Bench:
             concurrency=concurrency,
             duration_s=self.plan.warmup_s,
             record=False,
-            protocol=protocol,
+            perf_analyzer=perf_analyzer,
         )
 
     def headline(
         self, server: Server, system: str, name: str, label: str, **kwargs: Any
     ) -> LoadResult | None:
-        """A warm-up, then one run at the plan's concurrency and headline duration (over the
-        ``protocol`` given, HTTP by default, warm-up included)."""
-        self.warm(server, name, kwargs.get("protocol", "http"))
+        """A warm-up, then one run at the plan's concurrency and headline duration."""
+        self.warm(server, name)
         self.step(label)
         return self.load(server, system, name, duration_s=self.plan.duration_s, **kwargs)
 
@@ -367,6 +375,7 @@ class CpuWatch:
         server = _tree_cpu_s(self.pid) - self.server
         generator = (result.generator_cpu_share or 0.0) * result.duration_s
         return {
+            "server_cpu_s": server,
             "server_cpu_cores": server / wall,
             "machine_busy_cores": busy / wall,
             "foreign_cpu_cores": max(0.0, busy - server - generator) / wall,

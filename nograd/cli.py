@@ -16,7 +16,7 @@ from nograd.settings import Settings
 from nograd.supervisor.plan import resolve_workers
 from nograd.supervisor.supervisor import supervise
 
-SERVE_WORKER = "nograd.http.server:serve_worker"
+SERVE_WORKER = "nograd.server:serve_worker"
 """What each worker process serves with; named, so the supervisor process never imports it."""
 
 
@@ -36,9 +36,10 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger("nograd").info(
             "OpenMP threads spin up to %s iterations between batches (GOMP_SPINCOUNT)", SPIN_COUNT
         )
-    from nograd.http.server import serve
+    from nograd.server import serve
+    from nograd.supervisor.worker import STARTUP_FAILURE
 
-    serve(settings)
+    sys.exit(0 if serve(settings) else STARTUP_FAILURE)
 
 
 def export_command(argv: list[str]) -> int:

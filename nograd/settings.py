@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from nograd.core.engines import engine_choices
@@ -35,11 +35,12 @@ class Settings(BaseSettings):
     """Address the HTTP server binds to."""
 
     port: int = Field(default=8000, ge=0, le=65535)
-    """TCP port of the HTTP server (0 picks a free port)."""
+    """TCP port of the HTTP server; 0 turns HTTP off (gRPC only)."""
 
     grpc_port: int = Field(default=8001, ge=0, le=65535)
     """TCP port of the gRPC server (the Open Inference Protocol's gRPC service, on the same
-    address as HTTP); 0 turns gRPC off. With several workers each binds it (SO_REUSEPORT)."""
+    address as HTTP); 0 turns gRPC off. With several workers the supervisor listens on it and
+    hands each connection to a worker, as for HTTP."""
 
     model_repository: Path = Path("models")
     """Folder holding one sub-folder per model (config file, code, weights)."""
@@ -216,3 +217,9 @@ class Settings(BaseSettings):
     @classmethod
     def _lower_log_level(cls, value: object) -> object:
         return value.lower() if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _something_to_serve(self) -> Settings:
+        if self.port == 0 and self.grpc_port == 0:
+            raise ValueError("port and grpc_port are both 0: turn on HTTP or gRPC (or both)")
+        return self

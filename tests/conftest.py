@@ -13,3 +13,25 @@ os.environ.setdefault("NOGRAD_GRPC_PORT", "0")
 # keeps answers bit-for-bit the same across batch sizes, which several tests compare. The engine
 # tests (tests/unit/runtime/engines, tests/e2e/test_engines.py) set their own.
 os.environ.setdefault("NOGRAD_ENGINE", "eager")
+
+
+# Imported after the defaults above are set: the e2e helpers read no settings at import.
+from collections.abc import Iterator
+
+import pytest
+
+from tests.e2e.serving import Server, free_port, run_server
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A real server with the shipped models, HTTP and gRPC (on a free port), started once and
+    shared by every test that only reads from it: each start costs the models' loading."""
+    env = {"NOGRAD_GRPC_PORT": str(free_port())}
+    with run_server(tmp_path_factory.mktemp("server"), env) as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def server_url(server: Server) -> str:
+    return server.url

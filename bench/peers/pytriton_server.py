@@ -12,7 +12,10 @@ output names, so the V2 bodies of ``bench/workloads.py`` are posted unchanged to
   FP32) and ``label`` ([1] INT64).
 
 Triton's ``max_batch_size`` and ``max_queue_delay_microseconds`` are options, so the bench can
-try several. Every endpoint binds 127.0.0.1; gRPC and metrics take free ports of their own.
+try several. Every endpoint binds 127.0.0.1; gRPC takes ``--grpc-port`` (the bench drives it with
+perf_analyzer) or a free port, metrics a free port. PyTriton puts Triton's statistics behind a
+token by default; they are left open here, as a plain ``tritonserver`` serves them, because
+perf_analyzer reads them around every measurement (its other restrictions stay).
 """
 
 from __future__ import annotations
@@ -109,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=("digits", "minilm"), required=True)
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--grpc-port", type=int, default=0, help="0: a free port")
     parser.add_argument("--model-dir", type=Path, help="minilm: the HF-style model folder")
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--max-queue-delay-us", type=int, default=2000)
@@ -117,7 +121,12 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--model-dir is required for minilm")
     _libpython_on_library_path()
     from pytriton.model_config import DynamicBatcher, ModelConfig
-    from pytriton.triton import Triton, TritonConfig  # type: ignore[import-not-found]
+    from pytriton.triton import (  # type: ignore[import-not-found]
+        DEFAULT_PROTECTED_ENDPOINTS,
+        Triton,
+        TritonConfig,
+        TritonSecurityConfig,
+    )
 
     infer = _minilm_callable(args.model_dir) if args.model == "minilm" else _digits_callable()
     inputs, outputs = _tensors(args.model)
@@ -125,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
         http_address="127.0.0.1",
         http_port=args.port,
         grpc_address="127.0.0.1",
-        grpc_port=_free_port(),
+        grpc_port=args.grpc_port or _free_port(),
         metrics_address="127.0.0.1",
         metrics_port=_free_port(),
         log_verbose=0,
@@ -140,7 +149,11 @@ def main(argv: list[str] | None = None) -> None:
     folder = Path(tempfile.mkdtemp(prefix="nograd-pytriton-"))
     try:
         # PyTriton creates the workspace folder itself and refuses one that exists.
-        with Triton(config=config, workspace=folder / "workspace") as triton:
+        restricted = [name for name in DEFAULT_PROTECTED_ENDPOINTS if name != "statistics"]
+        security = TritonSecurityConfig(restricted_endpoints=restricted)
+        with Triton(
+            config=config, workspace=folder / "workspace", security_config=security
+        ) as triton:
             triton.bind(
                 model_name=args.model,
                 infer_func=infer,

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Final, Literal
 
-from bench.common import Server
+from bench.common import Server, free_port
 from bench.peers.envs import PEERS_DIR
 
 SCRIPTS: Final = Path(__file__).resolve().parent
@@ -145,14 +145,19 @@ def _command(python: Path, script: str, model: str, *options: str) -> list[str]:
 def pytriton_server(
     python: Path, model: str, options: TritonOptions | None = None, cpus: str | None = None
 ) -> Server:
-    """Triton through PyTriton serving ``model``; ready when Triton reports the model ready."""
+    """Triton through PyTriton serving ``model`` over HTTP and, on a free port of its own, gRPC;
+    ready when Triton reports the model ready."""
     options = options or TritonOptions()
+    grpc_port = free_port()
     return Server(
         f"pytriton-{model}-{options.label}",
-        _command(python, "pytriton_server.py", model, *options.args()),
+        _command(
+            python, "pytriton_server.py", model, *options.args(), "--grpc-port", str(grpc_port)
+        ),
         f"/v2/models/{model}/ready",
         env=dict(OFFLINE_ENV),
         cpus=cpus,
+        grpc_port=grpc_port,
         # Triton and PyTriton's proxy share interprocess locks with timeouts: resumed after a
         # pause, Triton's Python backend crashed (SIGSEGV, boost lock_exception).
         pausable=False,

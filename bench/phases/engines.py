@@ -35,7 +35,7 @@ def phase_engines(bench: Bench) -> None:
                 for concurrency in concurrencies:
                     for system, server in order:
                         run_only(server, [auto, eager])
-                        bench.warm(server, name, "http")
+                        bench.warm(server, name)
                         bench.step(f"engines round {index + 1}: {system} {name} c={concurrency}")
                         result = bench.load(
                             server,

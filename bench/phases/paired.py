@@ -9,14 +9,7 @@ from typing import Any
 from bench.common import ROOT, Server, nograd_server, run_only
 from bench.phases.litserve import litserve
 from bench.phases.single import ceiling_server
-from bench.session import (
-    GRPC_SUFFIX,
-    MODEL_OF,
-    WORKERS_2,
-    Bench,
-    protocol_of,
-    wait_workers,
-)
+from bench.session import MODEL_OF, WORKERS_2, Bench, wait_workers
 
 
 def phase_paired(bench: Bench) -> None:
@@ -33,10 +26,8 @@ def phase_paired(bench: Bench) -> None:
     their median. Paused, an idle server takes no CPU from the one measured (LitServe's idle
     workers poll: 0.23 cores of 2, measured).
 
-    On digits each nograd server is also driven over gRPC (``bench.grpcload``, the same
-    concurrency, right after or before its HTTP run), so the report can set gRPC against HTTP
-    on the same server. A workload without a LitServe configuration (the litserve phase not
-    run, or failed) is paired without LitServe.
+    A workload without a LitServe configuration (the litserve phase not run, or failed) is
+    paired without LitServe. gRPC against HTTP has its own rounds (the ``grpc`` phase).
     """
     best = bench.results.get("litserve_best") or {}
     if not best:
@@ -67,11 +58,7 @@ def phase_paired(bench: Bench) -> None:
             ]
         for name in bench.plan.workloads:
             lineup[name] = []
-            for system, nograd in (("nograd", one), ("nograd-workers-2", two)):
-                lineup[name].append((system, nograd))
-                if name == "digits":
-                    # The same server over gRPC, next to its HTTP run in every round.
-                    lineup[name].append((system + GRPC_SUFFIX, nograd))
+            lineup[name] += [("nograd", one), ("nograd-workers-2", two)]
             config = best.get(name)
             if config is not None:
                 key = (
@@ -113,7 +100,6 @@ def phase_paired(bench: Bench) -> None:
                         f"paired round {index + 1}: {system} {name}",
                         nograd_metrics=system.startswith("nograd"),
                         keep=False,
-                        protocol=protocol_of(system),
                     )
                     if result is None:
                         continue

@@ -77,7 +77,7 @@ def _systems(bench: Bench, envs: dict[str, dict[str, Any]]) -> list[tuple[str, s
     return out
 
 
-def _start(bench: Bench, server: Server) -> str | None:
+def start_peer(bench: Bench, server: Server) -> str | None:
     """Start ``server``; the reason when it cannot (the log's tail), None when it is up."""
     try:
         server.start(ready_timeout_s=PEER_READY_TIMEOUT_S)
@@ -107,7 +107,7 @@ def _sweep(
             server.peer = system
             bench.step(f"peers: {system} {model} {options.label}")
             where = {"system": system, "model": model, "options": describe(options)}
-            reason = _start(bench, server)
+            reason = start_peer(bench, server)
             if reason is not None:
                 refused.append(where | {"reason": reason})
                 continue
@@ -144,7 +144,7 @@ def _best(sweep: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
     return best
 
 
-def _options(system: str, described: dict[str, Any]) -> PeerOptions:
+def options_of(system: str, described: dict[str, Any]) -> PeerOptions:
     """The options object back from its description in the sweep's rows."""
     for options in SWEEPS[system]:
         if describe(options) == described:
@@ -180,7 +180,7 @@ def _paired(
         started: dict[tuple[str, str, str], Server] = {}
         for (system, name), row in sorted(best.items()):
             python = envs[ENV_OF_SYSTEM[system]]["python"]
-            options = _options(system, row["options"])
+            options = options_of(system, row["options"])
             key = (system, MODEL_OF[name], options.label)
             if key not in started:
                 server = peer_server(
@@ -188,7 +188,7 @@ def _paired(
                 )
                 server.peer = system
                 bench.step(f"peers: start {server.name}")
-                reason = _start(bench, server)
+                reason = start_peer(bench, server)
                 if reason is not None:
                     bench.results["peers"]["refused"].append(
                         {"system": system, "model": MODEL_OF[name], "options": row["options"]}

@@ -28,8 +28,6 @@ LABELS = {
     "nograd-threads-1": "nograd, NOGRAD_TORCH_THREADS=1",
     "nograd-threads-fewer": "nograd, NOGRAD_TORCH_THREADS=cores − 1",
     "nograd-workers-2": "nograd, two workers (NOGRAD_WORKERS=2)",
-    "nograd-grpc": "nograd, one process, over gRPC",
-    "nograd-workers-2-grpc": "nograd, two workers (NOGRAD_WORKERS=2), over gRPC",
 }
 AUTO_SYSTEM = {1: "nograd", 2: "nograd-workers-2"}
 """The bench's nograd system that matches what ``NOGRAD_WORKERS=auto`` starts."""

@@ -7,6 +7,7 @@ from typing import Any
 from bench.report.engines import engines_section
 from bench.report.levers import levers_section
 from bench.report.memory import memory_section
+from bench.report.over_grpc import grpc_section
 from bench.report.paired import paired_section
 from bench.report.peers import peers_section
 from bench.report.profile import profile_section
@@ -22,13 +23,14 @@ from bench.report.sections import batching_section, raw_section, sweep_section
 
 
 def markdown(results: dict[str, Any]) -> str:
-    """The whole report: nograd against the real peers first, then the paired verdicts, then
-    every phase's tables."""
+    """The whole report: nograd against the real peers first, then gRPC against HTTP and
+    Triton's gRPC, then the paired verdicts, then every phase's tables."""
     plan = results["meta"]["plan"]
     c = plan["concurrency"]
     tag = f"{results['meta']['cores']} cores"
     parts = header_section(results)
     parts += peers_section(results, tag)
+    parts += grpc_section(results, tag)
     parts += paired_section(results, tag)
     parts += engines_section(results, tag)
     parts += targets_section(results)

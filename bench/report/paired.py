@@ -8,7 +8,6 @@ from typing import Any
 
 from bench.report.common import (
     LABELS,
-    cpu_us,
     fmt,
     noise,
     ratio,
@@ -68,7 +67,7 @@ def round_ratios(
     return out
 
 
-def _median_of(values: Sequence[float], unit: str) -> tuple[float | None, str]:
+def median_of(values: Sequence[float], unit: str) -> tuple[float | None, str]:
     """The median and the text showing it with every round's value."""
     if not values:
         return None, "–"
@@ -78,7 +77,7 @@ def _median_of(values: Sequence[float], unit: str) -> tuple[float | None, str]:
 
 def _median_p99(runs: dict[int, dict[str, Any]]) -> tuple[float | None, str]:
     """The median p99 over rounds (runs keyed by round), with every round's value."""
-    return _median_of([float(r["p99_ms"]) for _, r in sorted(runs.items())], " ms")
+    return median_of([float(r["p99_ms"]) for _, r in sorted(runs.items())], " ms")
 
 
 def paired_targets(
@@ -117,7 +116,7 @@ def paired_targets(
         values = paired_ratios(results, workload, system, other, key, other_key)
         if not values:
             continue
-        middle, shown = _median_of(values, "×")
+        middle, shown = median_of(values, "×")
         ok = _ge(middle, bound) if at_least else _le(middle, bound)
         sign = "≥" if at_least else "≤"
         out.append((f"{workload}: {label}", shown, f"{sign} {bound:g}×", verdict(ok)))
@@ -137,79 +136,12 @@ def paired_targets(
             if with_ratio:
                 values = paired_ratios(results, "digits", system, ceiling, rps)
                 label = f"digits: throughput vs the {name} (context)"
-                rows.append((label, _median_of(values, "×")[1], "–", "–"))
+                rows.append((label, median_of(values, "×")[1], "–", "–"))
             _, tail = _median_p99(bare)
             rows.append((f"digits: the {name}'s own p99 (context)", tail, "–", "–"))
         at = sum(1 for target, *_ in out if target.startswith("digits"))
         out[at:at] = rows
     return out
-
-
-GRPC_PAIRS = (("nograd", "nograd-grpc"), ("nograd-workers-2", "nograd-workers-2-grpc"))
-"""Each nograd server of the paired rounds over HTTP, and the same server over gRPC."""
-
-
-def grpc_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
-    """digits over gRPC against the same server over HTTP, round by round: throughput, p99 and
-    the server's CPU per request as ratios (median of rounds, each round in brackets), and the
-    two load generators' own CPU, which on two cores is taken from the server."""
-    rows = []
-    for http, grpc in GRPC_PAIRS:
-        runs = paired_runs(results, grpc, "digits")
-        if not runs:
-            continue
-        throughput = paired_ratios(results, "digits", grpc, http, "rps")
-        p99 = paired_ratios(results, "digits", grpc, http, "p99_ms")
-        cpu = round_ratios(results, "digits", grpc, http, cpu_us)
-        _, grpc_p99 = _median_p99(runs)
-        generators = []
-        for system in (grpc, http):
-            shares = [_generator_cores(r) for r in paired_runs(results, system, "digits").values()]
-            generators.append(fmt(statistics.median(shares), 2) if shares else "–")
-        rows.append(
-            (
-                LABELS[http].removeprefix("nograd, "),
-                _median_of(throughput, "×")[1],
-                _median_of(p99, "×")[1],
-                grpc_p99,
-                _median_of(cpu, "×")[1],
-                " / ".join(generators),
-            )
-        )
-    return rows
-
-
-def _generator_cores(run: dict[str, Any]) -> float:
-    """The load generator's CPU while it measured (wrk's start-up is negligible; the gRPC
-    generator's is not, and is left out)."""
-    measuring = run["extra"].get("generator_cpu_cores_measuring")
-    return float(measuring if measuring is not None else run.get("generator_cpu_share") or 0.0)
-
-
-def grpc_section(results: dict[str, Any], tag: str, concurrency: int) -> list[str]:
-    rows = grpc_rows(results)
-    if not rows:
-        return []
-    header = (
-        "server",
-        "throughput, gRPC ÷ HTTP",
-        "p99, gRPC ÷ HTTP",
-        "p99 over gRPC",
-        "server CPU per request, gRPC ÷ HTTP",
-        "load generator CPU (cores), gRPC / HTTP",
-    )
-    return [
-        f"### digits over gRPC against HTTP, same server ({tag}, c={concurrency})",
-        "",
-        "Each nograd server of the rounds is driven over HTTP by wrk and over gRPC by "
-        "`bench.grpcload` (grpc.aio, one channel per caller, the same images as raw tensors), "
-        "at the same concurrency, one right after the other in every round. Context, no target. "
-        "The gRPC generator is Python and takes more CPU per call than wrk: on two cores that "
-        "CPU is the server's, so the server's CPU per request is the fairer comparison.",
-        "",
-        table(header, rows),
-        "",
-    ]
 
 
 def paired_section(results: dict[str, Any], tag: str) -> list[str]:
@@ -236,7 +168,6 @@ def paired_section(results: dict[str, Any], tag: str) -> list[str]:
         if rows:
             parts += [f"### {LABELS[system]}", ""]
             parts += [table(("target", "median of rounds", "target", "verdict"), rows), ""]
-    parts += grpc_section(results, tag, c)
     every: list[Sequence[Any]] = []
     for r in sorted(found, key=lambda r: (r["workload"], r["round"], r["position"])):
         extra = r["extra"]

@@ -1,137 +1,119 @@
-"""The gRPC server of one process: grpcio's asyncio server on the process's own event loop, so
-its calls reach the same data plane and batchers as HTTP's.
+"""The gRPC front of one process: nograd's HTTP/2 transport (``nograd.grpc.h2``) on the process's
+own event loop, so its calls reach the same data plane and batchers as HTTP's.
 
-With several worker processes each binds the port with ``SO_REUSEPORT``, and the kernel spreads
-new connections among them. An HTTP/2 channel is one long-lived connection, so
-one client channel stays with the worker that accepted it; clients that open several channels
-(or several clients) spread.
+With several worker processes the supervisor accepts gRPC connections as it does HTTP's and hands
+each to the least busy worker. An HTTP/2 connection is long-lived, so one client channel stays
+with the worker it was handed to; clients that open several channels (or several clients) spread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
+import socket
+from collections.abc import Mapping
+from typing import Final
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
-from nograd.grpc.generated import grpc_service_pb2_grpc as pb_grpc
+from nograd.grpc.generated import grpc_service_pb2 as pb
+from nograd.grpc.generated import health_pb2
+from nograd.grpc.h2 import Http2Connection
+from nograd.grpc.health import Health
+from nograd.grpc.rpc import GrpcCalls, Method
 from nograd.grpc.service import InferenceService
-from nograd.observability.metrics import Metrics
-from nograd.serving.control import ModelControl
-from nograd.serving.dataplane import DataPlane
-from nograd.settings import Settings
+from nograd.serving.core import Core
 
 logger = logging.getLogger(__name__)
-SERVICE_NAME = "inference.GRPCInferenceService"
-MAX_MESSAGE_BYTES_MARGIN = 1024 * 1024
+SERVICE_NAME: Final = "inference.GRPCInferenceService"
+MAX_MESSAGE_BYTES_MARGIN: Final = 1024 * 1024
 """Room above the largest request body for the message's own framing."""
+BACKLOG: Final = 2048
+"""Connections the kernel queues for the port (uvicorn's default backlog)."""
 
 
-class ReadinessHealth(health.aio.HealthServicer):  # type: ignore[misc]
-    """grpc.health.v1 saying what the readiness route says, at the moment it is asked: not
-    serving while loading or draining, or while a model's batch loop is down."""
-
-    def __init__(self, plane: DataPlane) -> None:
-        super().__init__()
-        self._plane = plane
-
-    async def Check(
-        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
-    ) -> health_pb2.HealthCheckResponse:
-        if request.service not in ("", SERVICE_NAME):
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
-        serving = self._plane.ready()
-        return health_pb2.HealthCheckResponse(
-            status=health_pb2.HealthCheckResponse.SERVING
-            if serving
-            else health_pb2.HealthCheckResponse.NOT_SERVING
+def inference_methods(service: InferenceService) -> dict[str, Method]:
+    """Every RPC of the service's definition that ``service`` answers, by its HTTP/2 path."""
+    methods: dict[str, Method] = {}
+    definition = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    for rpc in definition.methods:
+        function = getattr(service, rpc.name, None)
+        if function is None or rpc.client_streaming or rpc.server_streaming:
+            continue
+        methods[f"/{SERVICE_NAME}/{rpc.name}"] = Method(
+            getattr(pb, rpc.input_type.name), unary=function
         )
+    return methods
+
+
+def health_methods(health: Health) -> dict[str, Method]:
+    request = health_pb2.HealthCheckRequest
+    return {
+        "/grpc.health.v1.Health/Check": Method(request, unary=health.check),
+        "/grpc.health.v1.Health/Watch": Method(request, server_streaming=health.watch),
+    }
 
 
 class GrpcServer:
-    """Started once the models are loaded, stopped after the HTTP drain."""
+    """The gRPC front: listening on a socket the server bound, or serving connections handed
+    over by a supervisor."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        plane: DataPlane,
-        control: ModelControl,
-        metrics: Metrics,
-        *,
-        shared_port: bool,
-    ) -> None:
+    def __init__(self, core: Core, closed: ctypes.c_longlong | None = None) -> None:
+        """``closed``: a count of closed connections to keep (a worker's, for its supervisor)."""
+        settings = core.settings
         self._settings = settings
-        self._plane = plane
-        self._health = ReadinessHealth(plane)
-        self._watch: asyncio.Task[None] | None = None
-        limit = settings.max_request_bytes + MAX_MESSAGE_BYTES_MARGIN
-        self._server = grpc.aio.server(
-            options=[
-                ("grpc.max_receive_message_length", limit),
-                ("grpc.max_send_message_length", -1),
-                # Workers share the port; a single process must own it, so a second server
-                # started on the same port fails instead of silently taking half its calls.
-                ("grpc.so_reuseport", 1 if shared_port else 0),
-            ],
-            maximum_concurrent_rpcs=settings.max_requests_in_flight + 64,
-        )
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(  # type: ignore[no-untyped-call]
-            InferenceService(
-                plane,
-                control,
-                metrics,
-                settings.api_key_list,
-                protect_health=settings.auth_health,
-            ),
-            self._server,
-        )
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        address = f"{settings.host}:{settings.grpc_port}"
-        try:
-            self.port = self._server.add_insecure_port(address)
-        except RuntimeError as exc:
-            self.port = 0
-            cause: Exception | None = exc
-        else:
-            cause = None
-        if self.port == 0:
-            raise OSError(
-                f"cannot listen for gRPC on {address}: the port is taken or the address is "
-                "not this host's (NOGRAD_GRPC_PORT; 0 turns gRPC off)"
-            ) from cause
+        self._closed = closed
+        self._health = Health(core.plane.ready)
+        service = InferenceService(core, protect_health=settings.auth_health)
+        methods: Mapping[str, Method] = {
+            **inference_methods(service),
+            **health_methods(self._health),
+        }
+        self._calls = GrpcCalls(methods, settings.max_request_bytes + MAX_MESSAGE_BYTES_MARGIN)
+        self._connections: set[Http2Connection] = set()
+        self._server: asyncio.AbstractServer | None = None
 
-    async def start(self) -> None:
-        await self._server.start()
-        self._watch = asyncio.create_task(self._follow_readiness(), name="grpc-health")
-        logger.info("gRPC listening on port %d", self.port)
+    async def start(self, sock: socket.socket | None) -> None:
+        """Listen on ``sock``; None: take only the connections ``protocol`` is asked for."""
+        if sock is not None:
+            loop = asyncio.get_running_loop()
+            self._server = await loop.create_server(self.protocol, sock=sock, backlog=BACKLOG)
+            logger.info("gRPC listening on port %d", sock.getsockname()[1])
+        self._health.start()
 
-    async def _follow_readiness(self, interval_s: float = 0.5) -> None:
-        """Keep grpc.health.v1's Watch streams told of readiness changes (Check reads it live)."""
-        serving: bool | None = None
-        while True:
-            ready = self._plane.ready()
-            if ready != serving:
-                await self._set_serving(ready)
-                serving = ready
-            await asyncio.sleep(interval_s)
+    def protocol(self) -> Http2Connection:
+        """A connection's protocol, for one accepted here or handed over."""
+        connection: Http2Connection
 
-    async def _set_serving(self, serving: bool) -> None:
-        status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if serving
-            else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
-        for service in ("", SERVICE_NAME):
-            await self._health.set(service, status)
+        def closed() -> None:
+            self._connections.discard(connection)
+            if self._closed is not None:
+                self._closed.value += 1
+
+        connection = Http2Connection(self._calls, self._settings.max_requests_in_flight, closed)
+        self._connections.add(connection)
+        return connection
+
+    @property
+    def holds_calls(self) -> bool:
+        """A call is being answered (streams that only watch health do not count)."""
+        return bool(self._calls.calls)
 
     async def stop(self, grace_s: float) -> None:
-        """Refuse new calls and give accepted ones ``grace_s`` to finish (the HTTP drain has
-        already waited for every accepted inference, whichever transport it came by)."""
-        if self._watch is not None:
-            self._watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch
-        await self._set_serving(False)
-        await self._server.stop(grace_s)
+        """Take no new connection or call (GOAWAY), give the calls under way ``grace_s`` to
+        finish (the drain has already waited for every accepted call), then close every
+        connection."""
+        await self._health.stop()
+        if self._server is not None:
+            self._server.close()
+        for connection in list(self._connections):
+            connection.go_away()
+        calls = list(self._calls.calls)
+        if calls and grace_s > 0:
+            await asyncio.wait(calls, timeout=grace_s)
+        for connection in list(self._connections):
+            if connection.transport is not None:
+                connection.transport.close()
+        if self._server is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._server.wait_closed(), timeout=1.0)

@@ -1,134 +1,103 @@
 """The Open Inference Protocol's gRPC service (``inference.GRPCInferenceService``), with the
-Triton extension RPCs its clients and tools call: thin, like the HTTP routes; every call goes to
-the same data plane, so one batch may mix HTTP and gRPC requests."""
+Triton extension RPCs its clients and tools call: thin, like the HTTP routes; every call goes
+through the same serving core, so one batch may mix HTTP and gRPC requests. Served over
+``nograd.grpc.rpc``; an RPC of the service not defined here answers UNIMPLEMENTED."""
 
 from __future__ import annotations
 
-import hmac
 import logging
-import math
-import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import Any, Final, TypeVar
 
-import grpc
 from google.protobuf import json_format
+from google.protobuf.message import Message
 
-from nograd import __version__
-from nograd.batching import BatcherClosed, DeadlineExceeded, QueueFull, SampleTooLarge
-from nograd.core.errors import DecodeError
 from nograd.grpc.generated import grpc_service_pb2 as pb
-from nograd.grpc.generated import grpc_service_pb2_grpc as pb_grpc
 from nograd.grpc.generated import model_config_pb2
+from nograd.grpc.rpc import CallContext, Code
 from nograd.grpc.tensors import decode_inputs, encode_outputs
-from nograd.observability.metrics import UNKNOWN_MODEL, Metrics
-from nograd.serving.control import ControlRefused, LoadFailed, ModelControl, load_parameters
-from nograd.serving.dataplane import DataPlane
-from nograd.serving.errors import (
-    InferenceFailed,
-    InvalidInput,
-    LimitExceeded,
-    ModelNotFound,
-    ModelNotReady,
-)
+from nograd.serving import documents
+from nograd.serving.calls import Call
+from nograd.serving.control import load_parameters
+from nograd.serving.core import Core
+from nograd.serving.errors import Kind, ModelNotFound, kind_of, retry_after_s
 from nograd.serving.triton_config import model_configuration, repository_index
 
 logger = logging.getLogger(__name__)
 PROTOCOL: Final = "grpc"
 EXTENSIONS: Final = ["model_configuration", "model_repository", "statistics"]
+METHOD_PREFIX: Final = "/inference.GRPCInferenceService/"
 
-CODES: Final[list[tuple[type[Exception], grpc.StatusCode, int]]] = [
-    (DecodeError, grpc.StatusCode.INVALID_ARGUMENT, 400),
-    (InvalidInput, grpc.StatusCode.INVALID_ARGUMENT, 400),
-    (LimitExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED, 422),
-    (ModelNotFound, grpc.StatusCode.NOT_FOUND, 404),
-    (ModelNotReady, grpc.StatusCode.UNAVAILABLE, 503),
-    (QueueFull, grpc.StatusCode.UNAVAILABLE, 503),
-    (BatcherClosed, grpc.StatusCode.UNAVAILABLE, 503),
-    (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED, 504),
-    (SampleTooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED, 507),
-    (InferenceFailed, grpc.StatusCode.INTERNAL, 500),
-]
-"""Each failure's gRPC code and the HTTP status it answers over HTTP (the metrics' ``code``)."""
+CODES: Final[dict[Kind, Code]] = {
+    Kind.INVALID: Code.INVALID_ARGUMENT,
+    Kind.REFUSED: Code.FAILED_PRECONDITION,
+    Kind.UNAUTHENTICATED: Code.UNAUTHENTICATED,
+    Kind.NOT_FOUND: Code.NOT_FOUND,
+    Kind.OVER_LIMIT: Code.RESOURCE_EXHAUSTED,
+    Kind.CLIENT_GONE: Code.CANCELLED,
+    Kind.FAILED: Code.INTERNAL,
+    Kind.UNAVAILABLE: Code.UNAVAILABLE,
+    Kind.DEADLINE: Code.DEADLINE_EXCEEDED,
+    Kind.TOO_LARGE_FOR_MEMORY: Code.RESOURCE_EXHAUSTED,
+}
+"""Each kind of failure as a gRPC status code."""
 
-Reply = TypeVar("Reply")
-
-
-def code_of(exc: BaseException) -> tuple[grpc.StatusCode, int]:
-    for kind, code, status in CODES:
-        if isinstance(exc, kind):
-            return code, status
-    return grpc.StatusCode.INTERNAL, 500
+Reply = TypeVar("Reply", bound=Message)
 
 
-class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(
-        self,
-        plane: DataPlane,
-        control: ModelControl,
-        metrics: Metrics,
-        api_keys: Sequence[str],
-        *,
-        protect_health: bool,
-    ) -> None:
-        self._plane = plane
-        self._control = control
-        self._metrics = metrics
-        self._keys = [key.encode() for key in api_keys]
+class InferenceService:
+    def __init__(self, core: Core, *, protect_health: bool) -> None:
+        self._core = core
+        self._calls = core.calls
+        self._plane = core.plane
+        self._control = core.control
         self._protect_health = protect_health
 
     # ------------------------------------------------------------------ plumbing
-    def _check_key(self, context: grpc.aio.ServicerContext) -> None:
-        if not self._keys:
-            return
-        values = [v for k, v in context.invocation_metadata() or () if k == "authorization"]
-        given = values[0].encode() if len(values) == 1 and isinstance(values[0], str) else b""
-        token = given[7:] if given[:7].lower() == b"bearer " else b""
-        if not any(hmac.compare_digest(token, key) for key in self._keys):
-            self._metrics.rejected.labels(UNKNOWN_MODEL, "unauthorized").inc()
-            why = "missing" if not values else "invalid"
-            raise Unauthenticated(f"{why} API key: send metadata 'authorization: Bearer <key>'")
+    def _authorize(self, context: CallContext, model: str | None = None) -> None:
+        values = [v for k, v in context.invocation_metadata() if k == "authorization"]
+        self._calls.authorize(values, PROTOCOL, model)
+
+    async def _abort(self, context: CallContext, exc: BaseException, kind: Kind) -> None:
+        """End the call with the kind's code and the failure's message; a transient refusal says
+        when to retry (trailing metadata ``retry-after``)."""
+        if kind is Kind.UNAVAILABLE:
+            context.set_trailing_metadata((("retry-after", str(retry_after_s(exc))),))
+        await context.abort(CODES[kind], str(exc))
 
     async def _answer(
         self,
-        context: grpc.aio.ServicerContext,
+        context: CallContext,
         work: Callable[[], Awaitable[Reply]],
-        record: Callable[[int], None] | None = None,
         *,
         health: bool = False,
     ) -> Reply:
-        """Check the key, run ``work``, and answer a failure with its code and a clear message
-        (``record`` hears the HTTP-equivalent status first)."""
+        """Check the key, run ``work``, and answer a failure with its code and a clear message."""
         try:
             if self._protect_health or not health:
-                self._check_key(context)
+                self._authorize(context)
             return await work()
         except Exception as exc:
-            code, status = code_of(exc)
-            if record is not None:
-                record(status)
-            if status == 503:
-                seconds = exc.retry_after_s if isinstance(exc, QueueFull) else 1.0
-                context.set_trailing_metadata((("retry-after", str(max(1, math.ceil(seconds)))),))
-            if status >= 500 and status not in (503, 504, 507):
+            kind = kind_of(exc)
+            if kind is Kind.FAILED:
                 logger.exception("gRPC call failed")
-            await context.abort(code, str(exc))
+            await self._abort(context, exc, kind)
             raise  # abort raises; this line only satisfies the type checker
 
     # ------------------------------------------------------------------ health and metadata
-    async def ServerLive(self, request: Any, context: Any) -> pb.ServerLiveResponse:
+    async def ServerLive(self, request: Any, context: CallContext) -> pb.ServerLiveResponse:
         return await self._answer(context, self._live, health=True)
 
     async def _live(self) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
 
-    async def ServerReady(self, request: Any, context: Any) -> pb.ServerReadyResponse:
+    async def ServerReady(self, request: Any, context: CallContext) -> pb.ServerReadyResponse:
         async def ready() -> pb.ServerReadyResponse:
             return pb.ServerReadyResponse(ready=self._plane.ready())
 
         return await self._answer(context, ready, health=True)
 
-    async def ModelReady(self, request: Any, context: Any) -> pb.ModelReadyResponse:
+    async def ModelReady(self, request: Any, context: CallContext) -> pb.ModelReadyResponse:
         async def ready() -> pb.ModelReadyResponse:
             try:
                 model = self._plane.get(request.name, request.version or None)
@@ -138,64 +107,42 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
 
         return await self._answer(context, ready, health=True)
 
-    async def ServerMetadata(self, request: Any, context: Any) -> pb.ServerMetadataResponse:
+    async def ServerMetadata(self, request: Any, context: CallContext) -> pb.ServerMetadataResponse:
         async def metadata() -> pb.ServerMetadataResponse:
-            return pb.ServerMetadataResponse(
-                name="nograd", version=__version__, extensions=EXTENSIONS
-            )
+            return _message(documents.server_metadata(EXTENSIONS), pb.ServerMetadataResponse())
 
         return await self._answer(context, metadata)
 
-    async def ModelMetadata(self, request: Any, context: Any) -> pb.ModelMetadataResponse:
+    async def ModelMetadata(self, request: Any, context: CallContext) -> pb.ModelMetadataResponse:
         async def metadata() -> pb.ModelMetadataResponse:
             model = self._plane.get(request.name, request.version or None)
-            config = model.config
-            tensor = pb.ModelMetadataResponse.TensorMetadata
-            return pb.ModelMetadataResponse(
-                name=config.name,
-                versions=self._plane.registry.version_names(config.name),
-                platform=config.platform,
-                inputs=[
-                    tensor(name=s.name, datatype=s.datatype, shape=[-1, *(s.shape or (1,))])
-                    for s in config.inputs
-                ],
-                outputs=[
-                    tensor(name=s.name, datatype=s.datatype, shape=[-1, *s.shape])
-                    for s in config.outputs
-                ],
-            )
+            document = documents.model_metadata(self._plane, model)
+            return _message(document, pb.ModelMetadataResponse())
 
         return await self._answer(context, metadata)
 
-    async def ModelConfig(self, request: Any, context: Any) -> pb.ModelConfigResponse:
+    async def ModelConfig(self, request: Any, context: CallContext) -> pb.ModelConfigResponse:
         async def config() -> pb.ModelConfigResponse:
             model = self._plane.get(request.name, request.version or None)
             document = model_configuration(model, self._plane.settings)
-            message = model_config_pb2.ModelConfig()
-            json_format.ParseDict(document, message, ignore_unknown_fields=True)
-            return pb.ModelConfigResponse(config=message)
+            return pb.ModelConfigResponse(config=_message(document, model_config_pb2.ModelConfig()))
 
         return await self._answer(context, config)
 
-    async def ModelStatistics(self, request: Any, context: Any) -> pb.ModelStatisticsResponse:
+    async def ModelStatistics(
+        self, request: Any, context: CallContext
+    ) -> pb.ModelStatisticsResponse:
         async def statistics() -> pb.ModelStatisticsResponse:
-            if request.name:
-                models = [self._plane.get(request.name, request.version or None)]
-            else:
-                models = list(self._plane.models.values())
-            document = {
-                "model_stats": [
-                    self._plane.statistics.of(m.name).document(m.name, m.version) for m in models
-                ]
-            }
-            response = pb.ModelStatisticsResponse()
-            json_format.ParseDict(document, response, ignore_unknown_fields=True)
-            return response
+            version = request.version or None
+            document = documents.statistics(self._plane, request.name or None, version)
+            return _message(document, pb.ModelStatisticsResponse())
 
         return await self._answer(context, statistics)
 
     # ------------------------------------------------------------------ repository
-    async def RepositoryIndex(self, request: Any, context: Any) -> pb.RepositoryIndexResponse:
+    async def RepositoryIndex(
+        self, request: Any, context: CallContext
+    ) -> pb.RepositoryIndexResponse:
         async def index() -> pb.RepositoryIndexResponse:
             entries = repository_index(self._control.index(), ready_only=request.ready)
             model = pb.RepositoryIndexResponse.ModelIndex
@@ -204,7 +151,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         return await self._answer(context, index)
 
     async def RepositoryModelLoad(
-        self, request: Any, context: Any
+        self, request: Any, context: CallContext
     ) -> pb.RepositoryModelLoadResponse:
         async def load() -> pb.RepositoryModelLoadResponse:
             parameters = {
@@ -218,7 +165,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         return await self._answer(context, load)
 
     async def RepositoryModelUnload(
-        self, request: Any, context: Any
+        self, request: Any, context: CallContext
     ) -> pb.RepositoryModelUnloadResponse:
         async def unload() -> pb.RepositoryModelUnloadResponse:
             await self._control.unload(request.model_name)
@@ -227,56 +174,45 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         return await self._answer(context, unload)
 
     # ------------------------------------------------------------------ inference
-    async def ModelInfer(self, request: Any, context: Any) -> pb.ModelInferResponse:
-        started = time.perf_counter()
-        label = request.model_name if request.model_name in self._plane.models else UNKNOWN_MODEL
-        status = [499]  # cancelled unless answered: the client left, or its deadline passed
-
-        def record(code: int) -> None:
-            status[0] = code
-
-        self._metrics.inflight.inc()
+    async def ModelInfer(self, request: Any, context: CallContext) -> pb.ModelInferResponse:
+        calls = self._calls
+        call = calls.open(PROTOCOL, METHOD_PREFIX + "ModelInfer")
+        call.model = calls.label(request.model_name)
+        kind: Kind | None = Kind.CLIENT_GONE  # unless answered: the client left, or a shutdown
         try:
-            response = await self._answer(context, lambda: self._infer(request, context), record)
-            status[0] = 200
+            response = await self._infer(call, request, context)
+            kind = None
             return response
+        except Exception as exc:
+            kind = calls.failed(call, exc)
+            await self._abort(context, exc, kind)
+            raise  # abort raises; this line only satisfies the type checker
         finally:
-            self._metrics.inflight.dec()
-            self._metrics.request_done(label, PROTOCOL, status[0], time.perf_counter() - started)
+            calls.close(call, 200 if kind is None else kind.status)
 
-    async def _infer(self, request: Any, context: Any) -> pb.ModelInferResponse:
-        plane = self._plane
-        try:
-            plane.admit(request.model_name)
-        except QueueFull as exc:
-            label = request.model_name if request.model_name in plane.models else UNKNOWN_MODEL
-            self._metrics.rejected.labels(label, exc.reason).inc()
-            raise
+    async def _infer(self, call: Call, request: Any, context: CallContext) -> pb.ModelInferResponse:
+        calls = self._calls
+        self._authorize(context, request.model_name)
+        calls.admit(request.model_name)
         try:
             remaining = context.time_remaining()
-            timeout_s = remaining if remaining is not None and remaining > 0 else None
+            call.timeout_s = remaining if remaining is not None and remaining > 0 else None
             parameter = request.parameters.get("timeout")
             if parameter is not None and parameter.int64_param > 0:
-                timeout_s = min(timeout_s or math.inf, parameter.int64_param / 1e6)
+                call.shorten_deadline(parameter.int64_param / 1e6)
             inputs = decode_inputs(request)
-            model, outputs = await plane.infer(
-                request.model_name, request.model_version or None, inputs, timeout_s=timeout_s
-            )
+            name, version = request.model_name, request.model_version or None
+            model, outputs = await calls.infer(call, name, version, inputs)
             response = pb.ModelInferResponse(
                 model_name=model.name, model_version=model.version, id=request.id
             )
             encode_outputs(response, outputs, [o.name for o in request.outputs])
             return response
         finally:
-            plane.release()
+            calls.release()
 
 
-class Unauthenticated(Exception):
-    """No valid API key in the call's metadata."""
-
-
-CODES[:0] = [
-    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED, 401),
-    (ControlRefused, grpc.StatusCode.FAILED_PRECONDITION, 400),
-    (LoadFailed, grpc.StatusCode.FAILED_PRECONDITION, 400),
-]
+def _message(document: dict[str, Any], message: Reply) -> Reply:
+    """A protobuf message from the JSON document of the same fields."""
+    json_format.ParseDict(document, message, ignore_unknown_fields=True)
+    return message

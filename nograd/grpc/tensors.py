@@ -2,7 +2,7 @@
 
 An input comes either in ``raw_input_contents`` (the same little-endian layout as the binary tensor
 extension over HTTP, so ``nograd.protocol.binary`` decodes it) or in the typed ``contents`` field
-the datatype selects; FP16 and BF16 have no typed field and travel raw only. Outputs always go
+the datatype selects; FP16 has no typed field and travels raw only. Outputs always go
 back raw, as Triton answers, which costs one copy instead of a per-element conversion.
 """
 
@@ -14,24 +14,13 @@ from typing import Any, Final
 
 import numpy as np
 
-from nograd.core.datatypes import NUMPY_DTYPES, datatype_of
+from nograd.core.datatypes import NUMPY_DTYPES, TABLE, datatype_of
 from nograd.core.errors import DecodeError
 from nograd.grpc.generated import grpc_service_pb2 as pb
 from nograd.protocol import binary
 
 CONTENTS_FIELD: Final[dict[str, str]] = {
-    "BOOL": "bool_contents",
-    "INT8": "int_contents",
-    "INT16": "int_contents",
-    "INT32": "int_contents",
-    "INT64": "int64_contents",
-    "UINT8": "uint_contents",
-    "UINT16": "uint_contents",
-    "UINT32": "uint_contents",
-    "UINT64": "uint64_contents",
-    "FP32": "fp32_contents",
-    "FP64": "fp64_contents",
-    "BYTES": "bytes_contents",
+    row.name: row.grpc_contents for row in TABLE if row.grpc_contents is not None
 }
 """The typed field of ``InferTensorContents`` each datatype travels in (FP16, BF16: raw only)."""
 

@@ -1,12 +1,12 @@
-"""Builds the FastAPI app: settings, metrics, data plane, routes and the startup/shutdown cycle."""
+"""The FastAPI app of the HTTP front: routes and middlewares over the serving core."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import inspect
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from fastapi import FastAPI, Response
@@ -14,7 +14,6 @@ from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from nograd import __version__
-from nograd.grpc.server import GrpcServer
 from nograd.http import openai, repository, v2
 from nograd.http.direct import DirectRoutes
 from nograd.http.errors import install_error_handlers
@@ -25,76 +24,39 @@ from nograd.http.middleware import (
     HeadMiddleware,
     StartTimeMiddleware,
 )
-from nograd.observability.metrics import Metrics
-from nograd.observability.stats import Statistics
 from nograd.protocol.v2_schemas import InferRequestDocument
-from nograd.runtime.config import ConfigError
-from nograd.serving.control import ModelControl
-from nograd.serving.dataplane import DataPlane
+from nograd.serving.core import Core
 from nograd.settings import Settings
-from nograd.supervisor.worker import WorkerContext
 
 logger = logging.getLogger(__name__)
+Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 
 
-def create_app(settings: Settings | None = None, *, worker: WorkerContext | None = None) -> FastAPI:
-    """The app of one server process; ``worker`` when it is one of several sharing a port."""
-    settings = settings or Settings()
-    shared_dir = worker.shared_dir if worker else None
-    metrics = Metrics(multiprocess_dir=shared_dir)
-    plane = DataPlane(
-        settings, metrics, Statistics(shared_dir), cores=worker.cores if worker else None
-    )
-    control = ModelControl(plane, shared_dir)
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """An app that serves on its own under any ASGI server (``uvicorn --factory``, tests): its
+    lifespan runs the serving core's start-up and shutdown. ``nograd`` itself serves
+    ``build_app`` from ``nograd.server``, beside gRPC."""
+    core = Core(settings or Settings())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         del app
-        await control.open()
-        control.discover()
-        grpc_server: GrpcServer | None = None
-        try:
-            if plane.config_errors:
-                raise ConfigError("; ".join(plane.config_errors))
-            # gRPC serves beside HTTP on this loop and data plane; its calls drain with HTTP's.
-            # Bound now, so a port already taken fails the start-up before minutes of loading.
-            if settings.grpc_port:
-                grpc_server = GrpcServer(
-                    settings, plane, control, metrics, shared_port=worker is not None
-                )
-        except Exception:
-            await control.close()
-            raise
-        tasks = []
-        if worker is None:
-            # Models load after the server starts listening, so liveness answers and readiness
-            # tells the truth (not ready) while weights load and warm up.
-            if grpc_server is not None:
-                await grpc_server.start()
-            tasks.append(asyncio.create_task(control.load_startup(), name="load-models"))
-        else:
-            # The supervisor hands a worker connections only once it is warm; the kernel spreads
-            # gRPC connections over every worker listening, so gRPC listens from then on too.
-            await control.load_startup()
-            if grpc_server is not None:
-                await grpc_server.start()
-            worker.ready()
-        tasks.append(asyncio.create_task(plane.watch_batchers(), name="watch-batchers"))
-        if settings.model_control == "poll":
-            tasks.append(asyncio.create_task(control.poll_forever(), name="poll-repository"))
+        await core.open()
+        core.load_in_background()
+        core.watch()
         try:
             yield
         finally:
-            if grpc_server is not None:
-                await grpc_server.stop(grace_s=1.0)
-            for task in tasks:
-                if not task.done():
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
-            await control.close()
-            await plane.stop(settings.drain_timeout_s)
+            await core.close()
 
+    return build_app(core, lifespan)
+
+
+def build_app(core: Core, lifespan: Lifespan | None = None) -> FastAPI:
+    """The HTTP front over ``core``: V2, OpenAI and repository routes, the inference calls served
+    ahead of the router, the middlewares, ``/metrics``."""
+    settings = core.settings
+    metrics = core.metrics
     app = FastAPI(
         title="nograd",
         version=__version__,
@@ -105,11 +67,11 @@ def create_app(settings: Settings | None = None, *, worker: WorkerContext | None
     )
     app.state.settings = settings
     app.state.metrics = metrics
-    app.state.dataplane = plane
-    app.state.control = control
+    app.state.dataplane = core.plane
+    app.state.control = core.control
+    app.state.calls = core.calls
     install_error_handlers(app)
-    known = plane.models.__contains__
-    app.add_middleware(DirectRoutes, plane=plane, metrics=metrics)
+    app.add_middleware(DirectRoutes, calls=core.calls)
     # Starlette wraps the last-added middleware outermost. From the outside in: auth and
     # admission read headers only, so a request they refuse never has its body read; then the
     # size limit, which reads a chunked body as it arrives.
@@ -117,15 +79,13 @@ def create_app(settings: Settings | None = None, *, worker: WorkerContext | None
         BodyLimitMiddleware,
         max_bytes=settings.max_request_bytes,
         metrics=metrics,
-        known_model=known,
+        known_model=core.plane.models.__contains__,
     )
-    app.add_middleware(AdmissionMiddleware, plane=plane, metrics=metrics)
-    if settings.api_key_list:
+    app.add_middleware(AdmissionMiddleware, calls=core.calls)
+    if core.calls.keys_required:
         app.add_middleware(
             AuthMiddleware,
-            keys=settings.api_key_list,
-            metrics=metrics,
-            known_model=known,
+            calls=core.calls,
             protect_health=settings.auth_health,
             protect_metrics=settings.auth_metrics,
         )

@@ -23,7 +23,8 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from nograd.http.errors import RETRY_AFTER_S, error_body
+from nograd.http.errors import error_body
+from nograd.serving.errors import RETRY_AFTER_S
 from nograd.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -152,7 +153,7 @@ class GuardedProtocol(HttpToolsProtocol):
         if len(self.connections) >= self._max_connections:
             # Not added to the server's connections: uvicorn has nothing to wait for.
             self.transport = transport
-            extra = [(b"retry-after", RETRY_AFTER_S.encode())]
+            extra = [(b"retry-after", str(RETRY_AFTER_S).encode())]
             message = "too many connections; retry later"
             transport.write(refusal(503, message, self.server_state.default_headers, extra))
             transport.close()

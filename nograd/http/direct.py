@@ -17,15 +17,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from nograd.http import openai, v2
 from nograd.http.exchange import Incoming
 from nograd.http.paths import EMBEDDINGS, infer_target, route_path
-from nograd.observability.metrics import Metrics
-from nograd.serving.dataplane import DataPlane
+from nograd.serving.calls import Calls
 
 
 class DirectRoutes:
-    def __init__(self, app: ASGIApp, plane: DataPlane, metrics: Metrics) -> None:
+    def __init__(self, app: ASGIApp, calls: Calls) -> None:
         self.app = app
-        self._plane = plane
-        self._metrics = metrics
+        self._calls = calls
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
@@ -34,10 +32,10 @@ class DirectRoutes:
             if path == EMBEDDINGS or target is not None:
                 incoming = Incoming(scope, receive)
                 if target is None:
-                    reply = await openai.embeddings_call(incoming, self._plane, self._metrics)
+                    reply = await openai.embeddings_call(incoming, self._calls)
                 else:
                     name, version = target
-                    reply = await v2.infer_call(incoming, self._plane, self._metrics, name, version)
+                    reply = await v2.infer_call(incoming, self._calls, name, version)
                 await reply.send(send)
                 return
         await self.app(scope, receive, send)

@@ -1,12 +1,13 @@
-"""Which status each failure earns, and the V2 error body ``{"error": "..."}``.
+"""Which HTTP status each failure earns, and the V2 error body ``{"error": "..."}``.
 
-A client mistake is always a 4xx that names the problem; a 5xx means nograd or the model failed.
+A failure's status is its kind's (``nograd.serving.errors.Kind.status``): a client mistake is
+always a 4xx that names the problem; a 5xx means nograd or the model failed, or a refusal that
+passes (503, with Retry-After).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from typing import Final
 
 import orjson
@@ -15,45 +16,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from nograd.batching import BatcherClosed, DeadlineExceeded, QueueFull, SampleTooLarge
-from nograd.core.errors import DecodeError
-from nograd.serving.control import ControlRefused, LoadFailed
-from nograd.serving.errors import (
-    InferenceFailed,
-    InvalidInput,
-    LimitExceeded,
-    ModelNotFound,
-    ModelNotReady,
-)
+from nograd.serving.errors import KINDS, RETRY_AFTER_S, kind_of, retry_after_s
 
 logger = logging.getLogger(__name__)
 
-RETRY_AFTER_S = "1"
-
-STATUS: dict[type[Exception], int] = {
-    ControlRefused: 400,
-    LoadFailed: 400,
-    DecodeError: 400,
-    InvalidInput: 400,
-    LimitExceeded: 422,
-    ModelNotFound: 404,
-    ModelNotReady: 503,
-    QueueFull: 503,
-    BatcherClosed: 503,
-    DeadlineExceeded: 504,
-    SampleTooLarge: 507,
-    InferenceFailed: 500,
-}
-
 
 def status_of(exc: BaseException) -> int:
+    """The status of a failure: one the front's own parsing carries (OpenAI's), else its kind's."""
     carried = getattr(exc, "status", None)
     if isinstance(carried, int) and 400 <= carried <= 599:
         return carried
-    for kind, status in STATUS.items():
-        if isinstance(exc, kind):
-            return status
-    return 500
+    return kind_of(exc).status
 
 
 def error_headers(status: int, exc: BaseException | None = None) -> list[tuple[str, str]]:
@@ -61,9 +34,7 @@ def error_headers(status: int, exc: BaseException | None = None) -> list[tuple[s
     an overloaded queue says when it expects room."""
     if status != 503:
         return []
-    if isinstance(exc, QueueFull):
-        return [("Retry-After", str(max(1, math.ceil(exc.retry_after_s))))]
-    return [("Retry-After", RETRY_AFTER_S)]
+    return [("Retry-After", str(RETRY_AFTER_S if exc is None else retry_after_s(exc)))]
 
 
 def error_body(message: str) -> bytes:
@@ -133,8 +104,8 @@ def install_error_handlers(app: FastAPI) -> None:
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
 
-    for kind in STATUS:
-        app.add_exception_handler(kind, on_known)
+    for cause, _ in KINDS:
+        app.add_exception_handler(cause, on_known)
     app.add_exception_handler(StarletteHTTPException, on_http)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(Exception, on_unexpected)

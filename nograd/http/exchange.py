@@ -1,5 +1,6 @@
-"""What every inference call shares, whatever its protocol: request ids, deadlines from headers,
-cancellation when the client goes away, the in-flight gauge, request metrics and the log line.
+"""An HTTP inference call around the serving core's call lifecycle (``nograd.serving.calls``):
+request ids and deadlines from headers, the body read once, cancellation when the client goes
+away, and the failure's kind answered as an HTTP status.
 
 Inference calls are served straight from ASGI (``nograd.http.direct``): an ``Incoming`` decodes the
 headers once and reads the body once, and a ``Reply`` goes out as the two ASGI messages.
@@ -12,10 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-import os
-import re
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -25,14 +22,10 @@ from starlette.types import Receive, Scope, Send
 from nograd.core.errors import DecodeError
 from nograd.http.errors import status_of
 from nograd.http.middleware import STARTED_KEY
-from nograd.observability.metrics import UNKNOWN_MODEL, Metrics
-
-logger = logging.getLogger("nograd.requests")
+from nograd.serving.calls import CLIENT_GONE, Call, Calls, safe_request_id
 
 REQUEST_ID_HEADER = "X-Request-ID"
 TIMEOUT_HEADER = "X-Request-Timeout"
-CLIENT_CLOSED = 499
-"""Status recorded (never sent) for a request whose client disconnected before its answer."""
 DISCONNECT_GRACE_S = 0.02
 """How long a call runs before a task starts watching for its client leaving.
 
@@ -41,18 +34,6 @@ model's call; most calls are answered well within this, and one whose client
 leaves later is still cancelled before its queued rows cost compute. A client that leaves sooner
 is noticed at this mark: at most this much queueing is spent on it.
 """
-_SAFE_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
-
-
-@dataclass
-class Call:
-    """One inference call as the routes see it."""
-
-    request_id: str
-    timeout_s: float | None
-    id_from_header: bool = False
-    model: str = UNKNOWN_MODEL
-    """Metric label: set by the route once it knows the name is a served model."""
 
 
 class ClientGone(Exception):
@@ -113,18 +94,6 @@ class Reply:
             headers=dict(self.headers),
             media_type=self.content_type,
         )
-
-
-def request_id_of(incoming: Incoming) -> str | None:
-    """The caller's X-Request-ID when it is a sane token (junk is never echoed)."""
-    given = incoming.headers.get(REQUEST_ID_HEADER.lower())
-    return given if given is not None and _SAFE_ID.match(given) else None
-
-
-def adopt_request_id(call: Call, protocol_id: str | None) -> None:
-    """Use the protocol's own id (the V2 ``id``) when the caller sent no X-Request-ID."""
-    if not call.id_from_header and protocol_id is not None and _SAFE_ID.match(protocol_id):
-        call.request_id = protocol_id
 
 
 def header_timeout_s(incoming: Incoming) -> float | None:
@@ -194,46 +163,27 @@ async def until_disconnect(
 
 async def run_call(
     incoming: Incoming,
-    metrics: Metrics,
+    calls: Calls,
     protocol: str,
     work: Callable[[Call], Awaitable[Reply]],
     on_error: Callable[[int, Exception], Reply],
 ) -> Reply:
-    """Run one inference call with everything every protocol owes its callers."""
-    started = incoming.scope.get("state", {}).get(STARTED_KEY) or time.perf_counter()
-    given = request_id_of(incoming)
-    # 128 random bits as 32 hex digits, like uuid4().hex, without building a UUID object.
-    call = Call(given or os.urandom(16).hex(), None, id_from_header=given is not None)
-    metrics.inflight.inc()
+    """Run one inference call through the call lifecycle, answered over HTTP."""
+    started = incoming.scope.get("state", {}).get(STARTED_KEY)
+    given = safe_request_id(incoming.headers.get(REQUEST_ID_HEADER.lower()))
+    call = calls.open(protocol, incoming.scope["path"], given, started)
+    reply: Reply | None = None
     try:
         call.timeout_s = header_timeout_s(incoming)
         await incoming.body()
         reply = await until_disconnect(incoming.receive, lambda: work(call))
     except ClientGone:
-        reply = Reply(CLIENT_CLOSED, content_type=None)
+        reply = Reply(CLIENT_GONE, content_type=None)
     except Exception as exc:
-        status = status_of(exc)
-        if status >= 500 and status not in (503, 504, 507):
-            logger.exception("%s call on model %s failed", protocol, call.model)
-        reply = on_error(status, exc)
+        calls.failed(call, exc)
+        reply = on_error(status_of(exc), exc)
     finally:
-        metrics.inflight.dec()
-    seconds = time.perf_counter() - started
+        # A call cut by a shutdown is recorded as one its client never saw answered.
+        calls.close(call, CLIENT_GONE if reply is None else reply.status)
     reply.headers.append((REQUEST_ID_HEADER, call.request_id))
-    metrics.request_done(call.model, protocol, reply.status, seconds)
-    if logger.isEnabledFor(logging.DEBUG):
-        logger.debug(
-            "%s %s -> %d in %.1f ms",
-            incoming.scope["method"],
-            incoming.scope["path"],
-            reply.status,
-            seconds * 1000,
-            extra={
-                "request_id": call.request_id,
-                "model": call.model,
-                "protocol": protocol,
-                "status": reply.status,
-                "duration_ms": round(seconds * 1000, 3),
-            },
-        )
     return reply

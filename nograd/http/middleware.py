@@ -7,17 +7,16 @@ request before its body is read.
 
 from __future__ import annotations
 
-import hmac
 import time
 from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from nograd.batching import QueueFull
 from nograd.http.errors import error_body, error_headers, openai_error_body
 from nograd.http.paths import EMBEDDINGS, OPENAI_PREFIX, infer_target, route_path, v2_model
 from nograd.observability.metrics import UNKNOWN_MODEL, Metrics
-from nograd.serving.dataplane import DataPlane
+from nograd.serving.calls import Calls
+from nograd.serving.errors import QueueFull, Unauthenticated
 
 STARTED_KEY = "nograd_started"
 
@@ -55,27 +54,20 @@ def model_label(path: str, known: Callable[[str], bool]) -> str:
 
 
 class AuthMiddleware:
-    """Bearer API keys on inference, metadata and management routes.
-
-    Keys are compared in constant time against every configured key (so timing reveals neither
-    which key nor how much of it matched) and never logged. Health and metrics stay open unless
-    configured otherwise, because probes and scrapers rarely carry credentials.
-    """
+    """API keys on inference, metadata and management routes (``Calls.authorize``: constant
+    time, never logged). Health and metrics stay open unless configured otherwise, because
+    probes and scrapers rarely carry credentials."""
 
     def __init__(
         self,
         app: ASGIApp,
-        keys: tuple[str, ...],
-        metrics: Metrics,
-        known_model: Callable[[str], bool],
+        calls: Calls,
         *,
         protect_health: bool = False,
         protect_metrics: bool = False,
     ) -> None:
         self.app = app
-        self._keys = tuple(k.encode() for k in keys)
-        self._metrics = metrics
-        self._known_model = known_model
+        self._calls = calls
         self._protect_health = protect_health
         self._protect_metrics = protect_metrics
 
@@ -86,53 +78,40 @@ class AuthMiddleware:
             return self._protect_metrics
         return path.startswith(("/v2", "/v1"))
 
-    def _authorized(self, scope: Scope) -> bool | None:
-        """True for a valid key, False for a wrong one (or several), None when none was sent."""
-        headers = [v for k, v in scope["headers"] if k == b"authorization"]
-        if not headers:
-            return None
-        if len(headers) > 1:
-            return False  # which one counts would differ between proxies and servers
-        header = headers[0]
-        scheme, _, token = header.partition(b" ")
-        if scheme.lower() != b"bearer" or not token.strip():
-            return False
-        token = token.strip()
-        matched = False
-        for key in self._keys:
-            matched |= hmac.compare_digest(token, key)
-        return matched
-
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self._keys or not self._protected(scope["path"]):
-            await self.app(scope, receive, send)
-            return
-        verdict = self._authorized(scope)
-        if verdict:
+        if (
+            scope["type"] != "http"
+            or not self._calls.keys_required
+            or not self._protected(scope["path"])
+        ):
             await self.app(scope, receive, send)
             return
         path = scope["path"]
-        self._metrics.rejected.labels(model_label(path, self._known_model), "unauthorized").inc()
-        message = "missing API key" if verdict is None else "invalid API key"
-        # Refused before a byte of the body is read; closing the connection stops its upload.
-        await _respond(
-            send,
-            path,
-            401,
-            f"{message}: send one 'Authorization: Bearer <key>' header",
-            "invalid_api_key",
-            [(b"www-authenticate", b'Bearer realm="nograd"'), (b"connection", b"close")],
-        )
+        target = v2_model(path)
+        values = [v for k, v in scope["headers"] if k == b"authorization"]
+        try:
+            self._calls.authorize(values, "http", None if target is None else target[0])
+        except Unauthenticated as exc:
+            # Refused before a byte of the body is read; closing the connection stops its upload.
+            await _respond(
+                send,
+                path,
+                401,
+                str(exc),
+                "invalid_api_key",
+                [(b"www-authenticate", b'Bearer realm="nograd"'), (b"connection", b"close")],
+            )
+            return
+        await self.app(scope, receive, send)
 
 
 class AdmissionMiddleware:
     """Admits inference requests into the data plane before their bodies are read, and refuses
-    those over the process's bounds with 503 + Retry-After (``nograd.serving.admission``)."""
+    those over the process's bounds with 503 + Retry-After (``Calls.admit``)."""
 
-    def __init__(self, app: ASGIApp, plane: DataPlane, metrics: Metrics) -> None:
+    def __init__(self, app: ASGIApp, calls: Calls) -> None:
         self.app = app
-        self._plane = plane
-        self._metrics = metrics
+        self._calls = calls
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST":
@@ -143,19 +122,16 @@ class AdmissionMiddleware:
         if target is None and path != EMBEDDINGS:
             await self.app(scope, receive, send)
             return
-        name = None if target is None else target[0]
         try:
-            self._plane.admit(name)
+            self._calls.admit(None if target is None else target[0])
         except QueueFull as exc:
-            label = name if name is not None and name in self._plane.models else UNKNOWN_MODEL
-            self._metrics.rejected.labels(label, exc.reason).inc()
             headers = [(k.lower().encode(), v.encode()) for k, v in error_headers(503, exc)]
             await _respond(send, scope["path"], 503, str(exc), "server_overloaded", headers)
             return
         try:
             await self.app(scope, receive, send)
         finally:
-            self._plane.release()
+            self._calls.release()
 
 
 class BodyLimitMiddleware:

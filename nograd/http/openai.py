@@ -21,10 +21,9 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from nograd.http.errors import error_headers, openai_error_body
-from nograd.http.exchange import Call, Incoming, Reply, run_call
-from nograd.http.state import dataplane_of, metrics_of
-from nograd.observability.metrics import Metrics
-from nograd.serving.dataplane import DataPlane
+from nograd.http.exchange import Incoming, Reply, run_call
+from nograd.http.state import calls_of, dataplane_of
+from nograd.serving.calls import Call, Calls
 from nograd.serving.errors import InferenceFailed
 from nograd.serving.registry import ServedModel
 
@@ -200,10 +199,10 @@ def _error_reply(
     return Reply(status, body, headers=error_headers(status, exc))
 
 
-async def _embeddings(plane: DataPlane, body: EmbeddingRequest, timeout_s: float | None) -> bytes:
+async def _embeddings(calls: Calls, call: Call, body: EmbeddingRequest) -> bytes:
     """The response body; raises on any error."""
     texts = _texts(body)
-    spec = _as_embeddings_model(plane.get(body.model))
+    spec = _as_embeddings_model(calls.plane.get(body.model))
     if body.dimensions is not None and body.dimensions != spec.dimensions:
         raise _ClientError(
             400,
@@ -214,10 +213,10 @@ async def _embeddings(plane: DataPlane, body: EmbeddingRequest, timeout_s: float
     array = np.empty(len(texts), dtype=np.object_)
     array[:] = [text.encode("utf-8") for text in texts]
     inputs = {spec.input_name: array.reshape((len(texts), *spec.input_shape))}
-    model, outputs = await plane.infer(body.model, None, inputs, timeout_s=timeout_s)
+    model, outputs = await calls.infer(call, body.model, None, inputs)
     vectors = outputs[spec.output_name]
     if not np.isfinite(vectors).all():
-        plane.metrics.inference_errors.labels(model.name).inc()
+        calls.metrics.inference_errors.labels(model.name).inc()
         raise InferenceFailed(_non_finite_message(model.name, vectors))
     tokens = int(outputs[TOKEN_COUNT_OUTPUT].sum()) if spec.counts_tokens else 0
     document = {
@@ -246,26 +245,25 @@ async def _embeddings(plane: DataPlane, body: EmbeddingRequest, timeout_s: float
 )
 async def create_embeddings(request: Request) -> Response:
     incoming = Incoming(request.scope, request.receive)
-    reply = await embeddings_call(incoming, dataplane_of(request), metrics_of(request))
+    reply = await embeddings_call(incoming, calls_of(request))
     return reply.response()
 
 
-async def embeddings_call(incoming: Incoming, plane: DataPlane, metrics: Metrics) -> Reply:
+async def embeddings_call(incoming: Incoming, calls: Calls) -> Reply:
     """One embeddings call; served by ``nograd.http.direct`` ahead of the router, and by the
     route."""
 
     async def work(call: Call) -> Reply:
         body = _parse(await incoming.body())
-        if body.model in plane.models:
-            call.model = body.model
-        return Reply(200, await _embeddings(plane, body, call.timeout_s))
+        call.model = calls.label(body.model)
+        return Reply(200, await _embeddings(calls, call, body))
 
     def on_error(status: int, exc: Exception) -> Reply:
         param = exc.param if isinstance(exc, _ClientError) else None
         param = param or ("model" if status == 404 else None)
         return _error_reply(status, str(exc), param, exc)
 
-    return await run_call(incoming, metrics, PROTOCOL, work, on_error)
+    return await run_call(incoming, calls, PROTOCOL, work, on_error)
 
 
 def _card(model: ServedModel) -> ModelCard:

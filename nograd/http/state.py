@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import Request
 
 from nograd.observability.metrics import Metrics
+from nograd.serving.calls import Calls
 from nograd.serving.control import ModelControl
 from nograd.serving.dataplane import DataPlane
 
@@ -25,3 +26,9 @@ def control_of(request: Request) -> ModelControl:
     control = request.app.state.control
     assert isinstance(control, ModelControl)
     return control
+
+
+def calls_of(request: Request) -> Calls:
+    calls = request.app.state.calls
+    assert isinstance(calls, Calls)
+    return calls

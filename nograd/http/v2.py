@@ -10,12 +10,10 @@ import numpy as np
 from fastapi import APIRouter, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
-from nograd import __version__
 from nograd.core.errors import DecodeError
 from nograd.http.errors import error_body, error_headers
-from nograd.http.exchange import Call, Incoming, Reply, adopt_request_id, run_call
-from nograd.http.state import dataplane_of, metrics_of
-from nograd.observability.metrics import Metrics
+from nograd.http.exchange import Incoming, Reply, run_call
+from nograd.http.state import calls_of, dataplane_of
 from nograd.protocol import binary
 from nograd.protocol.v2 import (
     InferRequest,
@@ -35,6 +33,8 @@ from nograd.protocol.v2_schemas import (
     ServerMetadata,
     StatisticsResponse,
 )
+from nograd.serving import documents
+from nograd.serving.calls import Call, Calls
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.registry import ServedModel
 
@@ -52,7 +52,7 @@ def json_response(document: Any, status: int = 200) -> Response:
 
 @router.get("", response_model=ServerMetadata, summary="Server metadata")
 async def server_metadata() -> ServerMetadata:
-    return ServerMetadata(name="nograd", version=__version__, extensions=EXTENSIONS)
+    return ServerMetadata.model_validate(documents.server_metadata(EXTENSIONS))
 
 
 @router.get("/health/live", response_model=LiveResponse, summary="Liveness")
@@ -71,10 +71,8 @@ async def ready(request: Request) -> Response:
     return json_response({"ready": is_ready}, 200 if is_ready else 503)
 
 
-def _statistics(plane: DataPlane, models: list[ServedModel]) -> StatisticsResponse:
-    return StatisticsResponse.model_validate(
-        {"model_stats": [plane.statistics.of(m.name).document(m.name, m.version) for m in models]}
-    )
+def _statistics(plane: DataPlane, name: str | None, version: str | None) -> StatisticsResponse:
+    return StatisticsResponse.model_validate(documents.statistics(plane, name, version))
 
 
 @router.get(
@@ -83,8 +81,7 @@ def _statistics(plane: DataPlane, models: list[ServedModel]) -> StatisticsRespon
     summary="Statistics of every model (statistics extension)",
 )
 async def all_statistics(request: Request) -> StatisticsResponse:
-    plane = dataplane_of(request)
-    return _statistics(plane, list(plane.models.values()))
+    return _statistics(dataplane_of(request), None, None)
 
 
 @router.get(
@@ -94,8 +91,7 @@ async def all_statistics(request: Request) -> StatisticsResponse:
     responses=ERROR_RESPONSES,
 )
 async def model_statistics(request: Request, name: str) -> StatisticsResponse:
-    plane = dataplane_of(request)
-    return _statistics(plane, [plane.get(name)])
+    return _statistics(dataplane_of(request), name, None)
 
 
 @router.get(
@@ -105,29 +101,7 @@ async def model_statistics(request: Request, name: str) -> StatisticsResponse:
     responses=ERROR_RESPONSES,
 )
 async def model_version_statistics(request: Request, name: str, version: str) -> StatisticsResponse:
-    plane = dataplane_of(request)
-    return _statistics(plane, [plane.get(name, version)])
-
-
-def _metadata(model: ServedModel, versions: list[str]) -> ModelMetadata:
-    config = model.config
-    return ModelMetadata.model_validate(
-        {
-            "name": config.name,
-            "versions": versions,
-            "platform": config.platform,
-            # A scalar sample is listed as [1], as the model configuration's dims say (Triton's
-            # convention); requests may send [n] or [n, 1].
-            "inputs": [
-                {"name": s.name, "datatype": s.datatype, "shape": [-1, *(s.shape or (1,))]}
-                for s in config.inputs
-            ],
-            "outputs": [
-                {"name": s.name, "datatype": s.datatype, "shape": [-1, *s.shape]}
-                for s in config.outputs
-            ],
-        }
-    )
+    return _statistics(dataplane_of(request), name, version)
 
 
 @router.get(
@@ -138,7 +112,7 @@ def _metadata(model: ServedModel, versions: list[str]) -> ModelMetadata:
 )
 async def model_metadata(request: Request, name: str) -> ModelMetadata:
     plane = dataplane_of(request)
-    return _metadata(plane.get(name), plane.registry.version_names(name))
+    return ModelMetadata.model_validate(documents.model_metadata(plane, plane.get(name)))
 
 
 @router.get(
@@ -149,7 +123,7 @@ async def model_metadata(request: Request, name: str) -> ModelMetadata:
 )
 async def model_version_metadata(request: Request, name: str, version: str) -> ModelMetadata:
     plane = dataplane_of(request)
-    return _metadata(plane.get(name, version), plane.registry.version_names(name))
+    return ModelMetadata.model_validate(documents.model_metadata(plane, plane.get(name, version)))
 
 
 def _model_ready(request: Request, name: str, version: str | None) -> Response:
@@ -226,27 +200,24 @@ def _error_reply(status: int, exc: Exception) -> Reply:
     return Reply(status, error_body(str(exc)), headers=error_headers(status, exc))
 
 
-async def infer_call(
-    incoming: Incoming, plane: DataPlane, metrics: Metrics, name: str, version: str | None
-) -> Reply:
+async def infer_call(incoming: Incoming, calls: Calls, name: str, version: str | None) -> Reply:
     """One V2 inference call; served by ``nograd.http.direct`` ahead of the router, and by the
     routes."""
 
     async def work(call: Call) -> Reply:
-        if name in plane.models:
-            call.model = name
+        call.model = calls.label(name)
         decoded = await _decode(incoming)
-        adopt_request_id(call, decoded.id)
-        timeout = _timeout_s(decoded.parameters) or call.timeout_s
-        model, outputs = await plane.infer(name, version, decoded.inputs, timeout_s=timeout)
+        call.adopt_request_id(decoded.id)
+        call.shorten_deadline(_timeout_s(decoded.parameters))
+        model, outputs = await calls.infer(call, name, version, decoded.inputs)
         return _infer_reply(model, decoded, outputs)
 
-    return await run_call(incoming, metrics, PROTOCOL, work, _error_reply)
+    return await run_call(incoming, calls, PROTOCOL, work, _error_reply)
 
 
 async def _routed_infer(request: Request, name: str, version: str | None) -> Response:
     incoming = Incoming(request.scope, request.receive)
-    reply = await infer_call(incoming, dataplane_of(request), metrics_of(request), name, version)
+    reply = await infer_call(incoming, calls_of(request), name, version)
     return reply.response()
 
 

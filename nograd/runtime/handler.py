@@ -18,7 +18,7 @@ from typing import ClassVar, Final, Protocol
 import numpy as np
 import torch
 
-from nograd.core.datatypes import NUMPY_DTYPES
+from nograd.core.datatypes import NUMPY_DTYPES, TABLE
 from nograd.host.ledger import CoreLedger
 from nograd.runtime.config import ModelConfig, TensorSpec
 from nograd.runtime.memory import is_out_of_memory
@@ -26,18 +26,7 @@ from nograd.runtime.memory import is_out_of_memory
 Outputs = dict[str, np.ndarray]
 
 TORCH_DTYPES: Final[dict[str, torch.dtype]] = {
-    "BOOL": torch.bool,
-    "UINT8": torch.uint8,
-    "UINT16": torch.uint16,
-    "UINT32": torch.uint32,
-    "UINT64": torch.uint64,
-    "INT8": torch.int8,
-    "INT16": torch.int16,
-    "INT32": torch.int32,
-    "INT64": torch.int64,
-    "FP16": torch.float16,
-    "FP32": torch.float32,
-    "FP64": torch.float64,
+    row.name: getattr(torch, row.torch) for row in TABLE if row.torch is not None
 }
 WIDE_FORWARD_S: Final = 0.003
 """With shared cores, a batch runs on more than one thread only when the model's last batch took

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from nograd.runtime.config import ConfigError, find_config, version_order
 from nograd.serving.dataplane import DataPlane
-from nograd.serving.errors import InvalidInput, ModelNotFound
+from nograd.serving.errors import ControlRefused, InvalidInput, LoadFailed, ModelNotFound
 from nograd.serving.loading import free
 from nograd.serving.peers import Peers
 from nograd.serving.registry import ServedModel
@@ -36,15 +36,6 @@ from nograd.serving.repository import (
 logger = logging.getLogger(__name__)
 
 Operation = Literal["load", "unload"]
-
-
-class ControlRefused(Exception):
-    """Load and unload calls are not taken in this model control mode."""
-
-
-class LoadFailed(Exception):
-    """A version could not be loaded (or a worker could not apply the call); what served before
-    still serves."""
 
 
 def load_parameters(parameters: Mapping[str, object]) -> Override | None:

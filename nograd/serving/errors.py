@@ -1,10 +1,51 @@
-"""What the serving core refuses a request for; each transport maps them to its own status codes."""
+"""What the serving core refuses a request for, and the protocol-neutral kind of every failure.
+
+Each failure has one ``Kind``; each front turns kinds into its own status codes (gRPC in one small
+table; HTTP answers a kind's ``status``), so a failure means the same thing over every protocol.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import enum
+import math
+from typing import Final
 
-from nograd.batching import BatcherClosed, DeadlineExceeded, QueueFull, SampleTooLarge
+# Re-exported: a front names these refusals without importing the batcher.
+from nograd.batching import BatcherClosed as BatcherClosed
+from nograd.batching import DeadlineExceeded as DeadlineExceeded
+from nograd.batching import QueueFull as QueueFull
+from nograd.batching import SampleTooLarge as SampleTooLarge
+from nograd.core.errors import DecodeError as DecodeError
+
+
+class Kind(enum.Enum):
+    """A failure's kind, with the HTTP status it stands for (``status``): what HTTP answers, and
+    what metrics and statistics record for every protocol."""
+
+    INVALID = ("invalid", 400)
+    """The request is malformed or does not match the model; the message says how."""
+    REFUSED = ("refused", 400)
+    """A call this server's configuration does not take (model control off), or a load that
+    failed: the request was fine, the server's state refuses it."""
+    UNAUTHENTICATED = ("unauthenticated", 401)
+    NOT_FOUND = ("not_found", 404)
+    OVER_LIMIT = ("over_limit", 422)
+    """Well formed but over a configured limit (rows, text length, message size)."""
+    CLIENT_GONE = ("client_gone", 499)
+    """The client left before its answer (recorded, never sent)."""
+    FAILED = ("failed", 500)
+    """The model or nograd failed on this request."""
+    UNAVAILABLE = ("unavailable", 503)
+    """Not ready, draining or overloaded: a transient refusal with a time to retry."""
+    DEADLINE = ("deadline", 504)
+    TOO_LARGE_FOR_MEMORY = ("too_large_for_memory", 507)
+    """One sample does not fit in the device memory the model may use."""
+
+    @property
+    def status(self) -> int:
+        status: int = self.value[1]
+        return status
 
 
 class ModelNotFound(Exception):
@@ -36,6 +77,60 @@ class Overloaded(QueueFull):
 
 class Draining(ModelNotReady):
     """The server received SIGTERM and finishes accepted work only."""
+
+
+class Unauthenticated(Exception):
+    """No valid API key came with the call."""
+
+
+class ControlRefused(Exception):
+    """Load and unload calls are not taken in this model control mode."""
+
+
+class LoadFailed(Exception):
+    """A version could not be loaded (or a worker could not apply the call); what served before
+    still serves."""
+
+
+KINDS: Final[tuple[tuple[type[Exception], Kind], ...]] = (
+    (DecodeError, Kind.INVALID),
+    (InvalidInput, Kind.INVALID),
+    (ControlRefused, Kind.REFUSED),
+    (LoadFailed, Kind.REFUSED),
+    (Unauthenticated, Kind.UNAUTHENTICATED),
+    (ModelNotFound, Kind.NOT_FOUND),
+    (LimitExceeded, Kind.OVER_LIMIT),
+    (ModelNotReady, Kind.UNAVAILABLE),
+    (QueueFull, Kind.UNAVAILABLE),
+    (BatcherClosed, Kind.UNAVAILABLE),
+    (DeadlineExceeded, Kind.DEADLINE),
+    (SampleTooLarge, Kind.TOO_LARGE_FOR_MEMORY),
+    (InferenceFailed, Kind.FAILED),
+)
+"""Every failure nograd names, with its kind; anything else is ``FAILED``."""
+
+RETRY_AFTER_S: Final = 1
+"""When a transient refusal with no estimate of its own says to come back."""
+
+
+def kind_of(exc: BaseException) -> Kind:
+    for cause, kind in KINDS:
+        if isinstance(exc, cause):
+            return kind
+    return Kind.FAILED
+
+
+def is_server_fault(kind: Kind) -> bool:
+    """A failure worth a traceback in the log: neither the client's nor a refusal by design."""
+    return kind is Kind.FAILED
+
+
+def retry_after_s(exc: BaseException) -> int:
+    """Whole seconds before a refused request is worth sending again: the queue's estimate when
+    it has one."""
+    if isinstance(exc, QueueFull):
+        return max(1, math.ceil(exc.retry_after_s))
+    return RETRY_AFTER_S
 
 
 def rejection_reason(exc: BaseException) -> str | None:

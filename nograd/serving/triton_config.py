@@ -10,26 +10,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Final
 
+from nograd.core.datatypes import TABLE
 from nograd.runtime.config import TensorSpec, version_order
 from nograd.serving.registry import ServedModel, State
 from nograd.settings import Settings
 
-TRITON_TYPES: Final[dict[str, str]] = {
-    "BOOL": "TYPE_BOOL",
-    "UINT8": "TYPE_UINT8",
-    "UINT16": "TYPE_UINT16",
-    "UINT32": "TYPE_UINT32",
-    "UINT64": "TYPE_UINT64",
-    "INT8": "TYPE_INT8",
-    "INT16": "TYPE_INT16",
-    "INT32": "TYPE_INT32",
-    "INT64": "TYPE_INT64",
-    "FP16": "TYPE_FP16",
-    "FP32": "TYPE_FP32",
-    "FP64": "TYPE_FP64",
-    "BF16": "TYPE_BF16",
-    "BYTES": "TYPE_STRING",
-}
+TRITON_TYPES: Final[dict[str, str]] = {row.name: row.triton for row in TABLE}
 """Open Inference Protocol datatypes to Triton's ``DataType`` names (BYTES is TYPE_STRING)."""
 
 INDEX_STATES: Final[dict[State, str]] = {

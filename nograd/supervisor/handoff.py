@@ -5,7 +5,8 @@ connections over a Unix SOCK_SEQPACKET pair (one message per connection); the wo
 into its event loop as if it had accepted it. Letting the kernel spread connections instead (one
 shared listening socket, or one ``SO_REUSEPORT`` socket per worker) left one worker with most of
 a client's connections (docs/architecture.md). Each worker counts the connections it closed in a
-shared counter, so the supervisor knows how many each has open.
+shared counter, so the supervisor knows how many each has open. Each message names the front
+the connection is for (``HTTP`` or ``GRPC``): the supervisor listens on both ports.
 
 At a stop the channel carries the one message a worker sends back, ``QUIET`` (it holds no request
 and would exit), and the supervisor ends each channel once it stopped accepting, so a worker
@@ -19,13 +20,18 @@ import contextlib
 import ctypes
 import logging
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+
+from nograd.settings import Settings
 
 logger = logging.getLogger(__name__)
 
 QUIET = b"q"
 """A draining worker's word to its supervisor: it holds no request."""
+HTTP = b"h"
+GRPC = b"g"
+"""What a handed-over connection speaks: the front that serves it."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,33 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def bind_ports(settings: Settings) -> dict[bytes, socket.socket]:
+    """The HTTP and gRPC ports (those not turned off), bound before any worker starts, so a taken
+    one fails the start at once, naming its setting."""
+    bound: dict[bytes, socket.socket] = {}
+    for front, port, name in (
+        (HTTP, settings.port, "NOGRAD_PORT"),
+        (GRPC, settings.grpc_port, "NOGRAD_GRPC_PORT"),
+    ):
+        if not port:
+            continue
+        try:
+            bound[front] = bind_socket(settings.host, port)
+        except OSError as exc:
+            for sock in bound.values():
+                sock.close()
+            raise OSError(
+                f"cannot listen on {settings.host}:{port} ({name}): {exc.strerror}"
+            ) from exc
+    return bound
+
+
+def describe_ports(sockets: Mapping[bytes, socket.socket]) -> str:
+    """``HTTP 8000, gRPC 8001``: the ports and what each serves, for the log."""
+    names = {HTTP: "HTTP", GRPC: "gRPC"}
+    return ", ".join(f"{names[front]} {sock.getsockname()[1]}" for front, sock in sockets.items())
+
+
 def least_loaded(open_connections: Sequence[int | None], last: int) -> int | None:
     """The worker to hand the next connection: fewest open connections, ties taken in turn
     after ``last`` (so one-request connections alternate); None marks a worker not serving."""
@@ -62,37 +95,27 @@ def least_loaded(open_connections: Sequence[int | None], last: int) -> int | Non
     return best
 
 
-def send_connection(channel: socket.socket, conn: socket.socket) -> None:
-    """Pass ``conn`` to the worker at the other end of ``channel`` (raises what ``sendmsg`` does:
-    BlockingIOError when its inbox is full, OSError when its end is closed)."""
-    socket.send_fds(channel, [b"c"], [conn.fileno()])
-
-
-def counting(base: type[asyncio.Protocol], closed: ctypes.c_longlong) -> type[asyncio.Protocol]:
-    """``base`` that counts its closed connections in ``closed``, for the supervisor."""
-
-    def connection_lost(self: asyncio.Protocol, exc: Exception | None) -> None:
-        try:
-            base.connection_lost(self, exc)
-        finally:
-            closed.value += 1
-
-    return type(f"Counted{base.__name__}", (base,), {"connection_lost": connection_lost})
+def send_connection(channel: socket.socket, conn: socket.socket, front: bytes = HTTP) -> None:
+    """Pass ``conn`` for ``front`` to the worker at the other end of ``channel`` (raises what
+    ``sendmsg`` does: BlockingIOError when its inbox is full, OSError when its end is closed)."""
+    socket.send_fds(channel, [front], [conn.fileno()])
 
 
 class Inbox:
     """The worker's end: takes each connection the supervisor sends and serves it on ``loop``
-    with a protocol from ``create_protocol``, like a connection the worker accepted itself."""
+    with a protocol from the factory of its front, like a connection the worker accepted itself.
+    The protocols count their own closes (``Handoff.closed``); the inbox counts those it could not
+    serve."""
 
     def __init__(
         self,
         handoff: Handoff,
         loop: asyncio.AbstractEventLoop,
-        create_protocol: Callable[[], asyncio.Protocol],
+        factories: Mapping[bytes, Callable[[], asyncio.Protocol]],
     ) -> None:
         self._handoff = handoff
         self._loop = loop
-        self._create_protocol = create_protocol
+        self._factories = factories
         self._adopting: set[asyncio.Task[None]] = set()
         self._ended = asyncio.Event()
 
@@ -139,14 +162,20 @@ class Inbox:
                 self._loop.remove_reader(channel.fileno())
                 self._ended.set()
                 return
+            factory = self._factories.get(message)
             for fd in fds:
-                task = self._loop.create_task(self._adopt(socket.socket(fileno=fd)))
+                conn = socket.socket(fileno=fd)
+                if factory is None:  # a front this worker does not serve
+                    conn.close()
+                    self._handoff.closed.value += 1
+                    continue
+                task = self._loop.create_task(self._adopt(conn, factory))
                 self._adopting.add(task)
                 task.add_done_callback(self._adopting.discard)
 
-    async def _adopt(self, conn: socket.socket) -> None:
+    async def _adopt(self, conn: socket.socket, factory: Callable[[], asyncio.Protocol]) -> None:
         try:
-            await self._loop.connect_accepted_socket(self._create_protocol, conn)
+            await self._loop.connect_accepted_socket(factory, conn)
         except OSError as exc:  # the client left before it could be served
             logger.debug("a handed-over connection failed: %s", exc)
             conn.close()

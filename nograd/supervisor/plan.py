@@ -51,7 +51,23 @@ def resolve_workers(settings: Settings) -> tuple[Settings, bool]:
     return settings.model_copy(update={"workers": count}), True
 
 
-def another_fits(footprint: int | None, available: int) -> bool:
+def another_fits(footprint: int | None, available: int, started: int = 1) -> bool:
     """Whether one more copy of a worker holding ``footprint`` resident bytes fits in
-    ``available``; an unreadable footprint does not stop a start."""
-    return footprint is None or footprint <= AUTO_MEMORY_SHARE * available
+    ``available``; an unreadable footprint does not stop a start. When it does not, the log says
+    why the server goes on with the ``started`` workers it has."""
+    if footprint is None or footprint <= AUTO_MEMORY_SHARE * available:
+        return True
+    logger.warning(
+        "workers: auto, serving with %d: another worker would hold %s more (the first one's "
+        "resident memory) and %s is available, of which %.0f%% may go to it; set "
+        "NOGRAD_WORKERS to choose",
+        started,
+        gigabytes(footprint),
+        gigabytes(available),
+        AUTO_MEMORY_SHARE * 100,
+    )
+    return False
+
+
+def gigabytes(value: int | None) -> str:
+    return "?" if value is None else f"{value / 1e9:.2f} GB"

@@ -47,3 +47,13 @@ def mark_dead(pid: int, directory: Path) -> None:
     from prometheus_client import multiprocess
 
     multiprocess.mark_process_dead(pid, str(directory))  # type: ignore[no-untyped-call]
+
+
+def serve_metrics(directory: Path, host: str, port: int) -> None:
+    """Serve every worker's metrics, read from the shared folder's files, on ``port``."""
+    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(directory))  # type: ignore[no-untyped-call]
+    start_http_server(port, host, registry)

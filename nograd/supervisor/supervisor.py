@@ -32,27 +32,30 @@ import shutil
 import signal
 import socket
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
 from multiprocessing.connection import wait
-from multiprocessing.context import SpawnProcess
-from multiprocessing.synchronize import Event
 from pathlib import Path
 from types import FrameType
 
 from nograd.host.ledger import CoreShare, clear_slot, create_ledger
 from nograd.host.readings import HostMemory, resident_bytes
 from nograd.settings import Settings
-from nograd.supervisor.handoff import QUIET, Handoff, bind_socket, least_loaded, send_connection
-from nograd.supervisor.plan import AUTO_MEMORY_SHARE, another_fits
-from nograd.supervisor.shared_dir import CORES_FILE, mark_dead, prepare_shared_dir
+from nograd.supervisor.handoff import (
+    QUIET,
+    Handoff,
+    bind_ports,
+    describe_ports,
+    least_loaded,
+    send_connection,
+)
+from nograd.supervisor.plan import another_fits, gigabytes
+from nograd.supervisor.shared_dir import CORES_FILE, mark_dead, prepare_shared_dir, serve_metrics
+from nograd.supervisor.slots import Slot, next_restart
 from nograd.supervisor.stopping import DRAIN_SIGNAL, STOP_SIGNALS, StopSignals, Verdict, describe
 from nograd.supervisor.worker import worker_main
 
 logger = logging.getLogger(__name__)
 
-RESTART_DELAY_MAX_S = 30.0
-STABLE_AFTER_S = 60.0
-"""A worker that served this long before dying is restarted at once."""
 BACKLOG = 2048
 """Connections the kernel queues for the supervisor to accept (uvicorn's default backlog)."""
 _ACCEPTS_PER_ROUND = 256
@@ -62,36 +65,19 @@ ACCEPT_RETRY_S = 1.0
 readable, so accepting again at once would spin a core (asyncio waits as long)."""
 
 
-@dataclass
-class _Slot:
-    index: int
-    process: SpawnProcess | None = None
-    ready: Event | None = None
-    channel: socket.socket | None = None
-    """The supervisor's end of the worker's Handoff channel."""
-    closed: ctypes.c_longlong | None = None
-    sent: int = 0
-    """Connections handed to this worker; with ``closed``, the ones it has open."""
-    serving: bool = False
-    """Warm and handed connections."""
-    started_at: float = 0.0
-    failures: int = 0
-    restart_at: float | None = None
-    resident: int | None = None
-    """Resident memory (bytes) when the worker last became ready; None if unreadable."""
-    quiet: bool = False
-    """Draining, it said it holds no request (``QUIET``)."""
-
-
 def supervise(settings: Settings, serve: str, *, fit_to_memory: bool = False) -> int:
     """Run ``settings.workers`` processes, each serving with the function ``serve`` names
     (``"module:function"``, a ``ServeWorker``), until SIGTERM/SIGINT;
     the process exit code. ``fit_to_memory``: start a worker after the first only if another
     copy fits in memory."""
+    try:
+        sockets = bind_ports(settings)
+    except OSError as exc:
+        logger.error("start-up failed: %s", exc)
+        return 1
     directory, owned = prepare_shared_dir()
     try:
-        sock = bind_socket(settings.host, settings.port)
-        return Supervisor(settings, serve, sock, directory, fit_to_memory=fit_to_memory).run()
+        return Supervisor(settings, serve, sockets, directory, fit_to_memory=fit_to_memory).run()
     finally:
         if owned:
             shutil.rmtree(directory, ignore_errors=True)
@@ -102,7 +88,7 @@ class Supervisor:
         self,
         settings: Settings,
         serve: str,
-        sock: socket.socket,
+        sockets: Mapping[bytes, socket.socket],
         shared_dir: Path,
         *,
         fit_to_memory: bool = False,
@@ -112,11 +98,15 @@ class Supervisor:
         self._serve_worker = serve
         self._fit_to_memory = fit_to_memory
         self._host = host or HostMemory()
-        self._sock = sock
-        self._port = int(sock.getsockname()[1])
+        self._sockets = dict(sockets)
+        """The bound ports by the front their connections are for."""
+        self._wakeup = socket.socketpair()
+        """Written to by the signal machinery when a signal arrives (``signal.set_wakeup_fd``)."""
+        for end in self._wakeup:
+            end.setblocking(False)
         self._dir = shared_dir
         self._ctx = multiprocessing.get_context("spawn")
-        self._slots = [_Slot(i) for i in range(settings.worker_count)]
+        self._slots = [Slot(i) for i in range(settings.worker_count)]
         self._stop_signal: int | None = None
         self._stops = StopSignals()
         self._listening = False
@@ -133,21 +123,27 @@ class Supervisor:
 
     def run(self) -> int:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+        # A stop signal wakes the wait at once (it would otherwise end only at its timeout).
+        previous_wakeup = signal.set_wakeup_fd(self._wakeup[1].fileno(), warn_on_full_buffer=False)
         try:
-            self._serve_metrics()
+            port = self._settings.metrics_port
+            if port is not None:
+                serve_metrics(self._dir, self._settings.host, port)
+                logger.info("metrics of all workers also served on port %d", port)
             if self._cores is not None:
                 create_ledger(self._cores, len(self._slots))
             if not self._start_all():
                 return 0 if self._stop_signal is not None else 1
             # Listening only once every worker is warm: a client's connections opened while
             # some workers were still loading would stay on the others while kept alive.
-            self._sock.setblocking(False)
-            self._sock.listen(BACKLOG)
+            for sock in self._sockets.values():
+                sock.setblocking(False)
+                sock.listen(BACKLOG)
             self._listening = True
             logger.info(
-                "listening on %s:%d with %d worker processes",
+                "listening on %s (%s) with %d worker processes",
                 self._settings.host,
-                self._port,
+                describe_ports(self._sockets),
                 len(self._slots),
             )
             while self._stop_signal is None:
@@ -157,7 +153,11 @@ class Supervisor:
             self._stop_all()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-            self._sock.close()
+            signal.set_wakeup_fd(previous_wakeup)
+            for sock in self._wakeup:
+                sock.close()
+            for sock in self._sockets.values():
+                sock.close()
             for slot in self._slots:
                 self._close_channel(slot)
 
@@ -193,18 +193,7 @@ class Supervisor:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(process.pid, sig)
 
-    def _serve_metrics(self) -> None:
-        if self._settings.metrics_port is None:
-            return
-        from prometheus_client import CollectorRegistry, start_http_server
-        from prometheus_client.multiprocess import MultiProcessCollector
-
-        registry = CollectorRegistry()
-        MultiProcessCollector(registry, path=str(self._dir))  # type: ignore[no-untyped-call]
-        start_http_server(self._settings.metrics_port, self._settings.host, registry)
-        logger.info("metrics of all workers also served on port %d", self._settings.metrics_port)
-
-    def _start(self, slot: _Slot) -> None:
+    def _start(self, slot: Slot) -> None:
         slot.ready = self._ctx.Event()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         ours.setblocking(False)
@@ -230,7 +219,7 @@ class Supervisor:
         slot.quiet = False
         logger.info("worker %d started (pid %s)", slot.index, slot.process.pid)
 
-    def _wait_ready(self, slot: _Slot) -> bool:
+    def _wait_ready(self, slot: Slot) -> bool:
         assert slot.process is not None and slot.ready is not None
         while not slot.ready.wait(0.2):
             if self._stop_signal is not None:
@@ -245,7 +234,7 @@ class Supervisor:
         self._mark_serving(slot)
         return True
 
-    def _mark_serving(self, slot: _Slot) -> None:
+    def _mark_serving(self, slot: Slot) -> None:
         slot.serving = True
         pid = slot.process.pid if slot.process is not None else None
         slot.resident = None if pid is None else resident_bytes(pid)
@@ -253,27 +242,14 @@ class Supervisor:
             "worker %d ready after %.1fs, %s resident",
             slot.index,
             time.monotonic() - slot.started_at,
-            _gigabytes(slot.resident),
+            gigabytes(slot.resident),
         )
 
     def _another_fits(self, started: int) -> bool:
         """Whether one more copy of the first worker, as measured warm, fits in the memory left.
         Without it a second worker on a tight memory limit would be OOM-killed during start-up,
         which stops the whole server; one worker serves instead."""
-        footprint = self._slots[0].resident
-        available = self._host.available_bytes()
-        if another_fits(footprint, available):
-            return True
-        logger.warning(
-            "workers: auto, serving with %d: another worker would hold %s more (the first one's "
-            "resident memory) and %s is available, of which %.0f%% may go to it; set "
-            "NOGRAD_WORKERS to choose",
-            started,
-            _gigabytes(footprint),
-            _gigabytes(available),
-            AUTO_MEMORY_SHARE * 100,
-        )
-        return False
+        return another_fits(self._slots[0].resident, self._host.available_bytes(), started)
 
     def _watch(self, timeout_s: float) -> None:
         """Wait for a connection, a worker's exit or a due restart, then handle each."""
@@ -285,10 +261,15 @@ class Supervisor:
         if due:
             timeout_s = max(0.0, min(timeout_s, min(due) - time.monotonic()))
         # Only a listening socket: one that is merely bound polls as hung up, always ready.
-        waited: list[object] = [*live, self._sock] if accepting else list(live)
+        waited: list[object] = [*live, self._wakeup[0]]
+        if accepting:
+            waited += self._sockets.values()
         if self._closing:
             waited += [s.channel for s in self._slots if s.channel is not None]
         wait(waited, timeout_s)  # type: ignore[arg-type]
+        with contextlib.suppress(BlockingIOError):
+            while self._wakeup[0].recv(64):
+                pass
         self._bury_dead()
         self._hand_over()
         if self._closing:
@@ -309,12 +290,16 @@ class Supervisor:
                 self._bury(slot, now)
 
     def _hand_over(self) -> None:
-        """Accept waiting connections and hand each to the least busy serving worker."""
-        if not self._accepting():
-            return
+        """Accept waiting connections on each port and hand each to the least busy serving
+        worker, with the front it is for."""
+        for front, sock in self._sockets.items():
+            if self._accepting():
+                self._hand_over_from(sock, front)
+
+    def _hand_over_from(self, sock: socket.socket, front: bytes) -> None:
         for _ in range(_ACCEPTS_PER_ROUND):
             try:
-                conn, _ = self._sock.accept()
+                conn, _ = sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except ConnectionAbortedError:  # reset by its client while queued
@@ -328,7 +313,7 @@ class Supervisor:
                 self._accept_resume_at = time.monotonic() + ACCEPT_RETRY_S
                 return
             with conn:
-                if not self._send(conn):
+                if not self._send(conn, front):
                     self._dropped += 1
                     logger.warning(
                         "no worker could take a connection; closed it (%d so far)", self._dropped
@@ -337,7 +322,7 @@ class Supervisor:
     def _accepting(self) -> bool:
         return self._listening and time.monotonic() >= self._accept_resume_at
 
-    def _send(self, conn: socket.socket) -> bool:
+    def _send(self, conn: socket.socket, front: bytes) -> bool:
         tried: set[int] = set()
         while True:
             loads = [
@@ -349,7 +334,7 @@ class Supervisor:
             slot = self._slots[index]
             assert slot.channel is not None
             try:
-                send_connection(slot.channel, conn)
+                send_connection(slot.channel, conn, front)
             except BlockingIOError:
                 tried.add(index)  # its inbox is full: the worker is stuck; try another
                 continue
@@ -362,18 +347,18 @@ class Supervisor:
             return True
 
     @staticmethod
-    def _open_connections(slot: _Slot) -> int | None:
+    def _open_connections(slot: Slot) -> int | None:
         # A serving slot always has its channel and counter (_close_channel clears all three).
         if not slot.serving or slot.closed is None:
             return None
         return slot.sent - slot.closed.value
 
-    def _close_channel(self, slot: _Slot) -> None:
+    def _close_channel(self, slot: Slot) -> None:
         if slot.channel is not None:
             slot.channel.close()
         slot.channel, slot.closed, slot.serving = None, None, False
 
-    def _bury(self, slot: _Slot, now: float) -> None:
+    def _bury(self, slot: Slot, now: float) -> None:
         assert slot.process is not None
         pid, code = slot.process.pid, slot.process.exitcode
         slot.process.close()
@@ -423,7 +408,8 @@ class Supervisor:
         if self._listening:
             self._hand_over()
             self._listening = False
-            self._sock.close()
+            for sock in self._sockets.values():
+                sock.close()
             logger.info("stopped accepting connections")
         for slot in self._slots:
             # Its inbox still reads what was sent before the end; nothing more can reach it.
@@ -453,19 +439,3 @@ class Supervisor:
                 slot.process.join()
                 self._bury(slot, time.monotonic())
         logger.info("all workers stopped")
-
-
-def next_restart(lived_s: float, failures: int) -> tuple[int, float]:
-    """(failures so far, delay before the next start) for a worker that died after ``lived_s``.
-
-    A worker that served a while restarts at once; one that keeps dying soon after it starts
-    (a bad model, a broken device) waits 1, 2, 4 … up to 30 s, so it cannot spin a core.
-    """
-    if lived_s >= STABLE_AFTER_S:
-        return 0, 0.0
-    failures += 1
-    return failures, min(RESTART_DELAY_MAX_S, 2.0 ** (failures - 1))
-
-
-def _gigabytes(value: int | None) -> str:
-    return "?" if value is None else f"{value / 1e9:.2f} GB"

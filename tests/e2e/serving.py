@@ -32,6 +32,8 @@ class Server:
     url: str
     process: subprocess.Popen[bytes]
     log_path: Path
+    grpc_address: str | None = None
+    """``127.0.0.1:PORT`` when the server serves gRPC."""
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -69,7 +71,9 @@ def run_server(
             stderr=log,
             start_new_session=True,
         )
-    server = Server(f"http://127.0.0.1:{port}", process, log_path)
+    grpc_port = int(full_env.get("NOGRAD_GRPC_PORT") or 0)
+    grpc_address = f"127.0.0.1:{grpc_port}" if grpc_port else None
+    server = Server(f"http://127.0.0.1:{port}", process, log_path, grpc_address)
     try:
         if wait_ready:
             wait_until_ready(server, ready_timeout_s)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,11 +36,9 @@ class GrpcServer:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GrpcServer]:
-    root = tmp_path_factory.mktemp("grpc")
-    port = free_port()
-    with run_server(root, {"NOGRAD_GRPC_PORT": str(port)}) as server:
-        yield GrpcServer(server, port)
+def served(server: Server) -> GrpcServer:
+    assert server.grpc_address is not None
+    return GrpcServer(server, int(server.grpc_address.rsplit(":", 1)[1]))
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +204,11 @@ def test_an_api_key_is_required_in_the_metadata(tmp_path: Path) -> None:
             client.close()
 
 
-def test_every_worker_serves_grpc_on_the_shared_port(tmp_path: Path) -> None:
+def test_grpc_connections_are_spread_over_the_workers(tmp_path: Path) -> None:
+    """The supervisor accepts gRPC connections as it does HTTP's and hands each to the least
+    busy worker: eight channels, four on each worker, each served."""
+    import psutil
+
     repo = tmp_path / "repo"
     shutil.copytree(ROOT / "models" / "digits", repo / "digits")
     port = free_port()
@@ -214,16 +218,33 @@ def test_every_worker_serves_grpc_on_the_shared_port(tmp_path: Path) -> None:
         "NOGRAD_WORKERS": "2",
     }
     with run_server(tmp_path, env) as server:
-        # Each channel is one connection; the kernel hands each to one of the two workers.
-        clients = [triton.InferenceServerClient(f"127.0.0.1:{port}") for _ in range(8)]
+        # grpc shares one connection among channels with the same target unless told not to.
+        own = [("grpc.use_local_subchannel_pool", 1)]
+        clients = [
+            triton.InferenceServerClient(f"127.0.0.1:{port}", channel_args=own) for _ in range(8)
+        ]
         try:
             for client in clients:
                 assert client.infer("digits", [_images(True)]).as_numpy("label") is not None
+            workers = [
+                child
+                for child in psutil.Process(server.process.pid).children()
+                if "resource_tracker" not in " ".join(child.cmdline())
+            ]
+            held = [
+                sum(
+                    1
+                    for c in worker.connections("tcp")
+                    if c.laddr and c.laddr.port == port and c.status == psutil.CONN_ESTABLISHED
+                )
+                for worker in workers
+            ]
         finally:
             for client in clients:
                 client.close()
         log = server.log()
-    assert log.count("gRPC listening on port") == 2, log
+    assert sorted(held) == [4, 4], (held, log)
+    assert f"gRPC {port}" in log  # the supervisor listens on it, beside HTTP
 
 
 def test_sigterm_drains_accepted_grpc_calls(tmp_path: Path) -> None:
@@ -266,8 +287,8 @@ def test_sigterm_drains_accepted_grpc_calls(tmp_path: Path) -> None:
 def test_a_taken_grpc_port_stops_the_start_up_naming_the_setting(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    """Bound before the models load: the server exits at once, instead of loading for minutes or
-    restarting workers that cannot listen."""
+    """Bound before the models load: the server exits at once, naming the setting, instead of
+    loading for minutes or starting workers that cannot serve."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -276,4 +297,39 @@ def test_a_taken_grpc_port_stops_the_start_up_naming_the_setting(
         with run_server(tmp_path_factory.mktemp("taken"), env, wait_ready=False) as server:
             assert server.process.wait(60) != 0
             assert "NOGRAD_GRPC_PORT" in server.log()
-            assert server.log().count("started (pid") == 1, "a worker was started again"
+            assert "started (pid" not in server.log(), "a worker was started"
+
+
+@pytest.mark.parametrize("workers", [1, 2], ids=["one-process", "two-workers"])
+def test_grpc_alone_with_http_turned_off(tmp_path: Path, workers: int) -> None:
+    """``NOGRAD_PORT=0``: no HTTP port at all, gRPC serves, and a stop drains and exits."""
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT / "models" / "digits", repo / "digits")
+    port = free_port()
+    env = {
+        "NOGRAD_MODEL_REPOSITORY": str(repo),
+        "NOGRAD_GRPC_PORT": str(port),
+        "NOGRAD_WORKERS": str(workers),
+        "NOGRAD_PORT": "0",
+    }
+    with run_server(tmp_path, env, wait_ready=False) as server:
+        http_port = int(server.url.rsplit(":", 1)[1])  # the port an HTTP server would have had
+        client = triton.InferenceServerClient(f"127.0.0.1:{port}")
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    if client.is_server_ready():
+                        break
+                except InferenceServerException:
+                    pass
+                assert server.process.poll() is None, server.log()
+                assert time.monotonic() < deadline, server.log()
+                time.sleep(0.2)
+            assert client.infer("digits", [_images(True)]).as_numpy("label") is not None
+        finally:
+            client.close()
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", http_port), timeout=1).close()
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(30) == 0, server.log()

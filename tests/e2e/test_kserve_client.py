@@ -20,7 +20,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.e2e.serving import ROOT, free_port, metric_value, run_server
+from tests.e2e.serving import ROOT, Server, metric_value
 
 pytestmark = pytest.mark.e2e
 
@@ -28,31 +28,27 @@ SAMPLE = json.loads((ROOT / "models/digits/sample.json").read_text())["inputs"][
 
 
 @pytest.fixture(scope="module")
-def found(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def found(server: Server) -> Iterator[dict[str, Any]]:
     """What KServe's client saw, the HTTP route's outputs, and the gRPC requests counted."""
-    port = free_port()
-    with run_server(tmp_path_factory.mktemp("kserve"), {"NOGRAD_GRPC_PORT": str(port)}) as server:
-        answer = httpx.post(
-            f"{server.url}/v2/models/digits/infer", json={"inputs": [SAMPLE]}, timeout=30
-        )
-        assert answer.status_code == 200, answer.text
-        labels = {"model": "digits", "protocol": "grpc", "code": "200"}
-        before = metric_value(server.url, "nograd_requests_total", **labels)
-        run = subprocess.run(
-            [sys.executable, "-m", "tests.e2e.kserve_calls", f"127.0.0.1:{port}"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-        assert run.returncode == 0, run.stderr
-        document: dict[str, Any] = json.loads(run.stdout)
-        document["over_http"] = {o["name"]: o["data"] for o in answer.json()["outputs"]}
-        document["grpc_requests"] = (
-            metric_value(server.url, "nograd_requests_total", **labels) - before
-        )
-        yield document
+    answer = httpx.post(
+        f"{server.url}/v2/models/digits/infer", json={"inputs": [SAMPLE]}, timeout=30
+    )
+    assert answer.status_code == 200, answer.text
+    labels = {"model": "digits", "protocol": "grpc", "code": "200"}
+    before = metric_value(server.url, "nograd_requests_total", **labels)
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.e2e.kserve_calls", str(server.grpc_address)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    document: dict[str, Any] = json.loads(run.stdout)
+    document["over_http"] = {o["name"]: o["data"] for o in answer.json()["outputs"]}
+    document["grpc_requests"] = metric_value(server.url, "nograd_requests_total", **labels) - before
+    yield document
 
 
 def test_server_and_model_health(found: dict[str, Any]) -> None:

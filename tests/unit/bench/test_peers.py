@@ -185,6 +185,9 @@ def test_server_commands_bind_the_bench_port_and_carry_the_batching_options() ->
     assert Path(triton.command[triton.command.index("--model-dir") + 1]).is_dir()
     assert triton.ready_path == "/v2/models/minilm/ready"
     assert triton.cpus == "1" and triton.env["HF_HUB_OFFLINE"] == "1"
+    # Triton's gRPC port is the bench's to pick too: perf_analyzer drives it.
+    assert triton.command[triton.command.index("--grpc-port") + 1] == str(triton.grpc_port)
+    assert triton.grpc_address == f"127.0.0.1:{triton.grpc_port}"
 
     torchserve = servers.torchserve_server(python, "digits", servers.TorchServeOptions(8, 2, 2))
     assert "--model-dir" not in torchserve.command

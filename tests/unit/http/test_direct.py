@@ -17,15 +17,13 @@ class Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple[str, ...]] = []
 
-    async def v2(
-        self, incoming: Incoming, plane: Any, metrics: Any, name: str, version: str | None
-    ) -> Reply:
-        assert (plane, metrics) == (PLANE, METRICS)
+    async def v2(self, incoming: Incoming, calls: Any, name: str, version: str | None) -> Reply:
+        assert calls is CALLS
         self.calls.append(("v2", name, str(version), await incoming.body()))  # type: ignore[arg-type]
         return Reply(200, b"v2", "text/plain", [("X-Request-ID", "r-1")])
 
-    async def embeddings(self, incoming: Incoming, plane: Any, metrics: Any) -> Reply:
-        assert (plane, metrics) == (PLANE, METRICS)
+    async def embeddings(self, incoming: Incoming, calls: Any) -> Reply:
+        assert calls is CALLS
         self.calls.append(("openai", (await incoming.body()).decode()))
         return Reply(200, b"openai", "text/plain")
 
@@ -34,8 +32,8 @@ class Recorder:
         await Response(b"framework", media_type="text/plain")(scope, receive, send)
 
 
-PLANE, METRICS = object(), object()
-"""Stand-ins: the layer hands the data plane and metrics it was built with to every call."""
+CALLS = object()
+"""A stand-in: the layer hands the call lifecycle it was built with to every call."""
 
 
 @pytest.fixture
@@ -47,7 +45,7 @@ def recorder(monkeypatch: pytest.MonkeyPatch) -> Recorder:
 
 
 async def send(recorder: Recorder, method: str, path: str, **kwargs: Any) -> httpx.Response:
-    layer = direct.DirectRoutes(recorder.framework, PLANE, METRICS)  # type: ignore[arg-type]
+    layer = direct.DirectRoutes(recorder.framework, CALLS)  # type: ignore[arg-type]
     transport = httpx.ASGITransport(app=layer, **kwargs)
     async with httpx.AsyncClient(transport=transport, base_url="http://nograd") as client:
         return await client.request(method, path, content=b"{}")

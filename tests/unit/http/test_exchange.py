@@ -8,16 +8,11 @@ import asyncio
 import pytest
 from starlette.types import Message
 
-from nograd.http.exchange import (
-    CLIENT_CLOSED,
-    Call,
-    ClientGone,
-    Incoming,
-    Reply,
-    run_call,
-    until_disconnect,
-)
+from nograd.http.exchange import ClientGone, Incoming, Reply, run_call, until_disconnect
 from nograd.observability.metrics import UNKNOWN_MODEL, Metrics
+from nograd.serving.calls import CLIENT_GONE, Call, Calls
+from nograd.serving.dataplane import DataPlane
+from nograd.settings import Settings
 
 
 def _incoming(
@@ -186,8 +181,9 @@ async def test_a_client_gone_mid_body_is_counted_499_and_no_work_runs(
         raise AssertionError(f"no error reply expected, got {status}: {exc}")
 
     scope = {"type": "http", "method": "POST", "path": "/v2/models/m/infer", "headers": []}
-    reply = await run_call(Incoming(scope, receive), metrics, "v2", work, on_error)
-    assert reply.status == CLIENT_CLOSED and ran == []
+    calls = Calls(DataPlane(Settings(), metrics), metrics, ())
+    reply = await run_call(Incoming(scope, receive), calls, "v2", work, on_error)
+    assert reply.status == CLIENT_GONE and ran == []
     assert reply.headers[-1][0] == "X-Request-ID"
     assert (
         metrics.registry.get_sample_value(

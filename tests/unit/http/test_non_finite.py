@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from nograd.http import openai, v2
 from nograd.http.direct import DirectRoutes
 from nograd.protocol import binary
+from nograd.serving.calls import Calls
 from nograd.serving.dataplane import DataPlane
 from tests.unit.conftest import FIXTURES, plane_for
 
@@ -106,9 +107,10 @@ def app_of(plane: DataPlane) -> DirectRoutes:
     app = FastAPI()
     app.state.dataplane = plane
     app.state.metrics = plane.metrics
+    app.state.calls = Calls(plane, plane.metrics, ())
     app.include_router(v2.router)
     app.include_router(openai.router)
-    return DirectRoutes(app, plane, plane.metrics)
+    return DirectRoutes(app, app.state.calls)
 
 
 async def post(plane: DataPlane, path: str, body: bytes, **headers: str) -> httpx.Response:

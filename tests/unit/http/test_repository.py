@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from nograd.http import repository
 from nograd.http.app import create_app
 from nograd.http.errors import install_error_handlers
+from nograd.serving.calls import Calls
 from nograd.serving.control import ModelControl
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.registry import State
@@ -34,6 +35,7 @@ def app(plane: DataPlane) -> FastAPI:
     app = FastAPI()
     app.state.dataplane = plane
     app.state.metrics = plane.metrics
+    app.state.calls = Calls(plane, plane.metrics, ())
     app.state.control = ModelControl(plane)
     app.include_router(repository.router)
     install_error_handlers(app)

@@ -15,6 +15,7 @@ from starlette.types import ASGIApp
 
 from nograd.http import openai, v2
 from nograd.http.direct import DirectRoutes
+from nograd.serving.calls import Calls
 from nograd.serving.dataplane import DataPlane
 from tests.unit.conftest import plane_for
 
@@ -32,6 +33,7 @@ def routers_only(plane: DataPlane) -> FastAPI:
     app = FastAPI()
     app.state.dataplane = plane
     app.state.metrics = plane.metrics
+    app.state.calls = Calls(plane, plane.metrics, ())
     app.include_router(v2.router)
     app.include_router(openai.router)
     return app
@@ -51,7 +53,7 @@ INFER = {
 
 async def test_the_routes_and_the_direct_routes_give_the_same_answer(plane: DataPlane) -> None:
     routed = routers_only(plane)
-    direct = DirectRoutes(routers_only(plane), plane, plane.metrics)
+    direct = DirectRoutes(routers_only(plane), routers_only(plane).state.calls)
     answers = [await post(app, "/v2/models/poison/infer", INFER) for app in (routed, direct)]
     for answer in answers:
         assert answer.status_code == 200

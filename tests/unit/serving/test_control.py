@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from nograd.observability.metrics import Metrics
-from nograd.serving.control import ControlRefused, LoadFailed, ModelControl, load_parameters
+from nograd.serving.control import ModelControl, load_parameters
 from nograd.serving.dataplane import DataPlane
-from nograd.serving.errors import InvalidInput, ModelNotFound
+from nograd.serving.errors import ControlRefused, InvalidInput, LoadFailed, ModelNotFound
 from nograd.serving.registry import State
 from nograd.serving.triton_config import repository_index
 from nograd.settings import Settings
@@ -289,7 +289,7 @@ async def test_memory_is_planned_again_when_models_load_and_unload(
         repo,
         model_control="explicit",
         load_models="digits",
-        memory_budget_bytes=128 * 1024,
+        memory_budget_bytes=1024 * 1024,
         warmup=False,
     )
     stop.append(plane)

@@ -9,11 +9,11 @@ import socket
 import pytest
 
 from nograd.supervisor.handoff import (
+    HTTP,
     QUIET,
     Handoff,
     Inbox,
     bind_socket,
-    counting,
     least_loaded,
     send_connection,
 )
@@ -50,6 +50,11 @@ def test_ties_are_taken_in_turn_after_the_last_pick() -> None:
 
 
 class Echo(asyncio.Protocol):
+    """Answers its first read and closes, counting the close as a front's protocol does."""
+
+    def __init__(self, closed: ctypes.c_longlong) -> None:
+        self.closed = closed
+
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
@@ -58,13 +63,16 @@ class Echo(asyncio.Protocol):
         self.transport.write(data)
         self.transport.close()
 
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed.value += 1
+
 
 async def test_a_worker_serves_the_connections_it_is_sent_and_counts_those_it_closed() -> None:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     theirs.setblocking(False)
     closed = ctypes.c_longlong(0)
     loop = asyncio.get_running_loop()
-    inbox = Inbox(Handoff(theirs, closed), loop, counting(Echo, closed))
+    inbox = Inbox(Handoff(theirs, closed), loop, {HTTP: lambda: Echo(closed)})
     inbox.open()
     listener = socket.create_server(("127.0.0.1", 0))
     try:
@@ -95,7 +103,7 @@ async def test_a_draining_worker_reports_quiet_and_serves_what_was_sent_before_t
     theirs.setblocking(False)
     closed = ctypes.c_longlong(0)
     loop = asyncio.get_running_loop()
-    inbox = Inbox(Handoff(theirs, closed), loop, counting(Echo, closed))
+    inbox = Inbox(Handoff(theirs, closed), loop, {HTTP: lambda: Echo(closed)})
     inbox.open()
     listener = socket.create_server(("127.0.0.1", 0))
     try:

@@ -19,14 +19,9 @@ import pytest
 
 from nograd.observability.metrics import Metrics
 from nograd.settings import Settings
-from nograd.supervisor.handoff import bind_socket
-from nograd.supervisor.supervisor import (
-    RESTART_DELAY_MAX_S,
-    STABLE_AFTER_S,
-    Supervisor,
-    _Slot,
-    next_restart,
-)
+from nograd.supervisor.handoff import HTTP, bind_socket
+from nograd.supervisor.slots import RESTART_DELAY_MAX_S, STABLE_AFTER_S, Slot, next_restart
+from nograd.supervisor.supervisor import Supervisor
 
 SERVE = "tests.never:imported"
 """No worker process is started here: the serving function is never imported."""
@@ -49,7 +44,9 @@ def test_cores_are_shared_unless_turned_off_or_fixed_by_a_thread_count() -> None
     def ledger(**settings: object) -> Path | None:
         sock = bind_socket("127.0.0.1", 0)
         try:
-            supervisor = Supervisor(Settings(workers=2, **settings), SERVE, sock, Path("/tmp/m"))  # type: ignore[arg-type]
+            supervisor = Supervisor(
+                Settings(workers=2, **settings), SERVE, {HTTP: sock}, Path("/tmp/m")
+            )  # type: ignore[arg-type]
             return supervisor._cores
         finally:
             sock.close()
@@ -66,7 +63,7 @@ class Workers:
         self.sock = bind_socket("127.0.0.1", 0)
         self.port = self.sock.getsockname()[1]
         self.supervisor = Supervisor(
-            Settings(workers=count), SERVE, self.sock, Path("/nonexistent")
+            Settings(workers=count), SERVE, {HTTP: self.sock}, Path("/nonexistent")
         )
         self.inboxes: list[socket.socket] = []
         self.closed: list[ctypes.c_longlong] = []
@@ -84,7 +81,7 @@ class Workers:
         self.clients: list[socket.socket] = []
 
     @property
-    def slots(self) -> list[_Slot]:
+    def slots(self) -> list[Slot]:
         return self.supervisor._slots
 
     def connect(self, count: int) -> None:
@@ -189,7 +186,7 @@ def test_a_failing_accept_pauses_accepting_instead_of_spinning(
     workers: Workers, caplog: pytest.LogCaptureFixture
 ) -> None:
     failing = OutOfDescriptors(workers.sock)
-    workers.supervisor._sock = failing  # type: ignore[assignment]
+    workers.supervisor._sockets[HTTP] = failing  # type: ignore[assignment]
     with caplog.at_level(logging.WARNING, "nograd.supervisor.supervisor"):
         workers.supervisor._hand_over()
         workers.supervisor._hand_over()  # within the pause: accept is not tried again
@@ -245,20 +242,20 @@ def test_auto_starts_a_second_worker_only_if_another_copy_fits_in_memory(
     supervisor = Supervisor(
         Settings(workers=2),
         SERVE,
-        sock,
+        {HTTP: sock},
         Path("/nonexistent"),
         fit_to_memory=True,
         host=FixedMemory(int(available_gb * 1e9)),  # type: ignore[arg-type]
     )
     starts: list[int] = []
 
-    def start(slot: _Slot) -> None:
+    def start(slot: Slot) -> None:
         starts.append(slot.index)
         slot.process = Started()  # type: ignore[assignment]
 
     supervisor._start = start  # type: ignore[method-assign]
 
-    def ready(slot: _Slot) -> bool:
+    def ready(slot: Slot) -> bool:
         supervisor._mark_serving(slot)  # as a warm worker does: its resident memory is read
         return True
 

@@ -1,0 +1,408 @@
+"""HTTP/2 as gRPC uses it, served from the process's own event loop: frames, HPACK, flow control.
+
+grpcio's asyncio server spends most of a small model's call in its own machinery (completion
+queues, a poller thread handing events to the loop, a task and call object per RPC), and it hands
+calls to the loop one at a time, so the batcher sees one or two requests where HTTP/1.1 hands it
+a burst. This connection parses the frames of every stream that arrives in one read, in one loop
+callback, as uvicorn does for HTTP/1.1 (BENCHMARKS.md has the measurements).
+
+Only what gRPC needs of HTTP/2 is here, per RFC 9113: prior-knowledge cleartext connections (the
+``h2c`` every gRPC client speaks on an insecure channel), streams that each carry one call, flow
+control in both directions, SETTINGS, PING, GOAWAY, RST_STREAM and CONTINUATION. Header blocks are
+decoded with ``hpack``; the server's own headers use literals without indexing, so it keeps no
+encoder state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from nograd.grpc.frames import (
+    ACK,
+    CANCEL,
+    CONTINUATION,
+    DATA,
+    DEFAULT_FRAME_SIZE,
+    DEFAULT_WINDOW,
+    END_HEADERS,
+    END_STREAM,
+    ENHANCE_YOUR_CALM,
+    FLOW_CONTROL_ERROR,
+    FRAME_HEADER,
+    FRAME_SIZE_ERROR,
+    GOAWAY,
+    HEADERS,
+    MAX_HEADER_BLOCK,
+    MAX_WINDOW,
+    NO_ERROR,
+    PADDED,
+    PING,
+    PREFACE,
+    PRIORITY_FLAG,
+    PROTOCOL_ERROR,
+    PUSH_PROMISE,
+    RECEIVE_FRAME_SIZE,
+    RECEIVE_WINDOW,
+    REFUSED_STREAM,
+    RST_STREAM,
+    SETTING,
+    SETTINGS,
+    SETTINGS_HEADER_TABLE_SIZE,
+    SETTINGS_INITIAL_WINDOW_SIZE,
+    SETTINGS_MAX_CONCURRENT_STREAMS,
+    SETTINGS_MAX_FRAME_SIZE,
+    WINDOW_UPDATE,
+    HeaderDecoder,
+    ProtocolFailure,
+    frame,
+    unpad,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Stream:
+    """One stream of a connection: the request arriving, the answer leaving."""
+
+    id: int
+    headers: list[tuple[str, str]]
+    send_window: int
+    body: bytearray = field(default_factory=bytearray)
+    received_all: bool = False
+    pending: bytearray = field(default_factory=bytearray)
+    """Answer bytes (DATA payload) waiting for window."""
+    pending_end: bytes | None = None
+    """The trailers' frame, sent once ``pending`` is."""
+    closed: bool = False
+    headers_sent: bool = False
+    on_data: Callable[[], None] | None = None
+    """Told when request bytes arrive (a stream that reads messages as they come)."""
+    on_reset: Callable[[], None] | None = None
+    """Told when the peer resets the stream or the connection ends."""
+    consumed: int = 0
+    """Request bytes taken since the stream's last WINDOW_UPDATE."""
+
+
+class Handler:
+    """What a connection calls for each new stream (implemented by the gRPC layer)."""
+
+    def stream_opened(self, connection: Http2Connection, stream: Stream) -> None:
+        raise NotImplementedError
+
+    def stream_complete(self, connection: Http2Connection, stream: Stream) -> None:
+        raise NotImplementedError
+
+
+class Http2Connection(asyncio.Protocol):
+    """One client connection: frames in, streams to the handler, answers out."""
+
+    def __init__(self, handler: Handler, max_streams: int, on_close: Callable[[], None]) -> None:
+        self._handler = handler
+        self._max_streams = max_streams
+        self._on_close = on_close
+        self.transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+        self._preface_seen = False
+        self._decoder = HeaderDecoder()
+        self.streams: dict[int, Stream] = {}
+        self._last_stream = 0
+        self._send_window = DEFAULT_WINDOW
+        self._initial_send_window = DEFAULT_WINDOW
+        self._max_send_frame = DEFAULT_FRAME_SIZE
+        self._received = 0
+        self._block: bytearray | None = None
+        self._block_stream = 0
+        self._block_flags = 0
+        self.going_away = False
+        self.closed = False
+
+    # ------------------------------------------------------------------ connection events
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
+        settings = b"".join(
+            SETTING.pack(key, value)
+            for key, value in (
+                (SETTINGS_MAX_CONCURRENT_STREAMS, self._max_streams),
+                (SETTINGS_INITIAL_WINDOW_SIZE, RECEIVE_WINDOW),
+                (SETTINGS_MAX_FRAME_SIZE, RECEIVE_FRAME_SIZE),
+            )
+        )
+        raise_window = struct.pack(">L", RECEIVE_WINDOW - DEFAULT_WINDOW)
+        self._write(frame(SETTINGS, 0, 0, settings) + frame(WINDOW_UPDATE, 0, 0, raise_window))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        for stream in list(self.streams.values()):
+            self._reset_locally(stream)
+        self.streams.clear()
+        self._on_close()
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self._buffer
+        buffer += data
+        try:
+            if not self._preface_seen:
+                if len(buffer) < len(PREFACE):
+                    if not PREFACE.startswith(bytes(buffer)):
+                        raise ProtocolFailure(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
+                    return
+                if bytes(buffer[: len(PREFACE)]) != PREFACE:
+                    raise ProtocolFailure(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
+                del buffer[: len(PREFACE)]
+                self._preface_seen = True
+            offset = 0
+            size = len(buffer)
+            while size - offset >= 9:
+                high, low, kind, flags, stream_id = FRAME_HEADER.unpack_from(buffer, offset)
+                length = (high << 8) | low
+                if length > RECEIVE_FRAME_SIZE:
+                    raise ProtocolFailure(FRAME_SIZE_ERROR, f"frame of {length} bytes")
+                end = offset + 9 + length
+                if end > size:
+                    break
+                payload = bytes(buffer[offset + 9 : end])
+                offset = end
+                self._frame(kind, flags, stream_id & 0x7FFFFFFF, payload)
+            if offset:
+                del buffer[:offset]
+        except ProtocolFailure as exc:
+            self._fail(exc.code, str(exc))
+
+    # ------------------------------------------------------------------ frames in
+    def _frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
+        if self._block is not None and kind != CONTINUATION:
+            raise ProtocolFailure(PROTOCOL_ERROR, "header block interrupted")
+        if kind == DATA:
+            self._data(flags, stream_id, payload)
+        elif kind == HEADERS:
+            self._headers(flags, stream_id, payload)
+        elif kind == CONTINUATION:
+            self._continuation(flags, stream_id, payload)
+        elif kind == WINDOW_UPDATE:
+            self._window_update(stream_id, payload)
+        elif kind == SETTINGS:
+            self._settings(flags, stream_id, payload)
+        elif kind == PING:
+            if len(payload) != 8 or stream_id:
+                raise ProtocolFailure(FRAME_SIZE_ERROR, "bad PING")
+            if not flags & ACK:
+                self._write(frame(PING, ACK, 0, payload))
+        elif kind == RST_STREAM:
+            stream = self.streams.pop(stream_id, None)
+            if stream is not None:
+                self._reset_locally(stream)
+        elif kind == GOAWAY:
+            self.going_away = True
+            self._close_if_idle()
+        elif kind == PUSH_PROMISE:
+            raise ProtocolFailure(PROTOCOL_ERROR, "a client may not push")
+        # PRIORITY and unknown frame types are ignored, as RFC 9113 says.
+
+    def _data(self, flags: int, stream_id: int, payload: bytes) -> None:
+        if flags & PADDED:
+            payload = unpad(payload)
+        self._received += len(payload) + (1 if flags & PADDED else 0)
+        if self._received > RECEIVE_WINDOW // 2:
+            self._write(frame(WINDOW_UPDATE, 0, 0, struct.pack(">L", self._received)))
+            self._received = 0
+        stream = self.streams.get(stream_id)
+        if stream is None or stream.received_all:
+            if stream_id > self._last_stream or stream_id == 0:
+                raise ProtocolFailure(PROTOCOL_ERROR, f"DATA on idle stream {stream_id}")
+            return  # a stream this side closed or reset: its late data is dropped
+        stream.body += payload
+        stream.consumed += len(payload)
+        if stream.consumed > RECEIVE_WINDOW // 2 and not flags & END_STREAM:
+            self._write(frame(WINDOW_UPDATE, 0, stream_id, struct.pack(">L", stream.consumed)))
+            stream.consumed = 0
+        if stream.on_data is not None:
+            stream.on_data()
+        if flags & END_STREAM:
+            stream.received_all = True
+            self._handler.stream_complete(self, stream)
+
+    def _headers(self, flags: int, stream_id: int, payload: bytes) -> None:
+        if stream_id == 0 or stream_id % 2 == 0:
+            raise ProtocolFailure(PROTOCOL_ERROR, f"HEADERS on stream {stream_id}")
+        if flags & PADDED:
+            payload = unpad(payload)
+        if flags & PRIORITY_FLAG:
+            payload = payload[5:]
+        if flags & END_HEADERS:
+            self._header_block(stream_id, flags, payload)
+        else:
+            self._block, self._block_stream, self._block_flags = (
+                bytearray(payload),
+                stream_id,
+                flags,
+            )
+
+    def _continuation(self, flags: int, stream_id: int, payload: bytes) -> None:
+        if self._block is None or stream_id != self._block_stream:
+            raise ProtocolFailure(PROTOCOL_ERROR, "CONTINUATION without its HEADERS")
+        self._block += payload
+        if len(self._block) > MAX_HEADER_BLOCK:
+            raise ProtocolFailure(ENHANCE_YOUR_CALM, "header block too large")
+        if flags & END_HEADERS:
+            block, self._block = bytes(self._block), None
+            self._header_block(stream_id, self._block_flags, block)
+
+    def _header_block(self, stream_id: int, flags: int, block: bytes) -> None:
+        headers = self._decoder.decode(block)
+        stream = self.streams.get(stream_id)
+        if stream is not None:  # trailers from the client end its request
+            if flags & END_STREAM and not stream.received_all:
+                stream.received_all = True
+                self._handler.stream_complete(self, stream)
+            return
+        if stream_id <= self._last_stream:
+            return  # headers for a stream already closed: nothing to answer
+        self._last_stream = stream_id
+        if self.going_away:
+            self._write(frame(RST_STREAM, 0, stream_id, struct.pack(">L", REFUSED_STREAM)))
+            return
+        if len(self.streams) >= self._max_streams:
+            self._write(frame(RST_STREAM, 0, stream_id, struct.pack(">L", REFUSED_STREAM)))
+            return
+        stream = Stream(stream_id, headers, self._initial_send_window)
+        self.streams[stream_id] = stream
+        self._handler.stream_opened(self, stream)
+        if flags & END_STREAM and stream_id in self.streams:
+            stream.received_all = True
+            self._handler.stream_complete(self, stream)
+
+    def _window_update(self, stream_id: int, payload: bytes) -> None:
+        if len(payload) != 4:
+            raise ProtocolFailure(FRAME_SIZE_ERROR, "bad WINDOW_UPDATE")
+        increment = struct.unpack(">L", payload)[0] & 0x7FFFFFFF
+        if stream_id == 0:
+            self._send_window += increment
+            if self._send_window > MAX_WINDOW:
+                raise ProtocolFailure(FLOW_CONTROL_ERROR, "connection window overflow")
+            for waiting in list(self.streams.values()):
+                self._flush(waiting)
+                if self._send_window <= 0:
+                    break
+            return
+        stream = self.streams.get(stream_id)
+        if stream is not None:
+            stream.send_window += increment
+            self._flush(stream)
+
+    def _settings(self, flags: int, stream_id: int, payload: bytes) -> None:
+        if stream_id:
+            raise ProtocolFailure(PROTOCOL_ERROR, "SETTINGS on a stream")
+        if flags & ACK:
+            return
+        if len(payload) % 6:
+            raise ProtocolFailure(FRAME_SIZE_ERROR, "bad SETTINGS")
+        for offset in range(0, len(payload), 6):
+            key, value = SETTING.unpack_from(payload, offset)
+            if key == SETTINGS_INITIAL_WINDOW_SIZE:
+                if value > MAX_WINDOW:
+                    raise ProtocolFailure(FLOW_CONTROL_ERROR, "initial window too large")
+                delta = value - self._initial_send_window
+                self._initial_send_window = value
+                for stream in self.streams.values():
+                    stream.send_window += delta
+            elif key == SETTINGS_MAX_FRAME_SIZE:
+                if not DEFAULT_FRAME_SIZE <= value <= 2**24 - 1:
+                    raise ProtocolFailure(PROTOCOL_ERROR, "bad max frame size")
+                self._max_send_frame = value
+            elif key == SETTINGS_HEADER_TABLE_SIZE:
+                self._decoder.set_max_table_size(value)
+        self._write(frame(SETTINGS, ACK, 0))
+        for stream in list(self.streams.values()):
+            self._flush(stream)
+
+    # ------------------------------------------------------------------ answers out
+    def send_headers(self, stream: Stream, block: bytes, *, end: bool = False) -> None:
+        if stream.closed or self.closed:
+            return
+        flags = END_HEADERS | (END_STREAM if end else 0)
+        stream.headers_sent = True
+        self._write(frame(HEADERS, flags, stream.id, block))
+        if end:
+            self._finish(stream)
+
+    def send_data(self, stream: Stream, data: bytes, trailers: bytes | None = None) -> None:
+        """Queue ``data`` on ``stream`` and send what the windows allow; ``trailers`` (a header
+        block) end the stream once all of it is sent."""
+        if stream.closed or self.closed:
+            return
+        stream.pending += data
+        if trailers is not None:
+            stream.pending_end = frame(HEADERS, END_HEADERS | END_STREAM, stream.id, trailers)
+        self._flush(stream)
+
+    def _flush(self, stream: Stream) -> None:
+        pending = stream.pending
+        out = []
+        while pending:
+            allowed = min(len(pending), stream.send_window, self._send_window, self._max_send_frame)
+            if allowed <= 0:
+                break
+            out.append(frame(DATA, 0, stream.id, bytes(pending[:allowed])))
+            del pending[:allowed]
+            stream.send_window -= allowed
+            self._send_window -= allowed
+        if not pending and stream.pending_end is not None:
+            out.append(stream.pending_end)
+            stream.pending_end = None
+            self._write(b"".join(out))
+            self._finish(stream)
+            return
+        if out:
+            self._write(b"".join(out))
+
+    def reset(self, stream: Stream, code: int = CANCEL) -> None:
+        if stream.closed or self.closed:
+            return
+        stream.closed = True
+        self.streams.pop(stream.id, None)
+        self._write(frame(RST_STREAM, 0, stream.id, struct.pack(">L", code)))
+        self._close_if_idle()
+
+    def _finish(self, stream: Stream) -> None:
+        stream.closed = True
+        if self.streams.pop(stream.id, None) is not None and not stream.received_all:
+            # Answered before the request ended (refused early): the peer may stop sending.
+            self._write(frame(RST_STREAM, 0, stream.id, struct.pack(">L", NO_ERROR)))
+        self._close_if_idle()
+
+    def _reset_locally(self, stream: Stream) -> None:
+        stream.closed = True
+        if stream.on_reset is not None:
+            stream.on_reset()
+
+    def _write(self, data: bytes) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.write(data)
+
+    # ------------------------------------------------------------------ ending
+    def go_away(self) -> None:
+        """Take no new stream (the peer learns which was the last one served), and close once
+        the streams under way are answered."""
+        if self.going_away and self.closed:
+            return
+        self.going_away = True
+        self._write(frame(GOAWAY, 0, 0, struct.pack(">LL", self._last_stream, NO_ERROR)))
+        self._close_if_idle()
+
+    def _close_if_idle(self) -> None:
+        if self.going_away and not self.streams and self.transport is not None:
+            self.transport.close()
+
+    def _fail(self, code: int, message: str) -> None:
+        logger.debug("HTTP/2 connection error %d: %s", code, message)
+        self._write(
+            frame(GOAWAY, 0, 0, struct.pack(">LL", self._last_stream, code) + message.encode())
+        )
+        if self.transport is not None:
+            self.transport.close()
+        self.closed = True

@@ -1,0 +1,277 @@
+"""gRPC calls over ``nograd.grpc.h2``: the request headers and message in, the servicer's answer
+out as gRPC frames it (a 5-byte prefix per message, the status in trailers).
+
+A servicer method is ``async (request, context) -> response`` for unary calls, or an async
+iterator of responses for server-streaming ones. ``CallContext`` offers what servicers use of a
+call (metadata, time remaining, trailing metadata, abort with a status).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+import zlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+from urllib.parse import quote
+
+from google.protobuf.message import DecodeError as ProtobufDecodeError
+from google.protobuf.message import Message
+
+from nograd.grpc.frames import STATUS_200, literal
+from nograd.grpc.h2 import Handler, Http2Connection, Stream
+
+logger = logging.getLogger(__name__)
+
+
+class Code(enum.IntEnum):
+    """gRPC status codes (grpc/doc/statuscodes.md)."""
+
+    OK = 0
+    CANCELLED = 1
+    UNKNOWN = 2
+    INVALID_ARGUMENT = 3
+    DEADLINE_EXCEEDED = 4
+    NOT_FOUND = 5
+    ALREADY_EXISTS = 6
+    PERMISSION_DENIED = 7
+    RESOURCE_EXHAUSTED = 8
+    FAILED_PRECONDITION = 9
+    ABORTED = 10
+    OUT_OF_RANGE = 11
+    UNIMPLEMENTED = 12
+    INTERNAL = 13
+    UNAVAILABLE = 14
+    DATA_LOSS = 15
+    UNAUTHENTICATED = 16
+
+
+RESPONSE_HEADERS: Final = STATUS_200 + literal(b"content-type", b"application/grpc")
+_PREFIX_BYTES: Final = 5
+"""Each message's prefix: a compressed flag and a 4-byte big-endian length."""
+_TIMEOUT_UNITS: Final = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
+_MESSAGE_SAFE: Final = " !#$&'()*+,/:;=?@[]~"
+"""Printable ASCII left as is in ``grpc-message``; the rest is percent-encoded (gRPC's spec)."""
+
+Unary = Callable[[Any, "CallContext"], Awaitable[Message]]
+ServerStreaming = Callable[[Any, "CallContext"], AsyncIterator[Message]]
+
+
+class Abort(Exception):
+    """A call ended with a status other than OK (raised by ``CallContext.abort``)."""
+
+    def __init__(self, code: Code, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+@dataclass(frozen=True)
+class Method:
+    """One RPC: how its request is parsed and which servicer function answers it."""
+
+    request_type: type[Message]
+    unary: Unary | None = None
+    server_streaming: ServerStreaming | None = None
+
+
+class CallContext:
+    """What a servicer learns of its call and how it ends it with a status."""
+
+    __slots__ = ("_deadline", "_metadata", "trailing_metadata")
+
+    def __init__(self, metadata: list[tuple[str, str]], deadline: float | None) -> None:
+        self._metadata = metadata
+        self._deadline = deadline
+        self.trailing_metadata: Sequence[tuple[str, str]] = ()
+
+    def invocation_metadata(self) -> list[tuple[str, str]]:
+        return self._metadata
+
+    def time_remaining(self) -> float | None:
+        """Seconds left before the client's deadline (``grpc-timeout``); None without one."""
+        return None if self._deadline is None else self._deadline - time.monotonic()
+
+    def set_trailing_metadata(self, metadata: Sequence[tuple[str, str]]) -> None:
+        self.trailing_metadata = metadata
+
+    async def abort(self, code: Code, details: str) -> None:
+        raise Abort(code, details)
+
+
+def trailers(code: Code, message: str = "", extra: Sequence[tuple[str, str]] = ()) -> bytes:
+    """The header block that ends a call: its status, message and trailing metadata."""
+    block = literal(b"grpc-status", str(int(code)).encode())
+    if message:
+        block += literal(b"grpc-message", quote(message, safe=_MESSAGE_SAFE).encode())
+    for name, value in extra:
+        block += literal(name.encode("latin-1"), value.encode("latin-1"))
+    return block
+
+
+def message_bytes(response: Message) -> bytes:
+    payload: bytes = response.SerializeToString()
+    return b"\x00" + len(payload).to_bytes(4, "big") + payload
+
+
+def parse_timeout(value: str) -> float | None:
+    """``grpc-timeout`` (at most 8 digits and a unit) in seconds; None when malformed."""
+    unit = _TIMEOUT_UNITS.get(value[-1:])
+    digits = value[:-1]
+    if unit is None or not digits.isdigit() or len(digits) > 8:
+        return None
+    return int(digits) * unit
+
+
+class GrpcCalls(Handler):
+    """Answers each stream of a connection with the method its path names."""
+
+    def __init__(self, methods: Mapping[str, Method], max_message_bytes: int) -> None:
+        self._methods = methods
+        self._max_message_bytes = max_message_bytes
+        self.calls: set[asyncio.Task[None]] = set()
+        """Unary calls under way, for the drain."""
+        self.streams: set[asyncio.Task[None]] = set()
+        """Server-streaming calls under way (health watches: they end with the connection)."""
+
+    def stream_opened(self, connection: Http2Connection, stream: Stream) -> None:
+        """Refuse at once what cannot be served, so a client that streams its request (or a
+        huge one) is not read further."""
+        headers = dict(stream.headers)
+        refusal = _refusal(headers, self._methods.get(headers.get(":path", "")))
+        if refusal is not None:
+            connection.send_headers(stream, RESPONSE_HEADERS + trailers(*refusal), end=True)
+            return
+        limit = self._max_message_bytes + _PREFIX_BYTES
+
+        def check_size() -> None:
+            if len(stream.body) > limit:
+                stream.on_data = None
+                size = int.from_bytes(stream.body[1:5], "big")
+                message = f"received message larger than max ({size} vs. {limit - 5})"
+                block = trailers(Code.RESOURCE_EXHAUSTED, message)
+                stream.body.clear()
+                connection.send_headers(stream, RESPONSE_HEADERS + block, end=True)
+
+        stream.on_data = check_size
+
+    def stream_complete(self, connection: Http2Connection, stream: Stream) -> None:
+        if stream.closed:
+            return
+        headers = dict(stream.headers)
+        method = self._methods[headers[":path"]]
+        try:
+            request = self._request(method, headers.get("grpc-encoding", "identity"), stream)
+        except Abort as exc:
+            connection.send_headers(
+                stream, RESPONSE_HEADERS + trailers(exc.code, exc.details), end=True
+            )
+            return
+        timeout = headers.get("grpc-timeout")
+        seconds = None if timeout is None else parse_timeout(timeout)
+        deadline = None if seconds is None else time.monotonic() + seconds
+        metadata = [(k, v) for k, v in stream.headers if not k.startswith(":")]
+        context = CallContext(metadata, deadline)
+        task = asyncio.get_running_loop().create_task(
+            self._run(connection, stream, method, request, context)
+        )
+        under_way = self.calls if method.unary is not None else self.streams
+        under_way.add(task)
+        task.add_done_callback(under_way.discard)
+
+        def cancel() -> None:
+            task.cancel()
+
+        stream.on_reset = cancel
+
+    def _request(self, method: Method, encoding: str, stream: Stream) -> Message:
+        body = bytes(stream.body)
+        stream.body.clear()
+        if len(body) < _PREFIX_BYTES:
+            raise Abort(Code.INTERNAL, "the call carries no request message")
+        size = int.from_bytes(body[1:5], "big")
+        if len(body) != _PREFIX_BYTES + size:
+            raise Abort(Code.INTERNAL, "a unary call carries exactly one request message")
+        payload = body[_PREFIX_BYTES:]
+        if body[0]:
+            payload = _decompress(payload, encoding, self._max_message_bytes)
+        request = method.request_type()
+        try:
+            request.ParseFromString(payload)
+        except ProtobufDecodeError as exc:
+            raise Abort(Code.INTERNAL, f"error parsing the request message: {exc}") from exc
+        return request
+
+    async def _run(
+        self,
+        connection: Http2Connection,
+        stream: Stream,
+        method: Method,
+        request: Message,
+        context: CallContext,
+    ) -> None:
+        try:
+            if method.server_streaming is not None:
+                await _stream_responses(
+                    connection, stream, method.server_streaming(request, context)
+                )
+                return
+            assert method.unary is not None
+            response = await method.unary(request, context)
+            end = trailers(Code.OK, "", context.trailing_metadata)
+            connection.send_headers(stream, RESPONSE_HEADERS)
+            connection.send_data(stream, message_bytes(response), end)
+        except Abort as exc:
+            block = trailers(exc.code, exc.details, context.trailing_metadata)
+            if stream.headers_sent:
+                connection.send_data(stream, b"", block)
+            else:
+                connection.send_headers(stream, RESPONSE_HEADERS + block, end=True)
+        except asyncio.CancelledError:
+            connection.reset(stream)
+            raise
+        except Exception:
+            logger.exception("gRPC call %s failed", type(request).__name__)
+            block = trailers(Code.INTERNAL, "internal error")
+            if stream.headers_sent:
+                connection.send_data(stream, b"", block)
+            else:
+                connection.send_headers(stream, RESPONSE_HEADERS + block, end=True)
+
+
+async def _stream_responses(
+    connection: Http2Connection, stream: Stream, responses: AsyncIterator[Message]
+) -> None:
+    connection.send_headers(stream, RESPONSE_HEADERS)
+    async for response in responses:
+        connection.send_data(stream, message_bytes(response))
+    connection.send_data(stream, b"", trailers(Code.OK))
+
+
+def _refusal(headers: Mapping[str, str], method: Method | None) -> tuple[Code, str] | None:
+    if headers.get(":method") != "POST":
+        return Code.UNIMPLEMENTED, "gRPC calls are POST requests"
+    if not headers.get("content-type", "").startswith("application/grpc"):
+        return Code.UNKNOWN, "content-type must be application/grpc"
+    if method is None:
+        return Code.UNIMPLEMENTED, f"method {headers.get(':path', '')!r} is not served here"
+    encoding = headers.get("grpc-encoding", "identity")
+    if encoding not in ("identity", "gzip", "deflate"):
+        return Code.UNIMPLEMENTED, f"messages compressed with {encoding!r} are not accepted"
+    return None
+
+
+def _decompress(payload: bytes, encoding: str, limit: int) -> bytes:
+    if encoding not in ("gzip", "deflate"):
+        raise Abort(Code.INTERNAL, f"a compressed message with grpc-encoding {encoding!r}")
+    inflater = zlib.decompressobj(16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS)
+    try:
+        out = inflater.decompress(payload, limit + 1)
+    except zlib.error as exc:
+        raise Abort(Code.INTERNAL, f"cannot decompress the request: {exc}") from exc
+    if len(out) > limit:
+        raise Abort(Code.RESOURCE_EXHAUSTED, f"decompressed message larger than max ({limit})")
+    return out

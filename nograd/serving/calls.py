@@ -1,0 +1,171 @@
+"""One call's life, whatever front it came by: its key checked, admitted within the process's
+bounds, given a deadline, submitted, answered; counted in flight meanwhile, and recorded once
+(metrics, statistics' status, the log line).
+
+A front decodes its wire format, drives a call through these steps, and encodes the answer or the
+failure's ``Kind`` in its own status codes; nothing here knows HTTP or gRPC.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import re
+import time
+from collections.abc import Mapping, Sequence
+from typing import Final
+
+import numpy as np
+
+from nograd.batching import QueueFull
+from nograd.observability.metrics import UNKNOWN_MODEL, Metrics
+from nograd.runtime.handler import Outputs
+from nograd.serving.dataplane import DataPlane
+from nograd.serving.errors import Kind, Unauthenticated, is_server_fault, kind_of
+from nograd.serving.registry import ServedModel
+
+logger = logging.getLogger("nograd.requests")
+
+_SAFE_ID: Final = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+KEY_HINT: Final = {
+    "http": "send one 'Authorization: Bearer <key>' header",
+    "grpc": "send metadata 'authorization: Bearer <key>'",
+}
+
+
+def safe_request_id(given: str | None) -> str | None:
+    """A caller's request id when it is a sane token (junk is never echoed or logged)."""
+    return given if given is not None and _SAFE_ID.match(given) else None
+
+
+class Call:
+    """One call under way: who it is for the logs and metrics, and its deadline."""
+
+    __slots__ = ("id_given", "model", "protocol", "request_id", "started", "target", "timeout_s")
+
+    def __init__(self, protocol: str, target: str, started: float, request_id: str | None) -> None:
+        self.protocol = protocol
+        self.target = target
+        """What was called (an HTTP path, a gRPC method), for the log line."""
+        self.started = started
+        self.id_given = request_id is not None
+        # 128 random bits as 32 hex digits, like uuid4().hex, without building a UUID object.
+        self.request_id = request_id or os.urandom(16).hex()
+        self.model = UNKNOWN_MODEL
+        """Metric label: the model once the name is known to be served."""
+        self.timeout_s: float | None = None
+
+    def adopt_request_id(self, protocol_id: str | None) -> None:
+        """Use the protocol's own id (the V2 ``id``) when the caller sent none of its own."""
+        if not self.id_given and safe_request_id(protocol_id) is not None:
+            assert protocol_id is not None
+            self.request_id = protocol_id
+
+    def shorten_deadline(self, timeout_s: float | None) -> None:
+        """A deadline the request itself states; the earlier of it and the call's own wins."""
+        if timeout_s is not None and (self.timeout_s is None or timeout_s < self.timeout_s):
+            self.timeout_s = timeout_s
+
+
+class Calls:
+    """The steps every front takes for a call, over one data plane."""
+
+    def __init__(self, plane: DataPlane, metrics: Metrics, api_keys: Sequence[str]) -> None:
+        self.plane = plane
+        self.metrics = metrics
+        self._keys = tuple(key.encode() for key in api_keys)
+
+    @property
+    def keys_required(self) -> bool:
+        return bool(self._keys)
+
+    def authorize(self, values: Sequence[str | bytes], protocol: str, model: str | None) -> None:
+        """Check the ``authorization`` values a call carries (``Bearer <key>``) in constant time
+        against every key; raise ``Unauthenticated`` naming what was wrong, never the key."""
+        if not self._keys:
+            return
+        token = b""
+        if len(values) == 1:  # which of several would count differs between proxies and servers
+            value = values[0]
+            raw = value.encode("latin-1") if isinstance(value, str) else value
+            scheme, _, rest = raw.partition(b" ")
+            token = rest.strip() if scheme.lower() == b"bearer" else b""
+        matched = False
+        for key in self._keys:
+            matched |= hmac.compare_digest(token, key)
+        if matched and token:
+            return
+        self.metrics.rejected.labels(self.label(model), "unauthorized").inc()
+        why = "missing" if not values else "invalid"
+        raise Unauthenticated(f"{why} API key: {KEY_HINT.get(protocol, KEY_HINT['http'])}")
+
+    def admit(self, name: str | None) -> None:
+        """Take in one inference call for model ``name`` (None: not known yet) before its body is
+        read, or refuse it (``Overloaded``, ``WaitTooLong``); each admitted call is released."""
+        try:
+            self.plane.admit(name)
+        except QueueFull as exc:
+            self.metrics.rejected.labels(self.label(name), exc.reason).inc()
+            raise
+
+    def release(self) -> None:
+        self.plane.release()
+
+    def label(self, name: str | None) -> str:
+        """The metric label of a model name: itself when served, else one shared value."""
+        return name if name is not None and name in self.plane.models else UNKNOWN_MODEL
+
+    def open(
+        self,
+        protocol: str,
+        target: str,
+        request_id: str | None = None,
+        started: float | None = None,
+    ) -> Call:
+        """A call begins: counted in flight until ``close``."""
+        self.metrics.inflight.inc()
+        return Call(protocol, target, started or time.perf_counter(), request_id)
+
+    async def infer(
+        self, call: Call, name: str, version: str | None, inputs: Mapping[str, np.ndarray]
+    ) -> tuple[ServedModel, Outputs]:
+        call.model = self.label(name)
+        return await self.plane.infer(name, version, inputs, timeout_s=call.timeout_s)
+
+    def failed(self, call: Call, exc: BaseException) -> Kind:
+        """The kind of a call's failure; the model or nograd failing is logged with its trace."""
+        kind = kind_of(exc)
+        if is_server_fault(kind):
+            logger.error(
+                "%s call %s on model %s failed",
+                call.protocol,
+                call.target,
+                call.model,
+                exc_info=exc,
+            )
+        return kind
+
+    def close(self, call: Call, status: int) -> None:
+        """The call is answered with ``status`` (its kind's, for every protocol): recorded."""
+        self.metrics.inflight.dec()
+        seconds = time.perf_counter() - call.started
+        self.metrics.request_done(call.model, call.protocol, status, seconds)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "%s %s -> %d in %.1f ms",
+                call.protocol,
+                call.target,
+                status,
+                seconds * 1000,
+                extra={
+                    "request_id": call.request_id,
+                    "model": call.model,
+                    "protocol": call.protocol,
+                    "status": status,
+                    "duration_ms": round(seconds * 1000, 3),
+                },
+            )
+
+
+CLIENT_GONE: Final = Kind.CLIENT_GONE.status

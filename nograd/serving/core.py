@@ -1,0 +1,76 @@
+"""The serving core of one process, built once and shared by every front: metrics, the data plane,
+model control and the call lifecycle, with the steps of its start-up and shutdown.
+
+``nograd.server`` drives these steps around the fronts; an ASGI app built on its own
+(``nograd.http.app.create_app``) drives them from its lifespan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+
+from nograd.host.ledger import CoreShare
+from nograd.observability.metrics import Metrics
+from nograd.observability.stats import Statistics
+from nograd.serving.calls import Calls
+from nograd.serving.control import ModelControl
+from nograd.serving.dataplane import DataPlane
+from nograd.settings import Settings
+
+
+class StartupFailed(Exception):
+    """The server cannot start as configured (a model config or a port); the message says why."""
+
+
+class Core:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        shared_dir: Path | None = None,
+        cores: CoreShare | None = None,
+    ) -> None:
+        self.settings = settings
+        self.metrics = Metrics(multiprocess_dir=shared_dir)
+        self.plane = DataPlane(settings, self.metrics, Statistics(shared_dir), cores=cores)
+        self.control = ModelControl(self.plane, shared_dir)
+        self.calls = Calls(self.plane, self.metrics, settings.api_key_list)
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def open(self) -> None:
+        """Read the repository's configs; a malformed one fails the start-up, naming it."""
+        await self.control.open()
+        self.control.discover()
+        if self.plane.config_errors:
+            await self.control.close()
+            raise StartupFailed("; ".join(self.plane.config_errors))
+
+    async def load(self) -> None:
+        """Load, warm and plan the start-up set of models."""
+        await self.control.load_startup()
+
+    def load_in_background(self) -> None:
+        """Load while the fronts already answer: liveness says alive, readiness tells the truth
+        (not ready) while weights load and warm up."""
+        self._tasks.append(asyncio.create_task(self.load(), name="load-models"))
+
+    def watch(self) -> None:
+        """Restart batch loops that die, and follow the repository when model control polls."""
+        self._tasks.append(asyncio.create_task(self.plane.watch_batchers(), name="watch-batchers"))
+        if self.settings.model_control == "poll":
+            self._tasks.append(
+                asyncio.create_task(self.control.poll_forever(), name="poll-repository")
+            )
+
+    async def close(self, *, force: bool = False) -> None:
+        """Stop loading and watching, then the batchers: they finish what is queued within the
+        drain timeout, or at once when ``force`` (a stop that cuts what is in flight)."""
+        for task in self._tasks:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        await self.control.close()
+        await self.plane.stop(0.0 if force else self.settings.drain_timeout_s)

@@ -1,0 +1,44 @@
+"""A served model described in the Open Inference Protocol's shapes: server and model metadata
+and the statistics extension. Both fronts answer from here (HTTP as JSON, gRPC as the messages of
+the same fields), so a model is described the same way over every protocol."""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from nograd import __version__
+from nograd.serving.dataplane import DataPlane
+from nograd.serving.registry import ServedModel
+
+SERVER_NAME: Final = "nograd"
+
+
+def server_metadata(extensions: list[str]) -> dict[str, Any]:
+    return {"name": SERVER_NAME, "version": __version__, "extensions": extensions}
+
+
+def model_metadata(plane: DataPlane, model: ServedModel) -> dict[str, Any]:
+    config = model.config
+    return {
+        "name": config.name,
+        "versions": plane.registry.version_names(config.name),
+        "platform": config.platform,
+        # A scalar sample is listed as [1], as the model configuration's dims say (Triton's
+        # convention); requests may send [n] or [n, 1].
+        "inputs": [
+            {"name": s.name, "datatype": s.datatype, "shape": [-1, *(s.shape or (1,))]}
+            for s in config.inputs
+        ],
+        "outputs": [
+            {"name": s.name, "datatype": s.datatype, "shape": [-1, *s.shape]}
+            for s in config.outputs
+        ],
+    }
+
+
+def statistics(plane: DataPlane, name: str | None, version: str | None) -> dict[str, Any]:
+    """The statistics of one model (version), or of every model when ``name`` is empty."""
+    models = [plane.get(name, version)] if name else list(plane.models.values())
+    return {
+        "model_stats": [plane.statistics.of(m.name).document(m.name, m.version) for m in models]
+    }
