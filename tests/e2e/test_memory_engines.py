@@ -37,11 +37,11 @@ FIT_MARGIN = FIT_TOLERANCE
 at the limit may use that much more than its share."""
 DIGITS_MARGIN = 1024 * 1024
 """What serving digits' load adds besides its batches: the requests' bodies, decoded arrays and
-answers on a few connections, the interpreter's objects for them (100-290 KiB measured on 2
-cores), and the kernels oneDNN builds and keeps for each new batch size (130-410 KiB each)."""
+answers on a few connections, the interpreter's objects for them, and the kernels oneDNN builds
+and keeps for each new batch size (BENCHMARKS.md, "Memory measured per engine")."""
 MINILM_MARGIN = 8 * 1024 * 1024
-"""The same for minilm, with its tokenising, and eager torch's run-to-run spread at 256 tokens a
-text (a 7 x 200 token batch peaked at 49 and 57 MiB in two runs on 2 cores)."""
+"""The same for minilm, with its tokenising, and eager torch's run-to-run spread at 256 tokens
+a text."""
 CONNECTIONS = 4
 """Few callers, each sending batches' worth of rows: a batch at the limit without the memory
 of many open connections, which grows with the callers and not with the batch."""

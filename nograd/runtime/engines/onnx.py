@@ -187,8 +187,9 @@ class OnnxPath(EnginePath):
                 feeds = {name: batch[name].numpy() for name in self.inputs}
                 results = self.session.run(list(self.outputs), feeds, self._run_options)
                 # The arena's growth, handed back when the run ended, stays resident in the C
-                # heap, and the next run does not find it again: a few runs of a batch size
-                # held twice its memory. Back to the system, each run holds what it needs.
+                # heap, where the next run's regions do not fit again: repeated runs of one
+                # batch size held more than one run needs. Back to the system, each run holds
+                # what it needs.
                 release_free_memory()
         except Exception as exc:
             if any(fragment in str(exc) for fragment in _OUT_OF_MEMORY):
