@@ -35,7 +35,7 @@ MINILM_BUDGET = 48 * 1024 * 1024
 FIT_MARGIN = FIT_TOLERANCE
 """The plan takes a fit whose check is off by up to this fraction of what was measured: a batch
 at the limit may use that much more than its share."""
-DIGITS_MARGIN = 1024 * 1024
+DIGITS_MARGIN = 2 * 1024 * 1024
 """What serving digits' load adds besides its batches: the requests' bodies, decoded arrays and
 answers on a few connections, the interpreter's objects for them, and the kernels oneDNN builds
 and keeps for each new batch size (BENCHMARKS.md, "Memory measured per engine")."""
@@ -198,11 +198,12 @@ def _bucket_at_least(rows: int) -> float:
 
 
 def forced(*engines: str) -> list[object]:
-    """Engines forced in ``make test-slow`` only: each start builds and checks them anew."""
+    """Engines forced, in ``make test-slow``: each start builds, checks and measures them anew,
+    and ``auto`` (in ``make test``) already serves ONNX Runtime and eager side by side."""
     return [pytest.param(engine, marks=pytest.mark.slow) for engine in engines]
 
 
-@pytest.mark.parametrize("engine", ["auto", "onnx", *forced("eager", "torch_export", "aoti")])
+@pytest.mark.parametrize("engine", ["auto", *forced("onnx", "eager", "torch_export", "aoti")])
 def test_a_small_budget_bounds_every_engine(serve: Serve, engine: str) -> None:
     # AOTInductor compiles minilm for minutes on 2 cores: digits alone shows it.
     models = ("digits",) if engine == "aoti" else ("digits", "minilm")
