@@ -22,13 +22,17 @@ from nograd.runtime.memory.cost import (
 
 FIT_TOLERANCE: Final = 0.25
 """Largest relative error at the check point of a fit the plan takes as it is."""
+NOISE_BYTES: Final = 512 * 1024
+"""A check that misses by less than this cannot judge a fit: the process's resident peak moves by
+pages and by what the heap happens to keep at that size. Such a fit is taken as measured (raised
+to cover every point, the check's included), without measuring again."""
 
 
 class Verdict(StrEnum):
     """What became of a fit after its check."""
 
     FITS = "fits"
-    """Within the tolerance at the first check."""
+    """Within the tolerance at the first check, or off by less than the measure's noise."""
     REMEASURED = "re-measured"
     """Off at the first check, within the tolerance when measured again."""
     BOUNDED = "bounded"
@@ -69,7 +73,10 @@ def verified_profile(
     shape, to check a bound."""
     first = profile()
     measured = (*first.points, _as_point(first.check_point))
-    if first.relative_error <= tolerance:
+    check = first.check_point
+    if first.relative_error <= tolerance or abs(check.predicted_bytes - check.measured_bytes) < (
+        NOISE_BYTES
+    ):
         planned = covering(measured, quadratic)
         return VerifiedFit(first, Verdict.FITS, (first.check_point.signed_error,), planned)
     second = profile()

@@ -98,25 +98,37 @@ def test_profile_of_a_real_linear_model_is_linear_in_rows() -> None:
         {
             "name": "lin",
             "weights": "",
-            "inputs": [{"name": "x", "datatype": "FP32", "shape": [256]}],
-            "outputs": [{"name": "y", "datatype": "FP32", "shape": [512]}],
+            "inputs": [{"name": "x", "datatype": "FP32", "shape": [1024]}],
+            "outputs": [{"name": "y", "datatype": "FP32", "shape": [7168]}],
         }
     )
 
     class Lin(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.linear = torch.nn.Linear(256, 512)
+            self.linear = torch.nn.Linear(1024, 7168)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.linear(x)
 
     module = Lin().eval()
     real = ModelHandler(module, config, torch.device("cpu"))
-    result = profile_handler(real, CpuMemoryProbe(), cap=32)
+    result = profile_handler(real, CpuMemoryProbe(), cap=128)
     (only,) = result.ranges
     assert only.engine == "eager" and only.most_rows is None
-    # Input (collated, 256 floats) and output (512 floats) are alive together: 3 KiB per row,
-    # measured as the process's resident peak, in whole pages.
-    assert only.fit.model.per_unit == pytest.approx((256 + 512) * 4, rel=0.2)
-    assert only.fit.verdict is Verdict.FITS
+    # Input (1024 floats) and output (7168 floats) are alive together, each also in a copy of its
+    # own for part of the batch (the request's rows and the collated batch; the output tensor and
+    # the answer's array): between 32 and 80 KiB a row, measured as the process's resident
+    # peak, in whole pages (a batch of 128 rows is megabytes, far above the heap's own noise), so
+    # the plan never promises less than the tensors themselves, and each row costs no more than
+    # both copies (the forward's own scratch is the fixed part).
+    tensors = (1024 + 7168) * 4
+    planned = only.fit.model
+    assert planned.per_unit > 0
+    for rows in (1, 8, 32, 128):
+        assert planned.predict(rows) >= rows * tensors
+    assert planned.per_unit <= 2.5 * tensors
+    # The first profile of a process may carry first-use costs (the forward's own scratch, the
+    # heap's growth): it is then measured again, and the second holds.
+    assert only.fit.verdict in (Verdict.FITS, Verdict.REMEASURED)
+    assert abs(only.fit.errors[-1]) <= 0.25
