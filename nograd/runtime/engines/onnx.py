@@ -41,6 +41,7 @@ ONNX_DATATYPES: Final = {row.onnx: row.name for row in TABLE if row.onnx is not 
 ALONE_READING_BYTES: Final = 4 << 20
 """A fresh session's run reading at least this is taken alone: its allocations repeat exactly,
 and the noise of a resident reading (pages other threads touch) is a small part of it."""
+NO_CUDA_PROVIDER: Final = "ONNX Runtime here has no CUDA provider; install onnxruntime-gpu for CUDA"
 _OUT_OF_MEMORY: Final = ("Failed to allocate memory", "out of memory", "bad_alloc")
 """Fragments of ONNX Runtime's messages when an allocation fails (CPU heap, CUDA arena)."""
 
@@ -53,8 +54,12 @@ class OnnxEngine:
     quantised: bool = False
 
     def unsupported(self, device: torch.device) -> str | None:
+        """Said before anything is built: exporting a model only to find that ONNX Runtime
+        cannot run it on the device costs every start seconds of export."""
         if self.quantised and device.type != "cpu":
             return "int8 runs on CPU only (ONNX Runtime's int8 kernels are CPU kernels)"
+        if device.type == "cuda" and not _has_cuda_provider():
+            return NO_CUDA_PROVIDER
         return None
 
     def build(self, traced: Traced, target: Path) -> None:
@@ -215,6 +220,14 @@ class OnnxPath(EnginePath):
         return list(binding.copy_outputs_to_cpu())
 
 
+def _has_cuda_provider() -> bool:
+    try:
+        import onnxruntime
+    except ImportError:
+        return False
+    return "CUDAExecutionProvider" in onnxruntime.get_available_providers()
+
+
 def _shrinking(device: torch.device) -> Any:
     """Run options that hand the arena's growth back to the system when a run ends."""
     import onnxruntime
@@ -251,10 +264,8 @@ def onnx_session(path: Path, device: torch.device, spinning: bool, threads: int)
     options.add_session_config_entry("session.intra_op.allow_spinning", allow)
     options.add_session_config_entry("session.inter_op.allow_spinning", allow)
     if device.type == "cuda":
-        if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
-            raise ArtifactError(
-                "ONNX Runtime here has no CUDA provider; install onnxruntime-gpu for CUDA"
-            )
+        if not _has_cuda_provider():
+            raise ArtifactError(NO_CUDA_PROVIDER)
         cuda = {"device_id": device.index or 0, "arena_extend_strategy": "kSameAsRequested"}
         providers: list[Any] = [("CUDAExecutionProvider", cuda), "CPUExecutionProvider"]
     else:

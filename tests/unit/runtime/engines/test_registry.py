@@ -123,3 +123,22 @@ def test_the_plan_logs_the_engine_of_each_range(
     assert table_line.split()[:2] == ["tiny", "cpu"] and "onnx" in table_line.split()
     assert "model tiny on onnx: cost model" in caplog.text
     assert plans[0].fit_rows()[0][0] == "onnx"
+
+
+def test_onnx_without_its_cuda_provider_is_refused_for_a_gpu_before_anything_is_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a GPU with ONNX Runtime's CPU build, auto used to export the model (seconds, every
+    start) and only then find no CUDA provider to open it with."""
+    import onnxruntime
+
+    onnx = engine("onnx")
+    monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    assert onnx.unsupported(torch.device("cpu")) is None
+    assert "no CUDA provider" in (onnx.unsupported(torch.device("cuda", 0)) or "")
+    monkeypatch.setattr(
+        onnxruntime,
+        "get_available_providers",
+        lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"],
+    )
+    assert onnx.unsupported(torch.device("cuda", 0)) is None
