@@ -30,7 +30,7 @@ run: install
 	$(BIN)/nograd
 
 test: install-dev
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow" --durations=25 $(PYTEST_ARGS)
 
 test-slow: install-dev
 	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
