@@ -34,7 +34,8 @@ as in the engine table (``nograd.core.engines``)."""
 CompileMode = Literal["default", "reduce-overhead", "max-autotune"]
 CONFIG_NAMES = ("config.toml", "config.yaml", "config.yml")
 _DEVICE_RE = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+_VERSION_RE = re.compile(r"[0-9]{1,18}")
 
 
 class ConfigError(Exception):
@@ -89,6 +90,13 @@ class VersionPolicy(BaseModel):
             return tuple(str(v) for v in value)
         return value
 
+    @field_validator("specific")
+    @classmethod
+    def _versions_valid(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        for version in value or ():
+            check_version(version)
+        return value
+
     @model_validator(mode="after")
     def _one_rule(self) -> VersionPolicy:
         rules = [self.latest is not None, self.specific is not None, self.all]
@@ -110,7 +118,32 @@ class VersionPolicy(BaseModel):
 
 def version_order(version: str) -> tuple[int, str]:
     """Numbered versions sort by number; anything else after them, by text."""
-    return (int(version), "") if version.isdigit() else (1 << 62, version)
+    return (int(version), "") if is_version(version) else (1 << 62, version)
+
+
+def is_version(text: str) -> bool:
+    """Whether ``text`` is a version: ASCII digits only, at most 18 (a 64-bit number, as Triton's
+    versions are). A version names a folder and an engine cache file, so it must never hold a
+    path separator, ``..`` or a NUL; ``str.isdigit`` is not enough (it takes ``²``)."""
+    return _VERSION_RE.fullmatch(text) is not None
+
+
+def check_version(version: str) -> str:
+    """``version`` unchanged, or a ValueError saying what a version may be."""
+    if not is_version(version):
+        raise ValueError(f"version {version!r} must be 1 to 18 digits (0-9)")
+    return version
+
+
+def check_model_name(name: str) -> str:
+    """``name`` unchanged, or a ValueError saying what a model name may be: it names files (the
+    engine cache's) and metric labels, so no separator, no leading dot, bounded length."""
+    if _NAME_RE.fullmatch(name) is None:
+        raise ValueError(
+            f"model name {name!r} must be 1 to 128 letters, digits, '_', '-' or '.', starting "
+            "with a letter or digit"
+        )
+    return name
 
 
 class ModelConfig(BaseModel):
@@ -209,14 +242,17 @@ class ModelConfig(BaseModel):
     @field_validator("name")
     @classmethod
     def _name_valid(cls, name: str) -> str:
-        if not _NAME_RE.match(name):
-            raise ValueError(f"model name {name!r} must match {_NAME_RE.pattern}")
-        return name
+        return check_model_name(name)
 
     @field_validator("version", mode="before")
     @classmethod
     def _version_text(cls, value: object) -> object:
-        return str(value) if isinstance(value, int) else value
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+    @field_validator("version")
+    @classmethod
+    def _version_valid(cls, version: str) -> str:
+        return check_version(version)
 
     @field_validator("device")
     @classmethod

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from nograd.runtime.config import ConfigError, find_config, version_order
+from nograd.runtime.config import ConfigError, check_model_name, find_config, version_order
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.errors import ControlRefused, InvalidInput, LoadFailed, ModelNotFound
 from nograd.serving.loading import free
@@ -40,7 +40,8 @@ Operation = Literal["load", "unload"]
 
 def load_parameters(parameters: Mapping[str, object]) -> Override | None:
     """The config override of a load call's parameters (Triton's: ``config``, a JSON object of
-    config fields as text); a ``file:`` parameter or anything else is refused by name."""
+    config fields as text); a ``file:`` parameter or anything else is refused by name. Which
+    fields an override may name is ``check_override``'s rule, applied wherever one is read."""
     override: Override | None = None
     for key, value in parameters.items():
         if key == "config":
@@ -130,8 +131,13 @@ class ModelControl:
         await self._everywhere({"op": "unload", "name": name})
 
     async def _everywhere(self, call: dict[str, Any]) -> None:
+        # A name no model can have is refused before it reaches the repository or a sibling.
+        name = call["name"]
+        try:
+            check_model_name(name)
+        except ValueError as exc:
+            raise InvalidInput(str(exc)) from exc
         if self.mode != "explicit":
-            name = call["name"]
             if name not in self._plane.registry.versions and not self._in_repository(name):
                 raise ModelNotFound(f"model {name!r} is not in the repository")
             setting = "NOGRAD_MODEL_CONTROL"

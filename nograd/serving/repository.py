@@ -14,11 +14,31 @@ import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Final
 
-from nograd.runtime.config import ConfigError, ModelConfig, find_config, load_config
+from nograd.runtime.config import ConfigError, ModelConfig, find_config, is_version, load_config
 
 Override = Mapping[str, object]
 """Config fields a load call sets over the file's (Triton's ``config`` parameter)."""
+
+OVERRIDABLE: Final = ("max_batch_size", "max_queue_delay_ms", "max_queue_size", "max_batch_tokens")
+"""The config fields a load call may override: how requests are batched and queued. Every other
+field chooses code, files, digests, the device or the model's identity (name, version), which
+whoever may call the API must not choose: only the repository's files do."""
+
+
+def check_override(override: Override) -> None:
+    """Refuse an override that names a field outside ``OVERRIDABLE``, naming each one. Checked
+    where an override meets a config (``read_model``), so every way in (either front, a sibling
+    worker, the state a restarted worker reloads) is held to the same rule."""
+    refused = sorted(str(key) for key in override if key not in OVERRIDABLE)
+    if refused:
+        fields = ", ".join(repr(key) for key in refused)
+        raise ConfigError(
+            f"config override: field(s) {fields} cannot be overridden by a load call; "
+            f"an override may change only {', '.join(OVERRIDABLE)} (the rest is set by the "
+            "model's files in the repository)"
+        )
 
 
 @dataclass(frozen=True)
@@ -42,13 +62,16 @@ class ModelSource:
 
 def read_model(model_dir: Path, override: Override | None = None) -> ModelSource | None:
     """The model in ``model_dir`` (None when the folder holds no config); a config that cannot be
-    used raises ``ConfigError`` naming the file and field."""
+    used, or an override of a field outside ``OVERRIDABLE``, raises ``ConfigError`` naming the
+    file (for a config) and the field."""
+    if override:
+        check_override(override)
     path = find_config(model_dir)
     if path is None:
         return None
     top = load_config(path, override=override)
     extra = _override_text(override)
-    numbered = sorted(d.name for d in model_dir.iterdir() if d.is_dir() and d.name.isdigit())
+    numbered = sorted(d.name for d in model_dir.iterdir() if d.is_dir() and is_version(d.name))
     source = ModelSource(top.name, model_dir)
     if not numbered:
         fingerprint = _fingerprint([model_dir], extra)

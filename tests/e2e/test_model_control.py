@@ -1,6 +1,7 @@
 """Model control against a real server with two workers: digits v1 to v2 under concurrent load
 with no failed request, every worker switched when the load answers, the same index from every
-worker, overrides and unload over tritonclient's HTTP and gRPC clients."""
+worker, overrides (batching and queueing only) and unload over tritonclient's HTTP and gRPC
+clients."""
 
 from __future__ import annotations
 
@@ -142,6 +143,60 @@ def test_grpc_load_with_an_override_and_unload(served: Served) -> None:
 
     served.http_client().load_model("digits")
     assert set(served.versions_answering()) == {"2"}
+
+
+def test_a_load_override_changes_batching_and_queueing_only(tmp_path: Path) -> None:
+    """The attacks a load call's config once let through: a version that walked out of the
+    engine cache (the ONNX file written elsewhere), another name (another copy of the model per
+    call), other code, no digest. Each is a 400 (INVALID_ARGUMENT over gRPC) naming the field,
+    nothing is written, and the batching override an operator needs still applies."""
+    cache = tmp_path / "cache"
+    outside = tmp_path / "outside"
+    grpc_port = free_port()
+    env = {
+        "NOGRAD_MODEL_CONTROL": "explicit",
+        "NOGRAD_LOAD_MODELS": "digits",
+        # Loading builds an engine file, the one a bad version once put outside the cache.
+        "NOGRAD_ENGINE": "onnx",
+        "NOGRAD_ENGINE_CACHE": str(cache),
+        "NOGRAD_GRPC_PORT": str(grpc_port),
+    }
+    with run_server(tmp_path, env, ready_timeout_s=240) as server:
+        built = sorted(cache.iterdir())
+        assert any(path.suffix == ".onnx" for path in built), built
+
+        def load(fields: dict[str, object]) -> httpx.Response:
+            body = {"parameters": {"config": json.dumps(fields)}}
+            url = f"{server.url}/v2/repository/models/digits/load"
+            return httpx.post(url, json=body, timeout=120)
+
+        for fields in (
+            {"version": "x/../../outside/pwn"},
+            {"name": "evil1"},
+            {"module": "train.py"},
+            {"artifact_sha256": None},
+        ):
+            answer = load(fields)
+            assert answer.status_code == 400, answer.text
+            error = answer.json()["error"]
+            (field,) = fields
+            assert f"{field!r} cannot be overridden" in error and "max_batch_size" in error
+        assert not outside.exists()
+        assert sorted(cache.iterdir()) == built
+        index = httpx.post(f"{server.url}/v2/repository/index", timeout=10).json()
+        assert "evil1" not in {entry["name"] for entry in index}
+
+        client = triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+        with pytest.raises(InferenceServerException) as refused:
+            client.load_model("digits", config=json.dumps({"weights": "train.py"}))
+        assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
+        assert "'weights' cannot be overridden" in str(refused.value.message())
+
+        assert load({"max_batch_size": 16}).status_code == 200
+        config = httpx.get(f"{server.url}/v2/models/digits/config", timeout=10).json()
+        assert config["parameters"]["batch_limit"] == {"string_value": "16"}
+        answer = httpx.post(f"{server.url}/v2/models/digits/infer", json=BODY, timeout=10)
+        assert answer.status_code == 200, answer.text
 
 
 def test_control_calls_need_an_api_key_when_keys_are_set(

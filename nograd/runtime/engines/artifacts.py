@@ -97,15 +97,28 @@ def cached(cache_dir: Path, label: str, name: str, key: str, build: Callable[[Pa
     Builders take a lock file beside it, so workers starting together build it once: the others
     wait, then find it built.
     """
-    target = cache_dir / f"{label}-{name}-{key}{engine_row(name).suffix}"
+    target = cache_file(cache_dir, f"{label}-{name}-{key}{engine_row(name).suffix}")
     if target.is_file():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
-    with (cache_dir / f".{target.name}.lock").open("a") as lock:
+    with (target.parent / f".{target.name}.lock").open("a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if target.is_file():
             return target
         return build(target)
+
+
+def cache_file(cache_dir: Path, file_name: str) -> Path:
+    """``file_name`` directly inside ``cache_dir``, resolved, or an ArtifactError. The name is
+    built from the model's name and version, which configs validate; this holds even if one slips
+    through (a separator, ``..``, a NUL, a planted symlink), so the cache never writes elsewhere."""
+    root = cache_dir.resolve()
+    target = (root / file_name).resolve() if "\0" not in file_name else None
+    if target is None or target.parent != root:
+        raise ArtifactError(
+            f"engine cache file {file_name!r} would not be inside the cache folder {str(root)!r}"
+        )
+    return target
 
 
 def _onnxruntime_version() -> str:

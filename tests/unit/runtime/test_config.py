@@ -6,7 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from nograd.runtime.config import ConfigError, VersionPolicy, find_config, load_config
+from nograd.runtime.config import (
+    ConfigError,
+    VersionPolicy,
+    check_model_name,
+    check_version,
+    find_config,
+    load_config,
+)
 from tests.e2e.serving import ROOT
 
 GOOD = """
@@ -77,6 +84,47 @@ def test_malformed_config_names_file_and_field(
     assert f"field '{field}'" in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "version",
+    [
+        '"x/../../pwn"',
+        '".."',
+        '"1/2"',
+        '"v1"',
+        '"1\\u0000"',
+        '"\u00b2"',
+        '""',
+        "1" * 19,
+        "-1",
+        "true",
+    ],
+)
+def test_a_version_is_digits_only(tmp_path: Path, version: str) -> None:
+    # A version names a folder and an engine cache file: text that is not one must never load.
+    path = write(tmp_path, GOOD.replace("version = 3", f"version = {version}"))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert "field 'version'" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ['"../evil"', '".hidden"', '"a/b"', '"m\\n"', '"m\\u0000"', f'"{"m" * 129}"', '""', '"é"'],
+)
+def test_a_model_name_is_letters_digits_and_punctuation(tmp_path: Path, name: str) -> None:
+    path = write(tmp_path, GOOD.replace('name = "m"', f"name = {name}"))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert "field 'name'" in str(info.value)
+
+
+def test_valid_names_and_versions_pass_unchanged() -> None:
+    assert check_model_name("Model_1.v-2") == "Model_1.v-2"
+    assert check_model_name("m" * 128) == "m" * 128
+    assert check_version("0") == "0"
+    assert check_version("9" * 18) == "9" * 18
+
+
 def test_unparseable_config(tmp_path: Path) -> None:
     path = write(tmp_path, "name = [unclosed")
     with pytest.raises(ConfigError, match="cannot parse"):
@@ -105,6 +153,7 @@ def test_the_version_policy_selects_numbered_versions(
         ({"latest": 1, "all": True}, "one of latest, specific or all"),
         ({"latest": 0}, "greater than or equal to 1"),
         ({"specific": []}, "at least one version"),
+        ({"specific": ["../1"]}, "must be 1 to 18 digits"),
         ("newest", "must be"),
     ],
 )

@@ -4,6 +4,7 @@ no request, unload that lets queued requests finish, and the repository poll."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 from collections.abc import AsyncIterator
@@ -225,6 +226,33 @@ async def test_a_load_may_override_the_config(tmp_path: Path, stop: list[DataPla
     with pytest.raises(InvalidInput, match="max_batch_sise"):
         await control.load("scaler", {"max_batch_sise": 2})
     assert plane.models["scaler"].config.max_batch_size == 2
+
+
+async def test_a_load_overrides_batching_and_queueing_only(
+    tmp_path: Path, stop: list[DataPlane]
+) -> None:
+    plane, control = await started(
+        scaler_repo(tmp_path, 1), model_control="explicit", load_models="*"
+    )
+    stop.append(plane)
+    before = plane.models["scaler"]
+    for override in (
+        {"name": "evil1"},
+        {"version": "x/../../../pwn"},
+        {"module": "factor.txt"},
+        {"weights": "factor.txt", "max_batch_size": 2},
+    ):
+        parameters = load_parameters({"config": json.dumps(override)})
+        with pytest.raises(InvalidInput, match="cannot be overridden by a load call"):
+            await control.load("scaler", parameters)
+    assert plane.models["scaler"] is before
+    assert sorted(plane.registry.versions) == ["scaler", "slow"]
+    for name in ("../scaler", ".scaler", "scaler/1"):
+        with pytest.raises(InvalidInput, match="model name"):
+            await control.load(name)
+    await control.load("scaler", load_parameters({"config": '{"max_queue_size": 3}'}))
+    assert plane.models["scaler"].config.max_queue_size == 3
+    assert await answer(plane) == 1.0
 
 
 @pytest.mark.parametrize(

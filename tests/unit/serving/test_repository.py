@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from nograd.runtime.config import ConfigError
-from nograd.serving.repository import read_model, scan
+from nograd.serving.repository import OVERRIDABLE, read_model, scan
 from tests.unit.conftest import FIXTURES
 
 
@@ -63,3 +63,61 @@ def test_scan_names_duplicates_and_skips_folders_without_config(tmp_path: Path) 
     found, problems = scan(tmp_path)
     assert list(found) == ["poison"]
     assert len(problems) == 1 and "defined twice" in problems[0]
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        {"version": "x/../../../../tmp/pwn"},
+        {"name": "evil1"},
+        {"module": "train.py"},
+        {"artifact_sha256": None},
+        {"weights": "other.safetensors"},
+        {"device": "cpu"},
+        {"engine": "onnx"},
+        {"version_policy": "all"},
+    ],
+)
+def test_an_override_of_anything_but_batching_is_refused_naming_the_field(
+    tmp_path: Path, override: dict[str, object]
+) -> None:
+    folder = poison(tmp_path)
+    (field,) = override
+    with pytest.raises(ConfigError) as refused:
+        read_model(folder, {**override, "max_batch_size": 4})
+    message = str(refused.value)
+    assert f"field(s) {field!r} cannot be overridden" in message
+    assert all(allowed in message for allowed in OVERRIDABLE), message
+
+
+def test_every_batching_and_queueing_field_may_be_overridden(tmp_path: Path) -> None:
+    override = {
+        "max_batch_size": 4,
+        "max_queue_delay_ms": 0.5,
+        "max_queue_size": 7,
+        "max_batch_tokens": 512,
+    }
+    assert set(override) == set(OVERRIDABLE)
+    source = read_model(poison(tmp_path), override)
+    assert source is not None
+    config = source.versions["1"].config
+    assert config.model_dump(include=set(OVERRIDABLE)) == override
+    assert (config.name, config.version, config.module) == ("poison", "1", "model.py")
+
+
+def test_a_refused_override_is_a_problem_of_its_model_alone_in_a_scan(tmp_path: Path) -> None:
+    # A restarted worker reloads the overrides its siblings recorded: one that the rule refuses
+    # (written by hand, or by an older nograd) keeps that model out, not the whole repository.
+    poison(tmp_path)
+    shutil.copytree(FIXTURES / "slow", tmp_path / "slow")
+    found, problems = scan(tmp_path, {"poison": {"module": "other.py"}})
+    assert list(found) == ["slow"]
+    assert len(problems) == 1 and "'module' cannot be overridden" in problems[0]
+
+
+def test_only_ascii_digit_folders_are_versions(tmp_path: Path) -> None:
+    folder = poison(tmp_path)
+    for name in ("2", "\u00b2", "1" * 19, "v3"):
+        (folder / name).mkdir()
+    source = read_model(folder)
+    assert source is not None and list(source.versions) == ["2"]
