@@ -15,7 +15,7 @@ from google.protobuf.message import Message
 from nograd.grpc.generated import grpc_service_pb2 as pb
 from nograd.grpc.generated import model_config_pb2
 from nograd.grpc.rpc import CallContext, Code
-from nograd.grpc.tensors import decode_inputs, encode_outputs
+from nograd.grpc.tensors import encode_outputs, read_inputs
 from nograd.serving import documents
 from nograd.serving.calls import Call
 from nograd.serving.control import load_parameters
@@ -200,8 +200,9 @@ class InferenceService:
             parameter = request.parameters.get("timeout")
             if parameter is not None and parameter.int64_param > 0:
                 call.shorten_deadline(parameter.int64_param / 1e6)
-            inputs = decode_inputs(request)
             name, version = request.model_name, request.model_version or None
+            # Checked against the model's declared inputs before any value is read.
+            inputs = await read_inputs(request, self._plane.input_check(name, version))
             model, outputs = await calls.infer(call, name, version, inputs)
             response = pb.ModelInferResponse(
                 model_name=model.name, model_version=model.version, id=request.id

@@ -4,84 +4,180 @@ An input comes either in ``raw_input_contents`` (the same little-endian layout a
 extension over HTTP, so ``nograd.protocol.binary`` decodes it) or in the typed ``contents`` field
 the datatype selects; FP16 has no typed field and travels raw only. Outputs always go
 back raw, as Triton answers, which costs one copy instead of a per-element conversion.
+
+Every input is checked before any array is built, in the order that costs least: its shape
+(``nograd.protocol.limits``), then what the model declares (the serving core's check, the same one
+HTTP's requests pass: rows within ``NOGRAD_MAX_REQUEST_ROWS`` of the declared per-sample shape),
+then the contents' length against the element count. Only then are values read, off the event
+loop when there are many of them, so a hostile message is refused for the cost of its header.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 import numpy as np
 
-from nograd.core.datatypes import NUMPY_DTYPES, TABLE, datatype_of
+from nograd.core.datatypes import NUMPY_DTYPES, ROWS, TABLE, datatype_of
 from nograd.core.errors import DecodeError
 from nograd.grpc.generated import grpc_service_pb2 as pb
 from nograd.protocol import binary
+from nograd.protocol.limits import OFFLOAD_DECODE_BYTES, checked_shape
+from nograd.serving.validation import Declared
 
 CONTENTS_FIELD: Final[dict[str, str]] = {
     row.name: row.grpc_contents for row in TABLE if row.grpc_contents is not None
 }
 """The typed field of ``InferTensorContents`` each datatype travels in (FP16, BF16: raw only)."""
+_FIELD_DTYPE: Final[dict[str, np.dtype[np.generic]]] = {
+    field: max(
+        (ROWS[name].numpy for name, f in CONTENTS_FIELD.items() if f == field),
+        key=lambda dtype: dtype.itemsize,
+    )
+    for field in set(CONTENTS_FIELD.values())
+}
+"""What a typed field holds on the wire: the widest datatype sent in it (``uint_contents`` is
+uint32 for UINT8 to UINT32), so its values convert exactly before their range is checked."""
+
+Check = Callable[[Declared], None]
+"""The serving core's check of the declared inputs against the model (it raises to refuse)."""
 
 
-def _shape(raw: Any, where: str) -> tuple[int, ...]:
-    shape = tuple(int(d) for d in raw)
-    if any(d < 0 for d in shape):
-        raise DecodeError(f"{where}: shape {list(shape)} has a negative dimension")
-    return shape
-
-
-def decode_inputs(request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
-    """The request's inputs by name; a clear ``DecodeError`` naming the input when malformed."""
-    raw = list(request.raw_input_contents)
-    if raw and len(raw) != len(request.inputs):
+def check_inputs(request: pb.ModelInferRequest, check: Check | None = None) -> Declared:
+    """Every input's header, checked without reading any value: names, datatypes, shapes,
+    ``check`` (the model's declared inputs and limits), then each tensor's contents holding
+    exactly what its shape needs. A ``DecodeError`` (or ``check``'s refusal) names the input."""
+    tensors = list(request.inputs)
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(tensors):
         raise DecodeError(
-            f"raw_input_contents holds {len(raw)} tensors for {len(request.inputs)} inputs; "
+            f"raw_input_contents holds {len(raw)} tensors for {len(tensors)} inputs; "
             "send every input raw, or none"
         )
-    inputs: dict[str, np.ndarray] = {}
-    for index, tensor in enumerate(request.inputs):
-        where = f"input {tensor.name!r}"
-        if tensor.name in inputs:
+    declared: dict[str, tuple[str, tuple[int, ...]]] = {}
+    wheres: list[str] = []
+    for tensor in tensors:
+        name, datatype = tensor.name, tensor.datatype  # each read of a field builds a str
+        where = f"input {name!r}"
+        if name in declared:
             raise DecodeError(f"{where} appears twice")
-        if tensor.datatype not in NUMPY_DTYPES:
-            raise DecodeError(f"{where}: unknown datatype {tensor.datatype!r}")
-        shape = _shape(tensor.shape, where)
+        if datatype not in NUMPY_DTYPES:
+            raise DecodeError(f"{where}: unknown datatype {datatype!r}")
+        declared[name] = (datatype, checked_shape(tensor.shape, where))
+        wheres.append(where)
+    if check is not None:
+        check(declared)
+    for index, ((datatype, shape), tensor, where) in enumerate(
+        zip(declared.values(), tensors, wheres, strict=True)
+    ):
+        if not raw:
+            _check_contents(tensor, datatype, shape, where)
+            continue
+        if tensor.HasField("contents") and any(
+            len(getattr(tensor.contents, field)) for field in _FIELD_DTYPE
+        ):
+            raise DecodeError(f"{where}: has both contents and raw_input_contents; send one")
+        try:
+            binary.check_size(len(raw[index]), datatype, shape, where)
+        except binary.BinaryFormatError as exc:
+            raise DecodeError(str(exc)) from exc
+    return declared
+
+
+def _check_contents(
+    tensor: pb.ModelInferRequest.InferInputTensor,
+    datatype: str,
+    shape: tuple[int, ...],
+    where: str,
+) -> None:
+    field = CONTENTS_FIELD.get(datatype)
+    if field is None:
+        raise DecodeError(f"{where}: {datatype} travels only in raw_input_contents")
+    stray = sorted(f for f in _FIELD_DTYPE if f != field and len(getattr(tensor.contents, f)))
+    if stray:
+        raise DecodeError(
+            f"{where}: contents.{stray[0]} holds values, but {datatype} travels in contents.{field}"
+        )
+    count = math.prod(shape)
+    values = len(getattr(tensor.contents, field))
+    if values != count:
+        raise DecodeError(
+            f"{where}: shape {list(shape)} needs {count} values, contents.{field} holds {values}"
+        )
+
+
+def decode_inputs(
+    request: pb.ModelInferRequest, check: Check | None = None
+) -> dict[str, np.ndarray]:
+    """The request's inputs by name, once ``check_inputs`` passed them."""
+    return _arrays(request, check_inputs(request, check))
+
+
+async def read_inputs(request: pb.ModelInferRequest, check: Check) -> dict[str, np.ndarray]:
+    """``decode_inputs`` with its checks on the event loop (a refusal costs no thread hand-off)
+    and the values read in a thread when they are large, as HTTP decodes a large body: a
+    model with variable dimensions may take millions of BYTES elements, each parsed in Python."""
+    declared = check_inputs(request, check)
+    if _payload_bytes(request, declared) > OFFLOAD_DECODE_BYTES:
+        return await asyncio.to_thread(_arrays, request, declared)
+    return _arrays(request, declared)
+
+
+def _payload_bytes(request: pb.ModelInferRequest, declared: Declared) -> int:
+    """About how many bytes the tensors hold, from lengths alone (no value read)."""
+    raw = request.raw_input_contents
+    if raw:
+        return sum(len(chunk) for chunk in raw)
+    total = 0
+    for (datatype, _), tensor in zip(declared.values(), request.inputs, strict=True):
+        values = len(getattr(tensor.contents, CONTENTS_FIELD[datatype]))
+        total += values * max(ROWS[datatype].byte_size, 4)
+    return total
+
+
+def _arrays(request: pb.ModelInferRequest, declared: Declared) -> dict[str, np.ndarray]:
+    raw = request.raw_input_contents
+    inputs: dict[str, np.ndarray] = {}
+    for index, (name, (datatype, shape)) in enumerate(declared.items()):
+        where = f"input {name!r}"
         if raw:
             try:
-                inputs[tensor.name] = binary.decode_tensor(
-                    raw[index], tensor.datatype, shape, where
-                )
+                inputs[name] = binary.decode_tensor(raw[index], datatype, shape, where)
             except binary.BinaryFormatError as exc:
                 raise DecodeError(str(exc)) from exc
-            continue
-        inputs[tensor.name] = _from_contents(tensor, shape, where)
+        else:
+            inputs[name] = _from_contents(request.inputs[index], datatype, shape, where)
     return inputs
 
 
 def _from_contents(
-    tensor: pb.ModelInferRequest.InferInputTensor, shape: tuple[int, ...], where: str
+    tensor: pb.ModelInferRequest.InferInputTensor,
+    datatype: str,
+    shape: tuple[int, ...],
+    where: str,
 ) -> np.ndarray:
-    field = CONTENTS_FIELD.get(tensor.datatype)
-    if field is None:
-        raise DecodeError(f"{where}: {tensor.datatype} travels only in raw_input_contents")
-    values = getattr(tensor.contents, field)
-    count = math.prod(shape)
-    if len(values) != count:
-        raise DecodeError(
-            f"{where}: shape {list(shape)} needs {count} values, contents.{field} holds "
-            f"{len(values)}"
-        )
-    if tensor.datatype == "BYTES":
-        return np.array(list(values), dtype=np.object_).reshape(shape)
-    dtype = NUMPY_DTYPES[tensor.datatype]
-    array = np.array(values, dtype=np.int64 if dtype.kind in "iu" else dtype)
-    if dtype.kind in "iu":
+    field = CONTENTS_FIELD[datatype]
+    values: Any = getattr(tensor.contents, field)
+    if datatype == "BYTES":
+        array = np.empty(len(values), dtype=np.object_)
+        array[:] = list(values)
+        return array.reshape(shape)
+    dtype = NUMPY_DTYPES[datatype]
+    array = np.array(values, dtype=_FIELD_DTYPE[field])
+    if array.size and dtype.itemsize < array.dtype.itemsize:  # narrower than its field
         info = np.iinfo(dtype.type)  # type: ignore[type-var]
-        if array.size and (array.min() < info.min or array.max() > info.max):
-            raise DecodeError(f"{where}: a value is out of range for {tensor.datatype}")
-        array = array.astype(dtype)
+        # Python ints: comparing a uint64 with a negative bound in numpy would go through float.
+        low, high = int(array.min()), int(array.max())
+        if low < info.min or high > info.max:
+            value = low if low < info.min else high
+            raise DecodeError(
+                f"{where}: value {value} in contents.{field} is out of range for {datatype} "
+                f"({info.min} to {info.max})"
+            )
+        array = array.astype(dtype, copy=False)
     return array.reshape(shape)
 
 

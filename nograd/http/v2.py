@@ -15,6 +15,7 @@ from nograd.http.errors import error_body, error_headers
 from nograd.http.exchange import Incoming, Reply, run_call
 from nograd.http.state import calls_of, dataplane_of
 from nograd.protocol import binary
+from nograd.protocol.limits import OFFLOAD_DECODE_BYTES
 from nograd.protocol.v2 import (
     InferRequest,
     decode_body,
@@ -42,8 +43,6 @@ logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v2", tags=["Open Inference Protocol"])
 PROTOCOL = "v2"
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "model_repository", "statistics"]
-# Decoding a large JSON body takes milliseconds of CPU; past this size it leaves the event loop.
-_OFFLOAD_DECODE_BYTES = 64 * 1024
 
 
 def json_response(document: Any, status: int = 200) -> Response:
@@ -157,7 +156,7 @@ async def _decode(incoming: Incoming) -> InferRequest:
         raise DecodeError(f"Content-Encoding {encoding!r} is not supported; send the body as is")
     body = await incoming.body()
     header_length = incoming.headers.get(binary.HEADER_LENGTH.lower())
-    if len(body) > _OFFLOAD_DECODE_BYTES:
+    if len(body) > OFFLOAD_DECODE_BYTES:  # milliseconds of CPU: off the event loop
         return await run_in_threadpool(decode_body, body, header_length)
     return decode_body(body, header_length)
 

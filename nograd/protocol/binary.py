@@ -89,20 +89,35 @@ class BinaryReader:
             )
 
 
+def check_size(size: int, datatype: str, shape: tuple[int, ...], where: str) -> int:
+    """The element count of ``shape`` once ``size`` raw bytes can hold it: exactly its bytes for a
+    fixed-size datatype, at least a 4-byte length prefix per element for BYTES. Python ints, so a
+    hostile shape cannot overflow the count; checked before any array is allocated."""
+    count = math.prod(shape)
+    if datatype == "BYTES":
+        if count * _LENGTH_PREFIX.size > size:
+            raise BinaryFormatError(
+                f"{where}: {count} BYTES elements need at least {count * _LENGTH_PREFIX.size} "
+                f"bytes, {SIZE_PARAMETER} is {size}"
+            )
+        return count
+    expected = count * NUMPY_DTYPES[datatype].itemsize
+    if size != expected:
+        raise BinaryFormatError(
+            f"{where}: shape {list(shape)} of {datatype} needs {expected} bytes, "
+            f"{SIZE_PARAMETER} is {size}"
+        )
+    return count
+
+
 def decode_tensor(
     data: memoryview | bytes, datatype: str, shape: tuple[int, ...], where: str
 ) -> np.ndarray:
     """One tensor from its raw bytes; fixed-size datatypes become a view of ``data``."""
-    count = math.prod(shape)
+    count = check_size(len(data), datatype, shape, where)
     if datatype == "BYTES":
         return _decode_bytes(memoryview(data), count, where).reshape(shape)
     dtype = little_endian(datatype)
-    expected = count * dtype.itemsize
-    if len(data) != expected:
-        raise BinaryFormatError(
-            f"{where}: shape {list(shape)} of {datatype} needs {expected} bytes, "
-            f"{SIZE_PARAMETER} is {len(data)}"
-        )
     if datatype == "BOOL":
         raw = np.frombuffer(data, dtype=np.uint8)
         if raw.size and raw.max() > 1:
@@ -115,29 +130,26 @@ def decode_tensor(
 
 
 def _decode_bytes(data: memoryview, count: int, where: str) -> np.ndarray:
+    """``count`` elements, no more: the loop is bounded by the count the shape declares (checked
+    against its limits and the data's length first), however many the data holds."""
     total = len(data)
-    if count * _LENGTH_PREFIX.size > total:  # checked before allocating ``count`` slots
-        raise BinaryFormatError(
-            f"{where}: {count} BYTES elements need at least {count * _LENGTH_PREFIX.size} bytes, "
-            f"{SIZE_PARAMETER} is {total}"
-        )
     out = np.empty(count, dtype=np.object_)
+    unpack = _LENGTH_PREFIX.unpack_from  # bound once: this loop runs once per element
     offset = 0
     for index in range(count):
-        if offset + 4 > total:
+        start = offset + 4
+        if start > total:
             raise BinaryFormatError(
                 f"{where}: BYTES data ends after {index} of {count} elements "
                 f"(no length prefix at byte {offset})"
             )
-        (length,) = _LENGTH_PREFIX.unpack_from(data, offset)
-        offset += 4
-        if offset + length > total:
+        (length,) = unpack(data, offset)
+        offset = start + length
+        if offset > total:
             raise BinaryFormatError(
-                f"{where}: BYTES element {index} claims {length} bytes, only "
-                f"{total - offset} remain"
+                f"{where}: BYTES element {index} claims {length} bytes, only {total - start} remain"
             )
-        out[index] = bytes(data[offset : offset + length])
-        offset += length
+        out[index] = data[start:offset].tobytes()
     if offset != total:
         raise BinaryFormatError(
             f"{where}: {total - offset} bytes left after the {count} BYTES elements the shape needs"

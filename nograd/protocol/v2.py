@@ -23,6 +23,7 @@ import orjson
 from nograd.core.datatypes import NUMPY_DTYPES, datatype_of
 from nograd.core.errors import DecodeError
 from nograd.protocol import binary
+from nograd.protocol.limits import MAX_DIMS, checked_shape
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +49,6 @@ class InferRequest:
     outputs: tuple[RequestedOutput, ...]
     parameters: Mapping[str, Any]
 
-
-_MAX_DIMS = 32
-_MAX_ELEMENTS = 2**40
-"""Far beyond any body the server accepts, far below where numpy's sizes overflow."""
 
 _KINDS = {
     "BOOL": ("b",),
@@ -152,15 +149,13 @@ def _requested_outputs(raw: Any, parameters: Mapping[str, Any]) -> tuple[Request
 
 
 def decode_shape(raw: Any, where: str) -> tuple[int, ...]:
-    if not isinstance(raw, list) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in raw
+    """A JSON shape, within the limits every front checks (``nograd.protocol.limits``)."""
+    if not isinstance(raw, list) or (
+        len(raw) <= MAX_DIMS  # a longer one is refused below without reading its items
+        and not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in raw)
     ):
         raise DecodeError(f"field '{where}.shape' must be a list of non-negative integers")
-    # numpy cannot even describe an empty array whose other dimensions overflow its index type,
-    # nor more than 32 dimensions (numpy 1.x); either is a client error, never a crash.
-    if len(raw) > _MAX_DIMS or math.prod(d for d in raw if d) > _MAX_ELEMENTS:
-        raise DecodeError(f"field '{where}.shape' {raw} is too large")
-    return tuple(raw)
+    return checked_shape(raw, where)
 
 
 def decode_tensor(

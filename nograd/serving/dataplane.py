@@ -31,7 +31,13 @@ from nograd.serving.heap_return import HeapReturn
 from nograd.serving.loading import ModelLoader
 from nograd.serving.registry import ModelRegistry, ServedModel, State
 from nograd.serving.repository import Override
-from nograd.serving.validation import prepare_in_thread, squeeze_scalar_samples, validate
+from nograd.serving.validation import (
+    Declared,
+    check_declared,
+    prepare_in_thread,
+    squeeze_scalar_samples,
+    validate,
+)
 from nograd.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -201,6 +207,23 @@ class DataPlane:
             max_text_bytes=self.settings.max_text_bytes,
         )
 
+    def input_check(self, name: str, version: str | None) -> Callable[[Declared], None]:
+        """The check a front runs on a request's inputs as their headers declare them, before
+        decoding any data (``check_declared`` with this server's row limit); an unknown model is
+        refused here, before its request's data costs anything."""
+        model = self.registry.get(name, version)
+        max_rows = self.settings.max_request_rows
+
+        def check(declared: Declared) -> None:
+            started = time.perf_counter()
+            try:
+                check_declared(model, declared, max_rows=max_rows)
+            except Exception as exc:
+                self._failed(model, exc, time.perf_counter() - started)
+                raise
+
+        return check
+
     async def infer(
         self,
         name: str,
@@ -227,10 +250,7 @@ class DataPlane:
         try:
             outputs = await self._infer(model, inputs, deadline)
         except BaseException as exc:
-            stats.request_failed(time.perf_counter() - started)
-            reason = rejection_reason(exc)
-            if reason is not None:
-                self.metrics.rejected.labels(model.name, reason).inc()
+            self._failed(model, exc, time.perf_counter() - started)
             raise
         finally:
             model.active -= 1
@@ -245,6 +265,14 @@ class DataPlane:
                 self._signal_idle()
         stats.request_succeeded(len(next(iter(inputs.values()))), time.perf_counter() - started)
         return model, outputs
+
+    def _failed(self, model: ServedModel, exc: BaseException, seconds: float) -> None:
+        """A request for ``model`` refused or failed, before or after its data was decoded: the
+        same statistics and ``rejected`` count either way."""
+        self.statistics.of(model.name).request_failed(seconds)
+        reason = rejection_reason(exc)
+        if reason is not None:
+            self.metrics.rejected.labels(model.name, reason).inc()
 
     async def _infer(
         self, model: ServedModel, inputs: Mapping[str, np.ndarray], deadline: float | None

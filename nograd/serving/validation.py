@@ -36,6 +36,52 @@ def squeeze_scalar_samples(
     }
 
 
+Declared = Mapping[str, tuple[str, tuple[int, ...]]]
+"""A request's inputs as their headers declare them: name -> (datatype, shape), no data read."""
+
+
+def check_declared(model: ServedModel, declared: Declared, *, max_rows: int) -> None:
+    """Names, datatypes, per-sample shapes and row counts against the model's config, from what
+    the inputs declare alone: gRPC runs it before decoding any data, so a request over the
+    limits (at most ``max_rows`` rows of the declared per-sample shape) costs no decoding, and
+    ``validate`` runs it on every front's arrays, so both fronts refuse with one check."""
+    specs = {spec.name: spec for spec in model.config.inputs}
+    unknown = sorted(set(declared) - set(specs))
+    if unknown:
+        raise InvalidInput(
+            f"unexpected input(s) {unknown} for model {model.name!r}; expected {sorted(specs)}"
+        )
+    missing = sorted(set(specs) - set(declared))
+    if missing:
+        raise InvalidInput(f"missing input(s) {missing} for model {model.name!r}")
+    rows: set[int] = set()
+    for name, (datatype, shape) in declared.items():
+        spec = specs[name]
+        if datatype != spec.datatype:
+            raise InvalidInput(
+                f"input {name!r} has datatype {datatype}; model {model.name!r} expects "
+                f"{spec.datatype}"
+            )
+        sample = shape[1:]
+        if not spec.shape and sample == (1,):  # Triton's extra axis (``squeeze_scalar_samples``)
+            sample = ()
+        if not shape or not shape_matches(spec.shape, sample):
+            raise InvalidInput(
+                f"input {name!r} has shape {list(shape)}; model {model.name!r} "
+                f"expects [-1, {', '.join(str(d) for d in spec.shape)}]".replace(", ]", "]")
+            )
+        if shape[0] > max_rows:
+            raise LimitExceeded(
+                f"input {name!r} has {shape[0]} rows, more than the limit of {max_rows} "
+                "(NOGRAD_MAX_REQUEST_ROWS)"
+            )
+        rows.add(shape[0])
+    if len(rows) != 1:
+        raise InvalidInput(f"inputs disagree on the batch dimension: {sorted(rows)}")
+    if 0 in rows:
+        raise InvalidInput("inputs have zero rows")
+
+
 def validate(
     model: ServedModel,
     inputs: Mapping[str, np.ndarray],
@@ -43,42 +89,16 @@ def validate(
     max_rows: int,
     max_text_bytes: int,
 ) -> None:
-    """Names, datatypes, per-sample shapes and row counts against the model's config, and
+    """``check_declared`` on the arrays, text lengths within ``max_text_bytes``, and
     floating-point values finite unless the model's ``reject_non_finite`` is off."""
-    declared = {spec.name: spec for spec in model.config.inputs}
-    unknown = sorted(set(inputs) - set(declared))
-    if unknown:
-        raise InvalidInput(
-            f"unexpected input(s) {unknown} for model {model.name!r}; expected {sorted(declared)}"
-        )
-    missing = sorted(set(declared) - set(inputs))
-    if missing:
-        raise InvalidInput(f"missing input(s) {missing} for model {model.name!r}")
-    rows: set[int] = set()
+    check_declared(
+        model,
+        {name: (datatype_of(array), tuple(array.shape)) for name, array in inputs.items()},
+        max_rows=max_rows,
+    )
     for name, array in inputs.items():
-        spec = declared[name]
-        actual = datatype_of(array)
-        if actual != spec.datatype:
-            raise InvalidInput(
-                f"input {name!r} has datatype {actual}; model {model.name!r} expects "
-                f"{spec.datatype}"
-            )
-        if array.ndim == 0 or not shape_matches(spec.shape, tuple(array.shape[1:])):
-            raise InvalidInput(
-                f"input {name!r} has shape {list(array.shape)}; model {model.name!r} "
-                f"expects [-1, {', '.join(str(d) for d in spec.shape)}]".replace(", ]", "]")
-            )
-        rows.add(int(array.shape[0]))
-        if spec.datatype == "BYTES":
+        if datatype_of(array) == "BYTES":
             _check_text_lengths(name, array, max_text_bytes)
-    if len(rows) != 1:
-        raise InvalidInput(f"inputs disagree on the batch dimension: {sorted(rows)}")
-    if 0 in rows:
-        raise InvalidInput("inputs have zero rows")
-    if rows.pop() > max_rows:
-        raise LimitExceeded(
-            f"request has more rows than the limit of {max_rows} (NOGRAD_MAX_REQUEST_ROWS)"
-        )
     if model.config.reject_non_finite:
         # Last, once the request is known to be within its limits: the one check that reads
         # every value.

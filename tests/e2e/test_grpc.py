@@ -5,12 +5,14 @@ digits, BYTES on minilm) agreeing with HTTP, errors as gRPC status codes, and AP
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import httpx
@@ -148,6 +150,77 @@ def test_errors_are_status_codes_naming_the_problem(
     with pytest.raises(InferenceServerException, match=fragment) as raised:
         client.infer(model, [bad])
     assert raised.value.status() == f"StatusCode.{code.name}"
+
+
+def _hostile(model: str, name: str, datatype: str, shape: list[int]) -> Any:
+    from tritonclient.grpc import service_pb2
+
+    request = service_pb2.ModelInferRequest(model_name=model)
+    request.inputs.add(name=name, datatype=datatype, shape=shape)
+    return request
+
+
+def _send(served: GrpcServer, request: Any) -> grpc.RpcError:
+    from tritonclient.grpc import service_pb2_grpc
+
+    with grpc.insecure_channel(served.address) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.ModelInfer(request, timeout=60)
+    return raised.value
+
+
+@pytest.mark.parametrize(
+    ("shape", "datatype", "contents", "fragment"),
+    [
+        ([1] * 70, "FP32", ("raw", b"\0" * 4), "70 dimensions is too large; the limit is 32"),
+        ([0, 2**62, 2**62], "FP32", ("raw", b""), "the limit is 1099511627776 elements"),
+        ([1], "UINT64", ("uint64_contents", [2**64 - 1]), "has datatype UINT64; .* expects FP32"),
+    ],
+    ids=["rank-70", "empty-with-huge-dims", "uint64-max"],
+)
+def test_hostile_headers_are_invalid_argument_not_internal(
+    served: GrpcServer,
+    shape: list[int],
+    datatype: str,
+    contents: tuple[str, Any],
+    fragment: str,
+) -> None:
+    """Each answered INTERNAL (numpy or the int64 conversion crashing) before the header was
+    checked; now a client error naming the input and the limit, and the server serves on."""
+    request = _hostile("digits", "image", datatype, shape)
+    field, value = contents
+    if field == "raw":
+        request.raw_input_contents.append(value)
+    else:
+        getattr(request.inputs[0].contents, field).extend(value)
+    error = _send(served, request)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+    assert re.search(f"input 'image'.*{fragment}", error.details() or ""), error.details()
+    assert "Traceback" not in (error.details() or "")
+
+
+def test_a_60_mib_bytes_tensor_over_the_row_limit_is_refused_at_once(
+    served: GrpcServer, client: triton.InferenceServerClient
+) -> None:
+    """15.7M empty texts (60 MiB) to minilm took 19.6 s to reach this refusal, the worker's event
+    loop blocked 19.3 s parsing them; the declared shape is refused before they are parsed. The
+    bound is generous (the 60 MiB still cross the connection) for a loaded 2-core machine."""
+    elements = 15 * 2**20
+    request = _hostile("minilm", "text", "BYTES", [elements])
+    request.raw_input_contents.append(bytes(4 * elements))
+    url = served.server.url
+    labels = {"model": "minilm", "reason": "too_large"}
+    rejected = metric_value(url, "nograd_rejected_total", **labels)
+    started = time.perf_counter()
+    error = _send(served, request)
+    took = time.perf_counter() - started
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
+    assert "input 'text' has 15728640 rows" in (error.details() or "")
+    assert "NOGRAD_MAX_REQUEST_ROWS" in (error.details() or "")
+    assert took < 5.0, took
+    assert metric_value(url, "nograd_rejected_total", **labels) == rejected + 1
+    assert client.is_server_ready()
 
 
 def test_control_calls_say_model_control_is_off(client: triton.InferenceServerClient) -> None:

@@ -123,3 +123,19 @@ def test_missing_repository_is_a_config_error(tmp_path: Path) -> None:
     plane = DataPlane(Settings(model_repository=tmp_path / "absent"), Metrics())
     with pytest.raises(ConfigError, match="not a folder"):
         plane.discover()
+
+
+def test_a_front_s_header_check_refuses_and_counts_as_infer_does(tmp_path: Path) -> None:
+    """A request refused from its headers, before decoding, is the same failure as one refused
+    after: the same message, a V2 statistics failure and ``rejected{reason="too_large"}``."""
+    plane = plane_for(tmp_path, "poison", max_request_rows=2)
+    plane.discover()
+    check = plane.input_check("poison", None)
+    check({"x": ("FP32", (2, 2))})
+    with pytest.raises(LimitExceeded, match=r"input 'x' has 3 rows, more than the limit of 2"):
+        check({"x": ("FP32", (3, 2))})
+    with pytest.raises(ModelNotFound):
+        plane.input_check("nope", None)
+    assert plane.metrics.rejected.labels("poison", "too_large")._value.get() == 1
+    fails = plane.statistics.of("poison").document("poison", "1")["inference_stats"]["fail"]
+    assert fails["count"] == 1

@@ -14,6 +14,7 @@ from nograd.serving.errors import InvalidInput, LimitExceeded
 from nograd.serving.registry import ServedModel
 from nograd.serving.validation import (
     INLINE_PREPARE_BYTES,
+    check_declared,
     prepare_in_thread,
     squeeze_scalar_samples,
     validate,
@@ -36,7 +37,7 @@ def test_text_longer_than_the_limit_is_refused(tmp_path: Path) -> None:
         validate(
             model, {"text": np.array([b"01234567890"], dtype=object)}, max_rows=8, max_text_bytes=10
         )
-    with pytest.raises(LimitExceeded, match="more rows than the limit of 1"):
+    with pytest.raises(LimitExceeded, match="has 2 rows, more than the limit of 1"):
         validate(model, {"text": ok}, max_rows=1, max_text_bytes=10)
 
 
@@ -86,3 +87,49 @@ def test_a_scalar_sample_sent_with_triton_s_extra_axis_is_squeezed(tmp_path: Pat
     wide = {"text": np.array([[b"a", b"b"]], dtype=object), "weight": weights[:1]}
     with pytest.raises(InvalidInput, match="expects"):
         validate(model, squeeze_scalar_samples(model, wide), max_rows=8, max_text_bytes=10)
+
+
+def test_declared_inputs_are_checked_without_their_data(tmp_path: Path) -> None:
+    """The check a front runs on headers before decoding: the same refusals ``validate`` gives
+    on arrays, with the input and the limit named, for shapes no array could be built for."""
+    config = ModelConfig.model_validate(
+        {
+            "name": "pairs",
+            "weights": "",
+            "inputs": [
+                {"name": "text", "datatype": "BYTES", "shape": []},
+                {"name": "image", "datatype": "FP32", "shape": [2, -1]},
+            ],
+            "outputs": [{"name": "v", "datatype": "FP32", "shape": [3]}],
+        }
+    )
+    model = ServedModel(config, tmp_path)
+    check_declared(model, {"text": ("BYTES", (3, 1)), "image": ("FP32", (3, 2, 9))}, max_rows=3)
+    refusals: list[tuple[dict[str, tuple[str, tuple[int, ...]]], type[Exception], str]] = [
+        (
+            {"text": ("BYTES", (2**40,)), "image": ("FP32", (2**40, 2, 1))},
+            LimitExceeded,
+            r"input 'text' has 1099511627776 rows, more than the limit of 3 "
+            r"\(NOGRAD_MAX_REQUEST_ROWS\)",
+        ),
+        (
+            {"text": ("BYTES", (1, 2**40)), "image": ("FP32", (1, 2, 1))},
+            InvalidInput,
+            r"input 'text' has shape \[1, 1099511627776\]; model 'pairs' expects \[-1\]",
+        ),
+        (
+            {"text": ("BYTES", (1,)), "image": ("FP32", (1, 3, 1))},
+            InvalidInput,
+            r"input 'image' has shape \[1, 3, 1\]; model 'pairs' expects \[-1, 2, -1\]",
+        ),
+        ({"text": ("FP32", (1,)), "image": ("FP32", (1, 2, 1))}, InvalidInput, "expects BYTES"),
+        ({"text": ("BYTES", (1,))}, InvalidInput, r"missing input\(s\) \['image'\]"),
+        (
+            {"text": ("BYTES", (1,)), "image": ("FP32", (2, 2, 1))},
+            InvalidInput,
+            "disagree on the batch dimension",
+        ),
+    ]
+    for declared, error, message in refusals:
+        with pytest.raises(error, match=message):
+            check_declared(model, declared, max_rows=3)
