@@ -151,6 +151,23 @@ class Settings(BaseSettings):
     and memory that many idle or slow ones can take (the process's open-file limit is raised
     to fit when it can be)."""
 
+    grpc_max_concurrent_streams: int = Field(default=256, ge=1, le=2**31 - 1)
+    """Most streams (calls) one gRPC connection holds open at once, advertised to the client as
+    HTTP/2's SETTINGS_MAX_CONCURRENT_STREAMS; a stream past it is refused (REFUSED_STREAM).
+    Above ``grpc_max_health_calls``, so a connection whose streams are health calls (a proxy's,
+    shared by many clients) keeps room for inference."""
+
+    grpc_max_health_calls: int = Field(default=64, ge=1)
+    """Most gRPC health calls (grpc.health.v1 ``Check`` and ``Watch``, ``ServerLive``,
+    ``ServerReady``) one server process holds at once, from their headers to their end, apart
+    from inference's room; one more is answered RESOURCE_EXHAUSTED at once."""
+
+    grpc_max_health_watches: int = Field(default=32, ge=1)
+    """Most grpc.health.v1 ``Watch`` streams one server process holds open (they last as long
+    as the client wants); one more is answered RESOURCE_EXHAUSTED at once. Below
+    ``grpc_max_health_calls``, so a flood of watches leaves room for ``Check`` probes. Raise it
+    when many clients health-check this server by ``Watch`` (one stream per connection)."""
+
     max_request_rows: int = Field(default=4096, ge=1)
     """Most rows (samples) one inference request may carry; more get 422."""
 
@@ -222,4 +239,18 @@ class Settings(BaseSettings):
     def _something_to_serve(self) -> Settings:
         if self.port == 0 and self.grpc_port == 0:
             raise ValueError("port and grpc_port are both 0: turn on HTTP or gRPC (or both)")
+        return self
+
+    @model_validator(mode="after")
+    def _health_leaves_room(self) -> Settings:
+        """Health calls must leave room on every connection for inference, and watches room for
+        health checks, or a flood of either takes what the other needs."""
+        watches, health = self.grpc_max_health_watches, self.grpc_max_health_calls
+        streams = self.grpc_max_concurrent_streams
+        if not watches < health < streams:
+            raise ValueError(
+                f"grpc_max_health_watches ({watches}) < grpc_max_health_calls ({health}) < "
+                f"grpc_max_concurrent_streams ({streams}) must hold: watches leave room for "
+                "health checks, and health calls for inference on every connection"
+            )
         return self

@@ -84,6 +84,9 @@ class Stream:
     """Told when request bytes arrive (a stream that reads messages as they come)."""
     on_reset: Callable[[], None] | None = None
     """Told when the peer resets the stream or the connection ends."""
+    on_closed: Callable[[], None] | None = None
+    """Told once when the stream ends, whichever way (answered, reset by either side, the
+    connection lost): what a stream holds is given back even when no call ever ran."""
     consumed: int = 0
     """Request bytes taken since the stream's last WINDOW_UPDATE."""
 
@@ -364,12 +367,14 @@ class Http2Connection(asyncio.Protocol):
         if stream.closed or self.closed:
             return
         stream.closed = True
+        _ended(stream)
         self.streams.pop(stream.id, None)
         self._write(frame(RST_STREAM, 0, stream.id, struct.pack(">L", code)))
         self._close_if_idle()
 
     def _finish(self, stream: Stream) -> None:
         stream.closed = True
+        _ended(stream)
         if self.streams.pop(stream.id, None) is not None and not stream.received_all:
             # Answered before the request ended (refused early): the peer may stop sending.
             self._write(frame(RST_STREAM, 0, stream.id, struct.pack(">L", NO_ERROR)))
@@ -377,6 +382,7 @@ class Http2Connection(asyncio.Protocol):
 
     def _reset_locally(self, stream: Stream) -> None:
         stream.closed = True
+        _ended(stream)
         if stream.on_reset is not None:
             stream.on_reset()
 
@@ -406,3 +412,9 @@ class Http2Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
         self.closed = True
+
+
+def _ended(stream: Stream) -> None:
+    closed, stream.on_closed = stream.on_closed, None
+    if closed is not None:
+        closed()

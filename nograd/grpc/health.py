@@ -1,6 +1,8 @@
 """grpc.health.v1, saying what the readiness route says: not serving while loading or draining, or
 while a model's batch loop is down. ``Check`` reads readiness when asked; ``Watch`` streams each
-change, from one task that follows readiness for every stream."""
+change, from one task that follows readiness for every stream. Both need an API key exactly when
+HTTP's health routes do (``NOGRAD_AUTH_HEALTH``); how many run at once is bounded apart from
+inference by the gRPC server (``nograd.grpc.server``)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import Final
 
 from nograd.grpc.generated import health_pb2
 from nograd.grpc.rpc import CallContext, Code
+from nograd.serving.errors import Unauthenticated
 
 SERVICES: Final = ("", "inference.GRPCInferenceService")
 """The names a health check may ask about: the whole server, or the inference service."""
@@ -22,8 +25,12 @@ _UNKNOWN_SERVICE: Final = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
 
 
 class Health:
-    def __init__(self, ready: Callable[[], bool]) -> None:
+    def __init__(
+        self, ready: Callable[[], bool], authorize: Callable[[CallContext], None] | None = None
+    ) -> None:
+        """``authorize``: checks a call's key (raising ``Unauthenticated``); None: open."""
         self._ready = ready
+        self._authorize = authorize
         self._changed = asyncio.Condition()
         self._serving: bool | None = None
         self._follower: asyncio.Task[None] | None = None
@@ -46,9 +53,18 @@ class Health:
                     self._changed.notify_all()
             await asyncio.sleep(FOLLOW_INTERVAL_S)
 
+    async def _check_key(self, context: CallContext) -> None:
+        if self._authorize is None:
+            return
+        try:
+            self._authorize(context)
+        except Unauthenticated as exc:
+            await context.abort(Code.UNAUTHENTICATED, str(exc))
+
     async def check(
         self, request: health_pb2.HealthCheckRequest, context: CallContext
     ) -> health_pb2.HealthCheckResponse:
+        await self._check_key(context)
         if request.service not in SERVICES:
             await context.abort(Code.NOT_FOUND, f"unknown service {request.service!r}")
         return health_pb2.HealthCheckResponse(status=_SERVING if self._ready() else _NOT_SERVING)
@@ -56,7 +72,7 @@ class Health:
     async def watch(
         self, request: health_pb2.HealthCheckRequest, context: CallContext
     ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
-        del context
+        await self._check_key(context)
         if request.service not in SERVICES:
             # The spec's answer: unknown now, and the stream stays open.
             yield health_pb2.HealthCheckResponse(status=_UNKNOWN_SERVICE)

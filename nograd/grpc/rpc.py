@@ -3,7 +3,9 @@ out as gRPC frames it (a 5-byte prefix per message, the status in trailers).
 
 A servicer method is ``async (request, context) -> response`` for unary calls, or an async
 iterator of responses for server-streaming ones. ``CallContext`` offers what servicers use of a
-call (metadata, time remaining, trailing metadata, abort with a status).
+call (metadata, time remaining, trailing metadata, abort with a status). A method may draw on
+``Limit``s of its own (health calls, watches), held from its headers to its stream's end, so
+those calls never take the room inference calls need.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import re
 import time
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -53,6 +56,8 @@ RESPONSE_HEADERS: Final = STATUS_200 + literal(b"content-type", b"application/gr
 _PREFIX_BYTES: Final = 5
 """Each message's prefix: a compressed flag and a 4-byte big-endian length."""
 _TIMEOUT_UNITS: Final = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
+_TIMEOUT: Final = re.compile(r"([0-9]{1,8})([HMSmun])")
+"""gRPC's TimeoutValue and TimeoutUnit: 1 to 8 ASCII digits, no sign, then the unit."""
 _MESSAGE_SAFE: Final = " !#$&'()*+,/:;=?@[]~"
 """Printable ASCII left as is in ``grpc-message``; the rest is percent-encoded (gRPC's spec)."""
 
@@ -69,13 +74,31 @@ class Abort(Exception):
         self.details = details
 
 
+class Limit:
+    """How many calls of one kind a process holds at once, apart from every other kind's: a
+    flood of health watches fills its own limit and is refused there, never the streams and
+    in-flight room inference calls need."""
+
+    __slots__ = ("held", "maximum", "reason", "refusal")
+
+    def __init__(self, maximum: int, refusal: str, reason: str) -> None:
+        self.maximum = maximum
+        self.refusal = refusal
+        """The message a call past the limit is answered (RESOURCE_EXHAUSTED) with."""
+        self.reason = reason
+        """The refusal's ``reason`` in ``nograd_rejected_total``."""
+        self.held = 0
+
+
 @dataclass(frozen=True)
 class Method:
-    """One RPC: how its request is parsed and which servicer function answers it."""
+    """One RPC: how its request is parsed, which servicer function answers it, and the limits
+    each of its calls holds while its stream is open."""
 
     request_type: type[Message]
     unary: Unary | None = None
     server_streaming: ServerStreaming | None = None
+    limits: tuple[Limit, ...] = ()
 
 
 class CallContext:
@@ -118,20 +141,27 @@ def message_bytes(response: Message) -> bytes:
 
 
 def parse_timeout(value: str) -> float | None:
-    """``grpc-timeout`` (at most 8 digits and a unit) in seconds; None when malformed."""
-    unit = _TIMEOUT_UNITS.get(value[-1:])
-    digits = value[:-1]
-    if unit is None or not digits.isdigit() or len(digits) > 8:
+    """``grpc-timeout`` (at most 8 ASCII digits and a unit) in seconds; None when malformed
+    (a sign, another digit than 0-9, no unit), which the call is refused for."""
+    matched = _TIMEOUT.fullmatch(value)
+    if matched is None:
         return None
-    return int(digits) * unit
+    return int(matched[1]) * _TIMEOUT_UNITS[matched[2]]
 
 
 class GrpcCalls(Handler):
     """Answers each stream of a connection with the method its path names."""
 
-    def __init__(self, methods: Mapping[str, Method], max_message_bytes: int) -> None:
+    def __init__(
+        self,
+        methods: Mapping[str, Method],
+        max_message_bytes: int,
+        on_refused: Callable[[str], None] | None = None,
+    ) -> None:
+        """``on_refused``: told the ``reason`` of each call refused for a ``Limit`` (metrics)."""
         self._methods = methods
         self._max_message_bytes = max_message_bytes
+        self._on_refused = on_refused
         self.calls: set[asyncio.Task[None]] = set()
         """Unary calls under way, for the drain."""
         self.streams: set[asyncio.Task[None]] = set()
@@ -141,7 +171,10 @@ class GrpcCalls(Handler):
         """Refuse at once what cannot be served, so a client that streams its request (or a
         huge one) is not read further."""
         headers = dict(stream.headers)
-        refusal = _refusal(headers, self._methods.get(headers.get(":path", "")))
+        method = self._methods.get(headers.get(":path", ""))
+        refusal = _refusal(headers, method)
+        if refusal is None and method is not None and method.limits:
+            refusal = self._hold(stream, method.limits)
         if refusal is not None:
             connection.send_headers(stream, RESPONSE_HEADERS + trailers(*refusal), end=True)
             return
@@ -158,6 +191,25 @@ class GrpcCalls(Handler):
 
         stream.on_data = check_size
 
+    def _hold(self, stream: Stream, limits: tuple[Limit, ...]) -> tuple[Code, str] | None:
+        """Take one place in each of ``limits`` until the stream ends (however it ends), or
+        none and the refusal when one is full."""
+        for index, limit in enumerate(limits):
+            if limit.held >= limit.maximum:
+                for taken in limits[:index]:
+                    taken.held -= 1
+                if self._on_refused is not None:
+                    self._on_refused(limit.reason)
+                return Code.RESOURCE_EXHAUSTED, limit.refusal
+            limit.held += 1
+
+        def release() -> None:
+            for limit in limits:
+                limit.held -= 1
+
+        stream.on_closed = release
+        return None
+
     def stream_complete(self, connection: Http2Connection, stream: Stream) -> None:
         if stream.closed:
             return
@@ -171,7 +223,7 @@ class GrpcCalls(Handler):
             )
             return
         timeout = headers.get("grpc-timeout")
-        seconds = None if timeout is None else parse_timeout(timeout)
+        seconds = None if timeout is None else parse_timeout(timeout)  # checked when it opened
         deadline = None if seconds is None else time.monotonic() + seconds
         metadata = [(k, v) for k, v in stream.headers if not k.startswith(":")]
         context = CallContext(metadata, deadline)
@@ -202,7 +254,9 @@ class GrpcCalls(Handler):
         try:
             request.ParseFromString(payload)
         except ProtobufDecodeError as exc:
-            raise Abort(Code.INTERNAL, f"error parsing the request message: {exc}") from exc
+            logger.debug("unparsable %s: %s", request.DESCRIPTOR.full_name, exc)
+            message = f"the request is not a valid {request.DESCRIPTOR.full_name} message"
+            raise Abort(Code.INTERNAL, message) from exc
         return request
 
     async def _run(
@@ -260,7 +314,14 @@ def _refusal(headers: Mapping[str, str], method: Method | None) -> tuple[Code, s
         return Code.UNIMPLEMENTED, f"method {headers.get(':path', '')!r} is not served here"
     encoding = headers.get("grpc-encoding", "identity")
     if encoding not in ("identity", "gzip", "deflate"):
-        return Code.UNIMPLEMENTED, f"messages compressed with {encoding!r} are not accepted"
+        return Code.UNIMPLEMENTED, f"messages compressed with {encoding[:32]!r} are not accepted"
+    timeout = headers.get("grpc-timeout")
+    if timeout is not None and parse_timeout(timeout) is None:
+        # As HTTP answers a negative or malformed deadline header: 400, before the body is read.
+        return Code.INVALID_ARGUMENT, (
+            f"grpc-timeout must be 1 to 8 digits and a unit (H, M, S, m, u or n), "
+            f"got {timeout[:32]!r}"
+        )
     return None
 
 
@@ -271,7 +332,8 @@ def _decompress(payload: bytes, encoding: str, limit: int) -> bytes:
     try:
         out = inflater.decompress(payload, limit + 1)
     except zlib.error as exc:
-        raise Abort(Code.INTERNAL, f"cannot decompress the request: {exc}") from exc
+        logger.debug("undecompressable %s request: %s", encoding, exc)
+        raise Abort(Code.INTERNAL, f"cannot decompress the request: not {encoding} data") from exc
     if len(out) > limit:
         raise Abort(Code.RESOURCE_EXHAUSTED, f"decompressed message larger than max ({limit})")
     return out

@@ -20,9 +20,10 @@ from nograd.grpc.generated import grpc_service_pb2 as pb
 from nograd.grpc.generated import health_pb2
 from nograd.grpc.h2 import Http2Connection
 from nograd.grpc.health import Health
-from nograd.grpc.rpc import GrpcCalls, Method
+from nograd.grpc.rpc import GrpcCalls, Limit, Method
 from nograd.grpc.service import InferenceService
 from nograd.serving.core import Core
+from nograd.settings import Settings
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME: Final = "inference.GRPCInferenceService"
@@ -32,7 +33,31 @@ BACKLOG: Final = 2048
 """Connections the kernel queues for the port (uvicorn's default backlog)."""
 
 
-def inference_methods(service: InferenceService) -> dict[str, Method]:
+HEALTH_RPCS: Final = frozenset({"ServerLive", "ServerReady"})
+"""The service's own health probes, held within the health calls' limit as grpc.health.v1's."""
+
+
+class HealthLimits:
+    """The limits health calls hold, per process, apart from inference's: every health call one
+    place of ``calls``; a watch, which lasts as long as its client wants, one of ``watches``
+    too."""
+
+    def __init__(self, settings: Settings) -> None:
+        calls, watches = settings.grpc_max_health_calls, settings.grpc_max_health_watches
+        self.calls = Limit(
+            calls,
+            f"too many health calls at once (NOGRAD_GRPC_MAX_HEALTH_CALLS={calls}); retry later",
+            "health_calls",
+        )
+        self.watches = Limit(
+            watches,
+            f"too many health watches open (NOGRAD_GRPC_MAX_HEALTH_WATCHES={watches}); "
+            "use Check, or retry later",
+            "health_watches",
+        )
+
+
+def inference_methods(service: InferenceService, limits: HealthLimits) -> dict[str, Method]:
     """Every RPC of the service's definition that ``service`` answers, by its HTTP/2 path."""
     methods: dict[str, Method] = {}
     definition = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
@@ -41,16 +66,20 @@ def inference_methods(service: InferenceService) -> dict[str, Method]:
         if function is None or rpc.client_streaming or rpc.server_streaming:
             continue
         methods[f"/{SERVICE_NAME}/{rpc.name}"] = Method(
-            getattr(pb, rpc.input_type.name), unary=function
+            getattr(pb, rpc.input_type.name),
+            unary=function,
+            limits=(limits.calls,) if rpc.name in HEALTH_RPCS else (),
         )
     return methods
 
 
-def health_methods(health: Health) -> dict[str, Method]:
+def health_methods(health: Health, limits: HealthLimits) -> dict[str, Method]:
     request = health_pb2.HealthCheckRequest
     return {
-        "/grpc.health.v1.Health/Check": Method(request, unary=health.check),
-        "/grpc.health.v1.Health/Watch": Method(request, server_streaming=health.watch),
+        "/grpc.health.v1.Health/Check": Method(request, unary=health.check, limits=(limits.calls,)),
+        "/grpc.health.v1.Health/Watch": Method(
+            request, server_streaming=health.watch, limits=(limits.calls, limits.watches)
+        ),
     }
 
 
@@ -63,13 +92,22 @@ class GrpcServer:
         settings = core.settings
         self._settings = settings
         self._closed = closed
-        self._health = Health(core.plane.ready)
         service = InferenceService(core, protect_health=settings.auth_health)
+        self._health = Health(core.plane.ready, service.authorize if settings.auth_health else None)
+        limits = HealthLimits(settings)
         methods: Mapping[str, Method] = {
-            **inference_methods(service),
-            **health_methods(self._health),
+            **inference_methods(service, limits),
+            **health_methods(self._health, limits),
         }
-        self._calls = GrpcCalls(methods, settings.max_request_bytes + MAX_MESSAGE_BYTES_MARGIN)
+        unknown = core.calls.label(None)
+        rejected = core.metrics.rejected
+
+        def refused(reason: str) -> None:
+            rejected.labels(unknown, reason).inc()
+
+        self._calls = GrpcCalls(
+            methods, settings.max_request_bytes + MAX_MESSAGE_BYTES_MARGIN, refused
+        )
         self._connections: set[Http2Connection] = set()
         self._server: asyncio.AbstractServer | None = None
 
@@ -90,7 +128,8 @@ class GrpcServer:
             if self._closed is not None:
                 self._closed.value += 1
 
-        connection = Http2Connection(self._calls, self._settings.max_requests_in_flight, closed)
+        streams = self._settings.grpc_max_concurrent_streams
+        connection = Http2Connection(self._calls, streams, closed)
         self._connections.add(connection)
         return connection
 

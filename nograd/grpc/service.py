@@ -6,6 +6,7 @@ through the same serving core, so one batch may mix HTTP and gRPC requests. Serv
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any, Final, TypeVar
 
@@ -20,7 +21,15 @@ from nograd.serving import documents
 from nograd.serving.calls import Call
 from nograd.serving.control import load_parameters
 from nograd.serving.core import Core
-from nograd.serving.errors import Kind, ModelNotFound, kind_of, retry_after_s
+from nograd.serving.errors import (
+    DeadlineExceeded,
+    InferenceFailed,
+    InvalidInput,
+    Kind,
+    ModelNotFound,
+    kind_of,
+    retry_after_s,
+)
 from nograd.serving.triton_config import model_configuration, repository_index
 
 logger = logging.getLogger(__name__)
@@ -42,7 +51,23 @@ CODES: Final[dict[Kind, Code]] = {
 }
 """Each kind of failure as a gRPC status code."""
 
+_ABSOLUTE_PATH: Final = re.compile(r"(?<![\w.:/~-])/(?:[^\s'\"/]+/)+([^\s'\"/]*)")
+"""A path from the server's file system (two parts at least: ``/srv/models/x``), not a URL's."""
+_VERSION: Final = re.compile(r"[0-9]{1,18}")
+
 Reply = TypeVar("Reply", bound=Message)
+
+
+def client_message(exc: BaseException, kind: Kind) -> str:
+    """What a client is told of a failure. nograd's own messages say what was wrong, but one may
+    carry a detail from below (a load error's file): absolute server paths are cut to their
+    last part. A failure of the model or of nograd itself says only that; its exception and
+    traceback are in the log."""
+    if kind is Kind.FAILED:
+        if isinstance(exc, InferenceFailed):
+            return "the model failed on this request (the server's log has the detail)"
+        return "internal error (the server's log has the detail)"
+    return _ABSOLUTE_PATH.sub(lambda found: ".../" + found[1], str(exc))
 
 
 class InferenceService:
@@ -54,16 +79,18 @@ class InferenceService:
         self._protect_health = protect_health
 
     # ------------------------------------------------------------------ plumbing
-    def _authorize(self, context: CallContext, model: str | None = None) -> None:
+    def authorize(self, context: CallContext, model: str | None = None) -> None:
+        """The call's ``authorization`` metadata checked (``Unauthenticated`` when wrong); the
+        health service uses it too when ``NOGRAD_AUTH_HEALTH`` is set."""
         values = [v for k, v in context.invocation_metadata() if k == "authorization"]
         self._calls.authorize(values, PROTOCOL, model)
 
     async def _abort(self, context: CallContext, exc: BaseException, kind: Kind) -> None:
-        """End the call with the kind's code and the failure's message; a transient refusal says
-        when to retry (trailing metadata ``retry-after``)."""
+        """End the call with the kind's code and a message fit for the client; a transient
+        refusal says when to retry (trailing metadata ``retry-after``)."""
         if kind is Kind.UNAVAILABLE:
             context.set_trailing_metadata((("retry-after", str(retry_after_s(exc))),))
-        await context.abort(CODES[kind], str(exc))
+        await context.abort(CODES[kind], client_message(exc, kind))
 
     async def _answer(
         self,
@@ -75,7 +102,7 @@ class InferenceService:
         """Check the key, run ``work``, and answer a failure with its code and a clear message."""
         try:
             if self._protect_health or not health:
-                self._authorize(context)
+                self.authorize(context)
             return await work()
         except Exception as exc:
             kind = kind_of(exc)
@@ -98,14 +125,22 @@ class InferenceService:
         return await self._answer(context, ready, health=True)
 
     async def ModelReady(self, request: Any, context: CallContext) -> pb.ModelReadyResponse:
+        """Triton's answer: a model (or version) not served is not ready, with status OK (the
+        clients' ``is_model_ready`` returns False); a version that is no number is
+        INVALID_ARGUMENT. It names the models served, so it needs a key as HTTP's
+        ``/v2/models/{m}/ready`` does."""
+
         async def ready() -> pb.ModelReadyResponse:
+            version = request.version or None
+            if version is not None and _VERSION.fullmatch(version) is None:
+                raise InvalidInput(f"model version {version[:32]!r} must be 1 to 18 digits (0-9)")
             try:
-                model = self._plane.get(request.name, request.version or None)
+                model = self._plane.get(request.name, version)
             except ModelNotFound:
                 return pb.ModelReadyResponse(ready=False)
             return pb.ModelReadyResponse(ready=model.ready)
 
-        return await self._answer(context, ready, health=True)
+        return await self._answer(context, ready)
 
     async def ServerMetadata(self, request: Any, context: CallContext) -> pb.ServerMetadataResponse:
         async def metadata() -> pb.ServerMetadataResponse:
@@ -192,11 +227,13 @@ class InferenceService:
 
     async def _infer(self, call: Call, request: Any, context: CallContext) -> pb.ModelInferResponse:
         calls = self._calls
-        self._authorize(context, request.model_name)
+        self.authorize(context, request.model_name)
         calls.admit(request.model_name)
         try:
             remaining = context.time_remaining()
-            call.timeout_s = remaining if remaining is not None and remaining > 0 else None
+            if remaining is not None and remaining <= 0:
+                raise DeadlineExceeded("the call's deadline (grpc-timeout) passed before it ran")
+            call.timeout_s = remaining
             parameter = request.parameters.get("timeout")
             if parameter is not None and parameter.int64_param > 0:
                 call.shorten_deadline(parameter.int64_param / 1e6)
