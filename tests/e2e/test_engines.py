@@ -17,7 +17,7 @@ from nograd.runtime.config import load_config
 from nograd.runtime.engines.export import export_model
 from nograd.runtime.handler import TorchRunner
 from nograd.runtime.loader import build_handler
-from tests.e2e.serving import ROOT, run_server
+from tests.e2e.serving import ROOT, Server, run_server
 from tests.e2e.test_server import metrics, output
 
 pytestmark = pytest.mark.e2e
@@ -74,18 +74,21 @@ def test_shipped_models_on_auto_then_a_restart_reuses_the_built_engines(
 
 
 def test_exported_folders_serve_the_eager_models_answers(
-    tmp_path: Path, eager_embeddings: np.ndarray
+    tmp_path: Path, eager_embeddings: np.ndarray, server: Server
 ) -> None:
+    """``server``: the suite's shared server, the shipped models on eager, is the reference."""
     source = tmp_path / "source"
     repository = tmp_path / "repository"
     for name in ("digits", "minilm"):
         shutil.copytree(ROOT / "models" / name, source / name)
     export_model(source / "digits", "onnx", out=repository / "digits-onnx")
     export_model(source / "minilm", "torch_export", out=repository / "minilm-export")
-    with run_server(tmp_path, env={"NOGRAD_MODEL_REPOSITORY": str(repository)}) as server:
-        with run_server(tmp_path, env={"NOGRAD_MODEL_REPOSITORY": str(source)}) as eager:
-            assert digits_labels(server.url, "digits-onnx") == digits_labels(eager.url, "digits")
-        np.testing.assert_allclose(embed(server.url, "minilm-export"), eager_embeddings, atol=1e-5)
-        metadata = httpx.get(f"{server.url}/v2/models/digits-onnx").json()
+    with run_server(tmp_path, env={"NOGRAD_MODEL_REPOSITORY": str(repository)}) as exported:
+        expected = digits_labels(server.url, "digits")
+        assert digits_labels(exported.url, "digits-onnx") == expected
+        np.testing.assert_allclose(
+            embed(exported.url, "minilm-export"), eager_embeddings, atol=1e-5
+        )
+        metadata = httpx.get(f"{exported.url}/v2/models/digits-onnx").json()
         assert [i["name"] for i in metadata["inputs"]] == ["image"]
-        assert "model digits-onnx v1 loaded" in server.log()
+        assert "model digits-onnx v1 loaded" in exported.log()

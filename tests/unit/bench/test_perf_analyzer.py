@@ -242,9 +242,14 @@ def test_a_missed_target_reads_not_met_for_the_server_it_missed_on() -> None:
 
 
 @pytest.mark.e2e
+@pytest.mark.slow
 def test_perf_analyzer_drives_a_real_nograd_over_both_protocols(tmp_path: Path) -> None:
     """The bench's measuring step with perf_analyzer, as the phase runs it: digits over HTTP
-    and gRPC, minilm (texts from the workload, BYTES) over gRPC, a second or two each."""
+    and gRPC, minilm (texts from the workload, BYTES) over gRPC, a second or two each. In
+    ``make test-slow``: it starts a server of its own with both models (half a minute on 2
+    cores), and ``make test`` already drives perf_analyzer over both protocols against the
+    suite's shared server (tests/integration/test_perf_analyzer.py), besides the parsing
+    tests above."""
     try:
         perf_analyzer.tool()
     except RuntimeError as exc:
