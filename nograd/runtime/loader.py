@@ -50,13 +50,18 @@ def locate(model_dir: Path, relative: str) -> Path:
     return path
 
 
+def module_name(config: ModelConfig) -> str:
+    """The private name a version's code is imported under: one per version, as two versions of
+    a model may be loaded at once."""
+    return f"nograd_models.{config.name}.v{config.version}"
+
+
 def import_model_module(repository: Path, model_dir: Path, config: ModelConfig) -> ModuleType:
     """Import the model's code by file path under a private name, never from the network."""
     path = inside(repository, locate(model_dir, config.module))
     if not path.is_file():
         raise LoadError(f"{path}: model code not found (field 'module')")
-    # One name per version: two versions of a model may be loaded at once.
-    name = f"nograd_models.{config.name}.v{config.version}"
+    name = module_name(config)
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise LoadError(f"{path}: cannot import")
@@ -68,6 +73,16 @@ def import_model_module(repository: Path, model_dir: Path, config: ModelConfig) 
         sys.modules.pop(name, None)
         raise LoadError(f"{path}: import failed: {exc}") from exc
     return module
+
+
+def forget_module(module: ModuleType) -> None:
+    """Take an unloaded version's code out of ``sys.modules``, where it would keep the module,
+    its classes and whatever it holds at module level alive after the version is gone; only
+    while the entry is still that module, since a reload of the same version imports its new
+    code under the same name before the old one is freed."""
+    name = module.__name__
+    if sys.modules.get(name) is module:
+        del sys.modules[name]
 
 
 def load_weights(path: Path, device: torch.device) -> dict[str, torch.Tensor]:

@@ -21,7 +21,6 @@ from typing import Any, Literal
 from nograd.runtime.config import ConfigError, check_model_name, find_config, version_order
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.errors import ControlRefused, InvalidInput, LoadFailed, ModelNotFound
-from nograd.serving.loading import free
 from nograd.serving.peers import Peers
 from nograd.serving.registry import ServedModel
 from nograd.serving.repository import (
@@ -255,7 +254,7 @@ class ModelControl:
             self._overrides.pop(name, None)
         for model in failed:
             self._failed[(name, model.version)] = model.fingerprint
-            free(model)
+            await self._plane.free(model)
         if failed:
             detail = "; ".join(f"version {m.version}: {m.error}" for m in failed)
             if name not in registry.versions:
@@ -278,7 +277,7 @@ class ModelControl:
             await model.batcher.stop(max(0.0, deadline - time.monotonic()))
         self._plane.mark_ready(model.name)
         logger.info("model %s v%s unloaded (%s)", model.name, model.version, reason)
-        free(model)
+        await self._plane.free(model)
 
     # ------------------------------------------------------------------ index
     def index(self) -> list[ServedModel | tuple[str, str]]:

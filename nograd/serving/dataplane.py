@@ -103,6 +103,10 @@ class DataPlane:
         await self._loader.load_all(models, self.registry.served())
         self._cores = self._loader.cores
 
+    async def free(self, model: ServedModel) -> None:
+        """Free a version taken out of the registry (unloaded, replaced, or failed to load)."""
+        await self._loader.free(model)
+
     def replan(self) -> None:
         """Share each device's memory again among the models serving (after an unload)."""
         self._loader.replan(self.registry.served())

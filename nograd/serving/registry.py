@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 from nograd.batching import Batcher
 from nograd.runtime.config import ModelConfig, version_order
@@ -42,6 +43,8 @@ class ServedModel:
     error: str | None = None
     handler: ModelHandler | None = None
     batcher: Batcher[TensorPart, Outputs] | None = None
+    code: ModuleType | None = None
+    """The model's code as this load imported it, taken out of ``sys.modules`` when freed."""
     load_seconds: float = 0.0
     warmup_seconds: float = 0.0
     weights_bytes: int = 0
