@@ -269,13 +269,19 @@ log "image runs ${server_argv[*]} as USER $user; HEALTHCHECK ${healthcheck[*]:0:
 
 # ---------------------------------------------------------------------------------------------------
 # 5. Serve from the image on a free loopback port, as the image's user.
-port="$("$HOST_PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()')"
+free_port() {
+    "$HOST_PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()'
+}
+# Both ports free ones: the container shares the host's network, where 8001 (gRPC's default) may
+# be taken by another server.
+port="$(free_port)"
+grpc_port="$(free_port)"
 base_url="http://127.0.0.1:$port"
 CTR="$(buildah from --pull-never --name "nograd-container-test-$$" "$IMAGE")"
 server_log="$LOG_DIR/server.log"
 log "starting the server in $CTR on $base_url (log: $server_log)"
 setsid buildah run --isolation chroot --user "$user" \
-    --env "NOGRAD_PORT=$port" --env "NOGRAD_HOST=127.0.0.1" \
+    --env "NOGRAD_PORT=$port" --env "NOGRAD_GRPC_PORT=$grpc_port" --env "NOGRAD_HOST=127.0.0.1" \
     "$CTR" -- "${server_argv[@]}" </dev/null >"$server_log" 2>&1 &
 SERVER_PID=$!
 
@@ -366,7 +372,7 @@ log "PASS /metrics has nograd_requests_total"
 # where nothing listens (so a check that always passes would be caught).
 buildah run --isolation chroot --user "$user" --env "NOGRAD_PORT=$port" "$CTR" -- "${healthcheck[@]}" \
     >"$LOG_DIR/hc.log" 2>&1 || { cat "$LOG_DIR/hc.log" >&2; die "the image's HEALTHCHECK failed against the ready server"; }
-dead_port="$("$HOST_PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()')"
+dead_port="$(free_port)"
 if buildah run --isolation chroot --user "$user" --env "NOGRAD_PORT=$dead_port" "$CTR" -- "${healthcheck[@]}" \
     >"$LOG_DIR/hc-dead.log" 2>&1; then
     die "the image's HEALTHCHECK passed with no server listening"
