@@ -28,6 +28,8 @@ def main(argv: list[str] | None = None) -> None:
     use_one_arena()
     settings = Settings(_cli_parse_args=argv if argv is not None else True, _cli_prog_name="nograd")
     setup_logging(settings.log_level, settings.log_format)
+    for warning in settings.exposure_warnings:
+        logging.getLogger("nograd").warning("%s", warning)
     settings, planned = resolve_workers(settings)
     if settings.worker_count > 1:
         # The supervisor never imports torch; each worker process loads the models.

@@ -209,6 +209,17 @@ class Settings(BaseSettings):
         return None if "*" in names else names
 
     @property
+    def exposure_warnings(self) -> tuple[str, ...]:
+        """What the start-up log must say about settings that leave the server open to anyone
+        who reaches its ports: easy to miss in a deployment, costly when missed."""
+        if self.model_control == "explicit" and not self.api_key_list:
+            return (
+                "NOGRAD_MODEL_CONTROL=explicit without NOGRAD_API_KEYS: anyone who reaches the "
+                "server's ports can load and unload models; set NOGRAD_API_KEYS",
+            )
+        return ()
+
+    @property
     def engine_cache_dir(self) -> Path:
         if self.engine_cache is not None:
             return self.engine_cache

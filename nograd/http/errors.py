@@ -102,7 +102,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_unexpected(request: Request, exc: Exception) -> Response:
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+        # The log has the exception; the client gets no server internals (paths, types, text).
+        return error_response(500, "internal error; the server's log has the details")
 
     for cause, _ in KINDS:
         app.add_exception_handler(cause, on_known)

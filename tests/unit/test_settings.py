@@ -68,3 +68,11 @@ def test_either_front_may_be_off_but_not_both() -> None:
     assert Settings(grpc_port=0).port == 8000
     with pytest.raises(ValidationError, match="turn on HTTP or gRPC"):
         Settings(port=0, grpc_port=0)
+
+
+def test_explicit_model_control_without_keys_is_warned_about_at_start_up() -> None:
+    assert Settings(model_control="explicit").exposure_warnings
+    assert "NOGRAD_API_KEYS" in Settings(model_control="explicit").exposure_warnings[0]
+    assert Settings(model_control="explicit", api_keys="k1").exposure_warnings == ()
+    assert Settings(model_control="none").exposure_warnings == ()
+    assert Settings(model_control="poll").exposure_warnings == ()
