@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -37,6 +38,14 @@ class Server:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+
+def digits_repository(root: Path) -> Path:
+    """A repository of the shipped digits model alone under ``root``: the fastest real model to
+    start."""
+    repo = root / "repo"
+    shutil.copytree(ROOT / "models" / "digits", repo / "digits")
+    return repo
 
 
 @contextmanager

@@ -22,7 +22,15 @@ import tritonclient.grpc as triton
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from tests.e2e.serving import ROOT, Server, free_port, metric_value, run_server, until_accepted
+from tests.e2e.serving import (
+    ROOT,
+    Server,
+    digits_repository,
+    free_port,
+    metric_value,
+    run_server,
+    until_accepted,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -254,8 +262,7 @@ def test_statistics_health_service_and_metrics(
 
 
 def test_an_api_key_is_required_in_the_metadata(tmp_path: Path) -> None:
-    repo = tmp_path / "repo"
-    shutil.copytree(ROOT / "models" / "digits", repo / "digits")
+    repo = digits_repository(tmp_path)
     port = free_port()
     env = {
         "NOGRAD_MODEL_REPOSITORY": str(repo),
@@ -282,8 +289,7 @@ def test_grpc_connections_are_spread_over_the_workers(tmp_path: Path) -> None:
     busy worker: eight channels, four on each worker, each served."""
     import psutil
 
-    repo = tmp_path / "repo"
-    shutil.copytree(ROOT / "models" / "digits", repo / "digits")
+    repo = digits_repository(tmp_path)
     port = free_port()
     env = {
         "NOGRAD_MODEL_REPOSITORY": str(repo),
@@ -376,8 +382,7 @@ def test_a_taken_grpc_port_stops_the_start_up_naming_the_setting(
 @pytest.mark.parametrize("workers", [1, 2], ids=["one-process", "two-workers"])
 def test_grpc_alone_with_http_turned_off(tmp_path: Path, workers: int) -> None:
     """``NOGRAD_PORT=0``: no HTTP port at all, gRPC serves, and a stop drains and exits."""
-    repo = tmp_path / "repo"
-    shutil.copytree(ROOT / "models" / "digits", repo / "digits")
+    repo = digits_repository(tmp_path)
     port = free_port()
     env = {
         "NOGRAD_MODEL_REPOSITORY": str(repo),

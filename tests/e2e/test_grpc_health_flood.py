@@ -9,7 +9,6 @@ the watches took every stream and every inference call waited until its deadline
 from __future__ import annotations
 
 import asyncio
-import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from tests.e2e.serving import ROOT, free_port, metric_value, run_server
+from tests.e2e.serving import digits_repository, free_port, metric_value, run_server
 
 pytestmark = pytest.mark.e2e
 
@@ -94,8 +93,7 @@ async def _flood_then_infer(address: str) -> tuple[Counter[str], Counter[str], s
 
 
 def test_a_watch_flood_without_a_key_leaves_inference_answering(tmp_path: Path) -> None:
-    repo = tmp_path / "repo"
-    shutil.copytree(ROOT / "models" / "digits", repo / "digits")
+    repo = digits_repository(tmp_path)
     port = free_port()
     env = {
         "NOGRAD_MODEL_REPOSITORY": str(repo),

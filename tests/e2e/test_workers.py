@@ -21,6 +21,7 @@ from nograd.supervisor.plan import auto_plan
 from tests.e2e.serving import (
     ROOT,
     Server,
+    digits_repository,
     free_port,
     metric_value,
     run_server,
@@ -31,12 +32,6 @@ pytestmark = pytest.mark.e2e
 DIGITS = {
     "inputs": [{"name": "image", "shape": [1, 1, 8, 8], "datatype": "FP32", "data": [4.0] * 64}]
 }
-
-
-def digits_repository(root: Path) -> Path:
-    repo = root / "repo"
-    shutil.copytree(ROOT / "models" / "digits", repo / "digits")
-    return repo
 
 
 def worker_pids(server: Server) -> dict[int, int]:
