@@ -23,10 +23,9 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import Final
 
-from prometheus_client import start_http_server
-
 from nograd.grpc.server import GrpcServer
 from nograd.http.server import HttpFront
+from nograd.observability.metrics_port import serve_metrics_port
 from nograd.serving.core import Core, StartupFailed
 from nograd.settings import Settings
 from nograd.supervisor.handoff import GRPC, HTTP, Handoff, Inbox, bind_ports
@@ -103,8 +102,11 @@ class Server:
         if self.grpc is not None:
             await self.grpc.start(sockets[GRPC])
         if self._settings.metrics_port is not None:
-            start_http_server(
-                self._settings.metrics_port, self._settings.host, self.core.metrics.exposition
+            serve_metrics_port(
+                self._settings.host,
+                self._settings.metrics_port,
+                self.core.metrics.exposition,
+                self._settings.metrics_keys,
             )
             logger.info("metrics also served on port %d", self._settings.metrics_port)
         self.core.load_in_background()

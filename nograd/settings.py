@@ -203,6 +203,12 @@ class Settings(BaseSettings):
         return tuple(k.strip() for k in self.api_keys.get_secret_value().split(",") if k.strip())
 
     @property
+    def metrics_keys(self) -> tuple[str, ...]:
+        """The keys a scrape must carry, on /metrics and the metrics port: none unless
+        ``auth_metrics``."""
+        return self.api_key_list if self.auth_metrics else ()
+
+    @property
     def load_model_names(self) -> frozenset[str] | None:
         """The models ``load_models`` names; None for every model (``*``)."""
         names = frozenset(n.strip() for n in self.load_models.split(",") if n.strip())

@@ -8,7 +8,6 @@ failure's ``Kind`` in its own status codes; nothing here knows HTTP or gRPC.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 import re
@@ -20,6 +19,7 @@ import numpy as np
 
 from nograd.batching import QueueFull
 from nograd.observability.metrics import UNKNOWN_MODEL, Metrics
+from nograd.protocol.keys import bearer_key_matches
 from nograd.runtime.handler import Outputs
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.errors import Kind, Unauthenticated, is_server_fault, kind_of
@@ -85,16 +85,7 @@ class Calls:
         against every key; raise ``Unauthenticated`` naming what was wrong, never the key."""
         if not self._keys:
             return
-        token = b""
-        if len(values) == 1:  # which of several would count differs between proxies and servers
-            value = values[0]
-            raw = value.encode("latin-1") if isinstance(value, str) else value
-            scheme, _, rest = raw.partition(b" ")
-            token = rest.strip() if scheme.lower() == b"bearer" else b""
-        matched = False
-        for key in self._keys:
-            matched |= hmac.compare_digest(token, key)
-        if matched and token:
+        if bearer_key_matches(values, self._keys):
             return
         self.metrics.rejected.labels(self.label(model), "unauthorized").inc()
         why = "missing" if not values else "invalid"

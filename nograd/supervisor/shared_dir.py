@@ -9,8 +9,10 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
+from nograd.observability.metrics_port import serve_metrics_port
 from nograd.observability.stats import STATS_PREFIX
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -49,11 +51,12 @@ def mark_dead(pid: int, directory: Path) -> None:
     multiprocess.mark_process_dead(pid, str(directory))  # type: ignore[no-untyped-call]
 
 
-def serve_metrics(directory: Path, host: str, port: int) -> None:
-    """Serve every worker's metrics, read from the shared folder's files, on ``port``."""
-    from prometheus_client import CollectorRegistry, start_http_server
+def serve_metrics(directory: Path, host: str, port: int, keys: Sequence[str] = ()) -> None:
+    """Serve every worker's metrics, read from the shared folder's files, on ``port`` (with
+    ``keys``, only to scrapes that carry one)."""
+    from prometheus_client import CollectorRegistry
     from prometheus_client.multiprocess import MultiProcessCollector
 
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=str(directory))  # type: ignore[no-untyped-call]
-    start_http_server(port, host, registry)
+    serve_metrics_port(host, port, registry, keys)

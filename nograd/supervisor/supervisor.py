@@ -128,7 +128,7 @@ class Supervisor:
         try:
             port = self._settings.metrics_port
             if port is not None:
-                serve_metrics(self._dir, self._settings.host, port)
+                serve_metrics(self._dir, self._settings.host, port, self._settings.metrics_keys)
                 logger.info("metrics of all workers also served on port %d", port)
             if self._cores is not None:
                 create_ledger(self._cores, len(self._slots))
