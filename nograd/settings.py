@@ -145,8 +145,9 @@ class Settings(BaseSettings):
     what Node.js and h11 allow by default."""
 
     max_connections: int = Field(default=1024, ge=1)
-    """Most connections one server process (each worker of several) holds open; one more is
-    answered 503 with Retry-After and closed at once, before its request is read. Real
+    """Most connections one server process (each worker of several) holds open on each of
+    its HTTP and gRPC ports; one more is answered at once (HTTP: 503 with Retry-After; gRPC: a
+    GOAWAY, UNAVAILABLE to the client) and closed, before its request is read. Real
     clients keep pools of tens of keep-alive connections; the cap bounds the file descriptors
     and memory that many idle or slow ones can take (the process's open-file limit is raised
     to fit when it can be)."""

@@ -104,10 +104,24 @@ class Handler:
 class Http2Connection(asyncio.Protocol):
     """One client connection: frames in, streams to the handler, answers out."""
 
-    def __init__(self, handler: Handler, max_streams: int, on_close: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        handler: Handler,
+        max_streams: int,
+        on_close: Callable[[], None],
+        preface_timeout_s: float | None = None,
+        refusal: str | None = None,
+    ) -> None:
+        """``preface_timeout_s``: how long a new connection may take to send the client preface
+        before it is closed (None: forever), so a connection that never speaks holds no slot.
+        ``refusal``: turn the connection away at once with this message (``ENHANCE_YOUR_CALM``,
+        which clients read as UNAVAILABLE and retry)."""
+        self._refusal = refusal
         self._handler = handler
         self._max_streams = max_streams
         self._on_close = on_close
+        self._preface_timeout_s = preface_timeout_s
+        self._preface_timer: asyncio.TimerHandle | None = None
         self.transport: asyncio.Transport | None = None
         self._buffer = bytearray()
         self._preface_seen = False
@@ -127,6 +141,11 @@ class Http2Connection(asyncio.Protocol):
     # ------------------------------------------------------------------ connection events
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
+        if self._refusal is not None:
+            # No SETTINGS first: a client that saw the connection ready would send its calls
+            # again on a new one at once, for as long as their deadline.
+            self._fail(ENHANCE_YOUR_CALM, self._refusal)
+            return
         settings = b"".join(
             SETTING.pack(key, value)
             for key, value in (
@@ -137,8 +156,19 @@ class Http2Connection(asyncio.Protocol):
         )
         raise_window = struct.pack(">L", RECEIVE_WINDOW - DEFAULT_WINDOW)
         self._write(frame(SETTINGS, 0, 0, settings) + frame(WINDOW_UPDATE, 0, 0, raise_window))
+        if self._preface_timeout_s is not None:
+            loop = asyncio.get_running_loop()
+            self._preface_timer = loop.call_later(self._preface_timeout_s, self._preface_late)
+
+    def _preface_late(self) -> None:
+        self._preface_timer = None
+        if not self._preface_seen and not self.closed:
+            self._fail(PROTOCOL_ERROR, "no HTTP/2 connection preface in time")
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._preface_timer is not None:
+            self._preface_timer.cancel()
+            self._preface_timer = None
         self.closed = True
         for stream in list(self.streams.values()):
             self._reset_locally(stream)
@@ -158,6 +188,9 @@ class Http2Connection(asyncio.Protocol):
                     raise ProtocolFailure(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
                 del buffer[: len(PREFACE)]
                 self._preface_seen = True
+                if self._preface_timer is not None:
+                    self._preface_timer.cancel()
+                    self._preface_timer = None
             offset = 0
             size = len(buffer)
             while size - offset >= 9:

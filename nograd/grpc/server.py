@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME: Final = "inference.GRPCInferenceService"
 MAX_MESSAGE_BYTES_MARGIN: Final = 1024 * 1024
 """Room above the largest request body for the message's own framing."""
+TOO_MANY_CONNECTIONS: Final = "too_many_connections"
+"""The rejection reason HTTP's connection cap counts too."""
 BACKLOG: Final = 2048
 """Connections the kernel queues for the port (uvicorn's default backlog)."""
 
@@ -105,6 +107,7 @@ class GrpcServer:
         def refused(reason: str) -> None:
             rejected.labels(unknown, reason).inc()
 
+        self._refused = refused
         self._calls = GrpcCalls(
             methods, settings.max_request_bytes + MAX_MESSAGE_BYTES_MARGIN, refused
         )
@@ -128,9 +131,23 @@ class GrpcServer:
             if self._closed is not None:
                 self._closed.value += 1
 
-        streams = self._settings.grpc_max_concurrent_streams
-        connection = Http2Connection(self._calls, streams, closed)
-        self._connections.add(connection)
+        settings = self._settings
+        refusal = None
+        if len(self._connections) >= settings.max_connections:
+            self._refused(TOO_MANY_CONNECTIONS)
+            refusal = (
+                f"too many connections (NOGRAD_MAX_CONNECTIONS={settings.max_connections}); "
+                "retry later"
+            )
+        connection = Http2Connection(
+            self._calls,
+            settings.grpc_max_concurrent_streams,
+            closed,
+            settings.header_timeout_s,
+            refusal,
+        )
+        if refusal is None:  # a refused one is answered and closed, never counted as open
+            self._connections.add(connection)
         return connection
 
     @property
