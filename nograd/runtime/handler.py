@@ -336,7 +336,12 @@ def _pad_concat(
     if length is not None and len(target) > 1:
         target[1] = max(target[1], length)
     if len(arrays) == 1 and not pin_memory and tuple(target) == arrays[0].shape:
-        return torch.from_numpy(np.ascontiguousarray(arrays[0]))
+        part = arrays[0]
+        if part.flags.writeable and part.flags.c_contiguous:
+            return torch.from_numpy(part)
+        # A view of the request's bytes (binary and gRPC tensors) is read-only: a model that
+        # changes its input in place (``x /= 255``) would write into an immutable object.
+        return torch.from_numpy(np.array(part, order="C"))
     dtype = torch.from_numpy(arrays[0][:0]).dtype
     ragged = target[0] > filled or any(list(a.shape[1:]) != target[1:] for a in arrays)
     if not ragged and not pin_memory:
