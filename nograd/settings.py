@@ -55,6 +55,12 @@ class Settings(BaseSettings):
     """With ``model_control = explicit``: comma-separated models to load at start-up, ``*`` for
     every model; empty loads none."""
 
+    max_loaded_models: int | None = Field(default=None, ge=1)
+    """With ``model_control = explicit``: most model versions loaded at once (each version of a
+    model counts, the start-up set included); a load call that would pass it is refused with
+    400 naming the cap, before it reads a weight. Unset: no cap beyond the repository's
+    versions."""
+
     repository_poll_s: float = Field(default=5.0, gt=0.0, le=3600.0)
     """With ``model_control = poll``: seconds between two looks at the repository."""
 

@@ -4,7 +4,10 @@
 A load builds, warms up and memory-plans the new versions while the old ones serve; traffic
 switches once they are ready, and the versions they replace drain their accepted requests before
 they are freed. Unchanged versions (same files, same config) are left alone. With several workers
-a call is applied by every worker before it answers, one call at a time server-wide.
+a call is applied by every worker before it answers, one call at a time server-wide: the worker
+that takes it applies it, records what it then serves of that model (versions and overrides) in
+the state the workers share, and every sibling makes itself serve that state; a worker that
+starts later (a restart after a crash) loads that state before it takes connections.
 """
 
 from __future__ import annotations
@@ -21,14 +24,15 @@ from typing import Any, Literal
 from nograd.runtime.config import ConfigError, check_model_name, find_config, version_order
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.errors import ControlRefused, InvalidInput, LoadFailed, ModelNotFound
-from nograd.serving.peers import Peers
-from nograd.serving.registry import ServedModel
+from nograd.serving.peers import Peers, Served
+from nograd.serving.registry import ServedModel, State
 from nograd.serving.repository import (
     ModelSource,
     Override,
     model_folder,
     model_names,
     read_model,
+    read_wanted,
     scan,
 )
 
@@ -74,7 +78,8 @@ class ModelControl:
         self._settings = plane.settings
         self._peers = None if shared_dir is None else Peers(shared_dir, self.apply_from_peer)
         self._lock = asyncio.Lock()
-        self._overrides: dict[str, Override] = {}
+        self._started = asyncio.Event()
+        """Set once the start-up set has loaded: a sibling's sync waits for it."""
         self._failed: dict[tuple[str, str], str] = {}
         """Poll mode: the fingerprint of each version that failed to load, not retried unchanged."""
         self._problems: set[str] = set()
@@ -100,16 +105,17 @@ class ModelControl:
 
     def discover(self) -> None:
         """Read the repository and register the start-up set: every model (``none``, ``poll``),
-        or ``load_models`` and what later calls loaded (``explicit``)."""
-        wanted: frozenset[str] | None = None
-        if self.mode == "explicit":
-            state = self._peers.read_state() if self._peers is not None else None
-            if state is not None:
-                wanted = frozenset(state)
-                self._overrides = {n: o for n, o in state.items() if isinstance(o, dict)}
-            else:
-                wanted = self._settings.load_model_names
-        self._plane.discover(None if wanted is None else wanted.__contains__, self._overrides)
+        or (``explicit``) what the workers serve as the last control call recorded it, versions
+        and overrides included, and ``load_models`` before any call."""
+        if self.mode != "explicit":
+            self._plane.discover()
+        elif (recorded := self._recorded()) is not None:
+            # A worker started after control calls (a restart) serves what its siblings serve:
+            # the same versions, with the same overrides.
+            self._plane.discover(recorded.__contains__, recorded)
+        else:
+            names = self._settings.load_model_names
+            self._plane.discover(None if names is None else names.__contains__)
         if self.mode != "none":
             # Only a fixed repository must be whole to serve: under control, an unreadable
             # folder is logged and listed, and the models that load serve.
@@ -117,8 +123,11 @@ class ModelControl:
             self._plane.registry.config_errors.clear()
 
     async def load_startup(self) -> None:
-        async with self._lock:
-            await self._plane.load_all()
+        try:
+            async with self._lock:
+                await self._plane.load_all()
+        finally:
+            self._started.set()
 
     # ------------------------------------------------------------------ calls
     async def load(self, name: str, override: Override | None = None) -> None:
@@ -153,19 +162,68 @@ class ModelControl:
             await self.apply(call)
             return
         async with self._peers.exclusive():
-            await self.apply(call)
-            state = self._peers.read_state()
-            if state is None:
-                state = {name: None for name in self._plane.registry.versions}
-            if call["op"] == "load":
-                state[call["name"]] = call.get("override")
+            recorded = self._recorded()
+            if recorded is None:
+                recorded = self._served()
             else:
-                state.pop(call["name"], None)
-            self._peers.write_state(state)
-            failures = await self._peers.broadcast(call)
+                await self._sync_logged()
+            failed: LoadFailed | None = None
+            try:
+                await self.apply(call)
+            except LoadFailed as exc:
+                failed = exc  # a version that did load serves: the siblings must serve it too
+            # What serves of the model after the call, not what the call asked: the name and
+            # versions the repository gave, each with its override, whatever the call named.
+            served = self._served().get(name)
+            if served:
+                recorded[name] = served
+            else:
+                recorded.pop(name, None)
+            self._peers.write_state(recorded)
+            failures = await self._peers.broadcast({"op": "sync"})
         if failures:
             detail = "; ".join(f"{worker}: {error}" for worker, error in sorted(failures.items()))
-            raise LoadFailed(f"applied by this worker, but not by every worker: {detail}")
+            prefix = f"{failed}; " if failed is not None else ""
+            raise LoadFailed(f"{prefix}applied by this worker, but not by every worker: {detail}")
+        if failed is not None:
+            raise failed
+
+    def _recorded(self) -> Served | None:
+        return self._peers.read_state() if self._peers is not None else None
+
+    def _served(self) -> Served:
+        """Every version registered here (loading, ready or failed), with its override."""
+        return {
+            name: {version: model.override for version, model in versions.items()}
+            for name, versions in self._plane.registry.versions.items()
+        }
+
+    async def _sync(self) -> list[str]:
+        """Serve what the shared state records: unload the models it leaves out, load the
+        versions it names that are missing or differ (a version that already failed with the
+        same files and override is not tried again). The problems, one per model."""
+        recorded = self._recorded()
+        if recorded is None:
+            return []
+        registry = self._plane.registry
+        problems: list[str] = []
+        for name in sorted(set(registry.versions) | set(recorded)):
+            versions = recorded.get(name)
+            try:
+                if versions is None:
+                    await self._unload(name)
+                    continue
+                source = self._find(name, wanted=versions)
+                if self._changed(name, source):
+                    await self._reconcile(name, source)
+            except (ModelNotFound, InvalidInput, LoadFailed) as exc:
+                problems.append(str(exc))
+        return problems
+
+    async def _sync_logged(self) -> None:
+        async with self._lock:
+            for problem in await self._sync():
+                logger.error("model control: not served as the other workers serve it: %s", problem)
 
     async def apply(self, call: dict[str, Any]) -> None:
         """Apply one load or unload call in this worker."""
@@ -177,26 +235,60 @@ class ModelControl:
             override = call.get("override")
             if override is not None and not isinstance(override, dict):
                 raise InvalidInput("the config override must be a JSON object of config fields")
-            await self._reconcile(name, self._find(name, override), override)
+            source = self._find(name, override)
+            self._check_cap(name, source)
+            await self._reconcile(name, source)
 
     async def apply_from_peer(self, call: dict[str, Any]) -> str | None:
-        """``apply`` for a sibling worker: the error as text, or None."""
-        try:
-            await self.apply(call)
-        except Exception as exc:
-            return str(exc)
-        return None
+        """A sibling's ``sync``, once this worker's start-up set has loaded: the problems as
+        text, or None."""
+        if call.get("op") != "sync":
+            return f"unknown control call {call.get('op')!r}"
+        await self._started.wait()
+        async with self._lock:
+            problems = await self._sync()
+        return "; ".join(problems) or None
 
-    def _find(self, name: str, override: Override | None) -> ModelSource:
-        """The repository folder of model ``name``, read with ``override``."""
+    def _check_cap(self, name: str, source: ModelSource) -> None:
+        """Refuse a load that would leave more versions loaded than ``max_loaded_models``, before
+        it reads a weight."""
+        cap = self._settings.max_loaded_models
+        if cap is None:
+            return
+        others = sum(
+            1
+            for other, versions in self._plane.registry.versions.items()
+            if other != name
+            for model in versions.values()
+            if model.state is not State.FAILED
+        )
+        total = others + len(source.versions)
+        if total > cap:
+            raise ControlRefused(
+                f"loading model {name!r} ({len(source.versions)} version(s)) would make "
+                f"{total} model versions loaded, over the cap of {cap} "
+                "(NOGRAD_MAX_LOADED_MODELS); unload a model first"
+            )
+
+    def _find(
+        self,
+        name: str,
+        override: Override | None = None,
+        wanted: dict[str, Override | None] | None = None,
+    ) -> ModelSource:
+        """The repository folder of model ``name``, read with ``override`` (the versions its
+        policy selects), or as ``wanted`` names its versions and their overrides."""
         folder = model_folder(self.root, name)
         if folder is None:
             raise ModelNotFound(f"model {name!r} is not in the repository {str(self.root)!r}")
         try:
-            source = read_model(folder, override)
+            source = read_model(folder, override) if wanted is None else read_wanted(folder, wanted)
         except ConfigError as exc:
             raise InvalidInput(str(exc)) from exc
         if source is None or not source.versions:
+            if wanted is not None:
+                listed = ", ".join(sorted(wanted))
+                raise InvalidInput(f"{folder}: none of version(s) {listed} is in the repository")
             raise InvalidInput(f"{folder}: its version policy selects no version")
         return source
 
@@ -209,22 +301,19 @@ class ModelControl:
             raise ModelNotFound(f"model {name!r} is not in the repository")
         for model in served:
             await self._retire(model, "unloaded by request")
-        self._overrides.pop(name, None)
         self._plane.replan()
 
     def _in_repository(self, name: str) -> bool:
         return model_folder(self.root, name) is not None
 
-    async def _reconcile(
-        self, name: str, source: ModelSource | None, override: Override | None = None
-    ) -> None:
+    async def _reconcile(self, name: str, source: ModelSource | None) -> None:
         """Make the versions of ``name`` that serve those of ``source`` (None: none): load the
         new and changed ones, switch to them once ready, then retire what they replace."""
         registry = self._plane.registry
         current = dict(registry.versions.get(name, {}))
         wanted = source.versions if source is not None else {}
         fresh = [
-            ServedModel(v.config, v.directory, fingerprint=v.fingerprint)
+            ServedModel.of(v)
             for version, v in wanted.items()
             if version not in current
             or current[version].fingerprint != v.fingerprint
@@ -248,10 +337,6 @@ class ModelControl:
             await self._retire(model, why)
         if gone:
             self._plane.replan()
-        if override is not None:
-            self._overrides[name] = override
-        elif source is not None:
-            self._overrides.pop(name, None)
         for model in failed:
             self._failed[(name, model.version)] = model.fingerprint
             await self._plane.free(model)
@@ -302,7 +387,7 @@ class ModelControl:
 
     async def poll_once(self) -> None:
         loop = asyncio.get_running_loop()
-        sources, problems = await loop.run_in_executor(None, scan, self.root, self._overrides)
+        sources, problems = await loop.run_in_executor(None, scan, self.root)
         for problem in set(problems) - self._problems:
             logger.error("model repository: %s (the versions serving stay)", problem)
         self._problems = set(problems)
@@ -317,7 +402,7 @@ class ModelControl:
                     registry.unloaded.pop(name, None)
                 elif self._changed(name, source):
                     try:
-                        await self._reconcile(name, source, self._overrides.get(name))
+                        await self._reconcile(name, source)
                     except LoadFailed as exc:
                         logger.error("%s; the versions serving before stay", exc)
 

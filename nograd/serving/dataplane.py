@@ -30,7 +30,7 @@ from nograd.serving.errors import (
 from nograd.serving.heap_return import HeapReturn
 from nograd.serving.loading import ModelLoader
 from nograd.serving.registry import ModelRegistry, ServedModel, State
-from nograd.serving.repository import Override
+from nograd.serving.repository import Wanted
 from nograd.serving.validation import (
     Declared,
     check_declared,
@@ -79,12 +79,12 @@ class DataPlane:
     def discover(
         self,
         load: Callable[[str], bool] | None = None,
-        overrides: Mapping[str, Override] | None = None,
+        wanted: Wanted | None = None,
     ) -> None:
-        """Read every model config and register the models ``load`` selects (all without it);
-        a malformed config is logged and recorded."""
+        """Read every model config and register the models ``load`` selects (all without it;
+        ``wanted`` names versions and overrides); a malformed config is logged and recorded."""
         root = self.settings.model_repository
-        for model in self.registry.discover(root, load, overrides):
+        for model in self.registry.discover(root, load, wanted):
             self.metrics.model_ready.labels(model.name).set(0)
 
     async def load_all(self) -> None:

@@ -3,8 +3,9 @@ one worker must be applied by all, so every worker answers the same index and no
 on a worker that still serves the old model.
 
 Each worker listens on a Unix socket in the folder the workers share (one JSON line in, one out);
-a lock file there orders control calls server-wide, and a state file holds the models loaded by
-control calls, for workers started later (a restart after a crash, a slow sibling).
+a lock file there orders control calls server-wide, and a state file holds what every worker
+serves (each model's versions with their overrides), written by the worker that took the call:
+its siblings are told to serve it, and a worker started later (a restart after a crash) loads it.
 """
 
 from __future__ import annotations
@@ -19,15 +20,21 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from nograd.serving.repository import Override
+
 logger = logging.getLogger(__name__)
 
 CONTROL_FOLDER = "control"
 STATE_FILE = "state.json"
 LOCK_FILE = "lock"
 SOCKET_SUFFIX = ".sock"
+STATE_KEY = "models"
+"""The state document's one field: the ``Served`` every worker serves."""
 REPLY_TIMEOUT_S = 900.0
 """Longest wait for a sibling to apply a control call: loading and warming up a large model."""
 
+Served = dict[str, dict[str, Override | None]]
+"""Models by name, each with its versions and the override each was loaded with."""
 Handler = Callable[[dict[str, Any]], Awaitable[str | None]]
 """Applies one control call in this worker; the error, or None when applied."""
 
@@ -110,9 +117,9 @@ class Peers:
         finally:
             os.close(fd)
 
-    def read_state(self) -> dict[str, Any] | None:
-        """The models loaded by control calls so far (by name, with their config override), or
-        None before the first call."""
+    def read_state(self) -> Served | None:
+        """What every worker serves, as the last control call recorded it; None before the first
+        call, or when it cannot be read (then the start-up set serves)."""
         try:
             document = json.loads((self.directory / STATE_FILE).read_text())
         except FileNotFoundError:
@@ -120,10 +127,18 @@ class Peers:
         except (OSError, ValueError):
             logger.exception("model control state unreadable; using the start-up set")
             return None
-        return document if isinstance(document, dict) else None
+        models = document.get(STATE_KEY) if isinstance(document, dict) else None
+        if isinstance(models, dict) and all(
+            isinstance(versions, dict)
+            and all(o is None or isinstance(o, dict) for o in versions.values())
+            for versions in models.values()
+        ):
+            return {str(name): dict(versions) for name, versions in models.items()}
+        logger.error("model control state malformed; using the start-up set")
+        return None
 
-    def write_state(self, state: dict[str, Any]) -> None:
+    def write_state(self, served: Served) -> None:
         path = self.directory / STATE_FILE
         temporary = path.with_suffix(".tmp")
-        temporary.write_text(json.dumps(state, sort_keys=True))
+        temporary.write_text(json.dumps({STATE_KEY: served}, sort_keys=True))
         temporary.replace(path)

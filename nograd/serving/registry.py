@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -21,7 +21,7 @@ from nograd.runtime.handler import ModelHandler, Outputs, TensorPart
 from nograd.runtime.memory.fits import RangedCost
 from nograd.runtime.planner import ModelPlan
 from nograd.serving.errors import ModelNotFound
-from nograd.serving.repository import Override, scan
+from nograd.serving.repository import Override, VersionSource, Wanted, scan
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,14 @@ class ServedModel:
     once they are done."""
     drained: asyncio.Event | None = None
     """Set when ``active`` drops to zero, for an unload waiting on it."""
+    override: Override | None = None
+    """The load call's config override it was loaded with (recorded for the sibling workers)."""
+
+    @classmethod
+    def of(cls, source: VersionSource) -> ServedModel:
+        """A version found on disk, to load."""
+        fingerprint, override = source.fingerprint, source.override
+        return cls(source.config, source.directory, fingerprint=fingerprint, override=override)
 
     @property
     def name(self) -> str:
@@ -91,12 +99,12 @@ class ModelRegistry:
         self,
         root: Path,
         load: Callable[[str], bool] | None = None,
-        overrides: Mapping[str, Override] | None = None,
+        wanted: Wanted | None = None,
     ) -> list[ServedModel]:
         """Read every model config under ``root`` and register the versions to serve (those for
-        which ``load(name)`` holds; every model without it). A malformed config is logged and
-        recorded."""
-        sources, problems = scan(root, overrides)
+        which ``load(name)`` holds, every model without it; of a model in ``wanted``, the
+        versions and overrides it names). A malformed config is logged and recorded."""
+        sources, problems = scan(root, wanted)
         for problem in problems:
             self._reject(problem)
         found = []
@@ -104,10 +112,11 @@ class ModelRegistry:
             if load is not None and not load(name):
                 self.unloaded[name] = "not loaded at start-up"
                 continue
+            if not source.versions:
+                self.unloaded[name] = "none of the versions to load is in the repository"
+                continue
             for version in source.versions.values():
-                model = ServedModel(
-                    version.config, version.directory, fingerprint=version.fingerprint
-                )
+                model = ServedModel.of(version)
                 self.add(model)
                 found.append(model)
         return found

@@ -11,15 +11,26 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
-from nograd.runtime.config import ConfigError, ModelConfig, find_config, is_version, load_config
+from nograd.runtime.config import (
+    ConfigError,
+    ModelConfig,
+    find_config,
+    is_version,
+    load_config,
+    version_order,
+)
 
 Override = Mapping[str, object]
 """Config fields a load call sets over the file's (Triton's ``config`` parameter)."""
+
+Wanted = Mapping[str, Mapping[str, Override | None]]
+"""The versions to serve of some models, by name then version, each with the override it was
+loaded with: what every worker of a server serves under explicit model control."""
 
 OVERRIDABLE: Final = ("max_batch_size", "max_queue_delay_ms", "max_queue_size", "max_batch_tokens")
 """The config fields a load call may override: how requests are batched and queued. Every other
@@ -49,6 +60,8 @@ class VersionSource:
     directory: Path
     """Where the version's code and weights are looked up first (then the model's folder)."""
     fingerprint: str
+    override: Override | None = None
+    """The load call's config override it was read with."""
 
 
 @dataclass(frozen=True)
@@ -60,10 +73,13 @@ class ModelSource:
     versions: dict[str, VersionSource] = field(default_factory=dict)
 
 
-def read_model(model_dir: Path, override: Override | None = None) -> ModelSource | None:
-    """The model in ``model_dir`` (None when the folder holds no config); a config that cannot be
-    used, or an override of a field outside ``OVERRIDABLE``, raises ``ConfigError`` naming the
-    file (for a config) and the field."""
+def read_model(
+    model_dir: Path, override: Override | None = None, versions: Collection[str] | None = None
+) -> ModelSource | None:
+    """The model in ``model_dir`` (None when the folder holds no config): the versions its
+    policy selects, or those of ``versions`` found among its numbered folders. A config that
+    cannot be used, or an override of a field outside ``OVERRIDABLE``, raises ``ConfigError``
+    naming the file (for a config) and the field."""
     if override:
         check_override(override)
     path = find_config(model_dir)
@@ -75,9 +91,13 @@ def read_model(model_dir: Path, override: Override | None = None) -> ModelSource
     source = ModelSource(top.name, model_dir)
     if not numbered:
         fingerprint = _fingerprint([model_dir], extra)
-        source.versions[top.version] = VersionSource(top, model_dir, fingerprint)
+        source.versions[top.version] = VersionSource(top, model_dir, fingerprint, override)
         return source
-    for version in top.version_policy.select(numbered):
+    if versions is None:
+        selected = top.version_policy.select(numbered)
+    else:
+        selected = sorted((v for v in numbered if v in versions), key=version_order)
+    for version in selected:
         version_dir = model_dir / version
         own = find_config(version_dir)
         config = load_config(own or path, override=override, version=version, name=top.name)
@@ -86,25 +106,44 @@ def read_model(model_dir: Path, override: Override | None = None) -> ModelSource
                 f"{own}: field 'name': {config.name!r} differs from the model's {top.name!r}"
             )
         fingerprint = _fingerprint([version_dir, path], extra)
-        source.versions[version] = VersionSource(config, version_dir, fingerprint)
+        source.versions[version] = VersionSource(config, version_dir, fingerprint, override)
     return source
 
 
-def scan(
-    root: Path, overrides: Mapping[str, Override] | None = None
-) -> tuple[dict[str, ModelSource], list[str]]:
-    """Every model under ``root`` by name, and the problems of the folders that could not be
-    read (each message names the file and field)."""
+def read_wanted(model_dir: Path, versions: Mapping[str, Override | None]) -> ModelSource | None:
+    """The model in ``model_dir`` as ``versions`` names it (version -> override): each version
+    read with its own override, whatever the policy selects now; a version no longer on disk
+    is left out."""
+    by_override: dict[str, tuple[Override | None, list[str]]] = {}
+    for version, override in versions.items():
+        by_override.setdefault(_override_text(override), (override, []))[1].append(version)
+    found: dict[str, VersionSource] = {}
+    source: ModelSource | None = None
+    for override, group in by_override.values():
+        source = read_model(model_dir, override, group)
+        if source is None:
+            return None
+        found.update(source.versions)
+    if source is None:
+        return None
+    ordered = dict(sorted(found.items(), key=lambda item: version_order(item[0])))
+    return ModelSource(source.name, source.directory, ordered)
+
+
+def scan(root: Path, wanted: Wanted | None = None) -> tuple[dict[str, ModelSource], list[str]]:
+    """Every model under ``root`` by name (those of ``wanted`` with the versions and overrides
+    it names), and the problems of the folders that could not be read (each message names the
+    file and field)."""
     if not root.is_dir():
         raise ConfigError(f"model repository {str(root)!r} is not a folder")
-    overrides = overrides or {}
+    wanted = wanted or {}
     found: dict[str, ModelSource] = {}
     problems: list[str] = []
     for model_dir in sorted(p for p in root.iterdir() if p.is_dir()):
         try:
             source = read_model(model_dir)
-            if source is not None and source.name in overrides:
-                source = read_model(model_dir, overrides[source.name])
+            if source is not None and source.name in wanted:
+                source = read_wanted(model_dir, wanted[source.name])
         except ConfigError as exc:
             problems.append(str(exc))
             continue

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import signal
 import socket
@@ -114,6 +115,20 @@ def stop_server(server: Server, timeout_s: float = 30.0) -> int:
             server.process.kill()
             server.process.wait()
     return server.process.returncode
+
+
+def worker_pids(server: Server) -> dict[int, int]:
+    """Worker index -> pid of its latest start, from the supervisor's log."""
+    started = re.findall(r"worker (\d+) started \(pid (\d+)\)", server.log())
+    return {int(index): int(pid) for index, pid in started}
+
+
+def wait_for_log(server: Server, text: str, times: int = 1, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while server.log().count(text) < times:
+        assert server.process.poll() is None, server.log()
+        assert time.monotonic() < deadline, f"{text!r} not logged:\n{server.log()}"
+        time.sleep(0.1)
 
 
 def metric_value(url: str, name: str, **labels: str) -> float:

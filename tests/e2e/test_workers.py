@@ -20,32 +20,19 @@ from nograd.host.readings import usable_cores
 from nograd.supervisor.plan import auto_plan
 from tests.e2e.serving import (
     ROOT,
-    Server,
     digits_repository,
     free_port,
     metric_value,
     run_server,
     stop_then_interrupt_under_load,
+    wait_for_log,
+    worker_pids,
 )
 
 pytestmark = pytest.mark.e2e
 DIGITS = {
     "inputs": [{"name": "image", "shape": [1, 1, 8, 8], "datatype": "FP32", "data": [4.0] * 64}]
 }
-
-
-def worker_pids(server: Server) -> dict[int, int]:
-    """Worker index -> pid of its latest start, from the supervisor's log."""
-    started = re.findall(r"worker (\d+) started \(pid (\d+)\)", server.log())
-    return {int(index): int(pid) for index, pid in started}
-
-
-def wait_for_log(server: Server, text: str, times: int = 1, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while server.log().count(text) < times:
-        assert server.process.poll() is None, server.log()
-        assert time.monotonic() < deadline, f"{text!r} not logged:\n{server.log()}"
-        time.sleep(0.1)
 
 
 def answered_by(directory: Path, pid: int) -> float:

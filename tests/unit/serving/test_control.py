@@ -161,6 +161,29 @@ async def test_explicit_loads_only_what_is_asked(tmp_path: Path, stop: list[Data
         await control.load("absent")
 
 
+async def test_a_load_over_the_cap_of_loaded_versions_is_refused(
+    tmp_path: Path, stop: list[DataPlane]
+) -> None:
+    repo = scaler_repo(tmp_path, 1, 2, policy='version_policy = "all"')
+    plane, control = await started(
+        repo, model_control="explicit", load_models="slow", max_loaded_models=2
+    )
+    stop.append(plane)
+    # slow and both scaler versions: three, over the cap of two; nothing was loaded.
+    with pytest.raises(
+        ControlRefused, match=r"3 model versions loaded, over the cap of 2 \(NOGRAD"
+    ):
+        await control.load("scaler")
+    assert set(plane.registry.versions) == {"slow"}
+    await control.unload("slow")
+    await control.load("scaler")
+    assert plane.registry.version_names("scaler") == ["1", "2"]
+    # A reload counts the versions it replaces once.
+    await control.load("scaler", {"max_batch_size": 4})
+    with pytest.raises(ControlRefused, match="over the cap of 2"):
+        await control.load("slow")
+
+
 async def test_a_reload_under_load_fails_no_request(tmp_path: Path, stop: list[DataPlane]) -> None:
     repo = scaler_repo(tmp_path, 1)
     plane, control = await started(repo, model_control="explicit", load_models="*")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from nograd.runtime.config import ConfigError
-from nograd.serving.repository import OVERRIDABLE, read_model, scan
+from nograd.serving.repository import OVERRIDABLE, read_model, read_wanted, scan
 from tests.unit.conftest import FIXTURES
 
 
@@ -54,6 +54,24 @@ def test_an_override_changes_the_config_and_the_fingerprint(tmp_path: Path) -> N
     assert plain is not None and changed is not None
     assert changed.versions["1"].config.max_batch_size == 4
     assert changed.versions["1"].fingerprint != plain.versions["1"].fingerprint
+
+
+def test_the_versions_recorded_are_read_with_their_overrides_whatever_the_policy(
+    tmp_path: Path,
+) -> None:
+    # What a restarted worker reads: the versions its siblings serve, not those the policy
+    # would select now that a newer folder is on disk; a version removed since is left out.
+    folder = poison(tmp_path)
+    for version in ("1", "2", "3"):
+        (folder / version).mkdir()
+    source = read_wanted(folder, {"2": None, "1": {"max_batch_size": 4}, "7": None})
+    assert source is not None and list(source.versions) == ["1", "2"]
+    assert source.versions["1"].config.max_batch_size == 4
+    assert source.versions["1"].override == {"max_batch_size": 4}
+    assert source.versions["2"].config.max_batch_size == 64
+    assert source.versions["2"].override is None
+    with pytest.raises(ConfigError, match="'module' cannot be overridden"):
+        read_wanted(folder, {"1": {"module": "other.py"}})
 
 
 def test_scan_names_duplicates_and_skips_folders_without_config(tmp_path: Path) -> None:
@@ -110,7 +128,7 @@ def test_a_refused_override_is_a_problem_of_its_model_alone_in_a_scan(tmp_path: 
     # (written by hand, or by an older nograd) keeps that model out, not the whole repository.
     poison(tmp_path)
     shutil.copytree(FIXTURES / "slow", tmp_path / "slow")
-    found, problems = scan(tmp_path, {"poison": {"module": "other.py"}})
+    found, problems = scan(tmp_path, {"poison": {"1": {"module": "other.py"}}})
     assert list(found) == ["slow"]
     assert len(problems) == 1 and "'module' cannot be overridden" in problems[0]
 
