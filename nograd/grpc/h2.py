@@ -112,10 +112,8 @@ class Http2Connection(asyncio.Protocol):
         preface_timeout_s: float | None = None,
         refusal: str | None = None,
     ) -> None:
-        """``preface_timeout_s``: how long a new connection may take to send the client preface
-        before it is closed (None: forever), so a connection that never speaks holds no slot.
-        ``refusal``: turn the connection away at once with this message (``ENHANCE_YOUR_CALM``,
-        which clients read as UNAVAILABLE and retry)."""
+        """``preface_timeout_s``: the time a new connection has to send the client preface (a
+        silent one holds no slot); ``refusal``: turn it away at once (``ENHANCE_YOUR_CALM``)."""
         self._refusal = refusal
         self._handler = handler
         self._max_streams = max_streams
@@ -161,14 +159,12 @@ class Http2Connection(asyncio.Protocol):
             self._preface_timer = loop.call_later(self._preface_timeout_s, self._preface_late)
 
     def _preface_late(self) -> None:
-        self._preface_timer = None
         if not self._preface_seen and not self.closed:
             self._fail(PROTOCOL_ERROR, "no HTTP/2 connection preface in time")
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._preface_timer is not None:
             self._preface_timer.cancel()
-            self._preface_timer = None
         self.closed = True
         for stream in list(self.streams.values()):
             self._reset_locally(stream)
@@ -190,7 +186,6 @@ class Http2Connection(asyncio.Protocol):
                 self._preface_seen = True
                 if self._preface_timer is not None:
                     self._preface_timer.cancel()
-                    self._preface_timer = None
             offset = 0
             size = len(buffer)
             while size - offset >= 9:
