@@ -1,5 +1,5 @@
 """The model repository on disk: each model's folder, the versions its policy serves, and a
-fingerprint per version.
+fingerprint per version. nograd's folders and Triton's (``config.pbtxt``) sit side by side.
 
 A model folder holds its config, and either its files (one version, the config's ``version``) or
 numbered version folders (``1/``, ``2/``), each with its files and optionally its own config.
@@ -16,6 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
+from pydantic import ValidationError
+
+from nograd.interop.triton import CONFIG_FILE as TRITON_CONFIG
+from nograd.interop.triton import is_triton_folder, read_triton
 from nograd.runtime.config import ConfigError, ModelConfig, find_config, is_version, load_config
 
 Override = Mapping[str, object]
@@ -61,14 +65,15 @@ class ModelSource:
 
 
 def read_model(model_dir: Path, override: Override | None = None) -> ModelSource | None:
-    """The model in ``model_dir`` (None when the folder holds no config); a config that cannot be
-    used, or an override of a field outside ``OVERRIDABLE``, raises ``ConfigError`` naming the
-    file (for a config) and the field."""
+    """The model in ``model_dir`` (None when the folder holds no model): a nograd folder (its
+    ``config.toml`` or ``config.yaml``) or a Triton one (``nograd.interop.triton``). A config that
+    cannot be used, or an override of a field outside ``OVERRIDABLE``, raises ``ConfigError``
+    naming the file (for a config) and the field."""
     if override:
         check_override(override)
     path = find_config(model_dir)
     if path is None:
-        return None
+        return _read_triton(model_dir, override) if is_triton_folder(model_dir) else None
     top = load_config(path, override=override)
     extra = _override_text(override)
     numbered = sorted(d.name for d in model_dir.iterdir() if d.is_dir() and is_version(d.name))
@@ -86,6 +91,30 @@ def read_model(model_dir: Path, override: Override | None = None) -> ModelSource
                 f"{own}: field 'name': {config.name!r} differs from the model's {top.name!r}"
             )
         fingerprint = _fingerprint([version_dir, path], extra)
+        source.versions[version] = VersionSource(config, version_dir, fingerprint)
+    return source
+
+
+def _read_triton(model_dir: Path, override: Override | None) -> ModelSource:
+    """A Triton model folder: one config for every numbered version folder its policy selects."""
+    top = read_triton(model_dir)
+    if override:
+        try:
+            top = ModelConfig.model_validate({**top.model_dump(), **override})
+        except ValidationError as exc:
+            raise ConfigError(f"{model_dir}: config override: {exc}") from exc
+    numbered = sorted(d.name for d in model_dir.iterdir() if d.is_dir() and is_version(d.name))
+    if not numbered:
+        raise ConfigError(f"{model_dir}: no numbered version folder (1/, 2/, ...) holds the model")
+    source = ModelSource(top.name, model_dir)
+    pbtxt = model_dir / TRITON_CONFIG
+    extra = _override_text(override)
+    for version in top.version_policy.select(numbered):
+        version_dir = model_dir / version
+        fingerprint = _fingerprint(
+            [version_dir, pbtxt] if pbtxt.is_file() else [version_dir], extra
+        )
+        config = top.model_copy(update={"version": version})
         source.versions[version] = VersionSource(config, version_dir, fingerprint)
     return source
 
@@ -124,10 +153,11 @@ def _configs(root: Path) -> Iterator[tuple[Path, str | None]]:
         return
     for model_dir in sorted(p for p in root.iterdir() if p.is_dir()):
         path = find_config(model_dir)
-        if path is None:
+        if path is None and not is_triton_folder(model_dir):
             continue
         try:
-            yield model_dir, load_config(path).name
+            # A Triton model's name is its folder's (a config naming another is refused).
+            yield model_dir, load_config(path).name if path is not None else model_dir.name
         except ConfigError:
             yield model_dir, None
 
