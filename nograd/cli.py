@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from nograd.core.engines import artifact_engines
+from nograd.core.engines import built_engines
 from nograd.host.heap import use_one_arena
 from nograd.host.openmp import SPIN_COUNT, tune_openmp_wait
 from nograd.observability.logs import setup_logging
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
 def export_command(argv: list[str]) -> int:
     """``nograd export <model-dir> --to <engine> [--out DIR]``: the model folder's artifact,
     checked against its eager model, in a new model folder (engines: ``nograd.core.engines``)."""
-    engines = artifact_engines()
+    engines = built_engines()
     parser = argparse.ArgumentParser(
         prog="nograd export",
         description=f"Build a {', '.join(engines)} model folder from a python model folder; "

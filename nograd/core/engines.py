@@ -34,6 +34,9 @@ class EngineRow:
     variant is not a name of its own in configs, settings or ``nograd export --to``."""
     auto_default: bool = False
     """Among the engines ``auto`` considers when a config lists none."""
+    buildable: bool = True
+    """nograd builds its artifact from a python model (``engine``, ``nograd export --to``); False:
+    a format nograd only serves as it is brought (TorchScript, from Triton repositories)."""
 
 
 ENGINES: Final[tuple[EngineRow, ...]] = (
@@ -52,6 +55,12 @@ ENGINES: Final[tuple[EngineRow, ...]] = (
         auto_default=True,
     ),
     EngineRow("onnx-int8", ".onnx", "nograd.runtime.engines.onnx:ONNX_INT8", int8_of="onnx"),
+    EngineRow(
+        "torchscript",
+        ".pt",
+        "nograd.runtime.engines.torchscript:TORCHSCRIPT",
+        buildable=False,
+    ),
 )
 
 
@@ -69,9 +78,15 @@ def artifact_engines() -> tuple[str, ...]:
     return tuple(row.name for row in ENGINES if row.int8_of is None)
 
 
+def built_engines() -> tuple[str, ...]:
+    """The artifact engines nograd builds from a python model: what ``engine``, ``engines`` and
+    ``nograd export --to`` may name."""
+    return tuple(name for name in artifact_engines() if engine_row(name).buildable)
+
+
 def engine_choices() -> tuple[str, ...]:
     """What a config's ``engine`` (and ``NOGRAD_ENGINE``) may be."""
-    return (EAGER, AUTO, *artifact_engines())
+    return (EAGER, AUTO, *built_engines())
 
 
 def auto_defaults() -> tuple[str, ...]:

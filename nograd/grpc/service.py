@@ -14,9 +14,9 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from nograd.grpc.generated import grpc_service_pb2 as pb
-from nograd.grpc.generated import model_config_pb2
 from nograd.grpc.rpc import CallContext, Code
 from nograd.grpc.tensors import encode_outputs, read_inputs
+from nograd.interop.generated import model_config_pb2
 from nograd.serving import documents
 from nograd.serving.calls import Call
 from nograd.serving.control import load_parameters

@@ -16,16 +16,17 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from nograd.core.datatypes import Datatype
 from nograd.core.engines import (
     AUTO,
     EAGER,
     artifact_engines,
     auto_defaults,
+    built_engines,
     engine_choices,
     int8_variant,
     signature_formats,
 )
+from nograd.runtime.tensor_spec import TensorSpec as TensorSpec
 
 Precision = Literal["fp32", "bf16", "fp16", "int8"]
 PYTHON_FORMAT = "python"
@@ -40,25 +41,6 @@ _VERSION_RE = re.compile(r"[0-9]{1,18}")
 
 class ConfigError(Exception):
     """A model config that cannot be used; the message names the file and the field."""
-
-
-class TensorSpec(BaseModel):
-    """One input or output, per sample: the batch dimension is implicit and not listed."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str = Field(min_length=1)
-    datatype: Datatype
-    shape: tuple[int, ...]
-    """Per-sample shape; -1 marks a variable dimension (padded when batched)."""
-
-    @field_validator("shape")
-    @classmethod
-    def _dims_valid(cls, shape: tuple[int, ...]) -> tuple[int, ...]:
-        for dim in shape:
-            if dim == 0 or dim < -1:
-                raise ValueError(f"dimension {dim} in shape {list(shape)} must be positive or -1")
-        return shape
 
 
 class VersionPolicy(BaseModel):
@@ -157,6 +139,18 @@ class ModelConfig(BaseModel):
     folder's name is its version."""
     version_policy: VersionPolicy = VersionPolicy()
     platform: str = "pytorch"
+    backend: str = "nograd"
+    """The backend the model configuration reports: nograd for its own folders, Triton's
+    (``onnxruntime``, ``pytorch``) for a Triton model folder."""
+    batch_dimension: bool | None = True
+    """True: every input and output has a batch dimension first, not listed in ``shape``, and
+    requests are batched. False (Triton's ``max_batch_size: 0``): requests carry exactly the
+    listed shapes and each runs alone. None: read from an ONNX artifact at load, as Triton's
+    auto-complete does (batched when every tensor's first dimension is variable)."""
+    triton_config: str | None = None
+    """A Triton model folder's configuration (``config.pbtxt`` as JSON, completed): what the
+    model configuration endpoints report for it. Set by the repository reader; None for nograd's
+    own folders."""
     module: str = "model.py"
     """Python file, inside the model folder, that builds the model."""
     weights: str | None = "model.safetensors"
@@ -275,7 +269,7 @@ class ModelConfig(BaseModel):
     @classmethod
     def _engines_known(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         for name in value:
-            _one_of(name, (EAGER, *artifact_engines()))
+            _one_of(name, (EAGER, *built_engines()))
         return value
 
     @field_validator("weights", mode="before")

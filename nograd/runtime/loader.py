@@ -15,10 +15,12 @@ from safetensors.torch import load_file
 
 from nograd.runtime.config import PYTHON_FORMAT, ModelConfig
 from nograd.runtime.engines.artifacts import verify_sha256
+from nograd.runtime.engines.autocomplete import auto_complete
 from nograd.runtime.engines.errors import ArtifactError
 from nograd.runtime.engines.registry import open_engine
 from nograd.runtime.engines.signature import with_signature
 from nograd.runtime.handler import ModelHandler
+from nograd.runtime.shapes import ShapedHandler, needs_shaping
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +151,8 @@ def build_artifact_handler(
         raise LoadError(f"{path}: artifact not found (field 'artifact')")
     try:
         verify_sha256(path, config.artifact_sha256)
+        if config.batch_dimension is None:
+            config = auto_complete(config, path)
         config = with_signature(config, path)
         engine = open_engine(config.format, path, device)
     except ArtifactError as exc:
@@ -171,6 +175,8 @@ def build_artifact_handler(
                 "handler: define build_handler(model_dir, config, device, module)"
             )
         handler = cast(ModelHandler, factory(model_dir, config, device, module=placeholder))
+    elif needs_shaping(config):
+        handler = ShapedHandler(placeholder, config, device)
     else:
         handler = ModelHandler(placeholder, config, device)
     try:

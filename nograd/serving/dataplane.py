@@ -33,8 +33,10 @@ from nograd.serving.registry import ModelRegistry, ServedModel, State
 from nograd.serving.repository import Wanted
 from nograd.serving.validation import (
     Declared,
+    add_batch_dimension,
     check_declared,
     prepare_in_thread,
+    remove_batch_dimension,
     squeeze_scalar_samples,
     validate,
 )
@@ -267,7 +269,8 @@ class DataPlane:
                 if cores is not None:
                     cores.set_active(False)
                 self._signal_idle()
-        stats.request_succeeded(len(next(iter(inputs.values()))), time.perf_counter() - started)
+        rows = len(next(iter(inputs.values()))) if model.config.batch_dimension is not False else 1
+        stats.request_succeeded(rows, time.perf_counter() - started)
         return model, outputs
 
     def _failed(self, model: ServedModel, exc: BaseException, seconds: float) -> None:
@@ -293,6 +296,7 @@ class DataPlane:
             max_rows=self.settings.max_request_rows,
             max_text_bytes=self.settings.max_text_bytes,
         )
+        inputs = add_batch_dimension(model, inputs)
         try:
             if prepare_in_thread(model.handler, inputs):
                 # Tokenising or decoding a large request costs milliseconds: off the event loop.
@@ -303,9 +307,10 @@ class DataPlane:
         except ValueError as exc:
             raise InvalidInput(str(exc)) from exc
         try:
-            return await model.batcher.submit(
+            outputs = await model.batcher.submit(
                 part, deadline=deadline, max_wait_s=self.settings.max_queue_wait_s
             )
+            return remove_batch_dimension(model, outputs)
         except BatchingError:
             raise
         except Exception as exc:

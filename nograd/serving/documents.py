@@ -19,6 +19,21 @@ def server_metadata(extensions: list[str]) -> dict[str, Any]:
 
 def model_metadata(plane: DataPlane, model: ServedModel) -> dict[str, Any]:
     config = model.config
+    if config.batch_dimension is False:
+        # No batch dimension (Triton's max_batch_size 0): the shapes requests carry, as listed.
+        return {
+            "name": config.name,
+            "versions": plane.registry.version_names(config.name),
+            "platform": config.platform,
+            "inputs": [
+                {"name": s.name, "datatype": s.datatype, "shape": list(s.shape)}
+                for s in config.inputs
+            ],
+            "outputs": [
+                {"name": s.name, "datatype": s.datatype, "shape": list(s.shape)}
+                for s in config.outputs
+            ],
+        }
     return {
         "name": config.name,
         "versions": plane.registry.version_names(config.name),

@@ -1,5 +1,5 @@
 """The model repository on disk: each model's folder, the versions its policy serves, and a
-fingerprint per version.
+fingerprint per version. nograd's folders and Triton's (``config.pbtxt``) sit side by side.
 
 A model folder holds its config, and either its files (one version, the config's ``version``) or
 numbered version folders (``1/``, ``2/``), each with its files and optionally its own config.
@@ -16,6 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
+from pydantic import ValidationError
+
+from nograd.interop.triton import CONFIG_FILE as TRITON_CONFIG
+from nograd.interop.triton import is_triton_folder, read_triton
 from nograd.runtime.config import (
     ConfigError,
     ModelConfig,
@@ -76,15 +80,16 @@ class ModelSource:
 def read_model(
     model_dir: Path, override: Override | None = None, versions: Collection[str] | None = None
 ) -> ModelSource | None:
-    """The model in ``model_dir`` (None when the folder holds no config): the versions its
-    policy selects, or those of ``versions`` found among its numbered folders. A config that
+    """The model in ``model_dir`` (None when the folder holds no model): a nograd folder (its
+    ``config.toml`` or ``config.yaml``) or a Triton one (``nograd.interop.triton``); the versions
+    its policy selects, or those of ``versions`` found among its numbered folders. A config that
     cannot be used, or an override of a field outside ``OVERRIDABLE``, raises ``ConfigError``
     naming the file (for a config) and the field."""
     if override:
         check_override(override)
     path = find_config(model_dir)
     if path is None:
-        return None
+        return _read_triton(model_dir, override, versions) if is_triton_folder(model_dir) else None
     top = load_config(path, override=override)
     extra = _override_text(override)
     numbered = sorted(d.name for d in model_dir.iterdir() if d.is_dir() and is_version(d.name))
@@ -93,11 +98,7 @@ def read_model(
         fingerprint = _fingerprint([model_dir], extra)
         source.versions[top.version] = VersionSource(top, model_dir, fingerprint, override)
         return source
-    if versions is None:
-        selected = top.version_policy.select(numbered)
-    else:
-        selected = sorted((v for v in numbered if v in versions), key=version_order)
-    for version in selected:
+    for version in _selected(top, numbered, versions):
         version_dir = model_dir / version
         own = find_config(version_dir)
         config = load_config(own or path, override=override, version=version, name=top.name)
@@ -106,6 +107,39 @@ def read_model(
                 f"{own}: field 'name': {config.name!r} differs from the model's {top.name!r}"
             )
         fingerprint = _fingerprint([version_dir, path], extra)
+        source.versions[version] = VersionSource(config, version_dir, fingerprint, override)
+    return source
+
+
+def _selected(top: ModelConfig, numbered: list[str], versions: Collection[str] | None) -> list[str]:
+    """The numbered versions to read: those the policy selects, or those ``versions`` names."""
+    if versions is None:
+        return list(top.version_policy.select(numbered))
+    return sorted((v for v in numbered if v in versions), key=version_order)
+
+
+def _read_triton(
+    model_dir: Path, override: Override | None, versions: Collection[str] | None
+) -> ModelSource:
+    """A Triton model folder: one config for every numbered version folder selected."""
+    top = read_triton(model_dir)
+    if override:
+        try:
+            top = ModelConfig.model_validate({**top.model_dump(), **override})
+        except ValidationError as exc:
+            raise ConfigError(f"{model_dir}: config override: {exc}") from exc
+    numbered = sorted(d.name for d in model_dir.iterdir() if d.is_dir() and is_version(d.name))
+    if not numbered:
+        raise ConfigError(f"{model_dir}: no numbered version folder (1/, 2/, ...) holds the model")
+    source = ModelSource(top.name, model_dir)
+    pbtxt = model_dir / TRITON_CONFIG
+    extra = _override_text(override)
+    for version in _selected(top, numbered, versions):
+        version_dir = model_dir / version
+        fingerprint = _fingerprint(
+            [version_dir, pbtxt] if pbtxt.is_file() else [version_dir], extra
+        )
+        config = top.model_copy(update={"version": version})
         source.versions[version] = VersionSource(config, version_dir, fingerprint, override)
     return source
 
@@ -163,10 +197,11 @@ def _configs(root: Path) -> Iterator[tuple[Path, str | None]]:
         return
     for model_dir in sorted(p for p in root.iterdir() if p.is_dir()):
         path = find_config(model_dir)
-        if path is None:
+        if path is None and not is_triton_folder(model_dir):
             continue
         try:
-            yield model_dir, load_config(path).name
+            # A Triton model's name is its folder's (a config naming another is refused).
+            yield model_dir, load_config(path).name if path is not None else model_dir.name
         except ConfigError:
             yield model_dir, None
 

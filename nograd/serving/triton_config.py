@@ -7,6 +7,7 @@ here, so HTTP and gRPC describe a model the same way.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -42,13 +43,16 @@ def _tensor(spec: TensorSpec, *, is_input: bool) -> dict[str, Any]:
 
 
 def model_configuration(model: ServedModel, settings: Settings) -> dict[str, Any]:
-    """The model's configuration as Triton's ``GET /v2/models/{m}/config`` answers it.
+    """The model's configuration as Triton's ``GET /v2/models/{m}/config`` answers it: a Triton
+    model folder's own (``triton_folder_configuration``), or one describing a nograd model.
 
     ``max_batch_size`` is the most rows one request may carry (``NOGRAD_MAX_REQUEST_ROWS``):
     what Triton's clients check a request against. nograd splits a larger-than-batch request
     itself, so the batcher's own limit, sized by measured memory, goes in ``parameters``.
     """
     config = model.config
+    if config.triton_config is not None:
+        return triton_folder_configuration(model)
     batcher = model.batcher
     delay_ms = config.max_queue_delay_ms
     if delay_ms is None:
@@ -93,6 +97,57 @@ def model_configuration(model: ServedModel, settings: Settings) -> dict[str, Any
         ],
         "parameters": parameters,
     }
+
+
+def triton_folder_configuration(model: ServedModel) -> dict[str, Any]:
+    """A Triton model folder's configuration as read from its ``config.pbtxt``, completed as
+    Triton completes it: inputs and outputs read from the model file, for an ONNX model that
+    can batch ``max_batch_size`` 4 with dynamic batching, and the instance group it runs as."""
+    config = model.config
+    assert config.triton_config is not None
+    document: dict[str, Any] = json.loads(config.triton_config)
+    if not document.get("instance_group"):
+        device = str(model.handler.device) if model.handler is not None else config.device
+        document["instance_group"] = [
+            {
+                "name": f"{config.name}_0",
+                "kind": "KIND_GPU" if device.startswith("cuda") else "KIND_CPU",
+                "count": 1,
+                "gpus": [int(device.partition(":")[2] or 0)] if device.startswith("cuda") else [],
+                "secondary_devices": [],
+                "profile": [],
+                "passive": False,
+                "host_policy": "",
+            }
+        ]
+    batched = bool(config.batch_dimension)
+    if batched and not document.get("max_batch_size"):
+        document["dynamic_batching"] = document.get("dynamic_batching") or {
+            "preferred_batch_size": [],
+            "max_queue_delay_microseconds": 0,
+            "preserve_ordering": False,
+            "priority_levels": 0,
+            "default_priority_level": 0,
+            "priority_queue_policy": {},
+        }
+    document["max_batch_size"] = (config.max_batch_size or 0) if batched else 0
+    if not document.get("input"):
+        document["input"] = [_completed(spec, is_input=True) for spec in config.inputs]
+    if not document.get("output"):
+        document["output"] = [_completed(spec, is_input=False) for spec in config.outputs]
+    return document
+
+
+def _completed(spec: TensorSpec, *, is_input: bool) -> dict[str, Any]:
+    """A tensor Triton's auto-complete added, listed with the fields Triton prints."""
+    document = _tensor(spec, is_input=is_input)
+    document["is_shape_tensor"] = False
+    document["is_non_linear_format_io"] = False
+    if is_input:
+        document["allow_ragged_batch"] = False
+    else:
+        document["label_filename"] = ""
+    return document
 
 
 def repository_index(

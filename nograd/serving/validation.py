@@ -8,13 +8,30 @@ from collections.abc import Mapping
 import numpy as np
 
 from nograd.core.datatypes import datatype_of, shape_matches
-from nograd.runtime.handler import ModelHandler
+from nograd.runtime.handler import ModelHandler, Outputs
 from nograd.serving.errors import InvalidInput, LimitExceeded
 from nograd.serving.registry import ServedModel
 
 INLINE_PREPARE_BYTES = 4096
 """Text a heavy ``prepare`` may handle on the event loop: tokenising this much takes less than
 the hand-off to a thread and back costs in a busy server (measured in docs/architecture.md)."""
+
+
+def add_batch_dimension(
+    model: ServedModel, inputs: Mapping[str, np.ndarray]
+) -> Mapping[str, np.ndarray]:
+    """A model without a batch dimension (Triton's ``max_batch_size: 0``) gets its one sample as
+    a batch of one row, as the batcher and handler take every request; unchanged otherwise."""
+    if model.config.batch_dimension is not False:
+        return inputs
+    return {name: array[np.newaxis] for name, array in inputs.items()}
+
+
+def remove_batch_dimension(model: ServedModel, outputs: Outputs) -> Outputs:
+    """The outputs of a model without a batch dimension as it gives them: its one row."""
+    if model.config.batch_dimension is not False:
+        return outputs
+    return {name: array[0] for name, array in outputs.items()}
 
 
 def squeeze_scalar_samples(
@@ -55,6 +72,7 @@ def check_declared(model: ServedModel, declared: Declared, *, max_rows: int) -> 
     if missing:
         raise InvalidInput(f"missing input(s) {missing} for model {model.name!r}")
     rows: set[int] = set()
+    unbatched = model.config.batch_dimension is False
     for name, (datatype, shape) in declared.items():
         spec = specs[name]
         if datatype != spec.datatype:
@@ -62,6 +80,14 @@ def check_declared(model: ServedModel, declared: Declared, *, max_rows: int) -> 
                 f"input {name!r} has datatype {datatype}; model {model.name!r} expects "
                 f"{spec.datatype}"
             )
+        if unbatched:
+            # No batch dimension (Triton's max_batch_size 0): the request is one sample.
+            if not shape_matches(spec.shape, shape):
+                raise InvalidInput(
+                    f"input {name!r} has shape {list(shape)}; model {model.name!r} has no batch "
+                    f"dimension and expects {list(spec.shape)}"
+                )
+            continue
         sample = shape[1:]
         if not spec.shape and sample == (1,):  # Triton's extra axis (``squeeze_scalar_samples``)
             sample = ()
@@ -76,6 +102,8 @@ def check_declared(model: ServedModel, declared: Declared, *, max_rows: int) -> 
                 "(NOGRAD_MAX_REQUEST_ROWS)"
             )
         rows.add(shape[0])
+    if unbatched:
+        return
     if len(rows) != 1:
         raise InvalidInput(f"inputs disagree on the batch dimension: {sorted(rows)}")
     if 0 in rows:

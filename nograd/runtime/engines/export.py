@@ -16,7 +16,7 @@ from typing import Final
 import torch
 import yaml
 
-from nograd.core.engines import artifact_engines, engine_row, int8_variant
+from nograd.core.engines import artifact_engines, built_engines, engine_row, int8_variant
 from nograd.runtime.config import (
     CONFIG_NAMES,
     PYTHON_FORMAT,
@@ -71,8 +71,8 @@ def export_model(
 ) -> Exported:
     """Write ``out`` (default: ``<name>-<to>`` beside ``model_dir``) with the artifact, a config
     and, when the model has a handler of its own, its code."""
-    if to not in artifact_engines():
-        raise ExportError(f"--to must be one of {', '.join(artifact_engines())}, got {to!r}")
+    if to not in built_engines():
+        raise ExportError(f"--to must be one of {', '.join(built_engines())}, got {to!r}")
     variant = int8_variant(to) if precision == "int8" else to
     if variant is None:
         quantising = [name for name in artifact_engines() if int8_variant(name) is not None]

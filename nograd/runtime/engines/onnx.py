@@ -86,16 +86,38 @@ class OnnxEngine:
         return OnnxPath(self.row.name, path, device)
 
     def signature(self, path: Path) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
-        import onnxruntime
+        inputs, outputs = onnx_tensors(path)
 
-        session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-
-        def specs(values: list[Any]) -> tuple[TensorSpec, ...]:
+        def specs(values: list[OnnxTensor]) -> tuple[TensorSpec, ...]:
             return tuple(
-                tensor_spec(path, v.name, ONNX_DATATYPES.get(v.type), list(v.shape)) for v in values
+                tensor_spec(path, name, datatype, shape) for name, datatype, shape in values
             )
 
-        return specs(session.get_inputs()), specs(session.get_outputs())
+        return specs(inputs), specs(outputs)
+
+
+OnnxTensor = tuple[str, str | None, list[int | None]]
+"""An ONNX graph's input or output: name, datatype (None: one nograd does not serve), shape
+with None for each variable dimension, batch dimension included."""
+
+
+def onnx_tensors(path: Path) -> tuple[list[OnnxTensor], list[OnnxTensor]]:
+    """The inputs and outputs of the ONNX model at ``path`` as ONNX Runtime reads them."""
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+    def tensors(values: list[Any]) -> list[OnnxTensor]:
+        return [
+            (
+                v.name,
+                ONNX_DATATYPES.get(v.type),
+                [dim if isinstance(dim, int) and dim > 0 else None for dim in v.shape],
+            )
+            for v in values
+        ]
+
+    return tensors(session.get_inputs()), tensors(session.get_outputs())
 
 
 ONNX: Final = OnnxEngine(engine_row("onnx"))

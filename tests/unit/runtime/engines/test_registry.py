@@ -31,8 +31,16 @@ def test_every_row_is_implemented_by_the_object_it_names() -> None:
     for row, implementation in zip(table.ENGINES, every_engine(), strict=True):
         assert isinstance(implementation, Engine)
         assert implementation.row == row
-    assert {row.name for row in table.ENGINES} == {"torch_export", "aoti", "onnx", "onnx-int8"}
+    assert {row.name for row in table.ENGINES} == {
+        "torch_export",
+        "aoti",
+        "onnx",
+        "onnx-int8",
+        "torchscript",
+    }
     assert engine_row("onnx-int8").int8_of == "onnx"
+    # TorchScript is served as brought (Triton repositories), never built: no engine to choose.
+    assert not engine_row("torchscript").buildable and "torchscript" in artifact_engines()
     assert engine("onnx-int8").unsupported(torch.device("cuda")) is not None
     assert engine("onnx").unsupported(torch.device("cpu")) is None
     with pytest.raises(UnknownEngine, match="known: torch_export"):

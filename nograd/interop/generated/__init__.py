@@ -1,0 +1,1 @@
+"""Triton's ``model_config.proto`` and its generated module; see README.md here."""

@@ -1,0 +1,131 @@
+"""TorchScript: a ``model.pt`` saved by ``torch.jit.save`` (Triton's PyTorch backend), loaded with
+``torch.jit.load`` and run by torch under inference mode.
+
+A TorchScript module names no datatypes, so its config lists the inputs and outputs. They are
+bound as Triton's PyTorch backend binds them: inputs by ``forward()``'s argument names, else by
+the ``__N`` suffix of their names (``INPUT__0`` is argument 0), else in the config's order;
+outputs by their ``__N`` suffix, else in the config's order (a dict returned is read by name).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+import torch
+
+from nograd.core.engines import EngineRow, engine_row
+from nograd.runtime.engines.errors import ArtifactError
+from nograd.runtime.engines.paths import EnginePath
+from nograd.runtime.handler import ModelHandler
+
+if TYPE_CHECKING:
+    from nograd.runtime.config import TensorSpec
+    from nograd.runtime.engines.trace import Traced
+
+_INDEXED: Final = re.compile(r"^.*__(\d+)$")
+
+
+def suffix_order(names: Sequence[str]) -> list[int] | None:
+    """Each name's ``__N`` index, when every name has one and they are 0..n-1; else None."""
+    found = [_INDEXED.match(name) for name in names]
+    if not all(found):
+        return None
+    indices = [int(match.group(1)) for match in found if match is not None]
+    return indices if sorted(indices) == list(range(len(names))) else None
+
+
+class TorchScriptPath(EnginePath):
+    """A loaded TorchScript module; its inputs and outputs are bound once the config's are
+    known (``check_inputs``)."""
+
+    name = "torchscript"
+
+    def __init__(self, module: torch.jit.ScriptModule, path: Path) -> None:
+        super().__init__((), ())
+        self.module = module
+        self.path = path
+        self.arguments = _forward_arguments(module)
+        self._by_name = False
+        self._positions: list[str] = []
+        """Input names in the order of ``forward``'s positional arguments."""
+        self._output_slots: list[int] = []
+        """Per config output, the index of the result it is."""
+
+    def check_inputs(self, handler: ModelHandler) -> None:
+        """Bind the config's inputs to ``forward``'s arguments and its outputs to the results,
+        or refuse the model when their counts differ."""
+        config = handler.config
+        inputs = [spec.name for spec in config.inputs]
+        outputs = [spec.name for spec in config.outputs]
+        if self.arguments is not None and len(self.arguments) != len(inputs):
+            raise ArtifactError(
+                f"forward() takes {len(self.arguments)} argument(s) {self.arguments}, the config "
+                f"lists {len(inputs)} input(s) {inputs}"
+            )
+        self.inputs, self.outputs = tuple(inputs), tuple(outputs)
+        self._by_name = self.arguments is not None and set(inputs) == set(self.arguments)
+        order = suffix_order(inputs)
+        self._positions = inputs
+        if not self._by_name and order is not None:
+            self._positions = [name for _, name in sorted(zip(order, inputs, strict=True))]
+        self._output_slots = suffix_order(outputs) or list(range(len(outputs)))
+
+    def forward(self, batch: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        if self._by_name:
+            result = self.module(**batch)
+        else:
+            result = self.module(*(batch[name] for name in self._positions))
+        return self._named(result)
+
+    def _named(self, result: Any) -> dict[str, torch.Tensor]:
+        if isinstance(result, Mapping):
+            missing = [name for name in self.outputs if name not in result]
+            if missing:
+                raise ArtifactError(f"{self.path}: forward() returned no output named {missing}")
+            return {name: result[name] for name in self.outputs}
+        results = [result] if isinstance(result, torch.Tensor) else list(result)
+        if len(results) != len(self.outputs):
+            raise ArtifactError(
+                f"{self.path}: forward() returned {len(results)} tensor(s), the config lists "
+                f"{len(self.outputs)} output(s)"
+            )
+        return {
+            name: results[slot] for name, slot in zip(self.outputs, self._output_slots, strict=True)
+        }
+
+
+def _forward_arguments(module: torch.jit.ScriptModule) -> list[str] | None:
+    """``forward``'s argument names, ``self`` left out; None when its schema cannot be read."""
+    try:
+        arguments = module.forward.schema.arguments  # type: ignore[attr-defined]
+    except (AttributeError, RuntimeError):
+        return None
+    return [argument.name for argument in arguments if argument.name != "self"]
+
+
+@dataclass(frozen=True)
+class TorchScriptEngine:
+    """``torch.jit.load`` to open; nograd builds no TorchScript (``buildable`` is False)."""
+
+    row: EngineRow
+
+    def unsupported(self, device: torch.device) -> str | None:
+        return None
+
+    def build(self, traced: Traced, target: Path) -> None:
+        raise ArtifactError("nograd serves TorchScript as it is brought; it builds none")
+
+    def open(self, path: Path, device: torch.device) -> EnginePath:
+        module = torch.jit.load(str(path), map_location=device)  # type: ignore[no-untyped-call]
+        module.eval()
+        return TorchScriptPath(module, path)
+
+    def signature(self, path: Path) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+        raise ArtifactError(f"{path}: a TorchScript model names no datatypes; list its inputs")
+
+
+TORCHSCRIPT: Final = TorchScriptEngine(engine_row("torchscript"))

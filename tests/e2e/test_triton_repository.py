@@ -1,0 +1,189 @@
+"""A Triton model repository served as it is, beside a nograd folder: Triton's own ``simple``
+folders (ONNX), TorchScript for Triton's PyTorch backend, ONNX with no config (auto-complete),
+models without a batch dimension, version policies, and fields nograd refuses, named.
+
+Answers are checked against what Triton's own clients check them against (``simple``:
+OUTPUT0 = INPUT0 + INPUT1, OUTPUT1 = INPUT0 - INPUT1), over HTTP and gRPC with tritonclient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as triton_grpc
+import tritonclient.http as triton_http
+
+from tests.e2e.serving import Server, free_port, run_server
+from tests.triton_models import SERVED, triton_repository
+
+pytestmark = pytest.mark.e2e
+
+ROWS = np.arange(5 * 16, dtype=np.int32).reshape(5, 16)
+OTHER = np.full((5, 16), 3, dtype=np.int32)
+
+
+@pytest.fixture(scope="module")
+def triton_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    root = tmp_path_factory.mktemp("triton")
+    repo = triton_repository(root)
+    env = {
+        "NOGRAD_MODEL_REPOSITORY": str(repo),
+        "NOGRAD_GRPC_PORT": str(free_port()),
+        "NOGRAD_MODEL_CONTROL": "explicit",
+        "NOGRAD_LOAD_MODELS": ",".join([*SERVED, "fixed", "digits"]),
+    }
+    with run_server(root, env=env, ready_timeout_s=120) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def http_client(triton_server: Server) -> Iterator[triton_http.InferenceServerClient]:
+    client = triton_http.InferenceServerClient(triton_server.url.removeprefix("http://"))
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def grpc_client(triton_server: Server) -> Iterator[triton_grpc.InferenceServerClient]:
+    assert triton_server.grpc_address is not None
+    client = triton_grpc.InferenceServerClient(triton_server.grpc_address)
+    yield client
+    client.close()
+
+
+def _infer(client: object, module: object, model: str, tensors: dict[str, np.ndarray]) -> object:
+    inputs = []
+    for name, array in tensors.items():
+        tensor = module.InferInput(name, list(array.shape), _datatype(array))  # type: ignore[attr-defined]
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return client.infer(model, inputs)  # type: ignore[attr-defined]
+
+
+def _datatype(array: np.ndarray) -> str:
+    return {np.int32: "INT32", np.int8: "INT8", np.float32: "FP32"}[array.dtype.type]
+
+
+def test_every_model_ready_beside_nograds_own(
+    http_client: triton_http.InferenceServerClient,
+) -> None:
+    for name in (*SERVED, "fixed", "digits"):
+        assert http_client.is_model_ready(name), name
+    index = {entry["name"]: entry for entry in http_client.get_model_repository_index()}
+    assert index["simple"]["state"] == "READY"
+
+
+def test_metadata_and_config_as_triton_reports_them(
+    http_client: triton_http.InferenceServerClient,
+) -> None:
+    metadata = http_client.get_model_metadata("simple")
+    assert metadata["platform"] == "onnxruntime_onnx"
+    assert metadata["versions"] == ["2"]  # latest 1 of versions 1 and 2
+    assert metadata["inputs"] == [
+        {"name": "INPUT0", "datatype": "INT32", "shape": [-1, 16]},
+        {"name": "INPUT1", "datatype": "INT32", "shape": [-1, 16]},
+    ]
+    config = http_client.get_model_config("simple")
+    assert (config["platform"], config["backend"]) == ("onnxruntime_onnx", "onnxruntime")
+    assert config["max_batch_size"] == 8
+    assert [t["dims"] for t in config["input"]] == [[16], [16]]
+    torchscript = http_client.get_model_config("cpu_instance")
+    assert (torchscript["platform"], torchscript["backend"]) == ("pytorch_libtorch", "pytorch")
+    assert torchscript["max_batch_size"] == 8
+    assert torchscript["instance_group"][0]["kind"] == "KIND_CPU"
+    # No batch dimension: the shapes as listed, and a max_batch_size of 0.
+    assert http_client.get_model_metadata("scale_shift")["inputs"][0]["shape"] == [2, 3]
+    assert http_client.get_model_config("scale_shift")["max_batch_size"] == 0
+
+
+def test_auto_complete_of_onnx_without_config(
+    http_client: triton_http.InferenceServerClient,
+) -> None:
+    auto = http_client.get_model_config("auto")
+    assert auto["max_batch_size"] == 4 and "dynamic_batching" in auto
+    assert [(t["name"], t["data_type"], t["dims"]) for t in auto["output"]] == [
+        ("OUTPUT0", "TYPE_INT32", [16]),
+        ("OUTPUT1", "TYPE_INT32", [16]),
+    ]
+    fixed = http_client.get_model_config("fixed")
+    assert fixed["max_batch_size"] == 0
+    assert fixed["input"][0]["dims"] == [2, 3]
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    result = _infer(http_client, triton_http, "fixed", {"X": x})
+    np.testing.assert_allclose(result.as_numpy("Y"), x + 1, atol=1e-5)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+@pytest.mark.parametrize(
+    ("model", "names", "dtype"),
+    [
+        ("simple", ("INPUT0", "INPUT1", "OUTPUT0", "OUTPUT1"), np.int32),
+        ("simple_int8", ("INPUT0", "INPUT1", "OUTPUT0", "OUTPUT1"), np.int8),
+        ("cpu_instance", ("INPUT__0", "INPUT__1", "OUTPUT__0", "OUTPUT__1"), np.int32),
+        ("auto", ("INPUT0", "INPUT1", "OUTPUT0", "OUTPUT1"), np.int32),
+    ],
+)
+def test_sum_and_difference_exact(
+    request: pytest.FixtureRequest,
+    protocol: str,
+    model: str,
+    names: tuple[str, str, str, str],
+    dtype: type,
+) -> None:
+    client = request.getfixturevalue(f"{protocol}_client")
+    module = triton_http if protocol == "http" else triton_grpc
+    a, b = ROWS.astype(dtype)[:4], OTHER.astype(dtype)[:4]
+    result = _infer(client, module, model, {names[0]: a, names[1]: b})
+    np.testing.assert_array_equal(result.as_numpy(names[2]), a + b)  # type: ignore[attr-defined]
+    np.testing.assert_array_equal(result.as_numpy(names[3]), a - b)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_no_batch_dimension_torchscript(request: pytest.FixtureRequest, protocol: str) -> None:
+    client = request.getfixturevalue(f"{protocol}_client")
+    module = triton_http if protocol == "http" else triton_grpc
+    x = np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3)
+    result = _infer(client, module, "scale_shift", {"x": x})
+    y = result.as_numpy("y")  # type: ignore[attr-defined]
+    assert y.shape == (2, 3)
+    np.testing.assert_allclose(y, 2 * x + 1, atol=1e-5)
+
+
+def test_rows_of_one_request_run_as_one_batch(
+    http_client: triton_http.InferenceServerClient,
+) -> None:
+    before = http_client.get_inference_statistics("simple_int8")["model_stats"][0]
+    tensors = {"INPUT0": ROWS.astype(np.int8), "INPUT1": OTHER.astype(np.int8)}
+    result = _infer(http_client, triton_http, "simple_int8", tensors)
+    assert result.as_numpy("OUTPUT0").shape == (5, 16)  # type: ignore[attr-defined]
+    after = http_client.get_inference_statistics("simple_int8")["model_stats"][0]
+    assert int(after["inference_count"]) - int(before["inference_count"]) == 5
+    assert int(after["execution_count"]) - int(before["execution_count"]) == 1
+
+
+def test_version_policy_specific(http_client: triton_http.InferenceServerClient) -> None:
+    assert http_client.get_model_metadata("simple_specific")["versions"] == ["1", "3"]
+    assert http_client.is_model_ready("simple_specific", "3")
+    assert not http_client.is_model_ready("simple_specific", "2")
+
+
+def test_unsupported_fields_refused_by_name(triton_server: Server) -> None:
+    for model, named in (("unsupported", "'sequence_batching'"), ("simple_identity", "'python'")):
+        response = httpx.post(f"{triton_server.url}/v2/repository/models/{model}/load", timeout=30)
+        assert response.status_code == 400, response.text
+        assert named in response.json()["error"]
+
+
+def test_digits_still_served(triton_server: Server) -> None:
+    document = httpx.get(f"{triton_server.url}/v2/models/digits/config").json()
+    assert document["backend"] == "nograd"
+
+
+def test_no_batch_dimension_refuses_a_batched_request(triton_server: Server) -> None:
+    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 2, 3], "data": [0.0] * 6}]}
+    response = httpx.post(f"{triton_server.url}/v2/models/scale_shift/infer", json=body)
+    assert response.status_code == 400
+    assert "no batch dimension" in response.json()["error"]
