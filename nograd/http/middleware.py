@@ -13,7 +13,16 @@ from collections.abc import Callable
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from nograd.http.errors import error_body, error_headers, openai_error_body
-from nograd.http.paths import EMBEDDINGS, OPENAI_PREFIX, infer_target, route_path, v2_model
+from nograd.http.paths import (
+    EMBEDDINGS,
+    OPENAI_PREFIX,
+    TORCHSERVE_PING,
+    TORCHSERVE_PREFIXES,
+    infer_target,
+    predictions_target,
+    route_path,
+    v2_model,
+)
 from nograd.observability.metrics import UNKNOWN_MODEL, Metrics
 from nograd.serving.calls import Calls
 from nograd.serving.errors import QueueFull, Unauthenticated
@@ -72,11 +81,11 @@ class AuthMiddleware:
         self._protect_metrics = protect_metrics
 
     def _protected(self, path: str) -> bool:
-        if path.startswith("/v2/health/"):
+        if path.startswith("/v2/health/") or path == TORCHSERVE_PING:
             return self._protect_health
         if path == "/metrics":
             return self._protect_metrics
-        return path.startswith(("/v2", "/v1"))
+        return path.startswith(("/v2", "/v1", *TORCHSERVE_PREFIXES))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
@@ -114,11 +123,15 @@ class AdmissionMiddleware:
         self._calls = calls
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST":
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT"):
             await self.app(scope, receive, send)
             return
         path = route_path(scope)
         target = None if path == EMBEDDINGS else infer_target(path)
+        if target is None:
+            target = predictions_target(path)
+        elif scope["method"] != "POST":
+            target = None
         if target is None and path != EMBEDDINGS:
             await self.app(scope, receive, send)
             return

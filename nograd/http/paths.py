@@ -9,6 +9,9 @@ from starlette.types import Scope
 
 EMBEDDINGS: Final = "/v1/embeddings"
 OPENAI_PREFIX: Final = "/v1/"
+TORCHSERVE_PING: Final = "/ping"
+TORCHSERVE_PREFIXES: Final = ("/predictions/", "/models")
+_PREDICTIONS: Final = re.compile(r"^/predictions/([^/]+)(?:/([^/]+))?/?$")
 _V2_MODEL: Final = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?(.*)$")
 
 
@@ -26,6 +29,12 @@ def infer_target(path: str) -> tuple[str, str | None] | None:
     if parsed is None or parsed[2] != "/infer":
         return None
     return parsed[0], parsed[1]
+
+
+def predictions_target(path: str) -> tuple[str, str | None] | None:
+    """(model, version or None) of a TorchServe inference path, ``/predictions/{m}[/{v}]``."""
+    match = _PREDICTIONS.match(path)
+    return None if match is None else (match.group(1), match.group(2))
 
 
 def route_path(scope: Scope) -> str:

@@ -32,6 +32,9 @@ Precision = Literal["fp32", "bf16", "fp16", "int8"]
 PYTHON_FORMAT = "python"
 """A model folder of Python code (``module``); every other format is an engine's artifact, named
 as in the engine table (``nograd.core.engines``)."""
+TORCHSERVE_FORMAT = "torchserve"
+"""A TorchServe model archive (``.mar``), unpacked by ``nograd.serving.archives``: its handler
+runs as TorchServe runs it (``nograd.runtime.torchserve``)."""
 CompileMode = Literal["default", "reduce-overhead", "max-autotune"]
 CONFIG_NAMES = ("config.toml", "config.yaml", "config.yml")
 _DEVICE_RE = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
@@ -258,7 +261,7 @@ class ModelConfig(BaseModel):
     @field_validator("format")
     @classmethod
     def _format_known(cls, value: str) -> str:
-        return _one_of(value, (PYTHON_FORMAT, *artifact_engines()))
+        return _one_of(value, (PYTHON_FORMAT, TORCHSERVE_FORMAT, *artifact_engines()))
 
     @field_validator("engine")
     @classmethod
@@ -360,6 +363,10 @@ class ModelConfig(BaseModel):
 def check_engine_fields(config: ModelConfig) -> None:
     """The format, artifact, engine and precision fields agree; each error names the field."""
     python = config.format == PYTHON_FORMAT
+    if config.format == TORCHSERVE_FORMAT:
+        if config.artifact is not None or config.engine is not None:
+            raise ValueError("field 'format': a TorchServe archive runs its own handler")
+        return
     if not python and config.artifact is None:
         raise ValueError(f"field 'artifact': format {config.format!r} needs the artifact's file")
     if python and config.artifact is not None:

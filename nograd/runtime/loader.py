@@ -13,7 +13,7 @@ from typing import Protocol, cast
 import torch
 from safetensors.torch import load_file
 
-from nograd.runtime.config import PYTHON_FORMAT, ModelConfig
+from nograd.runtime.config import PYTHON_FORMAT, TORCHSERVE_FORMAT, ModelConfig
 from nograd.runtime.engines.artifacts import verify_sha256
 from nograd.runtime.engines.autocomplete import auto_complete
 from nograd.runtime.engines.errors import ArtifactError
@@ -21,6 +21,7 @@ from nograd.runtime.engines.registry import open_engine
 from nograd.runtime.engines.signature import with_signature
 from nograd.runtime.handler import ModelHandler
 from nograd.runtime.shapes import ShapedHandler, needs_shaping
+from nograd.runtime.torchserve.handler import ArchiveLoadError, build_archive_handler
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +110,11 @@ def build_handler(
 ) -> ModelHandler:
     """Build the model, load its weights, move it to its device (fp32), set eval mode; or, for
     an artifact format, open the artifact with the handler its code supplies."""
+    if config.format == TORCHSERVE_FORMAT:
+        try:
+            return build_archive_handler(model_dir, config, device)
+        except ArchiveLoadError as exc:
+            raise LoadError(str(exc)) from exc
     if config.format != PYTHON_FORMAT:
         return build_artifact_handler(repository, model_dir, config, device)
     code = import_model_module(repository, model_dir, config)

@@ -86,7 +86,8 @@ class DataPlane:
         """Read every model config and register the models ``load`` selects (all without it;
         ``wanted`` names versions and overrides); a malformed config is logged and recorded."""
         root = self.settings.model_repository
-        for model in self.registry.discover(root, load, wanted):
+        cache = self.settings.engine_cache_dir / "torchserve"
+        for model in self.registry.discover(root, load, wanted, cache):
             self.metrics.model_ready.labels(model.name).set(0)
 
     async def load_all(self) -> None:

@@ -166,7 +166,7 @@ class ModelLoader:
             handler.speed_path
         )
         self._metrics.weights_bytes.labels(model.name).set(model.weights_bytes)
-        if self._settings.warmup:
+        if self._settings.warmup and handler.synthetic_inputs:
             started = time.perf_counter()
             warm_up(handler, self._limit(config))
             model.warmup_seconds = time.perf_counter() - started
@@ -187,7 +187,11 @@ class ModelLoader:
         """Measure each newly loaded model's activation cost, then split each device's budget
         among those and the ``serving`` ones (whose limits change with their new shares)."""
         loop = asyncio.get_running_loop()
-        fresh = [m for m in models if m.handler is not None and m.state is State.LOADING]
+        fresh = [
+            m
+            for m in models
+            if m.handler is not None and m.handler.synthetic_inputs and m.state is State.LOADING
+        ]
         for model in fresh:
             assert model.handler is not None
             executor = self.threads.executor(model.handler.device)

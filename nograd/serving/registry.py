@@ -100,11 +100,12 @@ class ModelRegistry:
         root: Path,
         load: Callable[[str], bool] | None = None,
         wanted: Wanted | None = None,
+        archive_cache: Path | None = None,
     ) -> list[ServedModel]:
         """Read every model config under ``root`` and register the versions to serve (those for
         which ``load(name)`` holds, every model without it; of a model in ``wanted``, the
         versions and overrides it names). A malformed config is logged and recorded."""
-        sources, problems = scan(root, wanted)
+        sources, problems = scan(root, wanted, archive_cache)
         for problem in problems:
             self._reject(problem)
         found = []

@@ -28,6 +28,7 @@ from nograd.runtime.config import (
     load_config,
     version_order,
 )
+from nograd.serving.archives import archives, read_archive
 
 Override = Mapping[str, object]
 """Config fields a load call sets over the file's (Triton's ``config`` parameter)."""
@@ -164,10 +165,13 @@ def read_wanted(model_dir: Path, versions: Mapping[str, Override | None]) -> Mod
     return ModelSource(source.name, source.directory, ordered)
 
 
-def scan(root: Path, wanted: Wanted | None = None) -> tuple[dict[str, ModelSource], list[str]]:
+def scan(
+    root: Path, wanted: Wanted | None = None, archive_cache: Path | None = None
+) -> tuple[dict[str, ModelSource], list[str]]:
     """Every model under ``root`` by name (those of ``wanted`` with the versions and overrides
     it names), and the problems of the folders that could not be read (each message names the
-    file and field)."""
+    file and field). With ``archive_cache``, TorchServe archives (``.mar``) in ``root`` are
+    models too, unpacked there."""
     if not root.is_dir():
         raise ConfigError(f"model repository {str(root)!r} is not a folder")
     wanted = wanted or {}
@@ -187,6 +191,18 @@ def scan(root: Path, wanted: Wanted | None = None) -> tuple[dict[str, ModelSourc
             problems.append(f"{model_dir}: field 'name': model {source.name!r} is defined twice")
             continue
         found[source.name] = source
+    if archive_cache is not None:
+        for path in archives(root):
+            try:
+                config, folder, fingerprint = read_archive(path, archive_cache)
+            except ConfigError as exc:
+                problems.append(str(exc))
+                continue
+            if config.name in found:
+                problems.append(f"{path}: model {config.name!r} is defined twice")
+                continue
+            version = VersionSource(config, folder, fingerprint)
+            found[config.name] = ModelSource(config.name, folder, {config.version: version})
     return found, problems
 
 

@@ -136,7 +136,10 @@ def validate(
 
 
 def _check_text_lengths(name: str, array: np.ndarray, limit: int) -> None:
-    longest = max((len(item) for item in array.reshape(-1)), default=0)
+    # Text and bytes only: a TorchServe front's request object is sized by the body limit.
+    longest = max(
+        (len(item) for item in array.reshape(-1) if isinstance(item, str | bytes)), default=0
+    )
     if longest > limit:
         raise LimitExceeded(
             f"input {name!r} has an element of {longest} bytes; the limit is {limit} bytes "

@@ -1,0 +1,51 @@
+"""What a TorchServe handler is given and answers, one request at a time: shared by the front
+that decodes requests (``nograd.protocol.torchserve``) and the runtime that runs the handler.
+
+An answer that is bytes or a string goes out as it is; anything else as JSON with an indent of 2,
+as TorchServe's worker encodes it (``ts/protocol/otf_message_handler.py``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Final
+
+RAW_FIELD: Final = "body"
+"""The field a raw (non-form) request body arrives in."""
+JSON_TYPE: Final = "application/json"
+
+
+@dataclass(frozen=True, slots=True)
+class HandlerRequest:
+    """One request as a TorchServe handler receives it: its fields and its headers."""
+
+    data: dict[str, object]
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class HandlerAnswer:
+    """One request's answer: its bytes and content type, or a failure's status and message."""
+
+    body: bytes
+    content_type: str | None = JSON_TYPE
+    status: int = 200
+
+
+def encode_answer(value: object) -> HandlerAnswer:
+    """One handler answer as TorchServe sends it: bytes and str as they are, anything else as
+    JSON (indent 2); a value JSON cannot hold is the model's failure."""
+    if isinstance(value, bytes | bytearray):
+        return HandlerAnswer(bytes(value), "application/octet-stream")
+    if isinstance(value, str):
+        return HandlerAnswer(value.encode("utf-8"), "text/plain; charset=utf-8")
+    try:
+        return HandlerAnswer(json.dumps(value, indent=2).encode("utf-8"))
+    except (TypeError, ValueError):
+        return failure(503, "Invalid model predict output")
+
+
+def failure(status: int, message: str) -> HandlerAnswer:
+    """A failed prediction: TorchServe answers it with its status and the message."""
+    return HandlerAnswer(message.encode("utf-8"), None, status)

@@ -1,0 +1,1 @@
+"""TorchServe's ``ts.utils``."""
