@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton_http
+from tritonclient.utils import InferenceServerException
 
 from tests.e2e.serving import Server, free_port, run_server
 from tests.triton_models import SERVED, triton_repository
@@ -187,3 +188,32 @@ def test_no_batch_dimension_refuses_a_batched_request(triton_server: Server) -> 
     response = httpx.post(f"{triton_server.url}/v2/models/scale_shift/infer", json=body)
     assert response.status_code == 400
     assert "no batch dimension" in response.json()["error"]
+
+
+def test_more_rows_than_max_batch_size_refused_as_triton_refuses_them(
+    triton_server: Server, grpc_client: triton_grpc.InferenceServerClient
+) -> None:
+    rows = np.zeros((9, 16), dtype=np.int32)  # simple's max_batch_size is 8
+    tensors = [
+        {"name": name, "datatype": "INT32", "shape": [9, 16], "data": rows.ravel().tolist()}
+        for name in ("INPUT0", "INPUT1")
+    ]
+    response = httpx.post(f"{triton_server.url}/v2/models/simple/infer", json={"inputs": tensors})
+    assert response.status_code == 400
+    assert response.json()["error"] == (
+        "[request id: <id_unknown>] inference request batch-size must be <= 8 for 'simple'"
+    )
+    body = {"id": "r-9", "inputs": tensors}
+    response = httpx.post(f"{triton_server.url}/v2/models/simple/infer", json=body)
+    assert response.json()["error"].startswith("[request id: r-9] inference request batch-size")
+    inputs = []
+    for name in ("INPUT0", "INPUT1"):
+        tensor = triton_grpc.InferInput(name, [9, 16], "INT32")
+        tensor.set_data_from_numpy(rows)
+        inputs.append(tensor)
+    with pytest.raises(InferenceServerException) as raised:
+        grpc_client.infer("simple", inputs)
+    assert raised.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert raised.value.message() == (
+        "[request id: <id_unknown>] inference request batch-size must be <= 8 for 'simple'"
+    )
