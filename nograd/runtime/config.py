@@ -357,6 +357,11 @@ class ModelConfig(BaseModel):
         return self
 
 
+def is_triton_python(config: ModelConfig) -> bool:
+    """A Triton Python-backend model (``model.py`` defining ``TritonPythonModel``)."""
+    return config.triton_config is not None and config.backend == "python"
+
+
 def check_engine_fields(config: ModelConfig) -> None:
     """The format, artifact, engine and precision fields agree; each error names the field."""
     python = config.format == PYTHON_FORMAT
@@ -370,7 +375,8 @@ def check_engine_fields(config: ModelConfig) -> None:
             f"got {config.engine!r}"
         )
     for kind, specs in (("inputs", config.inputs), ("outputs", config.outputs)):
-        if not specs and config.format not in signature_formats():
+        # A Triton Python model may list its tensors in its auto_complete_config instead.
+        if not specs and config.format not in signature_formats() and not is_triton_python(config):
             raise ValueError(
                 f"field '{kind}': required (only {' and '.join(signature_formats())} artifacts "
                 "name their own)"

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 import numpy as np
 
 from nograd.batching import BatchingError
+from nograd.core.errors import ModelAnswered
 from nograd.host.ledger import CoreLedger, CoreShare
 from nograd.observability.metrics import Metrics
 from nograd.observability.stats import Statistics
@@ -321,6 +322,10 @@ class DataPlane:
             )
             return remove_batch_dimension(model, outputs)
         except BatchingError:
+            raise
+        except ModelAnswered:
+            # The model's own answer (Triton's error responses): passed on as it wrote it.
+            self.metrics.inference_errors.labels(name).inc()
             raise
         except Exception as exc:
             self.metrics.inference_errors.labels(name).inc()
