@@ -64,6 +64,49 @@ def fixed_shape_onnx(path: Path) -> None:
     onnx.save_model(model, str(path))
 
 
+GUARDED_CONFIG = """
+name: "guarded"
+backend: "python"
+max_batch_size: 8
+dynamic_batching { max_queue_delay_microseconds: 20000 }
+version_policy: { all { } }
+input [ { name: "X", data_type: TYPE_FP32, dims: [ 2 ] } ]
+output [ { name: "Y", data_type: TYPE_FP32, dims: [ 2 ] } ]
+"""
+GUARDED_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+SCALE = {scale}
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.version = args["model_version"]
+        self.batches = 0
+
+    def execute(self, requests):
+        self.batches += 1
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            if (x < 0).any():
+                code = pb_utils.TritonError.INVALID_ARG
+                error = pb_utils.TritonError("X must not be negative", code)
+                responses.append(pb_utils.InferenceResponse(error=error))
+            elif (x > 1000).any():
+                error = pb_utils.TritonError("too large")
+                responses.append(pb_utils.InferenceResponse(error=error))
+            else:
+                # How many requests this execute call took, in every row's second column.
+                y = np.stack([x[:, 0] * SCALE, np.full(len(x), len(requests), np.float32)], 1)
+                responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", y)]))
+        return responses
+"""
+"""A Python-backend model written for these tests: an error response per bad request (400 for
+INVALID_ARG, 500 for the default INTERNAL), and two versions whose ``model.py`` differ."""
+
+
 def triton_repository(root: Path) -> Path:
     """Triton folders and a nograd one side by side:
 
@@ -74,8 +117,10 @@ def triton_repository(root: Path) -> Path:
     - ``scale_shift``: TorchScript without a batch dimension;
     - ``auto``: ``simple``'s model.onnx with no config (auto-complete: batched, 4 rows);
     - ``fixed``: a fixed-shape ONNX model with no config (auto-complete: no batch dimension);
-    - ``unsupported``: ``simple`` with ``sequence_batching``, and ``simple_identity`` (the
-      Python backend): both refused, naming the field;
+    - ``unsupported``: ``simple`` with ``sequence_batching``: refused, naming the field;
+    - ``simple_identity`` (Triton's, the Python backend, TYPE_STRING), python_backend's
+      ``add_sub`` and ``pytorch`` examples, and ``guarded`` (a Python model with error
+      responses and two versions);
     - ``digits``: nograd's own folder.
     """
     torch.manual_seed(0)
@@ -103,9 +148,27 @@ def triton_repository(root: Path) -> Path:
     (repo / "scale_shift" / "config.pbtxt").write_text(NO_BATCH_CONFIG)
     shutil.copytree(simple / "1", repo / "auto" / "1")
     fixed_shape_onnx(repo / "fixed" / "1" / "model.onnx")
+    for name in ("add_sub", "pytorch"):
+        shutil.copytree(FIXTURES / name, repo / name)
+    (repo / "guarded").mkdir()
+    (repo / "guarded" / "config.pbtxt").write_text(GUARDED_CONFIG)
+    for version, scale in (("1", 1), ("2", 10)):
+        (repo / "guarded" / version).mkdir()
+        (repo / "guarded" / version / "model.py").write_text(GUARDED_MODEL.format(scale=scale))
     shutil.copytree(ROOT / "models" / "digits", repo / "digits")
     return repo
 
 
-SERVED = ("simple", "simple_int8", "simple_specific", "cpu_instance", "scale_shift", "auto")
+SERVED = (
+    "simple",
+    "simple_int8",
+    "simple_specific",
+    "cpu_instance",
+    "scale_shift",
+    "auto",
+    "simple_identity",
+    "add_sub",
+    "pytorch",
+    "guarded",
+)
 """The Triton models the e2e server loads at start-up (with ``fixed`` and ``digits``)."""

@@ -5,3 +5,13 @@ from __future__ import annotations
 
 class DecodeError(ValueError):
     """A request the protocol does not allow; the message names the field and the problem."""
+
+
+class ModelAnswered(Exception):
+    """A request a model's own code answered with an error (Triton's Python backend's
+    ``InferenceResponse(error=...)``): the message goes to the client as the model wrote it,
+    with the HTTP status its error code stands for."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status

@@ -208,7 +208,7 @@ async def infer_call(incoming: Incoming, calls: Calls, name: str, version: str |
         decoded = await _decode(incoming)
         call.adopt_request_id(decoded.id)
         call.shorten_deadline(_timeout_s(decoded.parameters))
-        model, outputs = await calls.infer(call, name, version, decoded.inputs)
+        model, outputs = await calls.infer(call, name, version, decoded.inputs, decoded.id)
         return _infer_reply(model, decoded, outputs)
 
     return await run_call(incoming, calls, PROTOCOL, work, _error_reply)

@@ -38,16 +38,24 @@ class Backend:
     """One Triton backend nograd serves: its platform and backend names, nograd's format for
     its model file, and that file's default name."""
 
-    def __init__(self, platform: str, backend: str, format_: str, filename: str) -> None:
+    def __init__(
+        self, platform: str, backend: str, format_: str, filename: str, *, alone: bool = True
+    ) -> None:
         self.platform = platform
         self.backend = backend
         self.format = format_
         self.filename = filename
+        self.alone = alone
+        """Recognised by its file in a folder with no ``config.pbtxt`` (a Python model's
+        tensors are only known from its config)."""
 
 
+PYTHON: Final = Backend("", "python", "python", "model.py", alone=False)
+"""Triton's Python backend: ``model.py`` defining ``TritonPythonModel``."""
 BACKENDS: Final = (
     Backend("onnxruntime_onnx", "onnxruntime", "onnx", "model.onnx"),
     Backend("pytorch_libtorch", "pytorch", "torchscript", "model.pt"),
+    PYTHON,
 )
 DATATYPES: Final[dict[str, str]] = {row.triton: row.name for row in TABLE}
 """Triton's ``TYPE_...`` names to the protocol's datatypes (TYPE_STRING is BYTES)."""
@@ -88,7 +96,8 @@ def is_triton_folder(model_dir: Path) -> bool:
     version folder holding a model file Triton's auto-complete recognises (``model.onnx``)."""
     if (model_dir / CONFIG_FILE).is_file():
         return True
-    return bool(_versions(model_dir)) and _detect(model_dir) is not None
+    found = _detect(model_dir) if _versions(model_dir) else None
+    return found is not None and found.alone
 
 
 def read_triton(model_dir: Path) -> ModelConfig:
@@ -131,15 +140,19 @@ def _convert(model_dir: Path, message: Any, text: str, where: str) -> ModelConfi
         group.count = group.count or 1
     fields: dict[str, Any] = {
         "name": folder,
-        "platform": backend.platform,
+        # Triton's metadata names the backend where the config gives no platform.
+        "platform": backend.platform or backend.backend,
         "backend": backend.backend,
         "format": backend.format,
-        "artifact": message.default_model_filename,
         "weights": None,
         "version_policy": _version_policy(message.version_policy),
         "inputs": inputs,
         "outputs": outputs,
     }
+    if backend is PYTHON:
+        fields["module"] = message.default_model_filename
+    else:
+        fields["artifact"] = message.default_model_filename
     given = re.search(r"\bmax_batch_size\b", text) is not None
     if message.max_batch_size > 0:
         fields["batch_dimension"] = True
@@ -200,7 +213,7 @@ def _backend(model_dir: Path, message: Any) -> Backend:
         if platform in ("", candidate.platform) and backend in ("", candidate.backend):
             return candidate
     name = "backend" if backend else "platform"
-    served = ", ".join(f"{b.platform} / {b.backend}" for b in BACKENDS)
+    served = ", ".join(f"{b.platform} / {b.backend}" if b.platform else b.backend for b in BACKENDS)
     raise ValueError(
         f"field {name!r}: {backend or platform!r} is not served by nograd (it serves {served})"
     )
@@ -235,10 +248,11 @@ def _tensor(tensor: Any, kind: str, where: str, backend: Backend) -> TensorSpec:
     datatype = DATATYPES.get(type_name)
     if datatype is None:
         raise ValueError(f"{label}: 'data_type' {type_name} is not served by nograd")
-    if datatype == "BYTES":
+    if datatype == "BYTES" and backend is not PYTHON:
         raise ValueError(
             f"{label}: 'data_type' TYPE_STRING is not served by nograd's {backend.backend} "
-            "backend yet (its tensors pass through torch, which holds no strings)"
+            "backend yet (its tensors pass through torch, which holds no strings; the python "
+            "backend takes them)"
         )
     dims = tuple(int(d) for d in tensor.dims)
     reshape = tuple(int(d) for d in tensor.reshape.shape) if tensor.HasField("reshape") else None

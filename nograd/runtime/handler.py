@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Final, Protocol
+from typing import ClassVar, Final, Protocol, cast
 
 import numpy as np
 import torch
@@ -92,9 +92,10 @@ class ModelHandler:
     a batch of tokens at this length. Sequence models set it; others leave it None."""
 
     synthetic_inputs: ClassVar[bool] = True
-    """False when ``example`` cannot make inputs the model reads (a TorchServe handler reads
-    request bodies): such a model is neither warmed up nor measured for memory, and its batch
-    limit is its config's."""
+    """False when ``example`` cannot make inputs the model reads, or for code that is opaque and
+    may act on what it receives (a TorchServe handler reads request bodies; Triton's Python
+    backend): such a model runs on requests only, never on synthetic batches (no warm-up, memory
+    profile or engine choice), and its batch limit is its config's."""
 
     prepare_offload: ClassVar[bool] = False
     """True when ``prepare`` is heavy (tokenising, decoding): the data plane runs it in a thread
@@ -144,6 +145,16 @@ class ModelHandler:
         return self.prepare(tensors)
 
     # ----------------------------------------------------------------- device thread
+    def run_requests(self, parts: Sequence[TensorPart]) -> list[Outputs | BaseException] | None:
+        """Each part's outcome when the model takes the batch's requests as they came (Triton's
+        Python backend), a failure answering its own request only; None (the default): the batch
+        runs as one forward (``collate``, ``forward``, ``to_numpy``)."""
+        return None
+
+    def close(self) -> None:
+        """Release what the model holds beyond its memory (Triton's ``finalize``), when its
+        version is freed."""
+
     def collate(self, parts: Sequence[TensorPart]) -> dict[str, torch.Tensor]:
         """Concatenate parts along the batch dimension, padding variable dimensions with zeros.
 
@@ -255,6 +266,11 @@ class TorchRunner:
             self._seconds = time.perf_counter() - started
 
     def _run_batch(self, parts: Sequence[TensorPart]) -> list[Outputs]:
+        answered = self.handler.run_requests(parts)
+        if answered is not None:
+            # A failed request's exception stands in its place: the batcher's recovery gives
+            # each part its own outcome, so the others are answered.
+            return cast(list[Outputs], answered)
         rows = [part.rows for part in parts]
         fast = self._fast()
         most = None if fast is None else fast.max_rows

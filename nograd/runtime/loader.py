@@ -13,13 +13,24 @@ from typing import Protocol, cast
 import torch
 from safetensors.torch import load_file
 
-from nograd.runtime.config import PYTHON_FORMAT, TORCHSERVE_FORMAT, ModelConfig
+from nograd.runtime.config import (
+    PYTHON_FORMAT,
+    TORCHSERVE_FORMAT,
+    ModelConfig,
+    is_triton_python,
+)
 from nograd.runtime.engines.artifacts import verify_sha256
 from nograd.runtime.engines.autocomplete import auto_complete
 from nograd.runtime.engines.errors import ArtifactError
 from nograd.runtime.engines.registry import open_engine
 from nograd.runtime.engines.signature import with_signature
 from nograd.runtime.handler import ModelHandler
+from nograd.runtime.python_backend.handler import (
+    PythonBackendHandler,
+    auto_completed,
+    model_class,
+    register_utils,
+)
 from nograd.runtime.shapes import ShapedHandler, needs_shaping
 from nograd.runtime.torchserve.handler import ArchiveLoadError, build_archive_handler
 
@@ -117,6 +128,8 @@ def build_handler(
             raise LoadError(str(exc)) from exc
     if config.format != PYTHON_FORMAT:
         return build_artifact_handler(repository, model_dir, config, device)
+    if is_triton_python(config):
+        return build_python_backend(repository, model_dir, config, device)
     code = import_model_module(repository, model_dir, config)
     factory = getattr(code, "build_handler", None)
     if factory is not None:
@@ -141,6 +154,27 @@ def build_handler(
     handler.module.eval()
     for parameter in handler.module.parameters():
         parameter.requires_grad_(False)
+    return handler
+
+
+def build_python_backend(
+    repository: Path, model_dir: Path, config: ModelConfig, device: torch.device
+) -> ModelHandler:
+    """A Triton Python-backend model: its ``model.py`` imported under this version's own name
+    (with nograd's ``triton_python_backend_utils``), its config auto-completed by the model when
+    it says how, then ``initialize``d."""
+    register_utils()
+    code = import_model_module(repository, model_dir, config)
+    where = str(locate(model_dir, config.module))
+    try:
+        cls = model_class(code, where)
+        config = auto_completed(cls, config)
+        handler = PythonBackendHandler(cls(), config, device, str(model_dir.parent))
+        handler.initialize()
+    except LoadError:
+        raise
+    except Exception as exc:
+        raise LoadError(f"{where}: {type(exc).__name__}: {exc}") from exc
     return handler
 
 

@@ -119,10 +119,18 @@ class Calls:
         return Call(protocol, target, started or time.perf_counter(), request_id)
 
     async def infer(
-        self, call: Call, name: str, version: str | None, inputs: Mapping[str, np.ndarray]
+        self,
+        call: Call,
+        name: str,
+        version: str | None,
+        inputs: Mapping[str, np.ndarray],
+        protocol_id: str | None = None,
     ) -> tuple[ServedModel, Outputs]:
+        """One inference; ``protocol_id`` is the request's own id (the V2 ``id``), if any."""
         call.model = self.label(name)
-        return await self.plane.infer(name, version, inputs, timeout_s=call.timeout_s)
+        return await self.plane.infer(
+            name, version, inputs, timeout_s=call.timeout_s, request_id=protocol_id
+        )
 
     def failed(self, call: Call, exc: BaseException) -> Kind:
         """The kind of a call's failure; the model or nograd failing is logged with its trace."""

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 import numpy as np
 
 from nograd.batching import BatchingError
+from nograd.core.errors import ModelAnswered
 from nograd.host.ledger import CoreLedger, CoreShare
 from nograd.observability.metrics import Metrics
 from nograd.observability.stats import Statistics
@@ -214,7 +215,9 @@ class DataPlane:
             max_text_bytes=self.settings.max_text_bytes,
         )
 
-    def input_check(self, name: str, version: str | None) -> Callable[[Declared], None]:
+    def input_check(
+        self, name: str, version: str | None, request_id: str | None = None
+    ) -> Callable[[Declared], None]:
         """The check a front runs on a request's inputs as their headers declare them, before
         decoding any data (``check_declared`` with this server's row limit); an unknown model is
         refused here, before its request's data costs anything."""
@@ -224,7 +227,7 @@ class DataPlane:
         def check(declared: Declared) -> None:
             started = time.perf_counter()
             try:
-                check_declared(model, declared, max_rows=max_rows)
+                check_declared(model, declared, max_rows=max_rows, request_id=request_id)
             except Exception as exc:
                 self._failed(model, exc, time.perf_counter() - started)
                 raise
@@ -238,8 +241,10 @@ class DataPlane:
         inputs: Mapping[str, np.ndarray],
         *,
         timeout_s: float | None = None,
+        request_id: str | None = None,
     ) -> tuple[ServedModel, Outputs]:
-        """Validate, prepare and queue one request; ``timeout_s`` overrides the server default."""
+        """Validate, prepare and queue one request; ``timeout_s`` overrides the server default;
+        ``request_id`` is the protocol's own id, quoted by the refusals that Triton words."""
         model = self.registry.get(name, version)
         timeout = timeout_s if timeout_s is not None else self.settings.request_timeout_s
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -255,7 +260,7 @@ class DataPlane:
         # once it is answered.
         model.active += 1
         try:
-            outputs = await self._infer(model, inputs, deadline)
+            outputs = await self._infer(model, inputs, deadline, request_id)
         except BaseException as exc:
             self._failed(model, exc, time.perf_counter() - started)
             raise
@@ -283,7 +288,11 @@ class DataPlane:
             self.metrics.rejected.labels(model.name, reason).inc()
 
     async def _infer(
-        self, model: ServedModel, inputs: Mapping[str, np.ndarray], deadline: float | None
+        self,
+        model: ServedModel,
+        inputs: Mapping[str, np.ndarray],
+        deadline: float | None,
+        request_id: str | None,
     ) -> Outputs:
         name = model.name
         if self._draining:
@@ -296,6 +305,7 @@ class DataPlane:
             inputs,
             max_rows=self.settings.max_request_rows,
             max_text_bytes=self.settings.max_text_bytes,
+            request_id=request_id,
         )
         inputs = add_batch_dimension(model, inputs)
         try:
@@ -313,6 +323,10 @@ class DataPlane:
             )
             return remove_batch_dimension(model, outputs)
         except BatchingError:
+            raise
+        except ModelAnswered:
+            # The model's own answer (Triton's error responses): passed on as it wrote it.
+            self.metrics.inference_errors.labels(name).inc()
             raise
         except Exception as exc:
             self.metrics.inference_errors.labels(name).inc()

@@ -17,6 +17,7 @@ from nograd.batching import DeadlineExceeded as DeadlineExceeded
 from nograd.batching import QueueFull as QueueFull
 from nograd.batching import SampleTooLarge as SampleTooLarge
 from nograd.core.errors import DecodeError as DecodeError
+from nograd.core.errors import ModelAnswered as ModelAnswered
 
 
 class Kind(enum.Enum):
@@ -113,7 +114,18 @@ RETRY_AFTER_S: Final = 1
 """When a transient refusal with no estimate of its own says to come back."""
 
 
+ANSWERED_KINDS: Final[dict[int, Kind]] = {
+    400: Kind.INVALID,
+    404: Kind.NOT_FOUND,
+    503: Kind.UNAVAILABLE,
+}
+"""The kind of a model's own error answer (``ModelAnswered``) by its status; any other is
+``FAILED`` (HTTP still answers the status it carries)."""
+
+
 def kind_of(exc: BaseException) -> Kind:
+    if isinstance(exc, ModelAnswered):
+        return ANSWERED_KINDS.get(exc.status, Kind.FAILED)
     for cause, kind in KINDS:
         if isinstance(exc, cause):
             return kind

@@ -26,7 +26,7 @@ from nograd.runtime.config import ModelConfig
 from nograd.runtime.devices import DeviceThreads, configure_threads, device_label, resolve_device
 from nograd.runtime.engines.choice import prepare_engine
 from nograd.runtime.engines.paths import engine_weights_bytes, share_cores
-from nograd.runtime.handler import Outputs, TensorPart, TorchRunner
+from nograd.runtime.handler import ModelHandler, Outputs, TensorPart, TorchRunner
 from nograd.runtime.loader import (
     build_handler,
     forget_module,
@@ -148,15 +148,16 @@ class ModelLoader:
         model.config = config = handler.config
         # The engine (and the config's speed mode), checked against fp32 eager and timed; what
         # is refused leaves fp32 eager serving. Counted as load time.
-        sample = load_accuracy_sample(handler, model.directory)
-        handler = prepare_engine(
-            handler,
-            self._limit(config),
-            sample,
-            recorder(self._metrics),
-            code=[locate(model.directory, config.module)],
-            cache_dir=self._settings.engine_cache_dir,
-        )
+        if handler.synthetic_inputs:
+            sample = load_accuracy_sample(handler, model.directory)
+            handler = prepare_engine(
+                handler,
+                self._limit(config),
+                sample,
+                recorder(self._metrics),
+                code=[locate(model.directory, config.module)],
+                cache_dir=self._settings.engine_cache_dir,
+            )
         if self.cores is not None:
             # The ledger grants each batch a width; ONNX Runtime's pool is fixed per session.
             share_cores(handler.speed_path, self._widths)
@@ -194,6 +195,8 @@ class ModelLoader:
         ]
         for model in fresh:
             assert model.handler is not None
+            if not model.handler.synthetic_inputs:
+                continue  # no plan: its limit is its config's (``ModelHandler.synthetic_inputs``)
             executor = self.threads.executor(model.handler.device)
             probe = probe_for(model.handler.device)
             cap = self._limit(model.config)
@@ -289,11 +292,13 @@ class ModelLoader:
         code, model.code = model.code, None
         model.state = State.UNLOADED
         device = handler.device if handler is not None else None
+        executor = self.threads.executor(device) if device is not None else None
+        if handler is not None:
+            await asyncio.get_running_loop().run_in_executor(executor, _close, model, handler)
         del handler
         if code is not None:
             forget_module(code)
         del code
-        executor = self.threads.executor(device) if device is not None else None
         await asyncio.get_running_loop().run_in_executor(executor, release_memory, device)
 
     async def _start(self, model: ServedModel) -> None:
@@ -335,6 +340,14 @@ def release_memory(device: torch.device | None) -> None:
     if device is not None and device.type == "cuda":
         torch.cuda.empty_cache()
     release_free_memory()
+
+
+def _close(model: ServedModel, handler: ModelHandler) -> None:
+    """The model's own clean-up (Triton's ``finalize``); its failure is logged, not raised."""
+    try:
+        handler.close()
+    except Exception:
+        logger.exception("model %s v%s: finalize failed", model.name, model.version)
 
 
 def _failed(model: ServedModel, exc: Exception, what: str) -> None:

@@ -57,11 +57,30 @@ Declared = Mapping[str, tuple[str, tuple[int, ...]]]
 """A request's inputs as their headers declare them: name -> (datatype, shape), no data read."""
 
 
-def check_declared(model: ServedModel, declared: Declared, *, max_rows: int) -> None:
+def triton_batch_refusal(model: ServedModel, rows: int, request_id: str | None) -> str | None:
+    """Triton's refusal of a request with more rows than a Triton model's ``max_batch_size``,
+    word for word (its clients and tests match the text), or None when the rows fit or the model
+    is nograd's (whose requests above its batch limit are split instead)."""
+    config = model.config
+    if config.triton_config is None or not config.batch_dimension:
+        return None
+    cap = config.max_batch_size
+    if cap is None or rows <= cap:
+        return None
+    return (
+        f"[request id: {request_id or '<id_unknown>'}] inference request batch-size must be "
+        f"<= {cap} for '{model.name}'"
+    )
+
+
+def check_declared(
+    model: ServedModel, declared: Declared, *, max_rows: int, request_id: str | None = None
+) -> None:
     """Names, datatypes, per-sample shapes and row counts against the model's config, from what
     the inputs declare alone: gRPC runs it before decoding any data, so a request over the
     limits (at most ``max_rows`` rows of the declared per-sample shape) costs no decoding, and
-    ``validate`` runs it on every front's arrays, so both fronts refuse with one check."""
+    ``validate`` runs it on every front's arrays, so both fronts refuse with one check.
+    ``request_id`` is the protocol's own id (the V2 ``id``), which Triton's refusals quote."""
     specs = {spec.name: spec for spec in model.config.inputs}
     unknown = sorted(set(declared) - set(specs))
     if unknown:
@@ -96,6 +115,9 @@ def check_declared(model: ServedModel, declared: Declared, *, max_rows: int) -> 
                 f"input {name!r} has shape {list(shape)}; model {model.name!r} "
                 f"expects [-1, {', '.join(str(d) for d in spec.shape)}]".replace(", ]", "]")
             )
+        refusal = triton_batch_refusal(model, shape[0], request_id)
+        if refusal is not None:
+            raise InvalidInput(refusal)
         if shape[0] > max_rows:
             raise LimitExceeded(
                 f"input {name!r} has {shape[0]} rows, more than the limit of {max_rows} "
@@ -116,6 +138,7 @@ def validate(
     *,
     max_rows: int,
     max_text_bytes: int,
+    request_id: str | None = None,
 ) -> None:
     """``check_declared`` on the arrays, text lengths within ``max_text_bytes``, and
     floating-point values finite unless the model's ``reject_non_finite`` is off."""
@@ -123,6 +146,7 @@ def validate(
         model,
         {name: (datatype_of(array), tuple(array.shape)) for name, array in inputs.items()},
         max_rows=max_rows,
+        request_id=request_id,
     )
     for name, array in inputs.items():
         if datatype_of(array) == "BYTES":

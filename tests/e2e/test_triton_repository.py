@@ -9,12 +9,14 @@ OUTPUT0 = INPUT0 + INPUT1, OUTPUT1 = INPUT0 - INPUT1), over HTTP and gRPC with t
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
 import pytest
 import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton_http
+from tritonclient.utils import InferenceServerException
 
 from tests.e2e.serving import Server, free_port, run_server
 from tests.triton_models import SERVED, triton_repository
@@ -64,7 +66,9 @@ def _infer(client: object, module: object, model: str, tensors: dict[str, np.nda
 
 
 def _datatype(array: np.ndarray) -> str:
-    return {np.int32: "INT32", np.int8: "INT8", np.float32: "FP32"}[array.dtype.type]
+    return {np.int32: "INT32", np.int8: "INT8", np.float32: "FP32", np.object_: "BYTES"}[
+        array.dtype.type
+    ]
 
 
 def test_every_model_ready_beside_nograds_own(
@@ -171,7 +175,7 @@ def test_version_policy_specific(http_client: triton_http.InferenceServerClient)
 
 
 def test_unsupported_fields_refused_by_name(triton_server: Server) -> None:
-    for model, named in (("unsupported", "'sequence_batching'"), ("simple_identity", "'python'")):
+    for model, named in (("unsupported", "'sequence_batching'"),):
         response = httpx.post(f"{triton_server.url}/v2/repository/models/{model}/load", timeout=30)
         assert response.status_code == 400, response.text
         assert named in response.json()["error"]
@@ -187,3 +191,118 @@ def test_no_batch_dimension_refuses_a_batched_request(triton_server: Server) -> 
     response = httpx.post(f"{triton_server.url}/v2/models/scale_shift/infer", json=body)
     assert response.status_code == 400
     assert "no batch dimension" in response.json()["error"]
+
+
+def test_more_rows_than_max_batch_size_refused_as_triton_refuses_them(
+    triton_server: Server, grpc_client: triton_grpc.InferenceServerClient
+) -> None:
+    rows = np.zeros((9, 16), dtype=np.int32)  # simple's max_batch_size is 8
+    tensors = [
+        {"name": name, "datatype": "INT32", "shape": [9, 16], "data": rows.ravel().tolist()}
+        for name in ("INPUT0", "INPUT1")
+    ]
+    response = httpx.post(f"{triton_server.url}/v2/models/simple/infer", json={"inputs": tensors})
+    assert response.status_code == 400
+    assert response.json()["error"] == (
+        "[request id: <id_unknown>] inference request batch-size must be <= 8 for 'simple'"
+    )
+    body = {"id": "r-9", "inputs": tensors}
+    response = httpx.post(f"{triton_server.url}/v2/models/simple/infer", json=body)
+    assert response.json()["error"].startswith("[request id: r-9] inference request batch-size")
+    inputs = []
+    for name in ("INPUT0", "INPUT1"):
+        tensor = triton_grpc.InferInput(name, [9, 16], "INT32")
+        tensor.set_data_from_numpy(rows)
+        inputs.append(tensor)
+    with pytest.raises(InferenceServerException) as raised:
+        grpc_client.infer("simple", inputs)
+    assert raised.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert raised.value.message() == (
+        "[request id: <id_unknown>] inference request batch-size must be <= 8 for 'simple'"
+    )
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+@pytest.mark.parametrize("model", ["add_sub", "pytorch"])
+def test_python_backend_examples_answer_as_their_clients_check(
+    request: pytest.FixtureRequest, protocol: str, model: str
+) -> None:
+    client = request.getfixturevalue(f"{protocol}_client")
+    module = triton_http if protocol == "http" else triton_grpc
+    a = np.array([0.5, -1.25, 3.0, 7.75], dtype=np.float32)
+    b = np.array([2.0, 0.25, -3.5, 1.0], dtype=np.float32)
+    result = _infer(client, module, model, {"INPUT0": a, "INPUT1": b})
+    np.testing.assert_allclose(result.as_numpy("OUTPUT0"), a + b, atol=1e-5)  # type: ignore[attr-defined]
+    np.testing.assert_allclose(result.as_numpy("OUTPUT1"), a - b, atol=1e-5)  # type: ignore[attr-defined]
+
+
+def test_python_backend_metadata(http_client: triton_http.InferenceServerClient) -> None:
+    metadata = http_client.get_model_metadata("add_sub")
+    assert metadata["platform"] == "python"  # Triton names the backend when no platform is set
+    assert metadata["inputs"][0] == {"name": "INPUT0", "datatype": "FP32", "shape": [4]}
+    config = http_client.get_model_config("add_sub")
+    assert (config["backend"], config["max_batch_size"]) == ("python", 0)
+    assert http_client.get_model_metadata("guarded")["versions"] == ["1", "2"]
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_python_backend_strings(request: pytest.FixtureRequest, protocol: str) -> None:
+    client = request.getfixturevalue(f"{protocol}_client")
+    module = triton_http if protocol == "http" else triton_grpc
+    text = np.array([[b"triton", b"", "\u00e9t\u00e9".encode()]], dtype=np.object_)
+    result = _infer(client, module, "simple_identity", {"INPUT0": text})
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), text)  # type: ignore[attr-defined]
+
+
+def test_python_backend_error_responses(
+    triton_server: Server, grpc_client: triton_grpc.InferenceServerClient
+) -> None:
+    url = f"{triton_server.url}/v2/models/guarded/infer"
+
+    def body(values: list[float]) -> dict[str, object]:
+        return {"inputs": [{"name": "X", "datatype": "FP32", "shape": [1, 2], "data": values}]}
+
+    refused = httpx.post(url, json=body([-1.0, 0.0]))
+    assert (refused.status_code, refused.json()["error"]) == (400, "X must not be negative")
+    failed = httpx.post(url, json=body([5000.0, 0.0]))
+    assert (failed.status_code, failed.json()["error"]) == (500, "too large")
+    tensor = triton_grpc.InferInput("X", [1, 2], "FP32")
+    tensor.set_data_from_numpy(np.array([[-1.0, 0.0]], dtype=np.float32))
+    with pytest.raises(InferenceServerException) as raised:
+        grpc_client.infer("guarded", [tensor])
+    assert raised.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert raised.value.message() == "X must not be negative"
+
+
+def test_python_backend_versions_are_separate_modules(
+    http_client: triton_http.InferenceServerClient,
+) -> None:
+    x = np.array([[3.0, 0.0]], dtype=np.float32)
+    for version, scale in (("1", 1), ("2", 10)):
+        tensor = triton_http.InferInput("X", [1, 2], "FP32")
+        tensor.set_data_from_numpy(x)
+        result = http_client.infer("guarded", [tensor], model_version=version)
+        assert result.as_numpy("Y")[0, 0] == 3.0 * scale
+
+
+def test_python_backend_takes_queued_requests_in_one_execute(triton_server: Server) -> None:
+    url = f"{triton_server.url}/v2/models/guarded/versions/1/infer"
+
+    def send(index: int) -> httpx.Response:
+        value = -1.0 if index == 0 else float(index)
+        data = {"inputs": [{"name": "X", "datatype": "FP32", "shape": [1, 2], "data": [value, 0]}]}
+        return httpx.post(url, json=data, timeout=30)
+
+    most = 0
+    for _ in range(3):  # the requests meet in the 20 ms queue delay; a loaded box may miss it
+        with ThreadPoolExecutor(8) as pool:
+            responses = list(pool.map(send, range(8)))
+        assert responses[0].status_code == 400  # its bad input fails it alone
+        for index, response in enumerate(responses[1:], start=1):
+            assert response.status_code == 200, response.text
+            output = response.json()["outputs"][0]["data"]
+            assert output[0] == float(index)
+            most = max(most, int(output[1]))
+        if most > 1:
+            break
+    assert 1 < most <= 8

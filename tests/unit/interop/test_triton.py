@@ -109,11 +109,24 @@ def test_unsupported_fields_are_load_errors_naming_them(
         read_triton(folder)
 
 
-def test_python_backend_and_strings_are_refused_for_now() -> None:
-    with pytest.raises(ConfigError, match="'python' is not served"):
-        read_triton(FIXTURES / "simple_identity")
+def test_python_backend_read_with_its_strings() -> None:
+    identity = read_triton(FIXTURES / "simple_identity")
+    assert (identity.platform, identity.backend, identity.format) == ("python", "python", "python")
+    assert (identity.module, identity.artifact) == ("model.py", None)
+    assert identity.inputs[0].datatype == "BYTES" and identity.max_batch_size == 8
+    add_sub = read_triton(FIXTURES / "add_sub")
+    assert add_sub.batch_dimension is False
+    assert json.loads(add_sub.triton_config or "")["platform"] == ""
+    # Strings through ONNX Runtime (torch in between) are still refused, naming the type.
     with pytest.raises(ConfigError, match="TYPE_STRING"):
         read_triton(FIXTURES / "simple_string")
+
+
+def test_a_python_model_without_config_is_no_triton_folder(tmp_path: Path) -> None:
+    folder = tmp_path / "bare_python" / "1"
+    folder.mkdir(parents=True)
+    (folder / "model.py").write_text("class TritonPythonModel: ...\n")
+    assert not is_triton_folder(tmp_path / "bare_python")
 
 
 def test_ignored_fields_are_logged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
