@@ -160,6 +160,8 @@ class Server:
         started = time.monotonic()
         deadline = started + self._settings.drain_timeout_s
         self.core.plane.begin_drain()
+        if self.http is not None:
+            self.http.begin_drain()
         logger.info("draining: not ready, refusing new requests")
         idle = await self._until_quiet(deadline)
         if self._inbox is not None and idle:

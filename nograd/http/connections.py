@@ -8,6 +8,12 @@ The guard is uvicorn's httptools protocol with limits added: a request's head mu
 ``max_connections`` gets 503 at once, before any request is read; each refusal closes the
 connection. Timers are loop callbacks, never a task per connection, and most requests arm none:
 one whose head or body arrives in a single read is done before any timer is needed.
+
+Once the server drains, every response ends its connection (``Connection: close``), so no client
+sends another request on a connection about to close; a connection kept alive between requests
+when the drain began stays open until its next request (answered, and the connection ended) or
+its keep-alive timeout, as it would without a stop: closing it earlier would cut a request its
+client may be sending at that moment.
 """
 
 from __future__ import annotations
@@ -58,13 +64,16 @@ class ConnectionLimits:
         )
 
 
-@dataclass(frozen=True)
+@dataclass
 class ConnectionGuard:
-    """What a guarded protocol class enforces, and whom it tells of each refusal."""
+    """What a guarded protocol class enforces, whom it tells of each refusal, and whether the
+    server drains."""
 
     limits: ConnectionLimits
     on_refusal: Callable[[str], None]
     """Called with the reason of each refusal (one of the labels above), for the metric."""
+    draining: bool = False
+    """Set once at a stop: from then on every response ends its connection."""
 
 
 def refusal(status: int, message: str, default_headers: Headers, extra: Headers = ()) -> bytes:
@@ -143,11 +152,19 @@ class GuardedProtocol(HttpToolsProtocol):
 
     @property
     def expecting_request(self) -> bool:
-        """A request is on its way and no app holds it yet: part of its head arrived, or the
-        connection is new (clients open one to send a request; its bytes may be unread)."""
+        """A request may be on its way and no app holds it yet: part of its head arrived, the
+        connection is new (clients open one to send a request; its bytes may be unread), or it
+        is kept alive between requests (its client may send the next one until the keep-alive
+        timeout closes it)."""
         if self._refused or self.transport is None or self.transport.is_closing():
             return False
-        return self._reading_head and (self._head_bytes > 0 or self._heads_read == 0)
+        return self._reading_head
+
+    def begin_drain(self) -> None:
+        """The response under way, if any, ends this connection (``Connection: close``)."""
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            cycle.keep_alive = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         if len(self.connections) >= self._max_connections:
@@ -215,6 +232,8 @@ class GuardedProtocol(HttpToolsProtocol):
                 self.app = app
             return
         super().on_headers_complete()
+        if self.guard.draining:
+            self.begin_drain()
 
     def on_message_complete(self) -> None:
         self._reading_head = True

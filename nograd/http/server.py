@@ -37,9 +37,9 @@ class HttpFront:
 
         # Slow and oversized requests are cut off and connections capped, on a port of its own
         # or on connections handed over alike.
-        guard = ConnectionGuard(ConnectionLimits.from_settings(settings), count_refusal)
+        self._guard = ConnectionGuard(ConnectionLimits.from_settings(settings), count_refusal)
         fit_file_limit(settings.max_connections)
-        protocol = guarded_protocol(guard)
+        protocol = guarded_protocol(self._guard)
         config = uvicorn.Config(
             build_app(core),
             host=settings.host,
@@ -73,10 +73,20 @@ class HttpFront:
         )
         return made
 
+    def begin_drain(self) -> None:
+        """Every response from now on ends its connection, those under way included, so no
+        client sends another request on a connection that is about to close."""
+        self._guard.draining = True
+        for connection in self._server.server_state.connections:
+            if isinstance(connection, GuardedProtocol):
+                connection.begin_drain()
+
     def holds_requests(self) -> bool:
-        """A request is being answered, or is on its way on a connection this front accepted:
-        part of its head arrived, or the connection is new (its bytes may be unread yet, on a
-        loaded machine). New connections hold it at most the header timeout (408)."""
+        """A request is being answered, or may be on its way on a connection this front
+        accepted: part of its head arrived, the connection is new (its bytes may be unread yet,
+        on a loaded machine), or it is kept alive from before the drain (its client may be
+        sending the next request). New connections hold it at most the header timeout (408),
+        kept-alive ones the keep-alive timeout."""
         state = self._server.server_state
         if state.tasks:
             return True

@@ -49,6 +49,7 @@ from nograd.supervisor.handoff import (
     send_connection,
 )
 from nograd.supervisor.plan import another_fits, gigabytes
+from nograd.supervisor.refusal import Refusals
 from nograd.supervisor.shared_dir import CORES_FILE, mark_dead, prepare_shared_dir, serve_metrics
 from nograd.supervisor.slots import Slot, next_restart
 from nograd.supervisor.stopping import DRAIN_SIGNAL, STOP_SIGNALS, StopSignals, Verdict, describe
@@ -114,7 +115,8 @@ class Supervisor:
         """Stopping (a stop signal came, or the workers are being stopped): dead workers are
         not started again."""
         self._last_pick = -1
-        self._dropped = 0
+        self._refusals = Refusals()
+        """Connections no worker could take, answered 503 and closing."""
         self._accept_resume_at = 0.0
         self._cores: Path | None = None
         """The ledger of shared CPU cores, created when the workers start (``share_cores``)."""
@@ -160,6 +162,7 @@ class Supervisor:
                 sock.close()
             for slot in self._slots:
                 self._close_channel(slot)
+            self._refusals.close()
 
     def _start_all(self) -> bool:
         """Start the workers one after another, each once the one before is warm; False when
@@ -258,10 +261,11 @@ class Supervisor:
         accepting = self._accepting()
         if not accepting and self._listening:
             due.append(self._accept_resume_at)
+        due += self._refusals.deadlines
         if due:
             timeout_s = max(0.0, min(timeout_s, min(due) - time.monotonic()))
         # Only a listening socket: one that is merely bound polls as hung up, always ready.
-        waited: list[object] = [*live, self._wakeup[0]]
+        waited: list[object] = [*live, self._wakeup[0], *self._refusals.sockets]
         if accepting:
             waited += self._sockets.values()
         if self._closing:
@@ -272,6 +276,7 @@ class Supervisor:
                 pass
         self._bury_dead()
         self._hand_over()
+        self._refusals.read()
         if self._closing:
             self._read_reports()
             return
@@ -289,15 +294,18 @@ class Supervisor:
             if slot.process is not None and not slot.process.is_alive():
                 self._bury(slot, now)
 
-    def _hand_over(self) -> None:
-        """Accept waiting connections on each port and hand each to the least busy serving
-        worker, with the front it is for."""
+    def _hand_over(self, *, every: bool = False) -> None:
+        """Accept waiting connections on each port (``every``: all the kernel queued, else at
+        most one round's) and hand each to the least busy serving worker, with the front it is
+        for."""
         for front, sock in self._sockets.items():
             if self._accepting():
-                self._hand_over_from(sock, front)
+                self._hand_over_from(sock, front, every=every)
 
-    def _hand_over_from(self, sock: socket.socket, front: bytes) -> None:
-        for _ in range(_ACCEPTS_PER_ROUND):
+    def _hand_over_from(self, sock: socket.socket, front: bytes, *, every: bool) -> None:
+        accepted = 0
+        while every or accepted < _ACCEPTS_PER_ROUND:
+            accepted += 1
             try:
                 conn, _ = sock.accept()
             except (BlockingIOError, InterruptedError):
@@ -312,12 +320,10 @@ class Supervisor:
                 )
                 self._accept_resume_at = time.monotonic() + ACCEPT_RETRY_S
                 return
-            with conn:
-                if not self._send(conn, front):
-                    self._dropped += 1
-                    logger.warning(
-                        "no worker could take a connection; closed it (%d so far)", self._dropped
-                    )
+            if self._send(conn, front):
+                conn.close()  # the worker holds its own copy
+            else:
+                self._refusals.refuse(conn, front)
 
     def _accepting(self) -> bool:
         return self._listening and time.monotonic() >= self._accept_resume_at
@@ -406,7 +412,7 @@ class Supervisor:
         """Hand over every connection the kernel has queued, then close the port: from here on
         new connections are refused, and none the supervisor accepted is left unanswered."""
         if self._listening:
-            self._hand_over()
+            self._hand_over(every=True)
             self._listening = False
             for sock in self._sockets.values():
                 sock.close()

@@ -89,7 +89,8 @@ async def echo_body(scope: Any, receive: Any, send: Any) -> None:
 class Harness:
     def __init__(self, app: Any = echo_body) -> None:
         self.refusals: list[str] = []
-        self.protocol_class = guarded_protocol(ConnectionGuard(LIMITS, self.refusals.append))
+        self.guard = ConnectionGuard(LIMITS, self.refusals.append)
+        self.protocol_class = guarded_protocol(self.guard)
         self.config = uvicorn.Config(app, log_config=None, timeout_keep_alive=60)
         self.state = ServerState()
 
@@ -237,6 +238,32 @@ async def test_a_connection_over_the_cap_gets_503_without_being_read(harness: Ha
     first.connection_lost(None)
     _, fourth = harness.connect()
     assert not fourth.closed
+
+
+async def test_once_draining_every_response_ends_its_connection(harness: Harness) -> None:
+    """What a stop asks of each connection: the response under way and every later one carry
+    ``Connection: close``, and a connection kept alive from before waits for its client's next
+    request instead of being counted as done."""
+    idle, idle_transport = harness.connect()
+    idle.data_received(GET)
+    await settle()
+    assert b"connection: close" not in idle_transport.written  # kept alive
+    busy, busy_transport = harness.connect()
+    busy.data_received(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\nab")
+    await settle()
+    harness.guard.draining = True  # as HttpFront.begin_drain does, with each connection
+    for protocol in (idle, busy):
+        protocol.begin_drain()
+    assert idle.expecting_request  # its client may be sending the next request now
+    busy.data_received(b"cd")
+    await settle()
+    assert b"connection: close" in busy_transport.written and busy_transport.closed
+    idle.data_received(GET)
+    await settle()
+    assert idle_transport.written.count(b"HTTP/1.1 200 OK") == 2
+    assert idle_transport.closed
+    assert b"connection: close" in idle_transport.written
+    assert not idle.expecting_request
 
 
 def test_refusal_is_a_whole_response_that_closes() -> None:

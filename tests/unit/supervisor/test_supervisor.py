@@ -19,6 +19,7 @@ import pytest
 
 from nograd.observability.metrics import Metrics
 from nograd.settings import Settings
+from nograd.supervisor import supervisor as supervisor_module
 from nograd.supervisor.handoff import HTTP, bind_socket
 from nograd.supervisor.slots import RESTART_DELAY_MAX_S, STABLE_AFTER_S, Slot, next_restart
 from nograd.supervisor.supervisor import Supervisor
@@ -90,7 +91,8 @@ class Workers:
         # Let the kernel finish the handshakes, then hand over everything that is queued.
         for _ in range(50):
             self.supervisor._hand_over()
-            if sum(s.sent for s in self.slots) + self.supervisor._dropped >= len(self.clients):
+            handled = sum(s.sent for s in self.slots) + self.supervisor._refusals.count
+            if handled >= len(self.clients):
                 return
             time.sleep(0.01)
         raise AssertionError("connections were not handed over")
@@ -165,14 +167,43 @@ def test_a_worker_whose_channel_is_gone_is_skipped(workers: Workers) -> None:
     assert len(workers.received(1)) == 4
 
 
-def test_with_no_worker_serving_a_connection_is_closed_not_left_hanging(
-    workers: Workers,
-) -> None:
+def test_with_no_worker_serving_a_connection_is_answered_503_not_cut(workers: Workers) -> None:
     for slot in workers.slots:
         slot.serving = False
     workers.connect(1)
-    assert workers.supervisor._dropped == 1
-    assert workers.clients[0].recv(1) == b""  # the client sees the connection closed
+    client = workers.clients[0]
+    # The request, sent before the supervisor answered, is read and dropped: closing the
+    # connection with it unread would reset it and could destroy the answer.
+    client.sendall(b"POST /v2/models/m/infer HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}")
+    assert workers.supervisor._refusals.count == 1
+    answer = b""
+    while chunk := client.recv(65536):
+        answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503 ")
+    assert b"retry-after: 1" in head and b"connection: close" in head
+    assert b"retry later" in body
+    client.close()  # the client's close ends the supervisor's lingering read
+    deadline = time.monotonic() + 2
+    while workers.supervisor._refusals.sockets:
+        assert time.monotonic() < deadline
+        workers.supervisor._watch(timeout_s=0.1)
+
+
+def test_a_stop_hands_over_every_queued_connection_before_closing_the_port(
+    workers: Workers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(supervisor_module, "_ACCEPTS_PER_ROUND", 2)
+    for _ in range(5):
+        workers.clients.append(socket.create_connection(("127.0.0.1", workers.port), timeout=2))
+    time.sleep(0.05)  # the handshakes done: all five queued in the kernel
+    workers.supervisor._stop_listening()
+    handed = 0
+    for inbox in workers.inboxes:
+        # Every connection sent before the supervisor ended the channel, then its end.
+        while socket.recv_fds(inbox, 1, 1)[1]:
+            handed += 1
+    assert handed == 5
 
 
 def test_multiprocess_metrics_need_the_directory_set_before_import(tmp_path: Path) -> None:
