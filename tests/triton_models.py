@@ -107,6 +107,140 @@ class TritonPythonModel:
 INVALID_ARG, 500 for the default INTERNAL), and two versions whose ``model.py`` differ."""
 
 
+PREPROCESS_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            raw = pb_utils.get_input_tensor_by_name(request, "INPUT_0").as_numpy()
+            # Each row's mean byte, scaled per channel, fills a 3 x 224 x 224 image.
+            level = raw.astype(np.float32).mean(axis=1) / 255.0
+            image = np.empty((len(raw), 3, 224, 224), np.float32)
+            image[:] = (level[:, None] * np.array([1.0, 2.0, 3.0], np.float32))[:, :, None, None]
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT_0", image)]))
+        return responses
+"""
+"""Stands in for python_backend's preprocessing ``model.py`` (which decodes a JPEG with PIL and
+torchvision): same tensors, numpy only."""
+
+
+class PooledClassifier(torch.nn.Module):
+    """Stands in for ``resnet50_trt`` (a TensorRT engine): 1000 scores from an image."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 1000)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return self.linear(input.mean(dim=(2, 3)))
+
+
+CLASSIFIER_CONFIG = """
+name: "resnet50_trt"
+platform: "pytorch_libtorch"
+max_batch_size: 256
+input [ { name: "input", data_type: TYPE_FP32, dims: [ 3, 224, 224 ] } ]
+output [ { name: "output", data_type: TYPE_FP32, dims: [ 1000 ] } ]
+"""
+
+CHAIN_CONFIG = """
+name: "chain"
+platform: "ensemble"
+max_batch_size: 0
+input [
+  { name: "A", data_type: TYPE_FP32, dims: [ 4 ] },
+  { name: "B", data_type: TYPE_FP32, dims: [ 4 ] }
+]
+output [
+  { name: "SUM", data_type: TYPE_FP32, dims: [ 4 ] },
+  { name: "TWICE_B", data_type: TYPE_FP32, dims: [ 4 ] },
+  { name: "THRICE_A_PLUS_B", data_type: TYPE_FP32, dims: [ 4 ] },
+  { name: "B_MINUS_A", data_type: TYPE_FP32, dims: [ 4 ] }
+]
+ensemble_scheduling {
+  step [
+    {
+      model_name: "add_sub"
+      model_version: -1
+      input_map { key: "INPUT0" value: "A" }
+      input_map { key: "INPUT1" value: "B" }
+      output_map { key: "OUTPUT0" value: "SUM" }
+      output_map { key: "OUTPUT1" value: "diff" }
+    },
+    {
+      model_name: "pytorch"
+      model_version: -1
+      input_map { key: "INPUT0" value: "SUM" }
+      input_map { key: "INPUT1" value: "diff" }
+      output_map { key: "OUTPUT0" value: "twice_a" }
+      output_map { key: "OUTPUT1" value: "TWICE_B" }
+    },
+    {
+      model_name: "add_sub"
+      model_version: 1
+      input_map { key: "INPUT0" value: "SUM" }
+      input_map { key: "INPUT1" value: "twice_a" }
+      output_map { key: "OUTPUT0" value: "THRICE_A_PLUS_B" }
+      output_map { key: "OUTPUT1" value: "B_MINUS_A" }
+    }
+  ]
+}
+"""
+"""No batch dimension, over python_backend's two examples: ``SUM`` (A + B) is an ensemble output
+and the input of two later steps."""
+
+TWICE_CONFIG = """
+name: "guarded_twice"
+platform: "ensemble"
+max_batch_size: 8
+input [ { name: "X", data_type: TYPE_FP32, dims: [ 2 ] } ]
+output [ { name: "Y", data_type: TYPE_FP32, dims: [ 2 ] } ]
+ensemble_scheduling {
+  step [
+    {
+      model_name: "guarded"
+      model_version: 1
+      input_map { key: "X" value: "X" }
+      output_map { key: "Y" value: "once" }
+    },
+    {
+      model_name: "guarded"
+      model_version: 2
+      input_map { key: "X" value: "once" }
+      output_map { key: "Y" value: "Y" }
+    }
+  ]
+}
+"""
+"""Versions 1 and 2 of ``guarded`` in turn (dynamic batching, 20 ms): ``Y[:, 0] = 10 * X[:, 0]``."""
+
+SIMPLE_ENSEMBLE_CONFIG = """
+name: "{name}"
+platform: "ensemble"
+max_batch_size: 8
+input [
+  {{ name: "IN0", data_type: TYPE_INT32, dims: [ 16 ] }},
+  {{ name: "IN1", data_type: TYPE_INT32, dims: [ 16 ] }}
+]
+output [ {{ name: "OUT", data_type: TYPE_INT32, dims: [ 16 ] }} ]
+ensemble_scheduling {{
+  step [
+    {{
+      model_name: "{step}"
+      model_version: -1
+      input_map {{ key: "{input}" value: "IN0" }}
+      input_map {{ key: "INPUT1" value: "IN1" }}
+      output_map {{ key: "OUTPUT0" value: "OUT" }}
+    }}
+  ]
+}}
+"""
+
+
 def triton_repository(root: Path) -> Path:
     """Triton folders and a nograd one side by side:
 
@@ -121,6 +255,11 @@ def triton_repository(root: Path) -> Path:
     - ``simple_identity`` (Triton's, the Python backend, TYPE_STRING), python_backend's
       ``add_sub`` and ``pytorch`` examples, and ``guarded`` (a Python model with error
       responses and two versions);
+    - ensembles: python_backend's ``ensemble_python_resnet50`` (its ``preprocess`` config, with
+      a numpy ``model.py``, and a TorchScript ``resnet50_trt``), ``chain`` (no batch dimension),
+      ``guarded_twice`` (batched), ``simple_ensemble`` over ``simple_step`` (a copy of
+      ``simple``), and two that fail to load: ``ensemble_missing`` (a step model not in the
+      repository) and ``ensemble_bad_input`` (an input ``simple`` does not have);
     - ``digits``: nograd's own folder.
     """
     torch.manual_seed(0)
@@ -155,8 +294,38 @@ def triton_repository(root: Path) -> Path:
     for version, scale in (("1", 1), ("2", 10)):
         (repo / "guarded" / version).mkdir()
         (repo / "guarded" / version / "model.py").write_text(GUARDED_MODEL.format(scale=scale))
+    _ensembles(repo)
     shutil.copytree(ROOT / "models" / "digits", repo / "digits")
     return repo
+
+
+def _ensembles(repo: Path) -> None:
+    for name in ("ensemble_python_resnet50", "preprocess"):
+        shutil.copytree(FIXTURES / name, repo / name)
+    (repo / "ensemble_python_resnet50" / "1").mkdir()
+    (repo / "preprocess" / "1").mkdir()
+    (repo / "preprocess" / "1" / "model.py").write_text(PREPROCESS_MODEL)
+    save_torchscript(PooledClassifier(), repo / "resnet50_trt" / "1" / "model.pt")
+    (repo / "resnet50_trt" / "config.pbtxt").write_text(CLASSIFIER_CONFIG)
+    shutil.copytree(FIXTURES / "simple", repo / "simple_step")
+    text = (repo / "simple_step" / "config.pbtxt").read_text()
+    (repo / "simple_step" / "config.pbtxt").write_text(text.replace('"simple"', '"simple_step"'))
+    configs = {
+        "chain": CHAIN_CONFIG,
+        "guarded_twice": TWICE_CONFIG,
+        "simple_ensemble": SIMPLE_ENSEMBLE_CONFIG.format(
+            name="simple_ensemble", step="simple_step", input="INPUT0"
+        ),
+        "ensemble_missing": SIMPLE_ENSEMBLE_CONFIG.format(
+            name="ensemble_missing", step="nowhere", input="INPUT0"
+        ),
+        "ensemble_bad_input": SIMPLE_ENSEMBLE_CONFIG.format(
+            name="ensemble_bad_input", step="simple", input="NOPE"
+        ),
+    }
+    for name, config in configs.items():
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "config.pbtxt").write_text(config)
 
 
 SERVED = (
@@ -170,5 +339,12 @@ SERVED = (
     "add_sub",
     "pytorch",
     "guarded",
+    "preprocess",
+    "resnet50_trt",
+    "ensemble_python_resnet50",
+    "simple_step",
+    "simple_ensemble",
+    "chain",
+    "guarded_twice",
 )
 """The Triton models the e2e server loads at start-up (with ``fixed`` and ``digits``)."""

@@ -20,6 +20,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from nograd.core.datatypes import TABLE
+from nograd.interop.ensemble import ensemble_steps
 from nograd.interop.generated import model_config_pb2 as pb
 from nograd.runtime.config import (
     ConfigError,
@@ -52,10 +53,13 @@ class Backend:
 
 PYTHON: Final = Backend("", "python", "python", "model.py", alone=False)
 """Triton's Python backend: ``model.py`` defining ``TritonPythonModel``."""
+ENSEMBLE: Final = Backend("ensemble", "", "ensemble", "", alone=False)
+"""Triton's ensembles: steps running other models, no file of their own."""
 BACKENDS: Final = (
     Backend("onnxruntime_onnx", "onnxruntime", "onnx", "model.onnx"),
     Backend("pytorch_libtorch", "pytorch", "torchscript", "model.pt"),
     PYTHON,
+    ENSEMBLE,
 )
 DATATYPES: Final[dict[str, str]] = {row.triton: row.name for row in TABLE}
 """Triton's ``TYPE_...`` names to the protocol's datatypes (TYPE_STRING is BYTES)."""
@@ -85,6 +89,7 @@ MAPPED: Final = frozenset(
         "default_model_filename",
         "parameters",
         "model_warmup",
+        "ensemble_scheduling",
     }
 )
 _warned: set[str] = set()
@@ -129,6 +134,10 @@ def _convert(model_dir: Path, message: Any, text: str, where: str) -> ModelConfi
     message.name = folder
     _refuse_unknown(message, where)
     backend = _backend(model_dir, message)
+    if message.HasField("ensemble_scheduling") and backend is not ENSEMBLE:
+        raise ValueError(
+            f"ensemble scheduling cannot be set for model '{folder}' whose platform is not ensemble"
+        )
     message.platform, message.backend = backend.platform, backend.backend
     message.default_model_filename = message.default_model_filename or backend.filename
     if not message.HasField("version_policy"):
@@ -149,7 +158,9 @@ def _convert(model_dir: Path, message: Any, text: str, where: str) -> ModelConfi
         "inputs": inputs,
         "outputs": outputs,
     }
-    if backend is PYTHON:
+    if backend is ENSEMBLE:
+        fields["steps"] = ensemble_steps(message)
+    elif backend is PYTHON:
         fields["module"] = message.default_model_filename
     else:
         fields["artifact"] = message.default_model_filename
@@ -222,6 +233,8 @@ def _backend(model_dir: Path, message: Any) -> Backend:
 def _detect(model_dir: Path, filename: str = "") -> Backend | None:
     for version in _versions(model_dir):
         for backend in BACKENDS:
+            if backend is ENSEMBLE:
+                continue
             if (model_dir / version / (filename or backend.filename)).exists() and (
                 not filename or filename.endswith(Path(backend.filename).suffix)
             ):
@@ -248,7 +261,7 @@ def _tensor(tensor: Any, kind: str, where: str, backend: Backend) -> TensorSpec:
     datatype = DATATYPES.get(type_name)
     if datatype is None:
         raise ValueError(f"{label}: 'data_type' {type_name} is not served by nograd")
-    if datatype == "BYTES" and backend is not PYTHON:
+    if datatype == "BYTES" and backend not in (PYTHON, ENSEMBLE):
         raise ValueError(
             f"{label}: 'data_type' TYPE_STRING is not served by nograd's {backend.backend} "
             "backend yet (its tensors pass through torch, which holds no strings; the python "

@@ -26,6 +26,7 @@ from nograd.core.engines import (
     int8_variant,
     signature_formats,
 )
+from nograd.runtime.ensemble_step import EnsembleStep as EnsembleStep
 from nograd.runtime.tensor_spec import TensorSpec as TensorSpec
 from nograd.runtime.versions import VersionPolicy as VersionPolicy
 from nograd.runtime.versions import check_model_name as check_model_name
@@ -40,6 +41,9 @@ as in the engine table (``nograd.core.engines``)."""
 TORCHSERVE_FORMAT = "torchserve"
 """A TorchServe model archive (``.mar``), unpacked by ``nograd.serving.archives``: its handler
 runs as TorchServe runs it (``nograd.runtime.torchserve``)."""
+ENSEMBLE_FORMAT = "ensemble"
+"""A Triton ensemble: no model of its own; ``steps`` run other served models
+(``nograd.serving.ensembles``)."""
 CompileMode = Literal["default", "reduce-overhead", "max-autotune"]
 CONFIG_NAMES = ("config.toml", "config.yaml", "config.yml")
 _DEVICE_RE = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
@@ -80,6 +84,8 @@ class ModelConfig(BaseModel):
     inputs: tuple[TensorSpec, ...] = ()
     """Required, except for a torch_export or onnx artifact, whose signature names them."""
     outputs: tuple[TensorSpec, ...] = ()
+    steps: tuple[EnsembleStep, ...] = ()
+    """An ensemble's steps (format ``ensemble``), in the config's order."""
     max_batch_size: int | None = Field(default=None, ge=1, le=65536)
     max_queue_delay_ms: float | None = Field(default=None, ge=0.0, le=10_000.0)
     max_queue_size: int | None = Field(default=None, ge=1)
@@ -179,7 +185,8 @@ class ModelConfig(BaseModel):
     @field_validator("format")
     @classmethod
     def _format_known(cls, value: str) -> str:
-        return _one_of(value, (PYTHON_FORMAT, TORCHSERVE_FORMAT, *artifact_engines()))
+        formats = (PYTHON_FORMAT, TORCHSERVE_FORMAT, ENSEMBLE_FORMAT, *artifact_engines())
+        return _one_of(value, formats)
 
     @field_validator("engine")
     @classmethod
@@ -286,6 +293,12 @@ def is_triton_python(config: ModelConfig) -> bool:
 def check_engine_fields(config: ModelConfig) -> None:
     """The format, artifact, engine and precision fields agree; each error names the field."""
     python = config.format == PYTHON_FORMAT
+    if (config.format == ENSEMBLE_FORMAT) != bool(config.steps):
+        raise ValueError("field 'steps': an ensemble lists its steps, and only an ensemble does")
+    if config.format == ENSEMBLE_FORMAT:
+        if config.artifact is not None or config.engine is not None:
+            raise ValueError("field 'format': an ensemble runs other models, no file of its own")
+        return
     if config.format == TORCHSERVE_FORMAT:
         if config.artifact is not None or config.engine is not None:
             raise ValueError("field 'format': a TorchServe archive runs its own handler")

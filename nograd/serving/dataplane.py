@@ -7,6 +7,7 @@ behaviour (validation, deadlines, metrics) is written once.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -18,9 +19,17 @@ from nograd.core.errors import ModelAnswered
 from nograd.host.ledger import CoreLedger, CoreShare
 from nograd.observability.metrics import Metrics
 from nograd.observability.stats import Statistics
+from nograd.runtime.config import EnsembleStep
 from nograd.runtime.devices import device_label, read_memory, resolve_device
 from nograd.runtime.handler import Outputs
 from nograd.serving.admission import Admission
+from nograd.serving.ensembles import (
+    check_ensemble,
+    compose,
+    is_ensemble,
+    load_order,
+    waiting_for,
+)
 from nograd.serving.errors import (
     Draining,
     InferenceFailed,
@@ -31,7 +40,7 @@ from nograd.serving.errors import (
 from nograd.serving.heap_return import HeapReturn
 from nograd.serving.loading import ModelLoader
 from nograd.serving.registry import ModelRegistry, ServedModel, State
-from nograd.serving.repository import Wanted
+from nograd.serving.repository import Wanted, model_names
 from nograd.serving.validation import (
     Declared,
     add_batch_dimension,
@@ -94,8 +103,10 @@ class DataPlane:
     async def load_all(self) -> None:
         """Load the registered start-up set; the server turns ready once every one has loaded
         (or failed to)."""
-        await self._loader.load_all(self.registry.served())
+        served = self.registry.served()
+        await self._loader.load_all([m for m in served if not is_ensemble(m.config)])
         self._cores = self._loader.cores
+        self._bind_ensembles([m for m in served if is_ensemble(m.config)])
         for name in list(self.registry.versions):
             self.registry.refresh(name)
         self._loaded.set()
@@ -104,8 +115,30 @@ class DataPlane:
     async def load_models(self, models: list[ServedModel]) -> None:
         """Load, warm up and plan ``models`` beside those serving (not registered: they take
         requests once registered)."""
-        await self._loader.load_all(models, self.registry.served())
+        own = [m for m in models if not is_ensemble(m.config)]
+        await self._loader.load_all(own, self.registry.served())
         self._cores = self._loader.cores
+        self._bind_ensembles([m for m in models if is_ensemble(m.config)])
+
+    def _bind_ensembles(self, ensembles: list[ServedModel]) -> None:
+        """Check each ensemble's steps against the step models loaded (Triton's load-time
+        checks); one that passes is loaded, and ready while its step models are."""
+        if not ensembles:
+            return
+        names = set(model_names(self.settings.model_repository)) | set(self.registry.versions)
+        for model in load_order(ensembles):
+            if model.state is not State.LOADING:
+                continue
+            problem = check_ensemble(self.registry, model, names.__contains__)
+            if problem is not None:
+                model.state = State.FAILED
+                model.error = f"failed to load: {problem}"
+                logger.error("model %s %s", model.name, model.error)
+                continue
+            model.waiting_for = functools.partial(waiting_for, self.registry, model.config)
+            model.state = State.READY
+            self.metrics.model_ready.labels(model.name).set(1)
+            logger.info("ensemble %s v%s loaded", model.name, model.version)
 
     async def free(self, model: ServedModel) -> None:
         """Free a version taken out of the registry (unloaded, replaced, or failed to load)."""
@@ -297,7 +330,7 @@ class DataPlane:
         name = model.name
         if self._draining:
             raise Draining(f"model {name!r} is not ready (server is draining)")
-        if not model.ready or model.handler is None or model.batcher is None:
+        if not model.ready or (model.waiting_for is None and model.handler is None):
             raise ModelNotReady(f"model {name!r} is not ready ({self._why_not_ready(model)})")
         inputs = squeeze_scalar_samples(model, inputs)
         validate(
@@ -307,6 +340,9 @@ class DataPlane:
             max_text_bytes=self.settings.max_text_bytes,
             request_id=request_id,
         )
+        if model.waiting_for is not None:
+            return await self._compose(model, inputs, deadline, request_id)
+        assert model.handler is not None and model.batcher is not None
         inputs = add_batch_dimension(model, inputs)
         try:
             if prepare_in_thread(model.handler, inputs):
@@ -334,9 +370,35 @@ class DataPlane:
                 f"model {name!r} failed on this request: {type(exc).__name__}: {exc}"
             ) from exc
 
+    async def _compose(
+        self,
+        model: ServedModel,
+        inputs: Mapping[str, np.ndarray],
+        deadline: float | None,
+        request_id: str | None,
+    ) -> Outputs:
+        """An ensemble's request, checked against the ensemble's inputs: each step a request of
+        its own to its step model (its batcher, its statistics)."""
+
+        async def run_step(step: EnsembleStep, given: dict[str, np.ndarray]) -> Outputs:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            _, outputs = await self.infer(
+                step.model, step.version, given, timeout_s=timeout, request_id=request_id
+            )
+            return outputs
+
+        started = time.perf_counter()
+        outputs = await compose(model.config, inputs, run_step)
+        # Triton counts one execution of the ensemble per request it answers.
+        rows = len(next(iter(inputs.values()))) if model.config.batch_dimension else 1
+        self.statistics.of(model.name).batch_finished(rows, time.perf_counter() - started, True)
+        return outputs
+
     def _why_not_ready(self, model: ServedModel) -> str:
         if self._draining:
             return "server is draining"
+        if model.state is State.READY and model.waiting_for is not None:
+            return model.waiting_for() or "ready"
         if model.state is State.FAILED:
             return f"failed to load: {model.error}"
         if model.state is State.LOADING:

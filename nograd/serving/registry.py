@@ -60,6 +60,9 @@ class ServedModel:
     """Set when ``active`` drops to zero, for an unload waiting on it."""
     override: Override | None = None
     """The load call's config override it was loaded with (recorded for the sibling workers)."""
+    waiting_for: Callable[[], str | None] | None = None
+    """An ensemble's readiness (``nograd.serving.ensembles``): why it is not ready (a step
+    model that is not), or None. An ensemble has no batcher of its own."""
 
     @classmethod
     def of(cls, source: VersionSource) -> ServedModel:
@@ -77,6 +80,8 @@ class ServedModel:
 
     @property
     def ready(self) -> bool:
+        if self.waiting_for is not None:
+            return self.state is State.READY and self.waiting_for() is None
         return self.state is State.READY and self.batcher is not None and self.batcher.alive
 
 

@@ -106,7 +106,7 @@ def triton_folder_configuration(model: ServedModel) -> dict[str, Any]:
     config = model.config
     assert config.triton_config is not None
     document: dict[str, Any] = json.loads(config.triton_config)
-    if not document.get("instance_group"):
+    if not document.get("instance_group") and not config.steps:
         device = str(model.handler.device) if model.handler is not None else config.device
         document["instance_group"] = [
             {
@@ -163,7 +163,8 @@ def repository_index(
         entry = {"name": model.name, "version": model.version, "state": INDEX_STATES[model.state]}
         if model.state is State.READY and not model.ready:
             entry["state"] = "UNAVAILABLE"
-            entry["reason"] = "its batch loop stopped; the watchdog restarts it"
+            waiting = model.waiting_for() if model.waiting_for is not None else None
+            entry["reason"] = waiting or "its batch loop stopped; the watchdog restarts it"
         elif model.error:
             entry["reason"] = model.error
         index.append(entry)

@@ -66,9 +66,8 @@ def _infer(client: object, module: object, model: str, tensors: dict[str, np.nda
 
 
 def _datatype(array: np.ndarray) -> str:
-    return {np.int32: "INT32", np.int8: "INT8", np.float32: "FP32", np.object_: "BYTES"}[
-        array.dtype.type
-    ]
+    types = {np.int32: "INT32", np.int8: "INT8", np.uint8: "UINT8", np.float32: "FP32"}
+    return {**types, np.object_: "BYTES"}[array.dtype.type]
 
 
 def test_every_model_ready_beside_nograds_own(
@@ -306,3 +305,136 @@ def test_python_backend_takes_queued_requests_in_one_execute(triton_server: Serv
         if most > 1:
             break
     assert 1 < most <= 8
+
+
+# ------------------------------------------------------------------------------------ ensembles
+def test_ensembles_ready_reported_as_triton_reports_them(
+    http_client: triton_http.InferenceServerClient,
+) -> None:
+    for name in ("ensemble_python_resnet50", "chain", "guarded_twice", "simple_ensemble"):
+        assert http_client.is_model_ready(name), name
+    metadata = http_client.get_model_metadata("ensemble_python_resnet50")
+    assert metadata["platform"] == "ensemble"
+    assert metadata["inputs"] == [{"name": "INPUT", "datatype": "UINT8", "shape": [-1, -1]}]
+    config = http_client.get_model_config("ensemble_python_resnet50")
+    assert (config["platform"], config["backend"], config["max_batch_size"]) == (
+        "ensemble",
+        "",
+        256,
+    )
+    assert not config.get("instance_group")
+    steps = config["ensemble_scheduling"]["step"]
+    assert [(s["model_name"], s["model_version"]) for s in steps] == [
+        ("preprocess", -1),
+        ("resnet50_trt", -1),
+    ]
+    assert steps[1]["input_map"] == {"input": "preprocessed_image"}
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_ensemble_answers_as_its_steps_composed(
+    request: pytest.FixtureRequest, protocol: str
+) -> None:
+    client = request.getfixturevalue(f"{protocol}_client")
+    module = triton_http if protocol == "http" else triton_grpc
+    raw = np.random.default_rng(0).integers(0, 256, (3, 50), dtype=np.uint8)
+    scores = _infer(client, module, "ensemble_python_resnet50", {"INPUT": raw})
+    image = _infer(client, module, "preprocess", {"INPUT_0": raw})
+    image_array = image.as_numpy("OUTPUT_0")  # type: ignore[attr-defined]
+    direct = _infer(client, module, "resnet50_trt", {"input": image_array})
+    assert scores.as_numpy("OUTPUT").shape == (3, 1000)  # type: ignore[attr-defined]
+    np.testing.assert_allclose(
+        scores.as_numpy("OUTPUT"),  # type: ignore[attr-defined]
+        direct.as_numpy("output"),  # type: ignore[attr-defined]
+        atol=1e-5,
+    )
+    a = np.array([1, 2, 3, 4], dtype=np.float32)
+    b = np.array([10, 20, 30, 40], dtype=np.float32)
+    chain = _infer(client, module, "chain", {"A": a, "B": b})
+    expected = {"SUM": a + b, "TWICE_B": 2 * b, "THRICE_A_PLUS_B": 3 * a + b, "B_MINUS_A": b - a}
+    for name, value in expected.items():
+        np.testing.assert_allclose(chain.as_numpy(name), value, atol=1e-5)  # type: ignore[attr-defined]
+    x0, x1 = ROWS[:2], OTHER[:2]
+    simple = _infer(client, module, "simple_ensemble", {"IN0": x0, "IN1": x1})
+    np.testing.assert_array_equal(simple.as_numpy("OUT"), x0 + x1)  # type: ignore[attr-defined]
+
+
+def test_ensemble_step_error_fails_the_request_with_its_message(
+    triton_server: Server, grpc_client: triton_grpc.InferenceServerClient
+) -> None:
+    url = f"{triton_server.url}/v2/models/guarded_twice/infer"
+    body = {"inputs": [{"name": "X", "datatype": "FP32", "shape": [1, 2], "data": [-1.0, 0.0]}]}
+    refused = httpx.post(url, json=body)
+    assert refused.status_code == 400
+    assert refused.json()["error"] == "in ensemble 'guarded_twice', X must not be negative"
+    tensor = triton_grpc.InferInput("X", [1, 2], "FP32")
+    tensor.set_data_from_numpy(np.array([[5000.0, 0.0]], dtype=np.float32))
+    with pytest.raises(InferenceServerException) as raised:
+        grpc_client.infer("guarded_twice", [tensor])
+    assert raised.value.status() == "StatusCode.INTERNAL"
+
+
+def test_concurrent_ensemble_requests_batch_in_the_step_models(
+    http_client: triton_http.InferenceServerClient, triton_server: Server
+) -> None:
+    url = f"{triton_server.url}/v2/models/guarded_twice/infer"
+
+    def counts(name: str) -> tuple[int, int]:
+        found = http_client.get_inference_statistics(name)["model_stats"][0]
+        return int(found["inference_count"]), int(found["execution_count"])
+
+    def send(index: int) -> httpx.Response:
+        data = {"inputs": [{"name": "X", "datatype": "FP32", "shape": [1, 2], "data": [index, 0]}]}
+        return httpx.post(url, json=data, timeout=30)
+
+    executions = 16
+    for _ in range(3):  # the requests meet in the 20 ms queue delay; a loaded box may miss it
+        before, ensemble_before = counts("guarded"), counts("guarded_twice")
+        with ThreadPoolExecutor(8) as pool:
+            responses = list(pool.map(send, range(8)))
+        for index, response in enumerate(responses):
+            assert response.status_code == 200, response.text
+            assert response.json()["outputs"][0]["data"][0] == 10.0 * index
+        after, ensemble_after = counts("guarded"), counts("guarded_twice")
+        # Both steps run on guarded (versions 1 and 2, whose statistics add up under its name).
+        assert after[0] - before[0] == 16
+        assert ensemble_after[0] - ensemble_before[0] == 8
+        assert ensemble_after[1] - ensemble_before[1] == 8
+        executions = after[1] - before[1]
+        if executions < 16:
+            break
+    assert executions < 16
+
+
+def test_ensemble_load_errors_name_the_problem(
+    http_client: triton_http.InferenceServerClient,
+) -> None:
+    with pytest.raises(InferenceServerException) as missing:
+        http_client.load_model("ensemble_missing")
+    assert (
+        "ensemble ensemble_missing contains models that are not available or ambiguous: nowhere"
+        in missing.value.message()
+    )
+    with pytest.raises(InferenceServerException) as bad_input:
+        http_client.load_model("ensemble_bad_input")
+    assert (
+        "in ensemble ensemble_bad_input, ensemble tensor IN0 is mapping to non-existing input "
+        "NOPE in model simple" in bad_input.value.message()
+    )
+
+
+def test_unloading_a_step_model_makes_the_ensemble_unready(
+    http_client: triton_http.InferenceServerClient,
+) -> None:
+    http_client.unload_model("simple_step")
+    try:
+        assert not http_client.is_model_ready("simple_ensemble")
+        index = {e["name"]: e for e in http_client.get_model_repository_index()}
+        assert index["simple_ensemble"]["state"] == "UNAVAILABLE"
+        assert "simple_step" in index["simple_ensemble"]["reason"]
+        with pytest.raises(InferenceServerException) as raised:
+            _infer(http_client, triton_http, "simple_ensemble", {"IN0": ROWS, "IN1": OTHER})
+        assert "simple_step" in raised.value.message()
+    finally:
+        http_client.load_model("simple_step")
+    assert http_client.is_model_ready("simple_ensemble")

@@ -1,0 +1,114 @@
+"""An ensemble's steps checked against its step models when it loads, in Triton's words: models
+missing or not loaded, inputs and outputs the step model lacks, datatypes and shapes that
+disagree, a batch size the step cannot take, and ensembles that contain each other."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nograd.runtime.config import EnsembleStep, ModelConfig, TensorSpec
+from nograd.serving.ensembles import check_ensemble, load_order
+from nograd.serving.registry import ModelRegistry, ServedModel, State
+
+
+def _model(registry: ModelRegistry, config: ModelConfig, state: State = State.READY) -> ServedModel:
+    model = ServedModel(config, Path("."), state=state)
+    registry.add(model)
+    return model
+
+
+def _step_model(rows: int = 8, datatype: str = "FP32", dims: tuple[int, ...] = (4,)) -> ModelConfig:
+    return ModelConfig(
+        name="m",
+        format="onnx",
+        artifact="model.onnx",
+        max_batch_size=rows,
+        inputs=(TensorSpec(name="A", datatype=datatype, shape=dims),),
+        outputs=(TensorSpec(name="B", datatype="FP32", shape=(4,)),),
+    )
+
+
+def _ensemble(name: str = "e", model: str = "m", input_name: str = "A") -> ModelConfig:
+    step = EnsembleStep(model=model, inputs=((input_name, "X"),), outputs=(("B", "Y"),))
+    return ModelConfig(
+        name=name,
+        format="ensemble",
+        weights=None,
+        max_batch_size=8,
+        inputs=(TensorSpec(name="X", datatype="FP32", shape=(4,)),),
+        outputs=(TensorSpec(name="Y", datatype="FP32", shape=(4,)),),
+        steps=(step,),
+    )
+
+
+@pytest.mark.parametrize(
+    ("step", "ensemble", "message"),
+    [
+        (_step_model(), _ensemble(), None),
+        (
+            _step_model(),
+            _ensemble(model="gone"),
+            "ensemble e contains models that are not available or ambiguous: gone",
+        ),
+        (
+            _step_model(),
+            _ensemble(input_name="Z"),
+            "in ensemble e, ensemble tensor X is mapping to non-existing input Z in model m",
+        ),
+        (
+            _step_model(rows=4),
+            _ensemble(),
+            "ensemble e allows maximum batch size 8, but it contains model m which only allows "
+            "maximum batch size to be 4",
+        ),
+        (
+            _step_model(datatype="INT32"),
+            _ensemble(),
+            "in ensemble e, ensemble tensor X: inconsistent data type: TYPE_FP32 is inferred "
+            "from model e while TYPE_INT32 is inferred from model m",
+        ),
+        (
+            _step_model(dims=(5,)),
+            _ensemble(),
+            "in ensemble e, ensemble tensor X: inconsistent shape: [-1,4] is inferred from "
+            "model e while [-1,5] is inferred from model m",
+        ),
+    ],
+)
+def test_steps_checked_against_their_models(
+    step: ModelConfig, ensemble: ModelConfig, message: str | None
+) -> None:
+    registry = ModelRegistry()
+    _model(registry, step)
+    model = _model(registry, ensemble, State.LOADING)
+    names = {"m", "e"}
+    assert check_ensemble(registry, model, names.__contains__) == message
+
+
+def test_a_step_model_not_loaded_or_failed() -> None:
+    registry = ModelRegistry()
+    model = _model(registry, _ensemble(), State.LOADING)
+    expected = "ensemble 'e' depends on 'm' which has no loaded version."
+    assert check_ensemble(registry, model, {"m", "e"}.__contains__) == expected
+    failed = _model(registry, _step_model(), State.FAILED)
+    failed.error = "failed to load: broken"
+    assert check_ensemble(registry, model, {"m", "e"}.__contains__) == (
+        "ensemble 'e' depends on 'm' which has no loaded version. Model 'm' loading failed "
+        "with error: failed to load: broken"
+    )
+
+
+def test_ensembles_containing_each_other() -> None:
+    registry = ModelRegistry()
+    outer = _model(registry, _ensemble("outer", model="inner"), State.LOADING)
+    inner = _model(registry, _ensemble("inner", model="outer"), State.LOADING)
+    assert load_order([outer, inner]) == [outer, inner]  # a cycle: any order
+    assert check_ensemble(registry, outer, {"outer", "inner"}.__contains__) == (
+        "circular dependency between ensembles: outer -> ... -> inner -> outer"
+    )
+    plain = ModelRegistry()
+    first = _model(plain, _ensemble("first", model="second"), State.LOADING)
+    second = _model(plain, _ensemble("second", model="m"), State.LOADING)
+    assert load_order([first, second]) == [second, first]
