@@ -140,3 +140,12 @@ def test_concurrent_requests_are_batched(server: Server, store: Path) -> None:
     assert [r.json() for r in responses] == expected
     batches = metric_value(server.url, "nograd_batch_size_count", model="mnist") - batches_before
     assert 1 <= batches < len(images), f"{batches} batches for {len(images)} requests"
+
+
+def test_handler_imports_its_archive_files_lazily(server: Server) -> None:
+    """A file of the archive imported inside ``handle`` (after load) is found, batch after
+    batch, and is the archive's own module."""
+    for text in ("first", "second"):
+        answer = httpx.post(f"{server.url}/predictions/lazy", json={"text": text})
+        assert answer.status_code == 200, answer.text
+        assert answer.json() == {"echo": {"text": text}, "helper": "lazy_helper"}

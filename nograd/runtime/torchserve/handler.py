@@ -60,8 +60,11 @@ class ArchiveHandler(ModelHandler):
         entry: Entry,
         context: Context,
         code: dict[str, ModuleType],
+        folder: Path,
     ) -> None:
         super().__init__(module, config, device)
+        self.folder = folder
+        """The unpacked archive: on the path while ``handle`` runs, for its lazy imports."""
         self.entry = entry
         self.context = context
         self.code = code
@@ -98,7 +101,8 @@ class ArchiveHandler(ModelHandler):
         context.request_processor = [RequestProcessor(dict(r.headers)) for r in requests]
         context.request_ids = {i: str(i) for i in range(len(requests))}
         try:
-            results = self.entry([r.data for r in requests], context)
+            with archive_imports(self.folder, self.code):
+                results = self.entry([r.data for r in requests], context)
         except PredictionException as exc:
             return [failure(exc.error_code, exc.message)] * len(requests)
         except Exception as exc:
@@ -168,7 +172,7 @@ def build_archive_handler(
     model = getattr(service, "model", None)
     if not isinstance(model, torch.nn.Module):
         model = torch.nn.Module()
-    return ArchiveHandler(model, config, device, entry, context, code)
+    return ArchiveHandler(model, config, device, entry, context, code, model_dir)
 
 
 def _handler_module(model_dir: Path, handler: str) -> tuple[ModuleType, str]:
