@@ -102,6 +102,11 @@ _DIGESTS: dict[tuple[str, int, int], str] = {}
 """(path, size, mtime) -> SHA-256: an unchanged archive is not read again at every scan."""
 
 
+def origin(folder: Path) -> str | None:
+    """The file name of the archive ``folder`` was unpacked from; None for any other folder."""
+    return _ORIGINS.get(folder)
+
+
 def archives(root: Path) -> list[Path]:
     """The ``.mar`` files directly in the repository."""
     return sorted(p for p in root.glob(f"*{SUFFIX}") if p.is_file())

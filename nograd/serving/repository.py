@@ -226,15 +226,42 @@ def read_archive_source(
 
 def archive_path(root: Path, name: str, store: ArchiveStore) -> Path | None:
     """The archive in ``root`` whose manifest names model ``name`` (an archive that cannot be
-    read names no model)."""
+    read names no model); two that name it raise ``ConfigError``, as a scan reports them."""
+    found = []
     for path in archives(root):
         try:
             config, _, _ = read_archive(path, store)
         except ConfigError:
             continue
         if config.name == name:
-            return path
-    return None
+            found.append(path)
+    if len(found) > 1:
+        files = ", ".join(p.name for p in found)
+        raise ConfigError(f"{root}: model {name!r} is defined twice (archives {files})")
+    return found[0] if found else None
+
+
+def holds_model(root: Path, name: str, store: ArchiveStore) -> bool:
+    """Whether a folder or an archive of ``root`` holds model ``name`` (one named by two
+    archives is held: loading it says why it cannot)."""
+    if model_folder(root, name) is not None:
+        return True
+    try:
+        return archive_path(root, name, store) is not None
+    except ConfigError:
+        return True
+
+
+def archive_model(
+    root: Path,
+    name: str,
+    store: ArchiveStore,
+    override: Override | None = None,
+    wanted: Mapping[str, Override | None] | None = None,
+) -> ModelSource | None:
+    """Model ``name`` as the archive in ``root`` that holds it (None when none does)."""
+    path = archive_path(root, name, store)
+    return None if path is None else read_archive_source(path, store, wanted, override)
 
 
 def archive_names(root: Path, store: ArchiveStore) -> list[str]:
