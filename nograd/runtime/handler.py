@@ -91,10 +91,10 @@ class ModelHandler:
     """The longest sequence a token model reads (its truncation length): memory planning budgets
     a batch of tokens at this length. Sequence models set it; others leave it None."""
 
-    synthetic_inputs: ClassVar[bool] = True
+    synthetic_inputs: bool = True
     """False when ``example`` cannot make inputs the model reads (a TorchServe handler reads
-    request bodies): such a model is neither warmed up nor measured for memory, and its batch
-    limit is its config's."""
+    request bodies, and has no sample request): such a model is neither warmed up nor measured
+    for memory, and its batch limit is its config's."""
 
     prepare_offload: ClassVar[bool] = False
     """True when ``prepare`` is heavy (tokenising, decoding): the data plane runs it in a thread

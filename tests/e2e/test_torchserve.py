@@ -31,6 +31,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("torchserve")
     build_store(root / "store", root / "work")
+    # A sample request beside the archive: mnist is warmed up and measured with it.
+    shutil.copy(MNIST / "0.png", root / "store" / "mnist.sample.png")
     shutil.copytree(ROOT / "models" / "digits", root / "store" / "digits")
     return root
 
@@ -56,9 +58,12 @@ def managed(store: Path) -> Iterator[Server]:
     """Two workers, explicit model control, API keys, nothing loaded at start-up."""
     repository = store / "managed"
     repository.mkdir()
-    for name in ("scale.mar", "lazy.mar"):
+    for name in ("scale.mar", "lazy.mar", "mnist.mar", "mnist.sample.png"):
         shutil.copy(store / "store" / name, repository / name)
     env = {
+        # A budget that holds about four MNIST samples' activations per worker: the memory plan,
+        # measured with the sample request, caps the batch below the archive's batchSize of 8.
+        "NOGRAD_MEMORY_BUDGET_BYTES": str(5_000_000),
         "NOGRAD_MODEL_REPOSITORY": str(repository),
         "NOGRAD_ENGINE_CACHE": str(store / "cache"),
         "NOGRAD_MODEL_CONTROL": "explicit",
@@ -103,6 +108,12 @@ def test_ping_and_models(server: Server) -> None:
     assert (mnist["batchSize"], mnist["maxBatchDelay"]) == (8, 200)
     assert (mnist["minWorkers"], mnist["maxWorkers"], mnist["responseTimeout"]) == (1, 1, 120)
     assert httpx.get(f"{server.url}/models/scale/2.1").json()[0]["modelVersion"] == "2.1"
+    # mnist has a sample request: warmed up and measured, its limit from the memory plan.
+    log = server.log()
+    assert "model mnist: sample request" in log
+    assert "model mnist on eager: cost model" in log  # measured for the memory plan
+    assert "model scale: no usable sample request (none found" in log
+    assert 1 <= mnist["nograd"]["batchLimit"] <= 8
 
 
 def test_unknown_model_and_version(server: Server) -> None:
@@ -300,3 +311,13 @@ def test_changing_models_needs_model_control(server: Server) -> None:
     assert (
         httpx.post(f"{server.url}/predictions/scale", json={"x": [0, 0, 0, 0]}).status_code == 200
     )
+
+
+def test_memory_plan_caps_a_sampled_archive_batch(managed: Server) -> None:
+    registered = httpx.post(f"{managed.url}/models?url=mnist.mar", headers=AUTH, timeout=60)
+    assert registered.status_code == 200, registered.text
+    described = httpx.get(f"{managed.url}/models/mnist", headers=AUTH).json()[0]
+    assert described["batchSize"] == 8
+    assert 1 <= described["nograd"]["batchLimit"] < 8, described["nograd"]
+    answer = httpx.put(f"{managed.url}/predictions/mnist", content=DIGITS["7"], headers=AUTH)
+    assert answer.status_code == 200, answer.text
