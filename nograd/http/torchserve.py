@@ -70,7 +70,7 @@ async def predictions_call(
         request = HandlerRequest(data, dict(incoming.headers))
         inputs = np.empty(1, dtype=np.object_)
         inputs[0] = request
-        _, outputs = await calls.infer(call, name, None, {RAW_FIELD: inputs})
+        _, outputs = await calls.infer(call, name, None, {RAW_FIELD: inputs}, handler_answers=True)
         answer: HandlerAnswer = outputs["answer"][0]
         if answer.status != 200 and answer.content_type is None:
             return _error(answer.status, answer.body.decode("utf-8", "replace"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import io
+import json
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -284,6 +285,44 @@ def _until(predicate: Callable[[], bool], timeout_s: float = 30.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "not within the time allowed"
         time.sleep(0.2)
+
+
+def test_archives_answer_over_v2(server: Server, store: Path) -> None:
+    """One BYTES input element per TorchServe request, handed to the handler as a raw body
+    (binary or a JSON string alike); the answer's body as the BYTES output element."""
+    image = DIGITS["7"]
+    element = len(image).to_bytes(4, "little") + image
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "body",
+                    "shape": [1],
+                    "datatype": "BYTES",
+                    "parameters": {"binary_data_size": len(element)},
+                }
+            ]
+        }
+    ).encode()
+    binary = httpx.post(
+        f"{server.url}/v2/models/mnist/infer",
+        content=header + element,
+        headers={
+            "Content-Type": "application/octet-stream",
+            "Inference-Header-Content-Length": str(len(header)),
+        },
+    )
+    assert binary.status_code == 200, binary.text
+    assert binary.json()["outputs"][0]["data"] == [str(mnist_reference(store, [image])[0])]
+    text = {"inputs": [{"name": "body", "shape": [2], "datatype": "BYTES", "data": ["a", "b"]}]}
+    echoed = httpx.post(f"{server.url}/v2/models/lazy/infer", json=text)
+    assert echoed.status_code == 200, echoed.text
+    assert [json.loads(item)["echo"] for item in echoed.json()["outputs"][0]["data"]] == ["a", "b"]
+    refused = httpx.post(f"{server.url}/v2/models/scale/infer", json=text)
+    assert refused.status_code == 500
+    assert refused.json()["error"] == (
+        "the model's handler answered 513: send a JSON object with a list 'x' of 4 numbers"
+    )
 
 
 def test_polled_repository_follows_archive_files(server: Server, store: Path) -> None:
