@@ -74,6 +74,14 @@ class Settings(BaseSettings):
     packages), reused by every later start while the model's code and weights are unchanged.
     Unset: ``$XDG_CACHE_HOME/nograd/engines``, or ``~/.cache/nograd/engines``."""
 
+    max_archive_bytes: int = Field(default=16 * 1024**3, ge=1024)
+    """Largest total a TorchServe archive (``.mar``) may unpack to: its members' declared sizes
+    are summed before anything is written, and the bytes are counted again while unpacking, so
+    an archive that lies about its sizes (a zip bomb) is refused past this bound too."""
+
+    max_archive_members: int = Field(default=10_000, ge=1)
+    """Most files and folders a TorchServe archive may hold; more refuses the archive unread."""
+
     log_level: LogLevel = "info"
     """Log level of nograd and uvicorn."""
 

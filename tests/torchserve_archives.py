@@ -49,7 +49,8 @@ def scale_model(path: Path) -> Path:
 
 
 def build_store(store: Path, work: Path) -> dict[str, Path]:
-    """``mnist.mar`` (custom handler, batchSize 8) and ``scale.mar`` (function handler) in
+    """``mnist.mar`` (custom handler, batchSize 8), ``scale.mar`` (function handler) and
+    ``lazy.mar`` (a function handler importing a file of its archive inside ``handle``) in
     ``store``."""
     store.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
@@ -69,4 +70,11 @@ def build_store(store: Path, work: Path) -> dict[str, Path]:
         "--serialized-file", str(scale_model(work / "scale.pt")),
         "--handler", str(FIXTURES / "function" / "scale_handler.py"),
     )  # fmt: skip
-    return {"mnist": mnist, "scale": scale}
+    lazy = archive(
+        store,
+        "lazy",
+        "--version", "1.0",
+        "--handler", str(FIXTURES / "lazy" / "lazy_handler.py"),
+        "--extra-files", str(FIXTURES / "lazy" / "lazy_helper.py"),
+    )  # fmt: skip
+    return {"mnist": mnist, "scale": scale, "lazy": lazy}

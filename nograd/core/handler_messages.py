@@ -33,6 +33,23 @@ class HandlerAnswer:
     status: int = 200
 
 
+def decode_value(raw: bytes, content_type: str) -> object:
+    """A value as TorchServe hands it to a handler: JSON parsed, text as str, else bytearray;
+    a JSON or text value that does not decode stays bytes, as TorchServe forwards it."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media == JSON_TYPE:
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return bytearray(raw)
+    if media.startswith("text"):
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return bytearray(raw)
+    return bytearray(raw)
+
+
 def encode_answer(value: object) -> HandlerAnswer:
     """One handler answer as TorchServe sends it: bytes and str as they are, anything else as
     JSON (indent 2); a value JSON cannot hold is the model's failure."""

@@ -70,6 +70,7 @@ def build_app(core: Core, lifespan: Lifespan | None = None) -> FastAPI:
     app.state.dataplane = core.plane
     app.state.control = core.control
     app.state.calls = core.calls
+    app.state.torchserve = core.torchserve
     install_error_handlers(app)
     app.add_middleware(DirectRoutes, calls=core.calls)
     # Starlette wraps the last-added middleware outermost. From the outside in: auth and

@@ -8,6 +8,7 @@ from nograd.observability.metrics import Metrics
 from nograd.serving.calls import Calls
 from nograd.serving.control import ModelControl
 from nograd.serving.dataplane import DataPlane
+from nograd.serving.torchserve_management import TorchServeManagement
 
 
 def dataplane_of(request: Request) -> DataPlane:
@@ -32,3 +33,9 @@ def calls_of(request: Request) -> Calls:
     calls = request.app.state.calls
     assert isinstance(calls, Calls)
     return calls
+
+
+def torchserve_of(request: Request) -> TorchServeManagement:
+    management = request.app.state.torchserve
+    assert isinstance(management, TorchServeManagement)
+    return management

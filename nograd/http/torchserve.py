@@ -13,13 +13,14 @@ from fastapi import APIRouter, Request, Response
 
 from nograd.core.handler_messages import RAW_FIELD, HandlerAnswer, HandlerRequest
 from nograd.http.exchange import Incoming, Reply, run_call
-from nograd.http.state import calls_of, dataplane_of
+from nograd.http.state import calls_of, dataplane_of, torchserve_of
 from nograd.protocol.torchserve import error_body as ts_error_body
 from nograd.protocol.torchserve import request_data
 from nograd.serving.calls import Call, Calls
 from nograd.serving.errors import ModelNotFound
 from nograd.serving.registry import ServedModel
 from nograd.serving.torchserve_documents import archive_of, model_description, model_list
+from nograd.serving.torchserve_management import Answer, ManagementError
 
 router = APIRouter(tags=["TorchServe"])
 PROTOCOL: Final = "torchserve"
@@ -69,7 +70,7 @@ async def predictions_call(
         request = HandlerRequest(data, dict(incoming.headers))
         inputs = np.empty(1, dtype=np.object_)
         inputs[0] = request
-        _, outputs = await calls.infer(call, name, None, {RAW_FIELD: inputs})
+        _, outputs = await calls.infer(call, name, None, {RAW_FIELD: inputs}, handler_answers=True)
         answer: HandlerAnswer = outputs["answer"][0]
         if answer.status != 200 and answer.content_type is None:
             return _error(answer.status, answer.body.decode("utf-8", "replace"))
@@ -139,3 +140,100 @@ async def describe_model(request: Request, name: str) -> Response:
 @router.get("/models/{name}/{version}", summary="TorchServe: describe a model version")
 async def describe_version(request: Request, name: str, version: str) -> Response:
     return _describe(request, name, None if version == "all" else version)
+
+
+def _answer(work: Answer | ManagementError) -> Response:
+    """A management call's ``StatusResponse``, or its error in TorchServe's body."""
+    if isinstance(work, ManagementError):
+        body = ts_error_body(work.code, work.kind, work.message)
+        return Response(body, status_code=work.code, media_type="application/json")
+    return Response(
+        _dumps({"status": work.status}), status_code=work.code, media_type="application/json"
+    )
+
+
+def _int(values: dict[str, Any], key: str, default: int) -> int:
+    """An integer parameter read as TorchServe reads one: anything else is the default."""
+    try:
+        return int(str(values[key]))
+    except (KeyError, ValueError):
+        return default
+
+
+def _flag(values: dict[str, Any], key: str, default: bool) -> bool:
+    """A boolean parameter read as Java's ``Boolean.parseBoolean``."""
+    value = values.get(key)
+    return default if value is None else str(value).lower() == "true"
+
+
+async def _register_parameters(request: Request) -> dict[str, Any]:
+    """The query's parameters, or a JSON body's fields (TorchServe takes either)."""
+    values: dict[str, Any] = dict(request.query_params)
+    if request.headers.get("content-type", "").split(";")[0].strip() == "application/json":
+        try:
+            document = json.loads(await request.body())
+        except ValueError as exc:
+            raise ManagementError(400, "BadRequestException", f"malformed JSON: {exc}") from exc
+        if isinstance(document, dict):
+            values.update(document)
+    return values
+
+
+@router.post("/models", summary="TorchServe: register an archive of the repository")
+async def register_model(request: Request) -> Response:
+    try:
+        values = await _register_parameters(request)
+        url = values.get("url")
+        name = values.get("model_name")
+        answer = await torchserve_of(request).register(
+            None if url is None else str(url),
+            None if name is None else str(name),
+            _int(values, "initial_workers", 1),
+            _flag(values, "synchronous", True),
+        )
+    except ManagementError as exc:
+        return _answer(exc)
+    return _answer(answer)
+
+
+def _scale(request: Request, name: str, version: str | None) -> Response:
+    values = dict(request.query_params)
+    low = _int(values, "min_worker", 1)
+    try:
+        answer = torchserve_of(request).scale(
+            name,
+            version if version is not None else values.get("model_version"),
+            low,
+            _int(values, "max_worker", low),
+            _flag(values, "synchronous", False),
+        )
+    except ManagementError as exc:
+        return _answer(exc)
+    return _answer(answer)
+
+
+@router.put("/models/{name}", summary="TorchServe: scale a model's workers (reported)")
+async def scale_model(request: Request, name: str) -> Response:
+    return _scale(request, name, None)
+
+
+@router.put("/models/{name}/{version}", summary="TorchServe: scale a model version's workers")
+async def scale_version(request: Request, name: str, version: str) -> Response:
+    return _scale(request, name, version)
+
+
+async def _unregister(request: Request, name: str, version: str | None) -> Response:
+    try:
+        return _answer(await torchserve_of(request).unregister(name, version))
+    except ManagementError as exc:
+        return _answer(exc)
+
+
+@router.delete("/models/{name}", summary="TorchServe: unregister a model")
+async def unregister_model(request: Request, name: str) -> Response:
+    return await _unregister(request, name, None)
+
+
+@router.delete("/models/{name}/{version}", summary="TorchServe: unregister a model version")
+async def unregister_version(request: Request, name: str, version: str) -> Response:
+    return await _unregister(request, name, version)

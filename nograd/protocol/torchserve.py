@@ -16,24 +16,7 @@ from email.policy import HTTP
 from urllib.parse import parse_qsl
 
 from nograd.core.errors import DecodeError
-from nograd.core.handler_messages import JSON_TYPE, RAW_FIELD
-
-
-def decode_value(raw: bytes, content_type: str) -> object:
-    """A value as TorchServe hands it to a handler: JSON parsed, text as str, else bytearray;
-    a JSON or text value that does not decode stays bytes, as TorchServe forwards it."""
-    media = content_type.split(";", 1)[0].strip().lower()
-    if media == JSON_TYPE:
-        try:
-            return json.loads(raw)
-        except ValueError:
-            return bytearray(raw)
-    if media.startswith("text"):
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError:
-            return bytearray(raw)
-    return bytearray(raw)
+from nograd.core.handler_messages import RAW_FIELD, decode_value
 
 
 def request_data(body: bytes, content_type: str, query: dict[str, str]) -> dict[str, object]:

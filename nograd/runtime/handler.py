@@ -91,9 +91,9 @@ class ModelHandler:
     """The longest sequence a token model reads (its truncation length): memory planning budgets
     a batch of tokens at this length. Sequence models set it; others leave it None."""
 
-    synthetic_inputs: ClassVar[bool] = True
+    synthetic_inputs: bool = True
     """False when ``example`` cannot make inputs the model reads, or for code that is opaque and
-    may act on what it receives (a TorchServe handler reads request bodies; Triton's Python
+    may act on what it receives (a TorchServe handler without a sample request; Triton's Python
     backend): such a model runs on requests only, never on synthetic batches (no warm-up, memory
     profile or engine choice), and its batch limit is its config's."""
 

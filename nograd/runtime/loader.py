@@ -123,7 +123,7 @@ def build_handler(
     an artifact format, open the artifact with the handler its code supplies."""
     if config.format == TORCHSERVE_FORMAT:
         try:
-            return build_archive_handler(model_dir, config, device)
+            return build_archive_handler(model_dir, config, device, repository)
         except ArchiveLoadError as exc:
             raise LoadError(str(exc)) from exc
     if config.format != PYTHON_FORMAT:

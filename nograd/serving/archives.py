@@ -11,12 +11,15 @@ one place that knows the archive's layout.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
 import stat
 import tempfile
 import zipfile
+import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path, PurePosixPath
@@ -28,6 +31,7 @@ from nograd.runtime.torchserve.manifest import ManifestError, read_manifest
 logger = logging.getLogger(__name__)
 
 SUFFIX: Final = ".mar"
+CHUNK_BYTES: Final = 1 << 20
 DONE_MARK: Final = ".unpacked"
 INPUT: Final = TensorSpec(name="body", datatype="BYTES", shape=())
 OUTPUT: Final = TensorSpec(name="answer", datatype="BYTES", shape=())
@@ -66,6 +70,16 @@ IGNORED_KEYS: Final = frozenset(
 
 
 @dataclass(frozen=True)
+class ArchiveStore:
+    """Where archives are unpacked and how much one may unpack to (``NOGRAD_MAX_ARCHIVE_BYTES``,
+    ``NOGRAD_MAX_ARCHIVE_MEMBERS``): a zip bomb is refused, not written until the disk fills."""
+
+    cache: Path
+    max_bytes: int = 16 * 1024**3
+    max_members: int = 10_000
+
+
+@dataclass(frozen=True)
 class Archive:
     """What the describe and list calls report of an unpacked archive."""
 
@@ -88,16 +102,24 @@ _DIGESTS: dict[tuple[str, int, int], str] = {}
 """(path, size, mtime) -> SHA-256: an unchanged archive is not read again at every scan."""
 
 
+def origin(folder: Path) -> str | None:
+    """The file name of the archive ``folder`` was unpacked from; None for any other folder."""
+    return _ORIGINS.get(folder)
+
+
 def archives(root: Path) -> list[Path]:
     """The ``.mar`` files directly in the repository."""
     return sorted(p for p in root.glob(f"*{SUFFIX}") if p.is_file())
 
 
-def read_archive(path: Path, cache: Path) -> tuple[ModelConfig, Path, str]:
-    """The archive's model config, its unpacked folder and its fingerprint (its digest); an
-    archive that cannot be used raises ``ConfigError`` naming the file and what is wrong."""
+def read_archive(
+    path: Path, store: ArchiveStore, override: Mapping[str, object] | None = None
+) -> tuple[ModelConfig, Path, str]:
+    """The archive's model config (with a load call's ``override`` of batching fields), its
+    unpacked folder and its fingerprint (its digest, and the override); an archive that cannot
+    be used raises ``ConfigError`` naming the file and what is wrong."""
     digest = _digest(path)
-    folder = unpack(path, cache / digest[:32])
+    folder = unpack(path, store.cache / digest[:32], store)
     _ORIGINS[folder] = path.name
     facts = describe(folder)
     yaml_config = facts.yaml_config
@@ -117,6 +139,7 @@ def read_archive(path: Path, cache: Path) -> tuple[ModelConfig, Path, str]:
         "outputs": [OUTPUT],
         "max_batch_size": yaml_config.get("batchSize", DEFAULT_BATCH_SIZE),
         "max_queue_delay_ms": yaml_config.get("maxBatchDelay", DEFAULT_BATCH_DELAY_MS),
+        **(override or {}),
     }
     if handler_file.endswith(".py"):
         raw["module"] = handler_file
@@ -124,23 +147,31 @@ def read_archive(path: Path, cache: Path) -> tuple[ModelConfig, Path, str]:
         config = ModelConfig.model_validate(raw)
     except ValueError as exc:
         raise ConfigError(f"{path}: {exc}") from exc
-    return config, folder, digest[:16]
+    return config, folder, _fingerprint(digest, override)
 
 
-def unpack(path: Path, folder: Path) -> Path:
+def _fingerprint(digest: str, override: Mapping[str, object] | None) -> str:
+    """The archive's content, and the override it is served with."""
+    if not override:
+        return digest[:16]
+    extra = json.dumps(override, sort_keys=True, default=str)
+    return hashlib.sha256(f"{digest}\0{extra}".encode()).hexdigest()[:16]
+
+
+def unpack(path: Path, folder: Path, store: ArchiveStore) -> Path:
     """``path`` unpacked into ``folder`` once; every member checked first (no absolute path, no
-    ``..``, no link), so nothing is ever written outside it."""
+    ``..``, no link; the count and declared sizes within the store's bounds), and the bytes
+    counted while unpacking, so nothing is ever written outside it or past the bound."""
     if (folder / DONE_MARK).is_file():
         return folder
     try:
         with zipfile.ZipFile(path) as archive:
             members = archive.infolist()
-            for member in members:
-                _check_member(path, member)
+            _check_members(path, members, store)
             folder.parent.mkdir(parents=True, exist_ok=True)
             staging = Path(tempfile.mkdtemp(prefix=".unpacking-", dir=folder.parent))
             try:
-                archive.extractall(staging)
+                _extract(path, archive, members, staging, store.max_bytes)
                 (staging / DONE_MARK).touch()
                 try:
                     os.replace(staging, folder)
@@ -149,9 +180,49 @@ def unpack(path: Path, folder: Path) -> Path:
                         raise
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
-    except (OSError, zipfile.BadZipFile) as exc:
+    except (OSError, zipfile.BadZipFile, zlib.error) as exc:
         raise ConfigError(f"{path}: cannot unpack the archive: {exc}") from exc
     return folder
+
+
+def _check_members(path: Path, members: list[zipfile.ZipInfo], store: ArchiveStore) -> None:
+    if len(members) > store.max_members:
+        raise ConfigError(
+            f"{path}: holds {len(members)} members, over the limit of {store.max_members} "
+            "(NOGRAD_MAX_ARCHIVE_MEMBERS); refused unread"
+        )
+    for member in members:
+        _check_member(path, member)
+    declared = sum(member.file_size for member in members)
+    if declared > store.max_bytes:
+        raise _too_large(path, store.max_bytes, f"declares {declared} bytes unpacked")
+
+
+def _extract(
+    path: Path,
+    archive: zipfile.ZipFile,
+    members: list[zipfile.ZipInfo],
+    staging: Path,
+    max_bytes: int,
+) -> None:
+    """Write each member under ``staging``, counting the bytes actually inflated: an archive
+    whose headers understate its sizes is stopped at the bound, not at the disk's end."""
+    written = 0
+    for member in members:
+        parts = [p for p in PurePosixPath(member.filename.replace("\\", "/")).parts if p != "."]
+        if not parts:
+            continue
+        target = staging.joinpath(*parts)
+        if member.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with archive.open(member) as source, target.open("wb") as sink:
+            while chunk := source.read(CHUNK_BYTES):
+                written += len(chunk)
+                if written > max_bytes:
+                    raise _too_large(path, max_bytes, f"inflates past {written} bytes")
+                sink.write(chunk)
 
 
 def _check_member(path: Path, member: zipfile.ZipInfo) -> None:
@@ -161,6 +232,12 @@ def _check_member(path: Path, member: zipfile.ZipInfo) -> None:
         raise ConfigError(f"{path}: member {name!r} would be written outside the archive's folder")
     if stat.S_ISLNK(member.external_attr >> 16):
         raise ConfigError(f"{path}: member {name!r} is a symbolic link; archives may not hold any")
+
+
+def _too_large(path: Path, limit: int, what: str) -> ConfigError:
+    return ConfigError(
+        f"{path}: {what}, over the limit of {limit} bytes (NOGRAD_MAX_ARCHIVE_BYTES); refused"
+    )
 
 
 @lru_cache(maxsize=256)

@@ -18,11 +18,19 @@ from typing import Final
 import numpy as np
 
 from nograd.batching import QueueFull
+from nograd.core.handler_messages import HandlerAnswer
 from nograd.observability.metrics import UNKNOWN_MODEL, Metrics
 from nograd.protocol.keys import bearer_key_matches
 from nograd.runtime.handler import Outputs
 from nograd.serving.dataplane import DataPlane
-from nograd.serving.errors import Kind, Unauthenticated, is_server_fault, kind_of
+from nograd.serving.errors import (
+    InferenceFailed,
+    InvalidInput,
+    Kind,
+    Unauthenticated,
+    is_server_fault,
+    kind_of,
+)
 from nograd.serving.registry import ServedModel
 
 logger = logging.getLogger("nograd.requests")
@@ -125,12 +133,17 @@ class Calls:
         version: str | None,
         inputs: Mapping[str, np.ndarray],
         protocol_id: str | None = None,
+        *,
+        handler_answers: bool = False,
     ) -> tuple[ServedModel, Outputs]:
-        """One inference; ``protocol_id`` is the request's own id (the V2 ``id``), if any."""
+        """One inference; ``protocol_id`` is the request's own id (the V2 ``id``), if any. A
+        TorchServe handler's answers come as their bodies, unless the caller (the TorchServe
+        front) takes the answers whole (``handler_answers``)."""
         call.model = self.label(name)
-        return await self.plane.infer(
+        model, outputs = await self.plane.infer(
             name, version, inputs, timeout_s=call.timeout_s, request_id=protocol_id
         )
+        return model, outputs if handler_answers else answer_bodies(outputs)
 
     def failed(self, call: Call, exc: BaseException) -> Kind:
         """The kind of a call's failure; the model or nograd failing is logged with its trace."""
@@ -168,3 +181,27 @@ class Calls:
 
 
 CLIENT_GONE: Final = Kind.CLIENT_GONE.status
+
+
+def answer_bodies(outputs: Outputs) -> Outputs:
+    """Outputs holding a TorchServe handler's answers, as the answers' bodies (a BYTES output of
+    V2 and gRPC); an answer that is a failure fails the call: a 4xx as the request's fault, any
+    other status as the model's, with the handler's message."""
+    plain: Outputs = {}
+    for name, array in outputs.items():
+        if (
+            array.dtype != np.object_
+            or not array.size
+            or not isinstance(array.flat[0], HandlerAnswer)
+        ):
+            plain[name] = array
+            continue
+        bodies = np.empty(array.shape, dtype=np.object_)
+        for index, answer in enumerate(array.flat):
+            if answer.status != 200:
+                message = answer.body.decode("utf-8", "replace")
+                text = f"the model's handler answered {answer.status}: {message}"
+                raise InvalidInput(text) if 400 <= answer.status < 500 else InferenceFailed(text)
+            bodies.flat[index] = answer.body
+        plain[name] = bodies
+    return plain

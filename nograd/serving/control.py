@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from nograd.runtime.config import ConfigError, check_model_name, find_config, version_order
+from nograd.serving.archives import origin
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.errors import ControlRefused, InvalidInput, LoadFailed, ModelNotFound
 from nograd.serving.peers import Peers, Served
@@ -29,6 +30,9 @@ from nograd.serving.registry import ServedModel, State
 from nograd.serving.repository import (
     ModelSource,
     Override,
+    archive_model,
+    archive_names,
+    holds_model,
     model_folder,
     model_names,
     read_model,
@@ -279,9 +283,14 @@ class ModelControl:
         """The repository folder of model ``name``, read with ``override`` (the versions its
         policy selects), or as ``wanted`` names its versions and their overrides."""
         folder = model_folder(self.root, name)
-        if folder is None:
-            raise ModelNotFound(f"model {name!r} is not in the repository {str(self.root)!r}")
         try:
+            if folder is None:
+                source = archive_model(self.root, name, self._plane.archive_store, override, wanted)
+                if source is None:
+                    raise ModelNotFound(
+                        f"model {name!r} is not in the repository {str(self.root)!r}"
+                    )
+                return source
             source = read_model(folder, override) if wanted is None else read_wanted(folder, wanted)
         except ConfigError as exc:
             raise InvalidInput(str(exc)) from exc
@@ -304,7 +313,7 @@ class ModelControl:
         self._plane.replan()
 
     def _in_repository(self, name: str) -> bool:
-        return model_folder(self.root, name) is not None
+        return holds_model(self.root, name, self._plane.archive_store)
 
     async def _reconcile(self, name: str, source: ModelSource | None) -> None:
         """Make the versions of ``name`` that serve those of ``source`` (None: none): load the
@@ -370,7 +379,8 @@ class ModelControl:
         repository that is not loaded."""
         registry = self._plane.registry
         rows: list[ServedModel | tuple[str, str]] = list(registry.served())
-        for name in sorted(set(model_names(self.root)) | set(registry.unloaded)):
+        names = model_names(self.root) + archive_names(self.root, self._plane.archive_store)
+        for name in sorted(set(names) | set(registry.unloaded)):
             if name not in registry.versions:
                 rows.append((name, registry.unloaded.get(name, "not loaded")))
         return rows
@@ -387,7 +397,8 @@ class ModelControl:
 
     async def poll_once(self) -> None:
         loop = asyncio.get_running_loop()
-        sources, problems = await loop.run_in_executor(None, scan, self.root)
+        store = self._plane.archive_store
+        sources, problems = await loop.run_in_executor(None, scan, self.root, None, store)
         for problem in set(problems) - self._problems:
             logger.error("model repository: %s (the versions serving stay)", problem)
         self._problems = set(problems)
@@ -410,6 +421,11 @@ class ModelControl:
         """Whether every folder ``name`` was loaded from is gone (an unreadable config keeps
         the model serving: a half-copied folder must not unload it)."""
         for model in self._plane.registry.versions.get(name, {}).values():
+            archive = origin(model.directory)
+            if archive is not None:  # an archive: its file, not its unpacked folder
+                if (self.root / archive).is_file():
+                    return False
+                continue
             folder = model.directory.parent if model.directory.name.isdigit() else model.directory
             if find_config(folder) is not None:
                 return False

@@ -17,6 +17,7 @@ from nograd.observability.stats import Statistics
 from nograd.serving.calls import Calls
 from nograd.serving.control import ModelControl
 from nograd.serving.dataplane import DataPlane
+from nograd.serving.torchserve_management import TorchServeManagement
 from nograd.settings import Settings
 
 
@@ -37,6 +38,7 @@ class Core:
         self.plane = DataPlane(settings, self.metrics, Statistics(shared_dir), cores=cores)
         self.control = ModelControl(self.plane, shared_dir)
         self.calls = Calls(self.plane, self.metrics, settings.api_key_list)
+        self.torchserve = TorchServeManagement(self.control, self.plane)
         self._tasks: list[asyncio.Task[None]] = []
 
     async def open(self) -> None:

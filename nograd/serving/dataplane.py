@@ -23,6 +23,7 @@ from nograd.runtime.config import EnsembleStep
 from nograd.runtime.devices import device_label, read_memory, resolve_device
 from nograd.runtime.handler import Outputs
 from nograd.serving.admission import Admission
+from nograd.serving.archives import ArchiveStore
 from nograd.serving.ensembles import (
     check_ensemble,
     compose,
@@ -70,6 +71,12 @@ class DataPlane:
         self.metrics = metrics
         self.statistics = statistics or Statistics()
         self.registry = ModelRegistry()
+        self.archive_store = ArchiveStore(
+            settings.engine_cache_dir / "torchserve",
+            settings.max_archive_bytes,
+            settings.max_archive_members,
+        )
+        """Where TorchServe archives of the repository unpack, and the bounds they are held to."""
         self.models: dict[str, ServedModel] = self.registry.models
         """The registry's models by name (the same dict)."""
         self._loader = ModelLoader(settings, metrics, self.statistics, cores)
@@ -96,8 +103,7 @@ class DataPlane:
         """Read every model config and register the models ``load`` selects (all without it;
         ``wanted`` names versions and overrides); a malformed config is logged and recorded."""
         root = self.settings.model_repository
-        cache = self.settings.engine_cache_dir / "torchserve"
-        for model in self.registry.discover(root, load, wanted, cache):
+        for model in self.registry.discover(root, load, wanted, self.archive_store):
             self.metrics.model_ready.labels(model.name).set(0)
 
     async def load_all(self) -> None:

@@ -20,6 +20,7 @@ from nograd.runtime.config import ModelConfig, version_order
 from nograd.runtime.handler import ModelHandler, Outputs, TensorPart
 from nograd.runtime.memory.fits import RangedCost
 from nograd.runtime.planner import ModelPlan
+from nograd.serving.archives import ArchiveStore
 from nograd.serving.errors import ModelNotFound
 from nograd.serving.repository import Override, VersionSource, Wanted, scan
 
@@ -105,12 +106,12 @@ class ModelRegistry:
         root: Path,
         load: Callable[[str], bool] | None = None,
         wanted: Wanted | None = None,
-        archive_cache: Path | None = None,
+        archives: ArchiveStore | None = None,
     ) -> list[ServedModel]:
         """Read every model config under ``root`` and register the versions to serve (those for
         which ``load(name)`` holds, every model without it; of a model in ``wanted``, the
         versions and overrides it names). A malformed config is logged and recorded."""
-        sources, problems = scan(root, wanted, archive_cache)
+        sources, problems = scan(root, wanted, archives)
         for problem in problems:
             self._reject(problem)
         found = []

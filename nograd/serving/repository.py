@@ -28,7 +28,7 @@ from nograd.runtime.config import (
     load_config,
     version_order,
 )
-from nograd.serving.archives import archives, read_archive
+from nograd.serving.archives import ArchiveStore, archives, read_archive
 
 Override = Mapping[str, object]
 """Config fields a load call sets over the file's (Triton's ``config`` parameter)."""
@@ -166,11 +166,11 @@ def read_wanted(model_dir: Path, versions: Mapping[str, Override | None]) -> Mod
 
 
 def scan(
-    root: Path, wanted: Wanted | None = None, archive_cache: Path | None = None
+    root: Path, wanted: Wanted | None = None, store: ArchiveStore | None = None
 ) -> tuple[dict[str, ModelSource], list[str]]:
     """Every model under ``root`` by name (those of ``wanted`` with the versions and overrides
     it names), and the problems of the folders that could not be read (each message names the
-    file and field). With ``archive_cache``, TorchServe archives (``.mar``) in ``root`` are
+    file and field). With an archive ``store``, TorchServe archives (``.mar``) in ``root`` are
     models too, unpacked there."""
     if not root.is_dir():
         raise ConfigError(f"model repository {str(root)!r} is not a folder")
@@ -191,19 +191,88 @@ def scan(
             problems.append(f"{model_dir}: field 'name': model {source.name!r} is defined twice")
             continue
         found[source.name] = source
-    if archive_cache is not None:
+    if store is not None:
         for path in archives(root):
             try:
-                config, folder, fingerprint = read_archive(path, archive_cache)
+                source = read_archive_source(path, store)
+                if source.name in wanted:
+                    source = read_archive_source(path, store, wanted[source.name])
             except ConfigError as exc:
                 problems.append(str(exc))
                 continue
-            if config.name in found:
-                problems.append(f"{path}: model {config.name!r} is defined twice")
+            if source.name in found:
+                problems.append(f"{path}: model {source.name!r} is defined twice")
                 continue
-            version = VersionSource(config, folder, fingerprint)
-            found[config.name] = ModelSource(config.name, folder, {config.version: version})
+            found[source.name] = source
     return found, problems
+
+
+def read_archive_source(
+    path: Path,
+    store: ArchiveStore,
+    wanted: Mapping[str, Override | None] | None = None,
+    override: Override | None = None,
+) -> ModelSource:
+    """The archive at ``path`` as a model of one version, read with ``override`` (or with the
+    override ``wanted`` records for it); ``ConfigError`` names what is wrong."""
+    if wanted:
+        override = next(iter(wanted.values()))
+    if override:
+        check_override(override)
+    config, folder, fingerprint = read_archive(path, store, override)
+    version = VersionSource(config, folder, fingerprint, override)
+    return ModelSource(config.name, folder, {config.version: version})
+
+
+def archive_path(root: Path, name: str, store: ArchiveStore) -> Path | None:
+    """The archive in ``root`` whose manifest names model ``name`` (an archive that cannot be
+    read names no model); two that name it raise ``ConfigError``, as a scan reports them."""
+    found = []
+    for path in archives(root):
+        try:
+            config, _, _ = read_archive(path, store)
+        except ConfigError:
+            continue
+        if config.name == name:
+            found.append(path)
+    if len(found) > 1:
+        files = ", ".join(p.name for p in found)
+        raise ConfigError(f"{root}: model {name!r} is defined twice (archives {files})")
+    return found[0] if found else None
+
+
+def holds_model(root: Path, name: str, store: ArchiveStore) -> bool:
+    """Whether a folder or an archive of ``root`` holds model ``name`` (one named by two
+    archives is held: loading it says why it cannot)."""
+    if model_folder(root, name) is not None:
+        return True
+    try:
+        return archive_path(root, name, store) is not None
+    except ConfigError:
+        return True
+
+
+def archive_model(
+    root: Path,
+    name: str,
+    store: ArchiveStore,
+    override: Override | None = None,
+    wanted: Mapping[str, Override | None] | None = None,
+) -> ModelSource | None:
+    """Model ``name`` as the archive in ``root`` that holds it (None when none does)."""
+    path = archive_path(root, name, store)
+    return None if path is None else read_archive_source(path, store, wanted, override)
+
+
+def archive_names(root: Path, store: ArchiveStore) -> list[str]:
+    """The names of the models the readable archives in ``root`` hold."""
+    names = []
+    for path in archives(root):
+        try:
+            names.append(read_archive(path, store)[0].name)
+        except ConfigError:
+            continue
+    return names
 
 
 def _configs(root: Path) -> Iterator[tuple[Path, str | None]]:

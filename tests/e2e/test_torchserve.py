@@ -1,14 +1,17 @@
 """TorchServe archives served as they are: a model store of ``.mar`` files built by the real
 ``torch-model-archiver`` from TorchServe's examples, beside a nograd model folder, answered over
-TorchServe's own API on nograd's port."""
+TorchServe's own API on nograd's port; and registered, scaled and unregistered by TorchServe's
+management calls on a server of two workers under explicit model control."""
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
 import io
+import json
 import shutil
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -21,12 +24,16 @@ from tests.e2e.serving import ROOT, Server, metric_value, run_server
 from tests.torchserve_archives import DIGITS, MNIST, build_store
 
 pytestmark = pytest.mark.e2e
+KEY = "ts-management-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("torchserve")
     build_store(root / "store", root / "work")
+    # A sample request beside the archive: mnist is warmed up and measured with it.
+    shutil.copy(MNIST / "0.png", root / "store" / "mnist.sample.png")
     shutil.copytree(ROOT / "models" / "digits", root / "store" / "digits")
     return root
 
@@ -39,6 +46,30 @@ def server(store: Path) -> Iterator[Server]:
         # An archive is not warmed up (its handler reads request bodies): the first batches'
         # times must not shed the concurrent burst on a loaded 2-core box.
         "NOGRAD_MAX_QUEUE_WAIT_S": "60",
+        # The repository is followed: an archive added or removed is loaded or unloaded.
+        "NOGRAD_MODEL_CONTROL": "poll",
+        "NOGRAD_REPOSITORY_POLL_S": "0.5",
+    }
+    with run_server(store, env) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def managed(store: Path) -> Iterator[Server]:
+    """Two workers, explicit model control, API keys, nothing loaded at start-up."""
+    repository = store / "managed"
+    repository.mkdir()
+    for name in ("scale.mar", "lazy.mar", "mnist.mar", "mnist.sample.png"):
+        shutil.copy(store / "store" / name, repository / name)
+    env = {
+        # A budget that holds about four MNIST samples' activations per worker: the memory plan,
+        # measured with the sample request, caps the batch below the archive's batchSize of 8.
+        "NOGRAD_MEMORY_BUDGET_BYTES": str(5_000_000),
+        "NOGRAD_MODEL_REPOSITORY": str(repository),
+        "NOGRAD_ENGINE_CACHE": str(store / "cache"),
+        "NOGRAD_MODEL_CONTROL": "explicit",
+        "NOGRAD_WORKERS": "2",
+        "NOGRAD_API_KEYS": KEY,
     }
     with run_server(store, env) as running:
         yield running
@@ -78,6 +109,12 @@ def test_ping_and_models(server: Server) -> None:
     assert (mnist["batchSize"], mnist["maxBatchDelay"]) == (8, 200)
     assert (mnist["minWorkers"], mnist["maxWorkers"], mnist["responseTimeout"]) == (1, 1, 120)
     assert httpx.get(f"{server.url}/models/scale/2.1").json()[0]["modelVersion"] == "2.1"
+    # mnist has a sample request: warmed up and measured, its limit from the memory plan.
+    log = server.log()
+    assert "model mnist: sample request" in log
+    assert "model mnist on eager: cost model" in log  # measured for the memory plan
+    assert "model scale: no usable sample request (none found" in log
+    assert 1 <= mnist["nograd"]["batchLimit"] <= 8
 
 
 def test_unknown_model_and_version(server: Server) -> None:
@@ -140,3 +177,186 @@ def test_concurrent_requests_are_batched(server: Server, store: Path) -> None:
     assert [r.json() for r in responses] == expected
     batches = metric_value(server.url, "nograd_batch_size_count", model="mnist") - batches_before
     assert 1 <= batches < len(images), f"{batches} batches for {len(images)} requests"
+
+
+def test_handler_imports_its_archive_files_lazily(server: Server) -> None:
+    """A file of the archive imported inside ``handle`` (after load) is found, batch after
+    batch, and is the archive's own module."""
+    for text in ("first", "second"):
+        answer = httpx.post(f"{server.url}/predictions/lazy", json={"text": text})
+        assert answer.status_code == 200, answer.text
+        assert answer.json() == {"echo": {"text": text}, "helper": "lazy_helper"}
+
+
+def _status(response: httpx.Response) -> tuple[int, object]:
+    return response.status_code, response.json()
+
+
+def _ts_error(code: int, kind: str, message: str) -> tuple[int, object]:
+    return code, {"code": code, "type": kind, "message": message}
+
+
+def _answers_on_fresh_connections(url: str, path: str, count: int = 6) -> list[int]:
+    """Status codes of ``count`` predictions, each on its own connection (so both workers
+    answer some)."""
+    return [
+        httpx.post(f"{url}{path}", json={"x": [1.0, 2.0, 3.0, 4.0]}, headers=AUTH).status_code
+        for _ in range(count)
+    ]
+
+
+def test_register_scale_unregister_on_every_worker(managed: Server) -> None:
+    url = managed.url
+    assert httpx.post(f"{url}/models?url=scale.mar").status_code == 401
+    registered = httpx.post(
+        f"{url}/models?url=scale.mar&initial_workers=1&synchronous=true", headers=AUTH, timeout=60
+    )
+    assert _status(registered) == (
+        200,
+        {"status": 'Model "scale" Version: 2.1 registered with 1 initial workers'},
+    )
+    assert _answers_on_fresh_connections(url, "/predictions/scale") == [200] * 6
+    again = httpx.post(f"{url}/models?url=scale.mar", headers=AUTH)
+    assert _status(again) == _ts_error(
+        409, "ConflictStatusException", "Model version 2.1 is already registered for model scale"
+    )
+    scaled = httpx.put(f"{url}/models/scale?min_worker=3&synchronous=true", headers=AUTH)
+    assert _status(scaled) == (200, {"status": "Workers scaled to 3 for model: scale"})
+    later = httpx.put(f"{url}/models/scale/2.1?min_worker=2", headers=AUTH)
+    assert _status(later) == (202, {"status": "Processing worker updates..."})
+    wrong = httpx.delete(f"{url}/models/scale/9.9", headers=AUTH)
+    assert _status(wrong) == _ts_error(
+        404, "ModelVersionNotFoundException", "Model version: 9.9 does not exist for model: scale"
+    )
+    removed = httpx.delete(f"{url}/models/scale", headers=AUTH, timeout=60)
+    assert _status(removed) == (200, {"status": 'Model "scale" unregistered'})
+    assert _answers_on_fresh_connections(url, "/predictions/scale") == [404] * 6
+    gone = httpx.delete(f"{url}/models/scale", headers=AUTH)
+    assert _status(gone)[0] == 404
+    assert gone.json()["message"] == "Model not found: scale"
+    assert httpx.put(f"{url}/models/scale", headers=AUTH).json()["type"] == (
+        "ModelNotFoundException"
+    )
+    # The same archive through V2's repository API: one model control for both fronts.
+    loaded = httpx.post(f"{url}/v2/repository/models/scale/load", headers=AUTH, timeout=60)
+    assert loaded.status_code == 200, loaded.text
+    assert _answers_on_fresh_connections(url, "/predictions/scale", 4) == [200] * 4
+    assert httpx.delete(f"{url}/models/scale", headers=AUTH, timeout=60).status_code == 200
+
+
+def test_register_answers_at_once_when_not_synchronous(managed: Server) -> None:
+    accepted = httpx.post(f"{managed.url}/models?url=lazy.mar&synchronous=false", headers=AUTH)
+    assert _status(accepted) == (202, {"status": "Processing worker updates..."})
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        listed = httpx.get(f"{managed.url}/models", headers=AUTH).json()["models"]
+        if {"modelName": "lazy", "modelUrl": "lazy.mar"} in listed:
+            break
+        time.sleep(0.2)
+    answer = httpx.post(f"{managed.url}/predictions/lazy", json={"a": 1}, headers=AUTH)
+    assert answer.status_code == 200, answer.text
+
+
+@pytest.mark.parametrize(
+    ("query", "code", "message"),
+    [
+        ("", 400, "Parameter url is required."),
+        ("url=", 404, "empty url"),
+        ("url=../store/scale.mar", 404, "Relative path is not allowed in url: ../store/scale.mar"),
+        (
+            "url=https://example.com/scale.mar",
+            404,
+            "Given URL https://example.com/scale.mar does not match any allowed URL(s)",
+        ),
+        ("url=missing.mar", 404, "Model not found at: missing.mar"),
+    ],
+)
+def test_register_refuses_a_url_outside_the_repository(
+    managed: Server, query: str, code: int, message: str
+) -> None:
+    refused = httpx.post(f"{managed.url}/models?{query}", headers=AUTH)
+    assert refused.status_code == code
+    assert refused.json()["message"].startswith(message)
+    assert refused.json()["code"] == code
+
+
+def _until(predicate: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "not within the time allowed"
+        time.sleep(0.2)
+
+
+def test_archives_answer_over_v2(server: Server, store: Path) -> None:
+    """One BYTES input element per TorchServe request, handed to the handler as a raw body
+    (binary or a JSON string alike); the answer's body as the BYTES output element."""
+    image = DIGITS["7"]
+    element = len(image).to_bytes(4, "little") + image
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "body",
+                    "shape": [1],
+                    "datatype": "BYTES",
+                    "parameters": {"binary_data_size": len(element)},
+                }
+            ]
+        }
+    ).encode()
+    binary = httpx.post(
+        f"{server.url}/v2/models/mnist/infer",
+        content=header + element,
+        headers={
+            "Content-Type": "application/octet-stream",
+            "Inference-Header-Content-Length": str(len(header)),
+        },
+    )
+    assert binary.status_code == 200, binary.text
+    assert binary.json()["outputs"][0]["data"] == [str(mnist_reference(store, [image])[0])]
+    text = {"inputs": [{"name": "body", "shape": [2], "datatype": "BYTES", "data": ["a", "b"]}]}
+    echoed = httpx.post(f"{server.url}/v2/models/lazy/infer", json=text)
+    assert echoed.status_code == 200, echoed.text
+    assert [json.loads(item)["echo"] for item in echoed.json()["outputs"][0]["data"]] == ["a", "b"]
+    refused = httpx.post(f"{server.url}/v2/models/scale/infer", json=text)
+    assert refused.status_code == 500
+    assert refused.json()["error"] == (
+        "the model's handler answered 513: send a JSON object with a list 'x' of 4 numbers"
+    )
+
+
+def test_polled_repository_follows_archive_files(server: Server, store: Path) -> None:
+    """Polling leaves unchanged archives serving; removing the .mar unloads its model and
+    putting it back loads it again."""
+    archive = store / "store" / "lazy.mar"
+    kept = store / "lazy.mar.kept"
+    shutil.move(archive, kept)
+    try:
+        _until(lambda: httpx.post(f"{server.url}/predictions/lazy", json={}).status_code == 404)
+        assert httpx.post(f"{server.url}/predictions/scale", json={"x": [1, 2, 3, 4]}).is_success
+    finally:
+        shutil.move(kept, archive)
+    _until(lambda: httpx.post(f"{server.url}/predictions/lazy", json={}).status_code == 200)
+
+
+def test_changing_models_needs_model_control(server: Server) -> None:
+    for refused in (
+        httpx.post(f"{server.url}/models?url=scale.mar"),
+        httpx.delete(f"{server.url}/models/scale"),
+    ):
+        assert refused.status_code == 405
+        assert refused.json()["type"] == "MethodNotAllowedException"
+        assert "NOGRAD_MODEL_CONTROL=explicit" in refused.json()["message"]
+    assert (
+        httpx.post(f"{server.url}/predictions/scale", json={"x": [0, 0, 0, 0]}).status_code == 200
+    )
+
+
+def test_memory_plan_caps_a_sampled_archive_batch(managed: Server) -> None:
+    registered = httpx.post(f"{managed.url}/models?url=mnist.mar", headers=AUTH, timeout=60)
+    assert registered.status_code == 200, registered.text
+    described = httpx.get(f"{managed.url}/models/mnist", headers=AUTH).json()[0]
+    assert described["batchSize"] == 8
+    assert 1 <= described["nograd"]["batchLimit"] < 8, described["nograd"]
+    answer = httpx.put(f"{managed.url}/predictions/mnist", content=DIGITS["7"], headers=AUTH)
+    assert answer.status_code == 200, answer.text

@@ -10,12 +10,14 @@ the module's one class is built without arguments, then ``initialize(context)``.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import logging
+import mimetypes
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any, ClassVar, Final
+from typing import Any, Final
 
 import numpy as np
 import torch
@@ -24,6 +26,7 @@ from nograd.core.handler_messages import (
     RAW_FIELD,
     HandlerAnswer,
     HandlerRequest,
+    decode_value,
     encode_answer,
     failure,
 )
@@ -48,9 +51,8 @@ class ArchiveLoadError(Exception):
 
 
 class ArchiveHandler(ModelHandler):
-    """Runs a TorchServe handler on batches of ``HandlerRequest``s."""
-
-    synthetic_inputs: ClassVar[bool] = False
+    """Runs a TorchServe handler on batches of ``HandlerRequest``s; with a sample request,
+    ``example`` repeats it, so the model is warmed up and measured for memory like any other."""
 
     def __init__(
         self,
@@ -60,12 +62,44 @@ class ArchiveHandler(ModelHandler):
         entry: Entry,
         context: Context,
         code: dict[str, ModuleType],
+        folder: Path,
     ) -> None:
         super().__init__(module, config, device)
+        self.folder = folder
+        """The unpacked archive: on the path while ``handle`` runs, for its lazy imports."""
+        self.sample: HandlerRequest | None = None
+        """The request warm-up and memory measurement repeat (``use_sample``)."""
+        self.synthetic_inputs = False
         self.entry = entry
         self.context = context
         self.code = code
         """The archive's own modules, kept out of ``sys.modules`` (``imports.archive_imports``)."""
+
+    def use_sample(self, path: Path) -> str | None:
+        """Take the request in ``path`` (decoded by its file type as a body of that content
+        type) as the model's example, once the handler answered it; else why not."""
+        content_type = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
+        try:
+            body = path.read_bytes()
+        except OSError as exc:
+            return f"cannot read it: {exc}"
+        sample = HandlerRequest({RAW_FIELD: decode_value(body, content_type)})
+        answer = self._handle([copy.deepcopy(sample)])[0]
+        if answer.status != 200:
+            return (
+                f"the handler answered it {answer.status}: {answer.body.decode(errors='replace')}"
+            )
+        self.sample = sample
+        self.synthetic_inputs = True
+        return None
+
+    def example(self, rows: int, length: int = 1, seed: int = 0) -> TensorPart:
+        """``rows`` copies of the sample request (a handler may change what it is given)."""
+        if self.sample is None:
+            raise RuntimeError(f"model {self.config.name}: no sample request to make inputs of")
+        array = np.empty(rows, dtype=np.object_)
+        array[:] = [copy.deepcopy(self.sample) for _ in range(rows)]
+        return TensorPart({RAW_FIELD: array}, rows)
 
     def prepare(self, inputs: Mapping[str, np.ndarray]) -> TensorPart:
         """Requests as the TorchServe front made them; raw bytes (a V2 BYTES input) as a body."""
@@ -98,7 +132,8 @@ class ArchiveHandler(ModelHandler):
         context.request_processor = [RequestProcessor(dict(r.headers)) for r in requests]
         context.request_ids = {i: str(i) for i in range(len(requests))}
         try:
-            results = self.entry([r.data for r in requests], context)
+            with archive_imports(self.folder, self.code):
+                results = self.entry([r.data for r in requests], context)
         except PredictionException as exc:
             return [failure(exc.error_code, exc.message)] * len(requests)
         except Exception as exc:
@@ -126,9 +161,44 @@ def _raw(item: object) -> object:
 
 
 def build_archive_handler(
-    model_dir: Path, config: ModelConfig, device: torch.device
+    model_dir: Path, config: ModelConfig, device: torch.device, repository: Path | None = None
 ) -> ArchiveHandler:
-    """The archive's handler found, built and initialised as TorchServe's model loader does."""
+    """The archive's handler found, built and initialised as TorchServe's model loader does,
+    with its sample request (``find_sample``) when it has one."""
+    handler = _build(model_dir, config, device)
+    sample = find_sample(model_dir, config.name, repository)
+    problem = "none found" if sample is None else handler.use_sample(sample)
+    if problem is None:
+        logger.info(
+            "model %s: sample request %s: warmed up and measured with it", config.name, sample
+        )
+    else:
+        logger.warning(
+            "model %s: no usable sample request (%s; put one beside the archive as "
+            "%s.sample.<ext>, or in it as sample.<ext>): not warmed up or measured for memory, "
+            "its batch limit is its batchSize, %d",
+            config.name,
+            problem if sample is None else f"{sample}: {problem}",
+            config.name,
+            config.max_batch_size or 1,
+        )
+    return handler
+
+
+def find_sample(model_dir: Path, name: str, repository: Path | None) -> Path | None:
+    """The model's sample request: ``<name>.sample.<ext>`` beside the archive in the
+    repository (no archive rebuilt), else ``sample.<ext>`` inside it (``--extra-files``)."""
+    places = [(model_dir, "sample")]
+    if repository is not None:
+        places.insert(0, (repository, f"{name}.sample"))
+    for folder, stem in places:
+        found = sorted(p for p in folder.glob(f"{stem}.*") if p.is_file())
+        if found:
+            return found[0]
+    return None
+
+
+def _build(model_dir: Path, config: ModelConfig, device: torch.device) -> ArchiveHandler:
     try:
         manifest, yaml_config = read_manifest(model_dir)
     except ValueError as exc:
@@ -168,7 +238,7 @@ def build_archive_handler(
     model = getattr(service, "model", None)
     if not isinstance(model, torch.nn.Module):
         model = torch.nn.Module()
-    return ArchiveHandler(model, config, device, entry, context, code)
+    return ArchiveHandler(model, config, device, entry, context, code, model_dir)
 
 
 def _handler_module(model_dir: Path, handler: str) -> tuple[ModuleType, str]:
