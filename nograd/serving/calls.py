@@ -49,6 +49,7 @@ class Call:
         self.target = target
         """What was called (an HTTP path, a gRPC method), for the log line."""
         self.started = started
+        """When the call's head arrived (``time.perf_counter``), as early as its front knows."""
         self.id_given = request_id is not None
         # 128 random bits as 32 hex digits, like uuid4().hex, without building a UUID object.
         self.request_id = request_id or os.urandom(16).hex()
@@ -100,11 +101,13 @@ class Calls:
         why = "missing" if not values else "invalid"
         raise Unauthenticated(f"{why} API key: {KEY_HINT.get(protocol, KEY_HINT['http'])}")
 
-    def admit(self, name: str | None) -> None:
+    def admit(self, name: str | None, arrived: float | None = None) -> None:
         """Take in one inference call for model ``name`` (None: not known yet) before its body is
-        read, or refuse it (``Overloaded``, ``WaitTooLong``); each admitted call is released."""
+        read, or refuse it (``Overloaded``, ``WaitTooLong``); each admitted call is released.
+        ``arrived`` (``time.perf_counter``): when its head arrived, if the front knows."""
+        waited_s = 0.0 if arrived is None else max(0.0, time.perf_counter() - arrived)
         try:
-            self.plane.admit(name)
+            self.plane.admit(name, waited_s)
         except QueueFull as exc:
             self.metrics.rejected.labels(self.label(name), exc.reason).inc()
             raise
@@ -131,7 +134,9 @@ class Calls:
         self, call: Call, name: str, version: str | None, inputs: Mapping[str, np.ndarray]
     ) -> tuple[ServedModel, Outputs]:
         call.model = self.label(name)
-        return await self.plane.infer(name, version, inputs, timeout_s=call.timeout_s)
+        return await self.plane.infer(
+            name, version, inputs, timeout_s=call.timeout_s, arrived=call.started
+        )
 
     def failed(self, call: Call, exc: BaseException) -> Kind:
         """The kind of a call's failure; the model or nograd failing is logged with its trace."""
