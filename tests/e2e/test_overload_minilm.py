@@ -32,6 +32,8 @@ QUEUE_SIZE = 4096
 @dataclass
 class Overloaded:
     server: Server
+    bound_s: float
+    """NOGRAD_MAX_QUEUE_WAIT_S."""
     duration_s: float
 
 
@@ -57,13 +59,13 @@ def minilm(
         "NOGRAD_MAX_QUEUE_WAIT_S": str(bound_s),
     }
     with run_server(root, env, ready_timeout_s=300) as server:
-        yield Overloaded(server, duration_s)
+        yield Overloaded(server, bound_s, duration_s)
 
 
 def test_minilm_at_three_times_capacity_sheds_within_a_second_and_answers_the_rest_in_time(
     minilm: Overloaded,
 ) -> None:
-    url, duration_s = minilm.server.url, minilm.duration_s
+    url, bound_s, duration_s = minilm.server.url, minilm.bound_s, minilm.duration_s
     capacity = measure_capacity(url, "/v1/embeddings", BODY.encode(), 32, 3.0)
     run = run_open_loop(url, "/v1/embeddings", BODY.encode(), 3 * capacity, duration_s)
     statuses = run.statuses()
@@ -73,10 +75,15 @@ def test_minilm_at_three_times_capacity_sheds_within_a_second_and_answers_the_re
     # Every request answered, with 200 or 503 alone: no other 5xx, none lost.
     assert set(statuses) <= {200, 503}, report
     assert refused, report
-    assert min(o.sent_at for o in refused) < 1.0, report
+    # At three times capacity the work queued grows by two seconds a second: it reaches the
+    # bound within about half the bound, and each refusal is answered at once.
+    assert min(o.sent_at for o in refused) < bound_s / 2 + 0.5, report
     assert max(o.seconds for o in refused) < 1.0, report
     assert all(o.retry_after is not None and int(o.retry_after) >= 1 for o in refused)
-    assert p99([o.seconds for o in served]) < 3.0, report
+    # The accepted are answered about within the bound; those of the first second overshoot it
+    # (the speed learned below capacity drops under three times the load, as refusals and new
+    # connections take their share of the cores), which the slack allows for.
+    assert p99([o.seconds for o in served]) < bound_s + 2.0, report
     # The model stays busy: most of its capacity over the run is used.
     assert len(served) >= 0.5 * capacity * duration_s, report
     # The generator took a small share of one core: the server was not starved by its client.
