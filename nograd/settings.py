@@ -67,7 +67,8 @@ class Settings(BaseSettings):
     engine: str = ""
     """Replaces the ``engine`` of every python model's config when set (``eager`` skips building
     and timing engines at start-up; ``auto``, or one engine of ``nograd.core.engines``); empty
-    keeps each config's own."""
+    keeps each config's own. Like every setting a model's config also has, see
+    ``nograd.serving.precedence``."""
 
     engine_cache: Path | None = None
     """Folder of the engine artifacts built at load (ONNX models, exported programs, AOTInductor
@@ -86,13 +87,18 @@ class Settings(BaseSettings):
     """Log level of nograd and uvicorn."""
 
     max_batch_size: int = Field(default=32, ge=1, le=65536)
-    """Default largest batch (samples) when a model's config does not set one."""
+    """Largest batch (samples). Set, it replaces every model's own ``max_batch_size`` (logged
+    per model at load); unset, 32 is the default for models whose config sets none."""
 
     max_queue_delay_ms: float = Field(default=2.0, ge=0.0, le=10_000.0)
-    """Default time a batch waits for more requests once the model is busy."""
+    """Time a batch waits for more requests once the model is busy. Set, it replaces every
+    model's own (logged per model at load); unset, 2 ms is the default for models without
+    one."""
 
     max_queue_size: int = Field(default=1024, ge=1)
-    """Default bound on requests queued per model; beyond it requests are refused."""
+    """Bound on requests queued per model; beyond it requests are refused. Set, it replaces
+    every model's own (logged per model at load); unset, 1024 is the default for models
+    without one."""
 
     memory_fraction: float = Field(default=0.9, gt=0.0, le=1.0)
     """Share of the memory free after loading that batches may use, per device (split evenly
@@ -135,9 +141,11 @@ class Settings(BaseSettings):
     answer (reading and decoding included); more get 503 with Retry-After at once."""
 
     max_queue_wait_s: float | None = Field(default=2.0, gt=0)
-    """Shed by expected wait: a request the model's queue is not expected to reach within this
-    (or within its own deadline) gets 503 with Retry-After at once instead of queueing. The
-    expectation comes from the model's measured speed. Unset: only the deadline counts."""
+    """Shed by expected wait: a request the model is not expected to answer within this from
+    its arrival (its head read; reading, decoding, tokenising and a busy event loop count), or
+    whose batch is not expected to start within its own deadline, gets 503 with Retry-After at
+    once instead of queueing. The expectation comes from the model's measured speed. Unset:
+    only the deadline counts."""
 
     max_request_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
     """Largest request body accepted; larger bodies get 413 before they are read whole."""

@@ -128,9 +128,13 @@ class Batcher(Generic[P, R]):
         busy = max(0.0, self._free_at - time.monotonic())
         return busy + self._timing.queue_s(self._queued_cost, self.limit.current)
 
-    def full_batch_s(self) -> float:
-        """Expected seconds of one batch at the limit."""
-        return self._timing.batch_s(self.limit.current)
+    def usual_batch_s(self) -> float:
+        """Expected seconds of one batch of the size this model has lately been running.
+
+        Not one at the limit: a token model's limit (thousands of tokens) may hold far more
+        than it ever batches, and a floor of one such batch let its queue grow to many
+        seconds, past any bound, before shedding began."""
+        return self._timing.batch_s(self._timing.usual_cost)
 
     async def restart_if_dead(self) -> bool:
         """Restart a dead batch loop; True when a restart happened."""
@@ -168,12 +172,18 @@ class Batcher(Generic[P, R]):
 
     # ----------------------------------------------------------------------------- submit
     async def submit(
-        self, part: P, *, deadline: float | None = None, max_wait_s: float | None = None
+        self,
+        part: P,
+        *,
+        deadline: float | None = None,
+        max_wait_s: float | None = None,
+        waited_s: float = 0.0,
     ) -> R:
         """Queue ``part`` and wait for its result; cut it into several items when over the limit.
 
         Refused at once (``WaitTooLong``) when the work queued ahead is expected to outlast
-        ``deadline`` or ``max_wait_s``; the bound never refuses a wait of one batch at the limit.
+        ``deadline``, or to answer it, counting the ``waited_s`` it already spent on its way
+        here, later than ``max_wait_s`` (``check_wait``).
         """
         if self._closed or self._wakeup is None:
             raise BatcherClosed(f"model {self.name!r} is not accepting requests")
@@ -183,7 +193,7 @@ class Batcher(Generic[P, R]):
         now = time.monotonic()
         if deadline is not None and deadline <= now:
             raise DeadlineExceeded(f"deadline passed before {self.name!r} could queue the request")
-        self.check_wait(now, deadline, max_wait_s)
+        self.check_wait(now, deadline, max_wait_s, waited_s)
         loop = asyncio.get_running_loop()
         items: list[_Item[P, R]] = [
             _Item(chunk, loop.create_future(), now, deadline, cost_of([chunk], self._unit_tokens))
@@ -206,25 +216,36 @@ class Batcher(Generic[P, R]):
             raise
         return self._runner.concat(results)
 
-    def check_wait(self, now: float, deadline: float | None, max_wait_s: float | None) -> None:
+    def check_wait(
+        self, now: float, deadline: float | None, max_wait_s: float | None, waited_s: float = 0.0
+    ) -> None:
         """Raise ``WaitTooLong`` when a request queued ``now`` is expected to wait past its
-        ``deadline`` or past ``max_wait_s`` (never less than one batch at the limit)."""
+        ``deadline`` for its batch to start, or to be answered (its wait and its own batch)
+        later than ``max_wait_s`` after it arrived, ``waited_s`` ago (reading, decoding,
+        tokenising, a busy event loop). The bound never refuses a request whose batch is
+        expected to start after one usual batch."""
         if not self._timing.known or (deadline is None and max_wait_s is None):
             return
         wait = self.expected_wait_s()
-        allowed = math.inf if max_wait_s is None else max(max_wait_s, self.full_batch_s())
-        if deadline is not None:
-            allowed = min(allowed, deadline - now)
-        if wait <= allowed:
-            return
-        retry_after = min(60.0, max(1.0, math.ceil(wait - max(allowed, 0.0))))
-        if deadline is not None and deadline - now <= allowed:
+        if deadline is not None and wait > deadline - now:
             bound = "the request's deadline"
-        else:
+            over = wait - max(deadline - now, 0.0)
+        elif max_wait_s is not None:
+            batch = self.usual_batch_s()
+            answered = waited_s + wait + batch
+            if answered <= max(max_wait_s, waited_s + 2 * batch):
+                return
             bound = f"the {max_wait_s:g} s bound (NOGRAD_MAX_QUEUE_WAIT_S)"
+            if waited_s >= 0.05:
+                bound += f", {waited_s:.2f} s of it spent before the queue"
+            over = answered - max_wait_s
+        else:
+            return
+        retry_after = min(60.0, max(1.0, math.ceil(over)))
         raise WaitTooLong(
             f"model {self.name!r} is overloaded: the work queued ahead is expected to take "
-            f"{wait:.2f} s, longer than {bound}; retry in {retry_after:.0f} s",
+            f"{wait:.2f} s, so the request would be answered past {bound}; retry in "
+            f"{retry_after:.0f} s",
             retry_after_s=retry_after,
         )
 

@@ -27,7 +27,8 @@ class BatchTiming:
     weighted towards the latest; the fixed part is 0 until batches of different costs have run.
 
     ``observe`` runs on the device thread and the estimates on the event loop: the fit is one
-    tuple, replaced whole, so a reader never sees half an update.
+    tuple and the usual cost one number, each replaced whole, so a reader never sees half an
+    update.
     """
 
     def __init__(self) -> None:
@@ -38,6 +39,7 @@ class BatchTiming:
         self._cost_seconds = 0.0
         self._fit = (0.0, 0.0)
         """(fixed seconds, seconds per unit of cost)."""
+        self._usual_cost = 0
 
     @property
     def known(self) -> bool:
@@ -61,6 +63,7 @@ class BatchTiming:
         self._cost2 = MEMORY * self._cost2 + x * x
         self._cost_seconds = MEMORY * self._cost_seconds + x * y
         self._fit = self._solve()
+        self._usual_cost = round(self._cost / self._weight)
 
     def _solve(self) -> tuple[float, float]:
         w = self._weight
@@ -74,6 +77,11 @@ class BatchTiming:
         if slope <= 0.0 or fixed < 0.0:
             return proportional
         return fixed, slope
+
+    @property
+    def usual_cost(self) -> int:
+        """The cost of the recent batches, weighted as the fit weighs them (0 before any)."""
+        return self._usual_cost
 
     def batch_s(self, cost: int) -> float:
         """Expected seconds of one batch of ``cost``."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final
@@ -30,6 +31,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn.server import ServerState
 
 from nograd.http.errors import error_body
+from nograd.http.middleware import STARTED_KEY
 from nograd.serving.errors import RETRY_AFTER_S
 from nograd.settings import Settings
 
@@ -221,6 +223,8 @@ class GuardedProtocol(HttpToolsProtocol):
         self._head_started_at = None
         self._reading_head = False
         self._heads_read += 1
+        # The request's arrival, for its latency and its wait bound: its task may start later.
+        self.scope["state"][STARTED_KEY] = time.perf_counter()
         might_be_too_large = self._head_bytes + self._unmeasured > self._max_header_bytes
         self._unmeasured = 0
         if might_be_too_large and self._head_too_large():

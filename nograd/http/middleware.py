@@ -136,7 +136,8 @@ class AdmissionMiddleware:
             await self.app(scope, receive, send)
             return
         try:
-            self._calls.admit(None if target is None else target[0])
+            arrived = scope.get("state", {}).get(STARTED_KEY)
+            self._calls.admit(None if target is None else target[0], arrived)
         except QueueFull as exc:
             headers = [(k.lower().encode(), v.encode()) for k, v in error_headers(503, exc)]
             await _respond(send, scope["path"], 503, str(exc), "server_overloaded", headers)
@@ -241,13 +242,14 @@ class HeadMiddleware:
 
 
 class StartTimeMiddleware:
-    """Stamps when a request entered the app, so latency metrics include parsing, routing and
-    event-loop waits, not only the route's own work."""
+    """Stamps when a request entered the app, unless its connection already stamped when the
+    request's head arrived (``GuardedProtocol``), so latency metrics and the queue-wait bound
+    include parsing, routing and event-loop waits, not only the route's own work."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            scope.setdefault("state", {})[STARTED_KEY] = time.perf_counter()
+            scope.setdefault("state", {}).setdefault(STARTED_KEY, time.perf_counter())
         await self.app(scope, receive, send)

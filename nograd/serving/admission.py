@@ -3,16 +3,18 @@
 The batcher's queue bound covers only requests that reached it. Under overload the backlog builds
 before that: bodies being read, decoded and tokenised, all holding memory and event-loop time. So
 every inference request counts from its headers to its answer, and one over the process's bound,
-or bound for a model whose queue already holds more than it may wait, is refused at once, before
-its body is read: a fast 503 with Retry-After costs the server almost nothing.
+or bound for a model whose queue already holds more than it may wait (counting what the request
+waited since its head arrived: a busy event loop's backlog), is refused at once, before its body
+is read: a fast 503 with Retry-After costs the server almost nothing.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
-from nograd.batching import Batcher
+from nograd.batching import Batcher, WaitTooLong
 from nograd.serving.errors import Overloaded
 
 
@@ -24,16 +26,29 @@ class Admission:
         self.max_wait_s = max_wait_s
         self.in_flight = 0
 
-    def enter(self, batcher: Batcher[Any, Any] | None = None) -> None:
+    def enter(self, batchers: Sequence[Batcher[Any, Any]] = (), waited_s: float = 0.0) -> None:
         """Take one request in, or raise (``Overloaded``, ``WaitTooLong``); each successful
-        ``enter`` is matched by one ``leave``."""
+        ``enter`` is matched by one ``leave``. ``batchers``: those of the models the request may
+        be for (its path names one; an embeddings body, not read yet, any): it is refused when
+        every one is over its wait bound. ``waited_s``: since the request's head arrived."""
         if self.in_flight >= self.max_in_flight:
             raise Overloaded(
                 f"server is overloaded: {self.in_flight} requests in flight, the most one "
                 f"process holds (NOGRAD_MAX_REQUESTS_IN_FLIGHT); retry in 1 s"
             )
-        if batcher is not None and self.max_wait_s is not None:
-            batcher.check_wait(time.monotonic(), None, self.max_wait_s)
+        if batchers and self.max_wait_s is not None:
+            refusal: WaitTooLong | None = None
+            now = time.monotonic()
+            for batcher in batchers:
+                try:
+                    batcher.check_wait(now, None, self.max_wait_s, waited_s)
+                except WaitTooLong as exc:
+                    refusal = exc
+                else:
+                    refusal = None
+                    break
+            if refusal is not None:
+                raise refusal
         self.in_flight += 1
 
     def leave(self) -> None:

@@ -57,6 +57,7 @@ class Call:
         self.target = target
         """What was called (an HTTP path, a gRPC method), for the log line."""
         self.started = started
+        """When the call's head arrived (``time.perf_counter``), as early as its front knows."""
         self.id_given = request_id is not None
         # 128 random bits as 32 hex digits, like uuid4().hex, without building a UUID object.
         self.request_id = request_id or os.urandom(16).hex()
@@ -99,11 +100,13 @@ class Calls:
         why = "missing" if not values else "invalid"
         raise Unauthenticated(f"{why} API key: {KEY_HINT.get(protocol, KEY_HINT['http'])}")
 
-    def admit(self, name: str | None) -> None:
+    def admit(self, name: str | None, arrived: float | None = None) -> None:
         """Take in one inference call for model ``name`` (None: not known yet) before its body is
-        read, or refuse it (``Overloaded``, ``WaitTooLong``); each admitted call is released."""
+        read, or refuse it (``Overloaded``, ``WaitTooLong``); each admitted call is released.
+        ``arrived`` (``time.perf_counter``): when its head arrived, if the front knows."""
+        waited_s = 0.0 if arrived is None else max(0.0, time.perf_counter() - arrived)
         try:
-            self.plane.admit(name)
+            self.plane.admit(name, waited_s)
         except QueueFull as exc:
             self.metrics.rejected.labels(self.label(name), exc.reason).inc()
             raise
@@ -141,7 +144,12 @@ class Calls:
         front) takes the answers whole (``handler_answers``)."""
         call.model = self.label(name)
         model, outputs = await self.plane.infer(
-            name, version, inputs, timeout_s=call.timeout_s, request_id=protocol_id
+            name,
+            version,
+            inputs,
+            timeout_s=call.timeout_s,
+            request_id=protocol_id,
+            arrived=call.started,
         )
         return model, outputs if handler_answers else answer_bodies(outputs)
 

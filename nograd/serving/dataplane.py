@@ -225,13 +225,17 @@ class DataPlane:
         return self.loaded and not self._draining and self.registry.all_ready()
 
     # ------------------------------------------------------------------ inference
-    def admit(self, name: str | None) -> None:
+    def admit(self, name: str | None, waited_s: float = 0.0) -> None:
         """Take in one inference request for model ``name`` (None: not known yet) before its
-        body is read, or refuse it (``Overloaded``, ``WaitTooLong``); every admitted request is
-        released once answered."""
-        model = self.models.get(name) if name is not None else None
-        batcher = model.batcher if model is not None and model.ready else None
-        self.admission.enter(batcher)
+        body is read, ``waited_s`` after its head arrived, or refuse it (``Overloaded``,
+        ``WaitTooLong``); every admitted request is released once answered."""
+        if name is None:
+            candidates = list(self.models.values())
+        else:
+            model = self.models.get(name)
+            candidates = [] if model is None else [model]
+        batchers = [m.batcher for m in candidates if m.ready and m.batcher is not None]
+        self.admission.enter(batchers, waited_s)
 
     def release(self) -> None:
         self.admission.leave()
@@ -281,9 +285,12 @@ class DataPlane:
         *,
         timeout_s: float | None = None,
         request_id: str | None = None,
+        arrived: float | None = None,
     ) -> tuple[ServedModel, Outputs]:
         """Validate, prepare and queue one request; ``timeout_s`` overrides the server default;
-        ``request_id`` is the protocol's own id, quoted by the refusals that Triton words."""
+        ``request_id`` is the protocol's own id, quoted by the refusals that Triton words.
+        ``arrived`` (``time.perf_counter``): when its head arrived; the wait bound counts from
+        there, so time spent reading, decoding, tokenising or behind a busy event loop counts."""
         model = self.registry.get(name, version)
         timeout = timeout_s if timeout_s is not None else self.settings.request_timeout_s
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -299,7 +306,7 @@ class DataPlane:
         # once it is answered.
         model.active += 1
         try:
-            outputs = await self._infer(model, inputs, deadline, request_id)
+            outputs = await self._infer(model, inputs, deadline, request_id, arrived)
         except BaseException as exc:
             self._failed(model, exc, time.perf_counter() - started)
             raise
@@ -332,6 +339,7 @@ class DataPlane:
         inputs: Mapping[str, np.ndarray],
         deadline: float | None,
         request_id: str | None,
+        arrived: float | None,
     ) -> Outputs:
         name = model.name
         if self._draining:
@@ -360,8 +368,12 @@ class DataPlane:
         except ValueError as exc:
             raise InvalidInput(str(exc)) from exc
         try:
+            waited_s = 0.0 if arrived is None else max(0.0, time.perf_counter() - arrived)
             outputs = await model.batcher.submit(
-                part, deadline=deadline, max_wait_s=self.settings.max_queue_wait_s
+                part,
+                deadline=deadline,
+                max_wait_s=self.settings.max_queue_wait_s,
+                waited_s=waited_s,
             )
             return remove_batch_dimension(model, outputs)
         except BatchingError:

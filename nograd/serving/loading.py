@@ -39,6 +39,7 @@ from nograd.runtime.memory.fits import RangedCost
 from nograd.runtime.planner import PlanInput, log_plan, plan_device, profile_handler
 from nograd.runtime.speed.path import batch_cap
 from nograd.runtime.warmup import warm_up
+from nograd.serving.precedence import effective_config
 from nograd.serving.registry import ServedModel, State
 from nograd.serving.speed_checks import load_accuracy_sample, recorder
 from nograd.settings import Settings
@@ -130,9 +131,8 @@ class ModelLoader:
         )
 
     def _load(self, model: ServedModel, device: torch.device) -> None:
-        config = model.config
-        if self._settings.engine and config.format == "python":
-            config = config.model_copy(update={"engine": self._settings.engine})
+        # The loaded handler's config (``model.config`` below) holds the values served with.
+        config = effective_config(model.config, self._settings)
         started = time.perf_counter()
         previous = sys.modules.get(module_name(config))
         try:

@@ -9,12 +9,12 @@ import shutil
 import socket
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.e2e.open_loop import Outcome, p99
 from tests.e2e.serving import SLOW_BODY, Server, metric_value, run_server
 
 pytestmark = pytest.mark.e2e
@@ -23,14 +23,6 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "models"
 CAPACITY_PER_S = 20.0
 """The slow fixture: 100 ms per batch of at most 2 rows."""
 MAX_WAIT_S = 0.5
-
-
-@dataclass
-class Outcome:
-    sent_at: float
-    status: int
-    seconds: float
-    retry_after: str | None
 
 
 def rss_bytes(pid: int) -> int:
@@ -64,11 +56,6 @@ def open_loop(server: Server, rate_per_s: float, duration_s: float) -> list[Outc
             return await asyncio.gather(*(one(i / rate_per_s) for i in range(count)))
 
     return asyncio.run(run())
-
-
-def p99(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
 @pytest.fixture(scope="module")

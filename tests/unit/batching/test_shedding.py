@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from nograd.batching import DeadlineExceeded, QueueFull, WaitTooLong
+from nograd.batching import Batcher, DeadlineExceeded, QueueFull, WaitTooLong
 from tests.unit.batching.conftest import FakeRunner, Rows, make
 
 BATCH_S = 0.05
@@ -92,4 +93,49 @@ async def test_a_request_whose_deadline_has_passed_is_a_deadline_error_not_a_she
     await batcher.submit(Rows((1, 2, 3, 4)))  # the speed is known
     with pytest.raises(DeadlineExceeded, match="deadline passed"):
         await batcher.submit(Rows((1,)), deadline=time.monotonic() - 0.001, max_wait_s=1.0)
+    await batcher.stop()
+
+
+async def two_batches_held(
+    runner: FakeRunner, batcher: Batcher[Rows, tuple[int, ...]]
+) -> tuple[Batcher[Rows, tuple[int, ...]], list[asyncio.Future[tuple[int, ...]]]]:
+    """``batcher`` started, its speed learned from one batch of 4 rows (12.5 ms a row), then two
+    more such batches on the device, held there until ``runner.gate`` is set."""
+    await batcher.start()
+    await batcher.submit(Rows((1, 2, 3, 4)))
+    runner.gate = threading.Event()
+    held = [asyncio.ensure_future(batcher.submit(Rows((1, 2, 3, 4)))) for _ in range(2)]
+    await asyncio.sleep(0.01)
+    return batcher, held
+
+
+async def test_a_limit_far_above_the_batches_run_does_not_lift_the_bound(
+    executor: ThreadPoolExecutor,
+) -> None:
+    # A token model's limit holds thousands of tokens it never batches: one batch at the limit
+    # is 12.5 s here, and a floor of one such batch would never refuse.
+    runner = FakeRunner(delay_s=BATCH_S)
+    batcher, held = await two_batches_held(runner, make(runner, executor, limit=1000))
+    queued = [asyncio.ensure_future(batcher.submit(Rows((i,)))) for i in range(40)]
+    await asyncio.sleep(0)
+    # Two batches on the device and 40 rows queued: about 0.6 s before the next one is answered.
+    with pytest.raises(WaitTooLong):
+        await batcher.submit(Rows((99,)), max_wait_s=0.2)
+    runner.gate.set()
+    await asyncio.gather(*held, *queued)
+    await batcher.stop()
+
+
+async def test_the_time_spent_before_the_queue_counts_against_the_bound(
+    executor: ThreadPoolExecutor,
+) -> None:
+    runner = FakeRunner(delay_s=BATCH_S)
+    batcher, held = await two_batches_held(runner, make(runner, executor, limit=4))
+    # About 0.1 s on the device, then its own batch: within 0.3 s of a fresh arrival...
+    batcher.check_wait(time.monotonic(), None, 0.3, waited_s=0.0)
+    # ...but not of one that already waited 0.25 s to get here.
+    with pytest.raises(WaitTooLong, match="before the queue"):
+        batcher.check_wait(time.monotonic(), None, 0.3, waited_s=0.25)
+    runner.gate.set()
+    await asyncio.gather(*held)
     await batcher.stop()

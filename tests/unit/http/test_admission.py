@@ -179,15 +179,16 @@ async def test_a_queue_that_would_outlast_the_bound_refuses_before_the_body_is_r
         answers = await asyncio.gather(*(timed() for _ in range(20)))
         served = [seconds for answer, seconds in answers if answer.status == 200]
         refused = [(answer, seconds) for answer, seconds in answers if answer.status != 200]
-        # Those admitted while the queue was short are served; the rest are refused at once.
-        assert len(served) >= 3 and refused
+        # Those admitted while the queue was short (answered within the bound: 2 rows at
+        # 100 ms a batch) are served; the rest are refused at once.
+        assert len(served) >= 2 and refused
         for answer, seconds in refused:
             assert answer.status == 503, answer.body
             assert seconds < 0.1
             assert answer.body_reads == 0
             assert int(answer.headers["retry-after"]) >= 1
             assert b"NOGRAD_MAX_QUEUE_WAIT_S" in answer.body
-        # The served waited about the bound and a batch, not for the whole flood.
+        # The served were answered about within the bound, not after the whole flood.
         assert max(served) < 0.3 + 0.1 + 0.3
         rejected = app.state.metrics.rejected.labels("slow", "queue_wait")._value.get()
         assert rejected == len(refused)
