@@ -258,7 +258,8 @@ def triton_repository(root: Path) -> Path:
     - ensembles: python_backend's ``ensemble_python_resnet50`` (its ``preprocess`` config, with
       a numpy ``model.py``, and a TorchScript ``resnet50_trt``), ``chain`` (no batch dimension),
       ``guarded_twice`` (batched), ``simple_ensemble`` over ``simple_step`` (a copy of
-      ``simple``), and two that fail to load: ``ensemble_missing`` (a step model not in the
+      ``simple``), ``lazy_ensemble`` over ``lazy_step`` (neither loaded at start-up), and two
+      that fail to load: ``ensemble_missing`` (a step model not in the
       repository) and ``ensemble_bad_input`` (an input ``simple`` does not have);
     - ``digits``: nograd's own folder.
     """
@@ -307,14 +308,18 @@ def _ensembles(repo: Path) -> None:
     (repo / "preprocess" / "1" / "model.py").write_text(PREPROCESS_MODEL)
     save_torchscript(PooledClassifier(), repo / "resnet50_trt" / "1" / "model.pt")
     (repo / "resnet50_trt" / "config.pbtxt").write_text(CLASSIFIER_CONFIG)
-    shutil.copytree(FIXTURES / "simple", repo / "simple_step")
-    text = (repo / "simple_step" / "config.pbtxt").read_text()
-    (repo / "simple_step" / "config.pbtxt").write_text(text.replace('"simple"', '"simple_step"'))
+    for step in ("simple_step", "lazy_step"):
+        shutil.copytree(FIXTURES / "simple", repo / step)
+        text = (repo / step / "config.pbtxt").read_text()
+        (repo / step / "config.pbtxt").write_text(text.replace('"simple"', f'"{step}"'))
     configs = {
         "chain": CHAIN_CONFIG,
         "guarded_twice": TWICE_CONFIG,
         "simple_ensemble": SIMPLE_ENSEMBLE_CONFIG.format(
             name="simple_ensemble", step="simple_step", input="INPUT0"
+        ),
+        "lazy_ensemble": SIMPLE_ENSEMBLE_CONFIG.format(
+            name="lazy_ensemble", step="lazy_step", input="INPUT0"
         ),
         "ensemble_missing": SIMPLE_ENSEMBLE_CONFIG.format(
             name="ensemble_missing", step="nowhere", input="INPUT0"

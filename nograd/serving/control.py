@@ -14,15 +14,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from nograd.runtime.config import ConfigError, check_model_name, find_config, version_order
+from nograd.runtime.config import (
+    ConfigError,
+    ModelConfig,
+    check_model_name,
+    find_config,
+    version_order,
+)
 from nograd.serving.dataplane import DataPlane
+from nograd.serving.ensembles import composing, step_models, used_by_ensemble
 from nograd.serving.errors import ControlRefused, InvalidInput, LoadFailed, ModelNotFound
 from nograd.serving.peers import Peers, Served
 from nograd.serving.registry import ServedModel, State
@@ -37,36 +42,6 @@ from nograd.serving.repository import (
 )
 
 logger = logging.getLogger(__name__)
-
-Operation = Literal["load", "unload"]
-
-
-def load_parameters(parameters: Mapping[str, object]) -> Override | None:
-    """The config override of a load call's parameters (Triton's: ``config``, a JSON object of
-    config fields as text); a ``file:`` parameter or anything else is refused by name. Which
-    fields an override may name is ``check_override``'s rule, applied wherever one is read."""
-    override: Override | None = None
-    for key, value in parameters.items():
-        if key == "config":
-            if isinstance(value, str):
-                try:
-                    value = json.loads(value)
-                except ValueError as exc:
-                    raise InvalidInput(f"parameter 'config' is not JSON: {exc}") from exc
-            if not isinstance(value, dict):
-                raise InvalidInput(
-                    "parameter 'config' must be a JSON object of model config fields, such as "
-                    '{"max_batch_size": 8}'
-                )
-            override = value
-        elif key.startswith("file:"):
-            raise InvalidInput(
-                f"parameter {key!r}: model files cannot be uploaded; put them in the model "
-                "repository and load the model by name"
-            )
-        elif key != "unload_dependents":
-            raise InvalidInput(f"unknown load parameter {key!r} (known: config)")
-    return override
 
 
 class ModelControl:
@@ -83,6 +58,12 @@ class ModelControl:
         self._failed: dict[tuple[str, str], str] = {}
         """Poll mode: the fingerprint of each version that failed to load, not retried unchanged."""
         self._problems: set[str] = set()
+        self._explicit: set[str] = set()
+        """Models a load call named (not only loaded as an ensemble's step model): an unload
+        with ``unload_dependents`` leaves them loaded, as Triton does."""
+        self._touched: set[str] = set()
+        """The models the call being applied loaded or unloaded (an ensemble's step models
+        with it), recorded for the sibling workers."""
 
     @property
     def mode(self) -> str:
@@ -116,6 +97,7 @@ class ModelControl:
         else:
             names = self._settings.load_model_names
             self._plane.discover(None if names is None else names.__contains__)
+            self._explicit = set(self._plane.registry.versions if names is None else names)
         if self.mode != "none":
             # Only a fixed repository must be whole to serve: under control, an unreadable
             # folder is logged and listed, and the models that load serve.
@@ -134,9 +116,11 @@ class ModelControl:
         """Load ``name`` (or reload what changed of it) on every worker."""
         await self._everywhere({"op": "load", "name": name, "override": override})
 
-    async def unload(self, name: str) -> None:
-        """Unload every version of ``name`` on every worker; accepted requests finish first."""
-        await self._everywhere({"op": "unload", "name": name})
+    async def unload(self, name: str, dependents: bool = False) -> None:
+        """Unload every version of ``name`` on every worker; accepted requests finish first.
+        ``dependents``: an ensemble's step models too, unless a load call named them or another
+        ensemble still runs them (Triton's ``unload_dependents``)."""
+        await self._everywhere({"op": "unload", "name": name, "dependents": dependents})
 
     async def _everywhere(self, call: dict[str, Any]) -> None:
         # A name no model can have is refused before it reaches the repository or a sibling.
@@ -172,13 +156,16 @@ class ModelControl:
                 await self.apply(call)
             except LoadFailed as exc:
                 failed = exc  # a version that did load serves: the siblings must serve it too
-            # What serves of the model after the call, not what the call asked: the name and
-            # versions the repository gave, each with its override, whatever the call named.
-            served = self._served().get(name)
-            if served:
-                recorded[name] = served
-            else:
-                recorded.pop(name, None)
+            # What serves of the models after the call, not what the call asked: the name and
+            # versions the repository gave, each with its override, whatever the call named
+            # (an ensemble's step models loaded or unloaded with it too).
+            now = self._served()
+            for touched in {name, *self._touched}:
+                served = now.get(touched)
+                if served:
+                    recorded[touched] = served
+                else:
+                    recorded.pop(touched, None)
             self._peers.write_state(recorded)
             failures = await self._peers.broadcast({"op": "sync"})
         if failures:
@@ -229,15 +216,49 @@ class ModelControl:
         """Apply one load or unload call in this worker."""
         name = str(call["name"])
         async with self._lock:
+            self._touched = set()
             if call["op"] == "unload":
+                registry = self._plane.registry
+                steps = step_models(registry, name) if call.get("dependents") else []
                 await self._unload(name)
+                self._explicit.discard(name)
+                self._touched.add(name)
+                for step in reversed(steps):
+                    if step not in self._explicit and not used_by_ensemble(registry, step):
+                        await self._unload(step)
+                        self._touched.add(step)
                 return
             override = call.get("override")
             if override is not None and not isinstance(override, dict):
                 raise InvalidInput("the config override must be a JSON object of config fields")
             source = self._find(name, override)
             self._check_cap(name, source)
+            await self._load_steps(source)
+            self._explicit.add(name)
             await self._reconcile(name, source)
+
+    async def _load_steps(self, source: ModelSource) -> None:
+        """Load an ensemble's step models first (those of nested ensembles before them), the
+        ones not loaded and the ones changed on disk, as Triton loads them with the ensemble.
+        One that fails to load fails the ensemble, whose check names it."""
+        configs = [v.config for v in source.versions.values()]
+        for step in composing(configs, {source.name}, self._configs_on_disk):
+            try:
+                step_source = self._find(step)
+                if step in self._plane.registry.versions and not self._changed(step, step_source):
+                    continue
+                self._touched.add(step)
+                await self._reconcile(step, step_source)
+            except (ModelNotFound, InvalidInput, LoadFailed) as exc:
+                logger.error("ensemble %s: step model %s did not load: %s", source.name, step, exc)
+                if step not in self._plane.registry.versions and self._in_repository(step):
+                    self._plane.registry.unloaded[step] = f"failed to load: {exc}"
+
+    def _configs_on_disk(self, name: str) -> list[ModelConfig] | None:
+        try:
+            return [v.config for v in self._find(name).versions.values()]
+        except (ModelNotFound, InvalidInput):
+            return None
 
     async def apply_from_peer(self, call: dict[str, Any]) -> str | None:
         """A sibling's ``sync``, once this worker's start-up set has loaded: the problems as
@@ -348,6 +369,7 @@ class ModelControl:
         if fresh:
             loaded = ", ".join(sorted((m.version for m in fresh), key=version_order))
             logger.info("model %s: version(s) %s serving", name, loaded)
+            self._plane.recheck_ensembles(name)
 
     async def _retire(self, model: ServedModel, reason: str) -> None:
         """Stop routing to ``model``, let the requests that hold it finish, then free it."""

@@ -149,10 +149,33 @@ class DataPlane:
         self._loader.replan(self.registry.served())
 
     def mark_ready(self, name: str) -> None:
-        """Export whether ``name`` has a ready version."""
-        model = self.models.get(name)
-        ready = model is not None and model.ready and not self._draining
-        self.metrics.model_ready.labels(name).set(1 if ready else 0)
+        """Export whether ``name`` has a ready version, and whether each ensemble is (an
+        ensemble is ready while its step models are)."""
+        for each in {name, *(m.name for m in self.registry.served() if is_ensemble(m.config))}:
+            model = self.models.get(each)
+            ready = model is not None and model.ready and not self._draining
+            self.metrics.model_ready.labels(each).set(1 if ready else 0)
+
+    def recheck_ensembles(self, step_model: str) -> None:
+        """Check again the ensembles that run ``step_model`` (just loaded or reloaded, perhaps
+        with another config), as Triton checks an ensemble's downstream again: one that no
+        longer fits fails with Triton's message, one that fits again serves."""
+        names = set(model_names(self.settings.model_repository)) | set(self.registry.versions)
+        for model in self.registry.served():
+            if not is_ensemble(model.config) or model.state is State.LOADING:
+                continue
+            if all(step.model != step_model for step in model.config.steps):
+                continue
+            problem = check_ensemble(self.registry, model, names.__contains__)
+            if problem is not None:
+                model.state, model.error = State.FAILED, f"failed to load: {problem}"
+                logger.error("ensemble %s v%s %s", model.name, model.version, model.error)
+            elif model.state is State.FAILED:
+                model.state, model.error = State.READY, None
+                model.waiting_for = functools.partial(waiting_for, self.registry, model.config)
+                logger.info("ensemble %s v%s fits its step models again", model.name, model.version)
+            self.registry.refresh(model.name)
+        self.mark_ready(step_model)
 
     def begin_drain(self) -> None:
         """Turn not-ready at once and refuse new work; accepted requests still finish."""

@@ -228,6 +228,38 @@ def _dims(dims: tuple[int, ...]) -> str:
     return "[" + ",".join(str(d) for d in dims) + "]"
 
 
+# ---------------------------------------------------------------------------------- dependencies
+def composing(
+    configs: list[ModelConfig], seen: set[str], read: Callable[[str], list[ModelConfig] | None]
+) -> list[str]:
+    """The step models of ``configs`` and of the ensembles among them (their configs as
+    ``read`` finds them on disk, None: not readable), each after its own step models; a cycle
+    stops at the models already ``seen``."""
+    ordered: list[str] = []
+    for step in sorted({s.model for config in configs for s in config.steps} - seen):
+        seen.add(step)
+        nested = read(step)
+        if nested is not None:
+            ordered.extend(composing(nested, seen, read))
+        ordered.append(step)
+    return ordered
+
+
+def step_models(registry: ModelRegistry, name: str) -> list[str]:
+    """The step models the served ``name`` runs, nested ensembles' included, each after its own
+    step models."""
+
+    def read(model: str) -> list[ModelConfig]:
+        return [m.config for m in registry.versions.get(model, {}).values()]
+
+    return composing(read(name), {name}, read)
+
+
+def used_by_ensemble(registry: ModelRegistry, name: str) -> bool:
+    """Whether a served ensemble runs ``name`` as a step."""
+    return any(step.model == name for m in registry.served() for step in m.config.steps)
+
+
 # ---------------------------------------------------------------------------------- requests
 async def compose(
     config: ModelConfig, inputs: Mapping[str, np.ndarray], run_step: RunStep

@@ -21,7 +21,7 @@ from nograd.runtime.handler import ModelHandler, Outputs, TensorPart
 from nograd.runtime.memory.fits import RangedCost
 from nograd.runtime.planner import ModelPlan
 from nograd.serving.errors import ModelNotFound
-from nograd.serving.repository import Override, VersionSource, Wanted, scan
+from nograd.serving.repository import ModelSource, Override, VersionSource, Wanted, scan
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +113,8 @@ class ModelRegistry:
         sources, problems = scan(root, wanted, archive_cache)
         for problem in problems:
             self._reject(problem)
+        if load is not None:
+            load = with_step_models(sources, load).__contains__
         found = []
         for name, source in sources.items():
             if load is not None and not load(name):
@@ -182,3 +184,20 @@ class ModelRegistry:
     def all_ready(self) -> bool:
         """Every config read and every version serving; a failed one keeps the server not ready."""
         return not self.config_errors and all(m.ready for m in self.served())
+
+
+def with_step_models(sources: dict[str, ModelSource], load: Callable[[str], bool]) -> set[str]:
+    """The models ``load`` selects and the step models of the ensembles among them, nested
+    ones' included: Triton loads an ensemble's step models with it."""
+    selected = {name for name in sources if load(name)}
+    waiting = list(selected)
+    while waiting:
+        source = sources.get(waiting.pop())
+        if source is None:
+            continue
+        for version in source.versions.values():
+            for step in version.config.steps:
+                if step.model not in selected:
+                    selected.add(step.model)
+                    waiting.append(step.model)
+    return selected

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -18,7 +19,7 @@ import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton_http
 from tritonclient.utils import InferenceServerException
 
-from tests.e2e.serving import Server, free_port, run_server
+from tests.e2e.serving import Server, free_port, metric_value, run_server
 from tests.triton_models import SERVED, triton_repository
 
 pytestmark = pytest.mark.e2e
@@ -28,9 +29,14 @@ OTHER = np.full((5, 16), 3, dtype=np.int32)
 
 
 @pytest.fixture(scope="module")
-def triton_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    root = tmp_path_factory.mktemp("triton")
-    repo = triton_repository(root)
+def triton_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return triton_repository(tmp_path_factory.mktemp("triton"))
+
+
+@pytest.fixture(scope="module")
+def triton_server(triton_repo: Path) -> Iterator[Server]:
+    repo = triton_repo
+    root = repo.parent
     env = {
         "NOGRAD_MODEL_REPOSITORY": str(repo),
         "NOGRAD_GRPC_PORT": str(free_port()),
@@ -424,11 +430,12 @@ def test_ensemble_load_errors_name_the_problem(
 
 
 def test_unloading_a_step_model_makes_the_ensemble_unready(
-    http_client: triton_http.InferenceServerClient,
+    http_client: triton_http.InferenceServerClient, triton_server: Server
 ) -> None:
     http_client.unload_model("simple_step")
     try:
         assert not http_client.is_model_ready("simple_ensemble")
+        assert _ready_metric(triton_server, "simple_ensemble") == 0
         index = {e["name"]: e for e in http_client.get_model_repository_index()}
         assert index["simple_ensemble"]["state"] == "UNAVAILABLE"
         assert "simple_step" in index["simple_ensemble"]["reason"]
@@ -438,3 +445,58 @@ def test_unloading_a_step_model_makes_the_ensemble_unready(
     finally:
         http_client.load_model("simple_step")
     assert http_client.is_model_ready("simple_ensemble")
+    assert _ready_metric(triton_server, "simple_ensemble") == 1
+
+
+def _ready_metric(server: Server, name: str) -> float:
+    return metric_value(server.url, "nograd_model_ready", model=name)
+
+
+def _index_state(client: triton_http.InferenceServerClient, name: str) -> dict[str, str]:
+    found: dict[str, str] = {e["name"]: e for e in client.get_model_repository_index()}[name]
+    return found
+
+
+def test_loading_an_ensemble_loads_its_step_models_as_triton_does(
+    http_client: triton_http.InferenceServerClient, triton_server: Server, triton_repo: Path
+) -> None:
+    assert not http_client.is_model_ready("lazy_step")
+    http_client.load_model("lazy_ensemble")
+    assert http_client.is_model_ready("lazy_step")
+    assert http_client.is_model_ready("lazy_ensemble")
+    assert _ready_metric(triton_server, "lazy_ensemble") == 1
+    answer = _infer(http_client, triton_http, "lazy_ensemble", {"IN0": ROWS, "IN1": OTHER})
+    np.testing.assert_array_equal(answer.as_numpy("OUT"), ROWS + OTHER)  # type: ignore[attr-defined]
+    # By default an unload takes the named model alone; with unload_dependents, the step
+    # models the ensemble brought with it too.
+    http_client.unload_model("lazy_ensemble")
+    assert http_client.is_model_ready("lazy_step")
+    http_client.load_model("lazy_ensemble")
+    http_client.unload_model("lazy_ensemble", unload_dependents=True)
+    assert not http_client.is_model_ready("lazy_step")
+    assert _index_state(http_client, "lazy_step").get("state") != "READY"
+
+
+def test_a_step_model_reloaded_with_another_config_is_checked_against_its_ensembles(
+    http_client: triton_http.InferenceServerClient, triton_server: Server, triton_repo: Path
+) -> None:
+    config = triton_repo / "lazy_step" / "config.pbtxt"
+    original = config.read_text()
+    http_client.load_model("lazy_ensemble")
+    try:
+        config.write_text(original.replace("max_batch_size: 8", "max_batch_size: 4"))
+        http_client.load_model("lazy_step")
+        assert not http_client.is_model_ready("lazy_ensemble")
+        assert _ready_metric(triton_server, "lazy_ensemble") == 0
+        assert _index_state(http_client, "lazy_ensemble")["reason"] == (
+            "failed to load: ensemble lazy_ensemble allows maximum batch size 8, but it "
+            "contains model lazy_step which only allows maximum batch size to be 4"
+        )
+        config.write_text(original)
+        http_client.load_model("lazy_step")
+        assert http_client.is_model_ready("lazy_ensemble")
+        assert _ready_metric(triton_server, "lazy_ensemble") == 1
+    finally:
+        config.write_text(original)
+        http_client.unload_model("lazy_ensemble")
+        http_client.unload_model("lazy_step")
