@@ -7,6 +7,7 @@ import shutil
 import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -241,6 +242,50 @@ ensemble_scheduling {{
 """
 
 
+WARMED_CONFIG = """
+name: "{name}"
+backend: "python"
+max_batch_size: 4
+input [ {{ name: "X", data_type: TYPE_FP32, dims: [ 2 ] }} ]
+output [ {{ name: "Y", data_type: TYPE_FP32, dims: [ 2 ] }} ]
+model_warmup [
+  {{
+    name: "{sample}"
+    batch_size: 2
+    count: 2
+    inputs {{ key: "X" value: {{ data_type: TYPE_FP32 dims: [ 2 ] {data} }} }}
+  }}
+]
+"""
+WARMED_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.seen = []
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            if not x.any():
+                error = pb_utils.TritonError("An Error Occurred")
+                responses.append(pb_utils.InferenceResponse(error=error))
+                continue
+            self.seen.append(float(x.sum()))
+            # Every input sum this model saw before, warmup's included, in the first row.
+            y = np.zeros_like(x)
+            y[0, : min(2, len(self.seen))] = self.seen[:2]
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", y)]))
+        return responses
+"""
+"""Python models with ``model_warmup``: ``warmed`` reads its sample from ``warmup/x`` (1.5 and
+2.5) and answers with the sums it saw first (the warmup's); ``warm_failing`` sends zeros, which
+the model answers with an error, so it does not load."""
+
+
 def triton_repository(root: Path) -> Path:
     """Triton folders and a nograd one side by side:
 
@@ -261,6 +306,9 @@ def triton_repository(root: Path) -> Path:
       ``simple``), ``lazy_ensemble`` over ``lazy_step`` (neither loaded at start-up), and two
       that fail to load: ``ensemble_missing`` (a step model not in the
       repository) and ``ensemble_bad_input`` (an input ``simple`` does not have);
+    - ``warmed`` and ``warm_failing`` (Python, ``model_warmup``, the second failing), and
+      ``simple_warm_short`` (``simple`` with a warmup file too short), the last two not loaded
+      at start-up;
     - ``digits``: nograd's own folder.
     """
     torch.manual_seed(0)
@@ -296,8 +344,41 @@ def triton_repository(root: Path) -> Path:
         (repo / "guarded" / version).mkdir()
         (repo / "guarded" / version / "model.py").write_text(GUARDED_MODEL.format(scale=scale))
     _ensembles(repo)
+    _warmed(repo)
     shutil.copytree(ROOT / "models" / "digits", repo / "digits")
     return repo
+
+
+def _warmed(repo: Path) -> None:
+    for name, sample, data in (
+        ("warmed", "from file", 'input_data_file: "x"'),
+        ("warm_failing", "zero sample", "zero_data: true"),
+    ):
+        (repo / name / "1").mkdir(parents=True)
+        config = WARMED_CONFIG.format(name=name, sample=sample, data=data)
+        (repo / name / "config.pbtxt").write_text(config)
+        (repo / name / "1" / "model.py").write_text(WARMED_MODEL)
+    (repo / "warmed" / "warmup").mkdir()
+    (repo / "warmed" / "warmup" / "x").write_bytes(np.array([1.5, 2.5], "<f4").tobytes())
+    warm_onnx = repo / "simple_warm_short"
+    shutil.copytree(FIXTURES / "simple" / "1", warm_onnx / "1")
+    text = (
+        (FIXTURES / "simple" / "config.pbtxt")
+        .read_text()
+        .replace('"simple"', '"simple_warm_short"')
+    )
+    (warm_onnx / "config.pbtxt").write_text(
+        text
+        + """
+model_warmup [{
+  name: "short file" batch_size: 8
+  inputs { key: "INPUT0" value: { data_type: TYPE_INT32 dims: [ 16 ] input_data_file: "in" } }
+  inputs { key: "INPUT1" value: { data_type: TYPE_INT32 dims: [ 16 ] random_data: true } }
+}]
+"""
+    )
+    (warm_onnx / "warmup").mkdir()
+    (warm_onnx / "warmup" / "in").write_bytes(b"\0" * 32)
 
 
 def _ensembles(repo: Path) -> None:
@@ -351,5 +432,6 @@ SERVED = (
     "simple_ensemble",
     "chain",
     "guarded_twice",
+    "warmed",
 )
 """The Triton models the e2e server loads at start-up (with ``fixed`` and ``digits``)."""

@@ -187,11 +187,6 @@ def _convert(model_dir: Path, message: Any, text: str, where: str) -> ModelConfi
             f"{where}: field 'parameters' ({', '.join(sorted(message.parameters))}): reported "
             "in the model configuration; nograd's backends read none of them"
         )
-    if message.model_warmup:
-        _warn(
-            f"{where}: field 'model_warmup': not run; nograd warms every model up with "
-            "synthetic batches of its inputs' shapes"
-        )
     fields["triton_config"] = json.dumps(_document(message), sort_keys=True)
     return ModelConfig.model_validate(fields)
 

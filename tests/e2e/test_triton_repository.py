@@ -500,3 +500,24 @@ def test_a_step_model_reloaded_with_another_config_is_checked_against_its_ensemb
         config.write_text(original)
         http_client.unload_model("lazy_ensemble")
         http_client.unload_model("lazy_step")
+
+
+# ------------------------------------------------------------------------------- model_warmup
+def test_model_warmup_runs_at_load_as_triton_runs_it(
+    http_client: triton_http.InferenceServerClient,
+) -> None:
+    # warmed's first execute took the warmup sample's two requests (the file's 1.5 and 2.5).
+    answer = _infer(http_client, triton_http, "warmed", {"X": np.ones((1, 2), np.float32)})
+    np.testing.assert_array_equal(answer.as_numpy("Y")[0], [4.0, 4.0])  # type: ignore[attr-defined]
+    with pytest.raises(InferenceServerException) as failing:
+        http_client.load_model("warm_failing")
+    assert "failed to run warmup sample 'zero sample': An Error Occurred" in (
+        failing.value.message()
+    )
+    assert not http_client.is_model_ready("warm_failing")
+    with pytest.raises(InferenceServerException) as short:
+        http_client.load_model("simple_warm_short")
+    assert (
+        "warmup setting expects 64 bytes, but the data provided from in only has 32 bytes"
+        in short.value.message()
+    )
