@@ -286,6 +286,45 @@ class TritonPythonModel:
 the model answers with an error, so it does not load."""
 
 
+OPTIONAL_CONFIG = """
+name: "optional_sum"
+backend: "python"
+max_batch_size: 8
+dynamic_batching { max_queue_delay_microseconds: 50000 }
+input [
+  { name: "A", data_type: TYPE_FP32, dims: [ 2 ] },
+  { name: "B", data_type: TYPE_FP32, dims: [ 2 ], optional: true }
+]
+output [ { name: "Y", data_type: TYPE_FP32, dims: [ 2 ] } ]
+"""
+OPTIONAL_MODEL = """
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        time.sleep(0.05)  # long enough for the requests sent meanwhile to queue
+        given = [pb_utils.get_input_tensor_by_name(r, "B") is not None for r in requests]
+        mixed = float(len(set(given)) > 1)
+        responses = []
+        for request in requests:
+            a = pb_utils.get_input_tensor_by_name(request, "A").as_numpy()
+            b = pb_utils.get_input_tensor_by_name(request, "B")
+            total = a[:, 0] + (b.as_numpy()[:, 0] if b is not None else 0)
+            # The sum, then how many requests this execute took (negative: with and without B).
+            took = -len(requests) if mixed else len(requests)
+            y = np.stack([total, np.full(len(a), took, np.float32)], 1).astype(np.float32)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", y)]))
+        return responses
+"""
+"""A Python model with an optional input ``B``: ``Y[:, 0] = A[:, 0] + B[:, 0]`` (B left out:
+A alone), ``Y[:, 1]`` the number of requests its execute took, negative when they were with
+and without B together."""
+
+
 def triton_repository(root: Path) -> Path:
     """Triton folders and a nograd one side by side:
 
@@ -309,6 +348,7 @@ def triton_repository(root: Path) -> Path:
     - ``warmed`` and ``warm_failing`` (Python, ``model_warmup``, the second failing), and
       ``simple_warm_short`` (``simple`` with a warmup file too short), the last two not loaded
       at start-up;
+    - ``optional_sum`` (Python, an optional input);
     - ``digits``: nograd's own folder.
     """
     torch.manual_seed(0)
@@ -345,6 +385,9 @@ def triton_repository(root: Path) -> Path:
         (repo / "guarded" / version / "model.py").write_text(GUARDED_MODEL.format(scale=scale))
     _ensembles(repo)
     _warmed(repo)
+    (repo / "optional_sum" / "1").mkdir(parents=True)
+    (repo / "optional_sum" / "config.pbtxt").write_text(OPTIONAL_CONFIG)
+    (repo / "optional_sum" / "1" / "model.py").write_text(OPTIONAL_MODEL)
     shutil.copytree(ROOT / "models" / "digits", repo / "digits")
     return repo
 
@@ -433,5 +476,6 @@ SERVED = (
     "chain",
     "guarded_twice",
     "warmed",
+    "optional_sum",
 )
 """The Triton models the e2e server loads at start-up (with ``fixed`` and ``digits``)."""

@@ -14,6 +14,7 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Callable, Hashable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Generic
@@ -75,8 +76,12 @@ class Batcher(Generic[P, R]):
         unit_tokens: bool = False,
         observer: BatchObserver | None = None,
         max_staged_batches: int = 1,
+        group_of: Callable[[P], Hashable] | None = None,
     ) -> None:
+        """``group_of``: parts with different groups never share a batch (a model's requests
+        that carry different sets of its optional inputs)."""
         self.name = name
+        self._group_of = group_of
         self._runner = runner
         self._executor = executor
         self.limit = limit
@@ -316,7 +321,11 @@ class Batcher(Generic[P, R]):
         if self._unit_tokens:
             candidates.sort(key=lambda it: (abs(it.part.length - first.part.length), it.enqueued))
         taken: set[int] = set()
+        group_of = self._group_of
+        group = None if group_of is None else group_of(first.part)
         for item in candidates:
+            if group_of is not None and group_of(item.part) != group:
+                continue  # left queued for a batch of its own group
             new_rows = rows + item.part.rows
             new_longest = max(longest, item.part.length)
             if padded_cost(new_rows, new_longest, self._unit_tokens) > limit:

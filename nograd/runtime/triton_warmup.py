@@ -103,7 +103,7 @@ def _inputs(
                 f"warmup sample '{sample}': input '{name}' is not an input of model "
                 f"'{config.name}' (its inputs: {', '.join(specs)})"
             )
-    missing = [name for name in specs if name not in given]
+    missing = [name for name, spec in specs.items() if name not in given and not spec.optional]
     if missing:
         raise WarmupFailed(
             f"warmup sample '{sample}': expected {len(specs)} inputs but got {len(given)} "

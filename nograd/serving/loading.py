@@ -332,12 +332,19 @@ class ModelLoader:
             max_queue_size=config.max_queue_size or self._settings.max_queue_size,
             unit_tokens=config.batch_unit == "tokens",
             observer=FanOutObserver(observer, self._statistics.observer(model.name)),
+            # Requests with different sets of optional inputs never share a batch (Triton's).
+            group_of=input_names if any(spec.optional for spec in config.inputs) else None,
         )
         await batcher.start()
         observer.limit_changed(limit.current)
         model.batcher = batcher
         model.state = State.READY
         self._metrics.model_ready.labels(model.name).set(1)
+
+
+def input_names(part: TensorPart) -> frozenset[str]:
+    """The inputs a request carries: its batch group when the model has optional inputs."""
+    return frozenset(part.tensors)
 
 
 def release_memory(device: torch.device | None) -> None:
