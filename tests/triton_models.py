@@ -75,6 +75,8 @@ input [ { name: "X", data_type: TYPE_FP32, dims: [ 2 ] } ]
 output [ { name: "Y", data_type: TYPE_FP32, dims: [ 2 ] } ]
 """
 GUARDED_MODEL = """
+import time
+
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
@@ -88,6 +90,7 @@ class TritonPythonModel:
 
     def execute(self, requests):
         self.batches += 1
+        time.sleep(0.02)  # long enough for requests sent meanwhile to queue behind this one
         responses = []
         for request in requests:
             x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()

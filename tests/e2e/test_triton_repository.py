@@ -299,7 +299,7 @@ def test_python_backend_takes_queued_requests_in_one_execute(triton_server: Serv
         return httpx.post(url, json=data, timeout=30)
 
     most = 0
-    for _ in range(3):  # the requests meet in the 20 ms queue delay; a loaded box may miss it
+    for _ in range(3):  # they queue behind a 20 ms execute; a loaded box may miss it
         with ThreadPoolExecutor(8) as pool:
             responses = list(pool.map(send, range(8)))
         assert responses[0].status_code == 400  # its bad input fails it alone
@@ -394,7 +394,7 @@ def test_concurrent_ensemble_requests_batch_in_the_step_models(
         return httpx.post(url, json=data, timeout=30)
 
     executions = 16
-    for _ in range(3):  # the requests meet in the 20 ms queue delay; a loaded box may miss it
+    for _ in range(3):  # they queue behind a 20 ms execute; a loaded box may miss it
         before, ensemble_before = counts("guarded"), counts("guarded_twice")
         with ThreadPoolExecutor(8) as pool:
             responses = list(pool.map(send, range(8)))
