@@ -153,3 +153,19 @@ def test_python_models_warm_up_through_execute(tmp_path: Path, data: str) -> Non
     else:
         run_warmup(handler, samples)
         assert module.CALLS == [3, 3]  # batch_size requests in one execute, count times
+
+
+def test_onnx_model_runs_its_samples(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    folder = tmp_path / "repo" / "simple"
+    (folder / "1").mkdir(parents=True)
+    (folder / "1" / "model.onnx").write_bytes(
+        (FIXTURES / "simple" / "1" / "model.onnx").read_bytes()
+    )
+    (folder / "config.pbtxt").write_text(
+        SIMPLE + _sample("s", "random_data: true", extra="count: 2")
+    )
+    config = read_triton(folder).model_copy(update={"version": "1"})
+    handler = build_handler(tmp_path / "repo", folder / "1", config, torch.device("cpu"))
+    with caplog.at_level("INFO"):
+        run_warmup(handler, warmup_samples(handler.config, folder))
+    assert "model 'simple' is running warmup sample 's' for iteration 2" in caplog.text
