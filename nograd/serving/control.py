@@ -59,11 +59,9 @@ class ModelControl:
         """Poll mode: the fingerprint of each version that failed to load, not retried unchanged."""
         self._problems: set[str] = set()
         self._explicit: set[str] = set()
-        """Models a load call named (not only loaded as an ensemble's step model): an unload
-        with ``unload_dependents`` leaves them loaded, as Triton does."""
+        """Models a load call named: ``unload_dependents`` leaves them loaded, as in Triton."""
         self._touched: set[str] = set()
-        """The models the call being applied loaded or unloaded (an ensemble's step models
-        with it), recorded for the sibling workers."""
+        """What the call being applied loaded or unloaded, step models included (for siblings)."""
 
     @property
     def mode(self) -> str:
@@ -118,8 +116,7 @@ class ModelControl:
 
     async def unload(self, name: str, dependents: bool = False) -> None:
         """Unload every version of ``name`` on every worker; accepted requests finish first.
-        ``dependents``: an ensemble's step models too, unless a load call named them or another
-        ensemble still runs them (Triton's ``unload_dependents``)."""
+        ``dependents``: the step models it brought too (Triton's ``unload_dependents``)."""
         await self._everywhere({"op": "unload", "name": name, "dependents": dependents})
 
     async def _everywhere(self, call: dict[str, Any]) -> None:
@@ -194,6 +191,7 @@ class ModelControl:
             return []
         registry = self._plane.registry
         problems: list[str] = []
+        loads: list[ModelSource] = []
         for name in sorted(set(registry.versions) | set(recorded)):
             versions = recorded.get(name)
             try:
@@ -202,8 +200,15 @@ class ModelControl:
                     continue
                 source = self._find(name, wanted=versions)
                 if self._changed(name, source):
-                    await self._reconcile(name, source)
-            except (ModelNotFound, InvalidInput, LoadFailed) as exc:
+                    loads.append(source)
+            except (ModelNotFound, InvalidInput) as exc:
+                problems.append(str(exc))
+        # Ensembles after the models (their step models load first, as on the calling worker).
+        loads.sort(key=lambda source: any(v.config.steps for v in source.versions.values()))
+        for source in loads:
+            try:
+                await self._reconcile(source.name, source)
+            except LoadFailed as exc:
                 problems.append(str(exc))
         return problems
 
@@ -238,9 +243,8 @@ class ModelControl:
             await self._reconcile(name, source)
 
     async def _load_steps(self, source: ModelSource) -> None:
-        """Load an ensemble's step models first (those of nested ensembles before them), the
-        ones not loaded and the ones changed on disk, as Triton loads them with the ensemble.
-        One that fails to load fails the ensemble, whose check names it."""
+        """Load an ensemble's step models (nested ones' first) not loaded or changed on disk, as
+        Triton does; one that fails fails the ensemble, whose check names it."""
         configs = [v.config for v in source.versions.values()]
         for step in composing(configs, {source.name}, self._configs_on_disk):
             try:
@@ -388,14 +392,8 @@ class ModelControl:
 
     # ------------------------------------------------------------------ index
     def index(self) -> list[ServedModel | tuple[str, str]]:
-        """Every version loaded or loading, and (name, reason) for each model of the
-        repository that is not loaded."""
-        registry = self._plane.registry
-        rows: list[ServedModel | tuple[str, str]] = list(registry.served())
-        for name in sorted(set(model_names(self.root)) | set(registry.unloaded)):
-            if name not in registry.versions:
-                rows.append((name, registry.unloaded.get(name, "not loaded")))
-        return rows
+        """The repository index's rows (``ModelRegistry.index``)."""
+        return self._plane.registry.index(model_names(self.root))
 
     # ------------------------------------------------------------------ poll
     async def poll_forever(self) -> None:

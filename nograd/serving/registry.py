@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -163,6 +163,15 @@ class ModelRegistry:
     def served(self) -> list[ServedModel]:
         """Every version loaded or loading."""
         return [m for versions in self.versions.values() for m in versions.values()]
+
+    def index(self, in_repository: Iterable[str]) -> list[ServedModel | tuple[str, str]]:
+        """Every version loaded or loading, and (name, reason) for each model of the repository
+        (``in_repository``) that is not loaded."""
+        rows: list[ServedModel | tuple[str, str]] = list(self.served())
+        for name in sorted(set(in_repository) | set(self.unloaded)):
+            if name not in self.versions:
+                rows.append((name, self.unloaded.get(name, "not loaded")))
+        return rows
 
     def version_names(self, name: str) -> list[str]:
         return sorted(self.versions.get(name, {}), key=version_order)

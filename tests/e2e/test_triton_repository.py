@@ -567,3 +567,32 @@ def test_requests_with_different_optional_inputs_never_share_a_batch(
         if most > 1:
             break
     assert most > 1  # they did batch, each set of inputs with its own
+
+
+@pytest.mark.slow  # two workers of its own: ~22 s on the 2-core box
+def test_every_worker_loads_an_ensemble_with_its_step_models(
+    triton_repo: Path, tmp_path: Path
+) -> None:
+    env = {
+        "NOGRAD_MODEL_REPOSITORY": str(triton_repo),
+        "NOGRAD_WORKERS": "2",
+        "NOGRAD_MODEL_CONTROL": "explicit",
+        "NOGRAD_LOAD_MODELS": "digits",
+    }
+    with run_server(tmp_path, env=env, ready_timeout_s=120) as server:
+        assert (
+            httpx.post(f"{server.url}/v2/repository/models/lazy_ensemble/load").status_code == 200
+        )
+        body = {
+            "inputs": [
+                {"name": name, "datatype": "INT32", "shape": [1, 16], "data": [1] * 16}
+                for name in ("IN0", "IN1")
+            ]
+        }
+        statuses = set()
+        for _ in range(12):  # a connection each, so both workers answer
+            with httpx.Client(base_url=server.url, timeout=30) as http:
+                answer = http.post("/v2/models/lazy_ensemble/infer", json=body)
+                statuses.add((answer.status_code, answer.text if answer.status_code != 200 else ""))
+                assert answer.status_code != 200 or answer.json()["outputs"][0]["data"] == [2] * 16
+        assert statuses == {(200, "")}
