@@ -7,6 +7,7 @@ import shutil
 import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,6 +75,8 @@ input [ { name: "X", data_type: TYPE_FP32, dims: [ 2 ] } ]
 output [ { name: "Y", data_type: TYPE_FP32, dims: [ 2 ] } ]
 """
 GUARDED_MODEL = """
+import time
+
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
@@ -87,6 +90,7 @@ class TritonPythonModel:
 
     def execute(self, requests):
         self.batches += 1
+        time.sleep(0.02)  # long enough for requests sent meanwhile to queue behind this one
         responses = []
         for request in requests:
             x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
@@ -241,6 +245,89 @@ ensemble_scheduling {{
 """
 
 
+WARMED_CONFIG = """
+name: "{name}"
+backend: "python"
+max_batch_size: 4
+input [ {{ name: "X", data_type: TYPE_FP32, dims: [ 2 ] }} ]
+output [ {{ name: "Y", data_type: TYPE_FP32, dims: [ 2 ] }} ]
+model_warmup [
+  {{
+    name: "{sample}"
+    batch_size: 2
+    count: 2
+    inputs {{ key: "X" value: {{ data_type: TYPE_FP32 dims: [ 2 ] {data} }} }}
+  }}
+]
+"""
+WARMED_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.seen = []
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            if not x.any():
+                error = pb_utils.TritonError("An Error Occurred")
+                responses.append(pb_utils.InferenceResponse(error=error))
+                continue
+            self.seen.append(float(x.sum()))
+            # Every input sum this model saw before, warmup's included, in the first row.
+            y = np.zeros_like(x)
+            y[0, : min(2, len(self.seen))] = self.seen[:2]
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", y)]))
+        return responses
+"""
+"""Python models with ``model_warmup``: ``warmed`` reads its sample from ``warmup/x`` (1.5 and
+2.5) and answers with the sums it saw first (the warmup's); ``warm_failing`` sends zeros, which
+the model answers with an error, so it does not load."""
+
+
+OPTIONAL_CONFIG = """
+name: "optional_sum"
+backend: "python"
+max_batch_size: 8
+dynamic_batching { max_queue_delay_microseconds: 50000 }
+input [
+  { name: "A", data_type: TYPE_FP32, dims: [ 2 ] },
+  { name: "B", data_type: TYPE_FP32, dims: [ 2 ], optional: true }
+]
+output [ { name: "Y", data_type: TYPE_FP32, dims: [ 2 ] } ]
+"""
+OPTIONAL_MODEL = """
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        time.sleep(0.05)  # long enough for the requests sent meanwhile to queue
+        given = [pb_utils.get_input_tensor_by_name(r, "B") is not None for r in requests]
+        mixed = float(len(set(given)) > 1)
+        responses = []
+        for request in requests:
+            a = pb_utils.get_input_tensor_by_name(request, "A").as_numpy()
+            b = pb_utils.get_input_tensor_by_name(request, "B")
+            total = a[:, 0] + (b.as_numpy()[:, 0] if b is not None else 0)
+            # The sum, then how many requests this execute took (negative: with and without B).
+            took = -len(requests) if mixed else len(requests)
+            y = np.stack([total, np.full(len(a), took, np.float32)], 1).astype(np.float32)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", y)]))
+        return responses
+"""
+"""A Python model with an optional input ``B``: ``Y[:, 0] = A[:, 0] + B[:, 0]`` (B left out:
+A alone), ``Y[:, 1]`` the number of requests its execute took, negative when they were with
+and without B together."""
+
+
 def triton_repository(root: Path) -> Path:
     """Triton folders and a nograd one side by side:
 
@@ -258,8 +345,13 @@ def triton_repository(root: Path) -> Path:
     - ensembles: python_backend's ``ensemble_python_resnet50`` (its ``preprocess`` config, with
       a numpy ``model.py``, and a TorchScript ``resnet50_trt``), ``chain`` (no batch dimension),
       ``guarded_twice`` (batched), ``simple_ensemble`` over ``simple_step`` (a copy of
-      ``simple``), and two that fail to load: ``ensemble_missing`` (a step model not in the
+      ``simple``), ``lazy_ensemble`` over ``lazy_step`` (neither loaded at start-up), and two
+      that fail to load: ``ensemble_missing`` (a step model not in the
       repository) and ``ensemble_bad_input`` (an input ``simple`` does not have);
+    - ``warmed`` and ``warm_failing`` (Python, ``model_warmup``, the second failing), and
+      ``simple_warm_short`` (``simple`` with a warmup file too short), the last two not loaded
+      at start-up;
+    - ``optional_sum`` (Python, an optional input);
     - ``digits``: nograd's own folder.
     """
     torch.manual_seed(0)
@@ -295,8 +387,44 @@ def triton_repository(root: Path) -> Path:
         (repo / "guarded" / version).mkdir()
         (repo / "guarded" / version / "model.py").write_text(GUARDED_MODEL.format(scale=scale))
     _ensembles(repo)
+    _warmed(repo)
+    (repo / "optional_sum" / "1").mkdir(parents=True)
+    (repo / "optional_sum" / "config.pbtxt").write_text(OPTIONAL_CONFIG)
+    (repo / "optional_sum" / "1" / "model.py").write_text(OPTIONAL_MODEL)
     shutil.copytree(ROOT / "models" / "digits", repo / "digits")
     return repo
+
+
+def _warmed(repo: Path) -> None:
+    for name, sample, data in (
+        ("warmed", "from file", 'input_data_file: "x"'),
+        ("warm_failing", "zero sample", "zero_data: true"),
+    ):
+        (repo / name / "1").mkdir(parents=True)
+        config = WARMED_CONFIG.format(name=name, sample=sample, data=data)
+        (repo / name / "config.pbtxt").write_text(config)
+        (repo / name / "1" / "model.py").write_text(WARMED_MODEL)
+    (repo / "warmed" / "warmup").mkdir()
+    (repo / "warmed" / "warmup" / "x").write_bytes(np.array([1.5, 2.5], "<f4").tobytes())
+    warm_onnx = repo / "simple_warm_short"
+    shutil.copytree(FIXTURES / "simple" / "1", warm_onnx / "1")
+    text = (
+        (FIXTURES / "simple" / "config.pbtxt")
+        .read_text()
+        .replace('"simple"', '"simple_warm_short"')
+    )
+    (warm_onnx / "config.pbtxt").write_text(
+        text
+        + """
+model_warmup [{
+  name: "short file" batch_size: 8
+  inputs { key: "INPUT0" value: { data_type: TYPE_INT32 dims: [ 16 ] input_data_file: "in" } }
+  inputs { key: "INPUT1" value: { data_type: TYPE_INT32 dims: [ 16 ] random_data: true } }
+}]
+"""
+    )
+    (warm_onnx / "warmup").mkdir()
+    (warm_onnx / "warmup" / "in").write_bytes(b"\0" * 32)
 
 
 def _ensembles(repo: Path) -> None:
@@ -307,14 +435,18 @@ def _ensembles(repo: Path) -> None:
     (repo / "preprocess" / "1" / "model.py").write_text(PREPROCESS_MODEL)
     save_torchscript(PooledClassifier(), repo / "resnet50_trt" / "1" / "model.pt")
     (repo / "resnet50_trt" / "config.pbtxt").write_text(CLASSIFIER_CONFIG)
-    shutil.copytree(FIXTURES / "simple", repo / "simple_step")
-    text = (repo / "simple_step" / "config.pbtxt").read_text()
-    (repo / "simple_step" / "config.pbtxt").write_text(text.replace('"simple"', '"simple_step"'))
+    for step in ("simple_step", "lazy_step"):
+        shutil.copytree(FIXTURES / "simple", repo / step)
+        text = (repo / step / "config.pbtxt").read_text()
+        (repo / step / "config.pbtxt").write_text(text.replace('"simple"', f'"{step}"'))
     configs = {
         "chain": CHAIN_CONFIG,
         "guarded_twice": TWICE_CONFIG,
         "simple_ensemble": SIMPLE_ENSEMBLE_CONFIG.format(
             name="simple_ensemble", step="simple_step", input="INPUT0"
+        ),
+        "lazy_ensemble": SIMPLE_ENSEMBLE_CONFIG.format(
+            name="lazy_ensemble", step="lazy_step", input="INPUT0"
         ),
         "ensemble_missing": SIMPLE_ENSEMBLE_CONFIG.format(
             name="ensemble_missing", step="nowhere", input="INPUT0"
@@ -346,5 +478,7 @@ SERVED = (
     "simple_ensemble",
     "chain",
     "guarded_twice",
+    "warmed",
+    "optional_sum",
 )
 """The Triton models the e2e server loads at start-up (with ``fixed`` and ``digits``)."""

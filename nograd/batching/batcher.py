@@ -14,6 +14,7 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Callable, Hashable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Generic
@@ -24,6 +25,7 @@ from nograd.batching.errors import (
     QueueFull,
     SampleTooLarge,
     WaitTooLong,
+    fail,
 )
 from nograd.batching.limit import BatchLimit
 from nograd.batching.protocols import (
@@ -75,8 +77,12 @@ class Batcher(Generic[P, R]):
         unit_tokens: bool = False,
         observer: BatchObserver | None = None,
         max_staged_batches: int = 1,
+        group_of: Callable[[P], Hashable] | None = None,
     ) -> None:
+        """``group_of``: parts with different groups never share a batch (a model's requests
+        that carry different sets of its optional inputs)."""
         self.name = name
+        self._group_of = group_of
         self._runner = runner
         self._executor = executor
         self.limit = limit
@@ -164,7 +170,7 @@ class Batcher(Generic[P, R]):
         self._task = None
         while self._queue:
             item = self._queue.popleft()
-            _fail(item.future, BatcherClosed(f"model {self.name!r} is shutting down"))
+            fail(item.future, BatcherClosed(f"model {self.name!r} is shutting down"))
         self._queued_cost = 0
         for task in list(self._batch_tasks):
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -337,7 +343,11 @@ class Batcher(Generic[P, R]):
         if self._unit_tokens:
             candidates.sort(key=lambda it: (abs(it.part.length - first.part.length), it.enqueued))
         taken: set[int] = set()
+        group_of = self._group_of
+        group = None if group_of is None else group_of(first.part)
         for item in candidates:
+            if group_of is not None and group_of(item.part) != group:
+                continue  # left queued for a batch of its own group
             new_rows = rows + item.part.rows
             new_longest = max(longest, item.part.length)
             if padded_cost(new_rows, new_longest, self._unit_tokens) > limit:
@@ -362,7 +372,7 @@ class Batcher(Generic[P, R]):
             return False
         if item.deadline is not None and now > item.deadline:
             self._observer.dropped("deadline")
-            _fail(item.future, DeadlineExceeded(f"deadline passed while queued for {self.name!r}"))
+            fail(item.future, DeadlineExceeded(f"deadline passed while queued for {self.name!r}"))
             return False
         return True
 
@@ -374,13 +384,13 @@ class Batcher(Generic[P, R]):
             live, outcomes = await loop.run_in_executor(self._executor, self._execute, batch)
             for item, outcome in zip(live, outcomes, strict=True):
                 if isinstance(outcome, BaseException):
-                    _fail(item.future, outcome)
+                    fail(item.future, outcome)
                 elif not item.future.done():
                     item.future.set_result(outcome)
         except BaseException as exc:  # every future is resolved, whatever happened
             logger.exception("batch failed for model %s", self.name)
             for item in live:
-                _fail(item.future, exc if isinstance(exc, Exception) else BatcherClosed(str(exc)))
+                fail(item.future, exc if isinstance(exc, Exception) else BatcherClosed(str(exc)))
             if not isinstance(exc, Exception):
                 raise
         finally:
@@ -437,10 +447,3 @@ class Batcher(Generic[P, R]):
                     extra={"model": self.name, "rows": rows, "ok": ok, "limit": self.limit.current},
                 )
         return live + expired, outcomes + late
-
-
-def _fail(future: asyncio.Future[R], exc: BaseException) -> None:
-    if not future.done():
-        future.set_exception(exc)
-        # The caller may be gone already; mark the exception retrieved so asyncio does not warn.
-        future.exception()

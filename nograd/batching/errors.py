@@ -1,5 +1,10 @@
 """Why a queued request did not get a result; the API maps each to its HTTP status."""
 
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
 
 class BatchingError(Exception):
     """Base of every error the batcher hands back to a caller."""
@@ -34,3 +39,11 @@ class SampleTooLarge(BatchingError):
 
 class BatcherClosed(BatchingError):
     """The model is draining or stopped and takes no new work."""
+
+
+def fail(future: asyncio.Future[Any], exc: BaseException) -> None:
+    """Fail a caller's future (once); the caller may be gone already, so the exception is marked
+    retrieved and asyncio does not warn."""
+    if not future.done():
+        future.set_exception(exc)
+        future.exception()

@@ -19,7 +19,7 @@ from nograd.grpc.tensors import encode_outputs, read_inputs
 from nograd.interop.generated import model_config_pb2
 from nograd.serving import documents
 from nograd.serving.calls import Call
-from nograd.serving.control import load_parameters
+from nograd.serving.control_calls import load_parameters, unload_parameters
 from nograd.serving.core import Core
 from nograd.serving.errors import (
     DeadlineExceeded,
@@ -203,7 +203,11 @@ class InferenceService:
         self, request: Any, context: CallContext
     ) -> pb.RepositoryModelUnloadResponse:
         async def unload() -> pb.RepositoryModelUnloadResponse:
-            await self._control.unload(request.model_name)
+            parameters = {
+                key: value.bool_param if value.HasField("bool_param") else value.string_param
+                for key, value in request.parameters.items()
+            }
+            await self._control.unload(request.model_name, unload_parameters(parameters))
             return pb.RepositoryModelUnloadResponse()
 
         return await self._answer(context, unload)

@@ -12,7 +12,7 @@ from nograd.http.errors import error_body
 from nograd.http.state import control_of, dataplane_of
 from nograd.protocol.v2 import dumps
 from nograd.protocol.v2_schemas import ERROR_RESPONSES, ErrorResponse, RepositoryIndexEntry
-from nograd.serving.control import load_parameters
+from nograd.serving.control_calls import load_parameters, unload_parameters
 from nograd.serving.errors import InvalidInput
 from nograd.serving.repository import Override
 from nograd.serving.triton_config import model_configuration, repository_index
@@ -97,19 +97,23 @@ async def index(request: Request) -> Response:
     return _json(repository_index(control_of(request).index(), ready_only=ready_only))
 
 
-async def _load_parameters(request: Request) -> Override | None:
+async def _parameters(request: Request, example: str) -> dict[str, Any]:
+    """A repository call's ``parameters`` object (empty without a body)."""
     body = await request.body()
     if not body.strip():
-        return None
+        return {}
     try:
         document = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise InvalidInput(f"malformed JSON body: {exc}") from exc
     if not isinstance(document, dict) or not isinstance(document.get("parameters", {}), dict):
-        raise InvalidInput(
-            'the body must be a JSON object such as {"parameters": {"config": "{...}"}}'
-        )
-    return load_parameters(document.get("parameters", {}))
+        raise InvalidInput(f"the body must be a JSON object such as {example}")
+    parameters: dict[str, Any] = document.get("parameters", {})
+    return parameters
+
+
+async def _load_parameters(request: Request) -> Override | None:
+    return load_parameters(await _parameters(request, '{"parameters": {"config": "{...}"}}'))
 
 
 @router.post(
@@ -131,6 +135,6 @@ async def load(request: Request, name: str) -> Response:
     responses={**CONTROL_RESPONSES, 404: ERROR_RESPONSES[404]},
 )
 async def unload(request: Request, name: str) -> Response:
-    await request.body()
-    await control_of(request).unload(name)
+    parameters = await _parameters(request, '{"parameters": {"unload_dependents": true}}')
+    await control_of(request).unload(name, unload_parameters(parameters))
     return Response(status_code=200)

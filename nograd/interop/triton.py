@@ -187,11 +187,6 @@ def _convert(model_dir: Path, message: Any, text: str, where: str) -> ModelConfi
             f"{where}: field 'parameters' ({', '.join(sorted(message.parameters))}): reported "
             "in the model configuration; nograd's backends read none of them"
         )
-    if message.model_warmup:
-        _warn(
-            f"{where}: field 'model_warmup': not run; nograd warms every model up with "
-            "synthetic batches of its inputs' shapes"
-        )
     fields["triton_config"] = json.dumps(_document(message), sort_keys=True)
     return ModelConfig.model_validate(fields)
 
@@ -251,8 +246,12 @@ def _tensor(tensor: Any, kind: str, where: str, backend: Backend) -> TensorSpec:
     for unsupported in ("is_shape_tensor", "allow_ragged_batch", "is_non_linear_format_io"):
         if unsupported in tensor.DESCRIPTOR.fields_by_name and getattr(tensor, unsupported):
             raise ValueError(f"{label}: {unsupported!r} is not supported by nograd")
-    if kind == "input" and tensor.optional:
-        raise ValueError(f"{label}: 'optional' inputs are not supported by nograd yet")
+    if kind == "input" and tensor.optional and backend is not PYTHON:
+        raise ValueError(
+            f"{label}: 'optional' inputs are served by nograd's python backend only: its "
+            f"{backend.backend or backend.platform} backend runs each batch as one call that "
+            "takes every input"
+        )
     if kind == "input" and tensor.format != pb.ModelInput.FORMAT_NONE:
         _warn(f"{where}: {label}: 'format' is reported only; nograd passes tensors as sent")
     if kind == "output" and tensor.label_filename:
@@ -272,7 +271,10 @@ def _tensor(tensor: Any, kind: str, where: str, backend: Backend) -> TensorSpec:
     if dims == (1,) and reshape == ():
         # Triton's scalar sample; nograd's own convention for a shape of [].
         dims, reshape = (), None
-    return TensorSpec(name=tensor.name, datatype=datatype, shape=dims, reshape=reshape)
+    optional = kind == "input" and tensor.optional
+    return TensorSpec(
+        name=tensor.name, datatype=datatype, shape=dims, reshape=reshape, optional=optional
+    )
 
 
 def _version_policy(policy: Any) -> VersionPolicy:

@@ -239,6 +239,17 @@ class ModelConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _optional_inputs_served(self) -> ModelConfig:
+        optional = [spec.name for spec in self.inputs if spec.optional]
+        if optional and self.format != PYTHON_FORMAT:
+            raise ValueError(
+                f"input(s) {optional}: 'optional' inputs are served for Python-backend models "
+                f"only, not format {self.format!r}: its batches run as one forward that takes "
+                "every input"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _speed_options_consistent(self) -> ModelConfig:
         # Each message names the field to change, as every config error does.
         if self.autocast and self.precision == "fp32":

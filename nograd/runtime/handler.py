@@ -127,7 +127,7 @@ class ModelHandler:
     def _length_of(self, inputs: Mapping[str, np.ndarray]) -> int:
         for name, spec in self._inputs.items():
             for axis, dim in enumerate(spec.shape):
-                if dim == -1:
+                if dim == -1 and name in inputs:  # an optional input may be left out
                     return int(inputs[name].shape[axis + 1])
         return 1
 

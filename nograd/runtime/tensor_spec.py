@@ -19,6 +19,8 @@ class TensorSpec(BaseModel):
     reshape: tuple[int, ...] | None = None
     """The shape the model itself takes (or gives, for an output) per sample, when it differs
     from ``shape``, the one requests carry (Triton's ``reshape``); same number of elements."""
+    optional: bool = False
+    """An input a request may leave out (Triton's ``optional``; Python-backend models only)."""
 
     @field_validator("shape", "reshape")
     @classmethod

@@ -14,19 +14,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from nograd.runtime.config import ConfigError, check_model_name, find_config, version_order
+from nograd.runtime.config import (
+    ConfigError,
+    ModelConfig,
+    check_model_name,
+    find_config,
+    version_order,
+)
 from nograd.serving.archives import origin
 from nograd.serving.dataplane import DataPlane
+from nograd.serving.ensembles import composing, step_models, used_by_ensemble
 from nograd.serving.errors import ControlRefused, InvalidInput, LoadFailed, ModelNotFound
 from nograd.serving.peers import Peers, Served
-from nograd.serving.registry import ServedModel, State
+from nograd.serving.registry import ServedModel
 from nograd.serving.repository import (
     ModelSource,
     Override,
@@ -41,36 +46,6 @@ from nograd.serving.repository import (
 )
 
 logger = logging.getLogger(__name__)
-
-Operation = Literal["load", "unload"]
-
-
-def load_parameters(parameters: Mapping[str, object]) -> Override | None:
-    """The config override of a load call's parameters (Triton's: ``config``, a JSON object of
-    config fields as text); a ``file:`` parameter or anything else is refused by name. Which
-    fields an override may name is ``check_override``'s rule, applied wherever one is read."""
-    override: Override | None = None
-    for key, value in parameters.items():
-        if key == "config":
-            if isinstance(value, str):
-                try:
-                    value = json.loads(value)
-                except ValueError as exc:
-                    raise InvalidInput(f"parameter 'config' is not JSON: {exc}") from exc
-            if not isinstance(value, dict):
-                raise InvalidInput(
-                    "parameter 'config' must be a JSON object of model config fields, such as "
-                    '{"max_batch_size": 8}'
-                )
-            override = value
-        elif key.startswith("file:"):
-            raise InvalidInput(
-                f"parameter {key!r}: model files cannot be uploaded; put them in the model "
-                "repository and load the model by name"
-            )
-        elif key != "unload_dependents":
-            raise InvalidInput(f"unknown load parameter {key!r} (known: config)")
-    return override
 
 
 class ModelControl:
@@ -87,6 +62,10 @@ class ModelControl:
         self._failed: dict[tuple[str, str], str] = {}
         """Poll mode: the fingerprint of each version that failed to load, not retried unchanged."""
         self._problems: set[str] = set()
+        self._explicit: set[str] = set()
+        """Models a load call named: ``unload_dependents`` leaves them loaded, as in Triton."""
+        self._touched: set[str] = set()
+        """What the call being applied loaded or unloaded, step models included (for siblings)."""
 
     @property
     def mode(self) -> str:
@@ -120,6 +99,7 @@ class ModelControl:
         else:
             names = self._settings.load_model_names
             self._plane.discover(None if names is None else names.__contains__)
+            self._explicit = set(self._plane.registry.versions if names is None else names)
         if self.mode != "none":
             # Only a fixed repository must be whole to serve: under control, an unreadable
             # folder is logged and listed, and the models that load serve.
@@ -138,9 +118,10 @@ class ModelControl:
         """Load ``name`` (or reload what changed of it) on every worker."""
         await self._everywhere({"op": "load", "name": name, "override": override})
 
-    async def unload(self, name: str) -> None:
-        """Unload every version of ``name`` on every worker; accepted requests finish first."""
-        await self._everywhere({"op": "unload", "name": name})
+    async def unload(self, name: str, dependents: bool = False) -> None:
+        """Unload every version of ``name`` on every worker; accepted requests finish first.
+        ``dependents``: the step models it brought too (Triton's ``unload_dependents``)."""
+        await self._everywhere({"op": "unload", "name": name, "dependents": dependents})
 
     async def _everywhere(self, call: dict[str, Any]) -> None:
         # A name no model can have is refused before it reaches the repository or a sibling.
@@ -168,7 +149,7 @@ class ModelControl:
         async with self._peers.exclusive():
             recorded = self._recorded()
             if recorded is None:
-                recorded = self._served()
+                recorded = self._plane.registry.overrides()
             else:
                 await self._sync_logged()
             failed: LoadFailed | None = None
@@ -176,13 +157,16 @@ class ModelControl:
                 await self.apply(call)
             except LoadFailed as exc:
                 failed = exc  # a version that did load serves: the siblings must serve it too
-            # What serves of the model after the call, not what the call asked: the name and
-            # versions the repository gave, each with its override, whatever the call named.
-            served = self._served().get(name)
-            if served:
-                recorded[name] = served
-            else:
-                recorded.pop(name, None)
+            # What serves of the models after the call, not what the call asked: the name and
+            # versions the repository gave, each with its override, whatever the call named
+            # (an ensemble's step models loaded or unloaded with it too).
+            now = self._plane.registry.overrides()
+            for touched in {name, *self._touched}:
+                served = now.get(touched)
+                if served:
+                    recorded[touched] = served
+                else:
+                    recorded.pop(touched, None)
             self._peers.write_state(recorded)
             failures = await self._peers.broadcast({"op": "sync"})
         if failures:
@@ -195,13 +179,6 @@ class ModelControl:
     def _recorded(self) -> Served | None:
         return self._peers.read_state() if self._peers is not None else None
 
-    def _served(self) -> Served:
-        """Every version registered here (loading, ready or failed), with its override."""
-        return {
-            name: {version: model.override for version, model in versions.items()}
-            for name, versions in self._plane.registry.versions.items()
-        }
-
     async def _sync(self) -> list[str]:
         """Serve what the shared state records: unload the models it leaves out, load the
         versions it names that are missing or differ (a version that already failed with the
@@ -211,6 +188,7 @@ class ModelControl:
             return []
         registry = self._plane.registry
         problems: list[str] = []
+        loads: list[ModelSource] = []
         for name in sorted(set(registry.versions) | set(recorded)):
             versions = recorded.get(name)
             try:
@@ -219,8 +197,15 @@ class ModelControl:
                     continue
                 source = self._find(name, wanted=versions)
                 if self._changed(name, source):
-                    await self._reconcile(name, source)
-            except (ModelNotFound, InvalidInput, LoadFailed) as exc:
+                    loads.append(source)
+            except (ModelNotFound, InvalidInput) as exc:
+                problems.append(str(exc))
+        # Ensembles after the models (their step models load first, as on the calling worker).
+        loads.sort(key=lambda source: any(v.config.steps for v in source.versions.values()))
+        for source in loads:
+            try:
+                await self._reconcile(source.name, source)
+            except LoadFailed as exc:
                 problems.append(str(exc))
         return problems
 
@@ -233,15 +218,48 @@ class ModelControl:
         """Apply one load or unload call in this worker."""
         name = str(call["name"])
         async with self._lock:
+            self._touched = set()
             if call["op"] == "unload":
+                registry = self._plane.registry
+                steps = step_models(registry, name) if call.get("dependents") else []
                 await self._unload(name)
+                self._explicit.discard(name)
+                self._touched.add(name)
+                for step in reversed(steps):
+                    if step not in self._explicit and not used_by_ensemble(registry, step):
+                        await self._unload(step)
+                        self._touched.add(step)
                 return
             override = call.get("override")
             if override is not None and not isinstance(override, dict):
                 raise InvalidInput("the config override must be a JSON object of config fields")
             source = self._find(name, override)
             self._check_cap(name, source)
+            await self._load_steps(source)
+            self._explicit.add(name)
             await self._reconcile(name, source)
+
+    async def _load_steps(self, source: ModelSource) -> None:
+        """Load an ensemble's step models (nested ones' first) not loaded or changed on disk, as
+        Triton does; one that fails fails the ensemble, whose check names it."""
+        configs = [v.config for v in source.versions.values()]
+        for step in composing(configs, {source.name}, self._configs_on_disk):
+            try:
+                step_source = self._find(step)
+                if step in self._plane.registry.versions and not self._changed(step, step_source):
+                    continue
+                self._touched.add(step)
+                await self._reconcile(step, step_source)
+            except (ModelNotFound, InvalidInput, LoadFailed) as exc:
+                logger.error("ensemble %s: step model %s did not load: %s", source.name, step, exc)
+                if step not in self._plane.registry.versions and self._in_repository(step):
+                    self._plane.registry.unloaded[step] = f"failed to load: {exc}"
+
+    def _configs_on_disk(self, name: str) -> list[ModelConfig] | None:
+        try:
+            return [v.config for v in self._find(name).versions.values()]
+        except (ModelNotFound, InvalidInput):
+            return None
 
     async def apply_from_peer(self, call: dict[str, Any]) -> str | None:
         """A sibling's ``sync``, once this worker's start-up set has loaded: the problems as
@@ -257,17 +275,8 @@ class ModelControl:
         """Refuse a load that would leave more versions loaded than ``max_loaded_models``, before
         it reads a weight."""
         cap = self._settings.max_loaded_models
-        if cap is None:
-            return
-        others = sum(
-            1
-            for other, versions in self._plane.registry.versions.items()
-            if other != name
-            for model in versions.values()
-            if model.state is not State.FAILED
-        )
-        total = others + len(source.versions)
-        if total > cap:
+        total = self._plane.registry.loaded_besides(name) + len(source.versions)
+        if cap is not None and total > cap:
             raise ControlRefused(
                 f"loading model {name!r} ({len(source.versions)} version(s)) would make "
                 f"{total} model versions loaded, over the cap of {cap} "
@@ -357,6 +366,7 @@ class ModelControl:
         if fresh:
             loaded = ", ".join(sorted((m.version for m in fresh), key=version_order))
             logger.info("model %s: version(s) %s serving", name, loaded)
+            self._plane.recheck_ensembles(name)
 
     async def _retire(self, model: ServedModel, reason: str) -> None:
         """Stop routing to ``model``, let the requests that hold it finish, then free it."""
@@ -375,15 +385,9 @@ class ModelControl:
 
     # ------------------------------------------------------------------ index
     def index(self) -> list[ServedModel | tuple[str, str]]:
-        """Every version loaded or loading, and (name, reason) for each model of the
-        repository that is not loaded."""
-        registry = self._plane.registry
-        rows: list[ServedModel | tuple[str, str]] = list(registry.served())
+        """The repository index's rows (``ModelRegistry.index``), archives included."""
         names = model_names(self.root) + archive_names(self.root, self._plane.archive_store)
-        for name in sorted(set(names) | set(registry.unloaded)):
-            if name not in registry.versions:
-                rows.append((name, registry.unloaded.get(name, "not loaded")))
-        return rows
+        return self._plane.registry.index(names)
 
     # ------------------------------------------------------------------ poll
     async def poll_forever(self) -> None:

@@ -7,7 +7,6 @@ behaviour (validation, deadlines, metrics) is written once.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -24,13 +23,7 @@ from nograd.runtime.devices import device_label, read_memory, resolve_device
 from nograd.runtime.handler import Outputs
 from nograd.serving.admission import Admission
 from nograd.serving.archives import ArchiveStore
-from nograd.serving.ensembles import (
-    check_ensemble,
-    compose,
-    is_ensemble,
-    load_order,
-    waiting_for,
-)
+from nograd.serving.ensembles import compose, is_ensemble, load_order, settle
 from nograd.serving.errors import (
     Draining,
     InferenceFailed,
@@ -129,22 +122,17 @@ class DataPlane:
     def _bind_ensembles(self, ensembles: list[ServedModel]) -> None:
         """Check each ensemble's steps against the step models loaded (Triton's load-time
         checks); one that passes is loaded, and ready while its step models are."""
-        if not ensembles:
-            return
-        names = set(model_names(self.settings.model_repository)) | set(self.registry.versions)
+        known = self._known_names()
         for model in load_order(ensembles):
-            if model.state is not State.LOADING:
-                continue
-            problem = check_ensemble(self.registry, model, names.__contains__)
-            if problem is not None:
-                model.state = State.FAILED
-                model.error = f"failed to load: {problem}"
-                logger.error("model %s %s", model.name, model.error)
-                continue
-            model.waiting_for = functools.partial(waiting_for, self.registry, model.config)
-            model.state = State.READY
-            self.metrics.model_ready.labels(model.name).set(1)
-            logger.info("ensemble %s v%s loaded", model.name, model.version)
+            if model.state is State.LOADING and settle(self.registry, model, known):
+                self.metrics.model_ready.labels(model.name).set(1)
+                logger.info("ensemble %s v%s loaded", model.name, model.version)
+
+    def _known_names(self) -> Callable[[str], bool]:
+        """Whether a name is a model of the repository or one loaded (an ensemble's step)."""
+        return (
+            set(model_names(self.settings.model_repository)) | set(self.registry.versions)
+        ).__contains__
 
     async def free(self, model: ServedModel) -> None:
         """Free a version taken out of the registry (unloaded, replaced, or failed to load)."""
@@ -155,10 +143,28 @@ class DataPlane:
         self._loader.replan(self.registry.served())
 
     def mark_ready(self, name: str) -> None:
-        """Export whether ``name`` has a ready version."""
-        model = self.models.get(name)
-        ready = model is not None and model.ready and not self._draining
-        self.metrics.model_ready.labels(name).set(1 if ready else 0)
+        """Export whether ``name`` has a ready version, and whether each ensemble is (an
+        ensemble is ready while its step models are)."""
+        for each in {name, *(m.name for m in self.registry.served() if is_ensemble(m.config))}:
+            model = self.models.get(each)
+            ready = model is not None and model.ready and not self._draining
+            self.metrics.model_ready.labels(each).set(1 if ready else 0)
+
+    def recheck_ensembles(self, step_model: str) -> None:
+        """Check again the ensembles that run ``step_model`` (just loaded or reloaded, perhaps
+        with another config), as Triton checks an ensemble's downstream again: one that no
+        longer fits fails with Triton's message, one that fits again serves."""
+        known = self._known_names()
+        for model in self.registry.served():
+            if not is_ensemble(model.config) or model.state is State.LOADING:
+                continue
+            if all(step.model != step_model for step in model.config.steps):
+                continue
+            failed = model.state is State.FAILED
+            if settle(self.registry, model, known) and failed:
+                logger.info("ensemble %s v%s fits its step models again", model.name, model.version)
+            self.registry.refresh(model.name)
+        self.mark_ready(step_model)
 
     def begin_drain(self) -> None:
         """Turn not-ready at once and refuse new work; accepted requests still finish."""

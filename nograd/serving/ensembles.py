@@ -12,6 +12,8 @@ Triton prefixes it (``in ensemble '<name>', ``).
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Final
 
@@ -22,6 +24,7 @@ from nograd.runtime.config import ENSEMBLE_FORMAT, EnsembleStep, ModelConfig, Te
 from nograd.runtime.handler import Outputs
 from nograd.serving.registry import ModelRegistry, ServedModel, State
 
+logger = logging.getLogger(__name__)
 TRITON_TYPES: Final[dict[str, str]] = {row.name: row.triton for row in TABLE}
 
 RunStep = Callable[[EnsembleStep, dict[str, np.ndarray]], Awaitable[Outputs]]
@@ -104,6 +107,19 @@ def check_ensemble(
         if problem is not None:
             return problem
     return None
+
+
+def settle(registry: ModelRegistry, model: ServedModel, known: Callable[[str], bool]) -> bool:
+    """Check ensemble ``model`` against its step models as loaded now: failed, with Triton's
+    message, when it does not fit; else ready while its step models are. Whether it serves."""
+    problem = check_ensemble(registry, model, known)
+    if problem is not None:
+        model.state, model.error = State.FAILED, f"failed to load: {problem}"
+        logger.error("ensemble %s v%s %s", model.name, model.version, model.error)
+        return False
+    model.state, model.error = State.READY, None
+    model.waiting_for = functools.partial(waiting_for, registry, model.config)
+    return True
 
 
 def _cycle(registry: ModelRegistry, start: str) -> str | None:
@@ -226,6 +242,38 @@ def _dims_match(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
 
 def _dims(dims: tuple[int, ...]) -> str:
     return "[" + ",".join(str(d) for d in dims) + "]"
+
+
+# ---------------------------------------------------------------------------------- dependencies
+def composing(
+    configs: list[ModelConfig], seen: set[str], read: Callable[[str], list[ModelConfig] | None]
+) -> list[str]:
+    """The step models of ``configs`` and of the ensembles among them (their configs as
+    ``read`` finds them on disk, None: not readable), each after its own step models; a cycle
+    stops at the models already ``seen``."""
+    ordered: list[str] = []
+    for step in sorted({s.model for config in configs for s in config.steps} - seen):
+        seen.add(step)
+        nested = read(step)
+        if nested is not None:
+            ordered.extend(composing(nested, seen, read))
+        ordered.append(step)
+    return ordered
+
+
+def step_models(registry: ModelRegistry, name: str) -> list[str]:
+    """The step models the served ``name`` runs, nested ensembles' included, each after its own
+    step models."""
+
+    def read(model: str) -> list[ModelConfig]:
+        return [m.config for m in registry.versions.get(model, {}).values()]
+
+    return composing(read(name), {name}, read)
+
+
+def used_by_ensemble(registry: ModelRegistry, name: str) -> bool:
+    """Whether a served ensemble runs ``name`` as a step."""
+    return any(step.model == name for m in registry.served() for step in m.config.steps)
 
 
 # ---------------------------------------------------------------------------------- requests

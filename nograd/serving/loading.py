@@ -38,6 +38,7 @@ from nograd.runtime.memory import device_budget, probe_for
 from nograd.runtime.memory.fits import RangedCost
 from nograd.runtime.planner import PlanInput, log_plan, plan_device, profile_handler
 from nograd.runtime.speed.path import batch_cap
+from nograd.runtime.triton_warmup import run_warmup, warmup_samples
 from nograd.runtime.warmup import warm_up
 from nograd.serving.precedence import effective_config
 from nograd.serving.registry import ServedModel, State
@@ -146,6 +147,13 @@ class ModelLoader:
                 model.code = imported
         # An artifact's signature may have filled in the inputs and outputs.
         model.config = config = handler.config
+        if config.triton_config is not None:
+            # Triton's model_warmup, on the model as its backend runs it; a failure fails the load.
+            folder = model.directory.parent if model.directory.name.isdigit() else model.directory
+            samples = warmup_samples(config, folder)
+            started_warmup = time.perf_counter()
+            run_warmup(handler, samples)
+            model.warmup_seconds = time.perf_counter() - started_warmup
         # The engine (and the config's speed mode), checked against fp32 eager and timed; what
         # is refused leaves fp32 eager serving. Counted as load time.
         if handler.synthetic_inputs:
@@ -170,7 +178,7 @@ class ModelLoader:
         if self._settings.warmup and handler.synthetic_inputs:
             started = time.perf_counter()
             warm_up(handler, self._limit(config))
-            model.warmup_seconds = time.perf_counter() - started
+            model.warmup_seconds += time.perf_counter() - started
             self._metrics.model_warmup.labels(model.name).set(model.warmup_seconds)
         model.handler = handler
         logger.info(
@@ -324,12 +332,19 @@ class ModelLoader:
             max_queue_size=config.max_queue_size or self._settings.max_queue_size,
             unit_tokens=config.batch_unit == "tokens",
             observer=FanOutObserver(observer, self._statistics.observer(model.name)),
+            # Requests with different sets of optional inputs never share a batch (Triton's).
+            group_of=input_names if any(spec.optional for spec in config.inputs) else None,
         )
         await batcher.start()
         observer.limit_changed(limit.current)
         model.batcher = batcher
         model.state = State.READY
         self._metrics.model_ready.labels(model.name).set(1)
+
+
+def input_names(part: TensorPart) -> frozenset[str]:
+    """The inputs a request carries: its batch group when the model has optional inputs."""
+    return frozenset(part.tensors)
 
 
 def release_memory(device: torch.device | None) -> None:

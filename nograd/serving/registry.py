@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -22,7 +22,7 @@ from nograd.runtime.memory.fits import RangedCost
 from nograd.runtime.planner import ModelPlan
 from nograd.serving.archives import ArchiveStore
 from nograd.serving.errors import ModelNotFound
-from nograd.serving.repository import Override, VersionSource, Wanted, scan
+from nograd.serving.repository import ModelSource, Override, VersionSource, Wanted, scan
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +114,8 @@ class ModelRegistry:
         sources, problems = scan(root, wanted, archives)
         for problem in problems:
             self._reject(problem)
+        if load is not None:
+            load = with_step_models(sources, load).__contains__
         found = []
         for name, source in sources.items():
             if load is not None and not load(name):
@@ -163,6 +165,33 @@ class ModelRegistry:
         """Every version loaded or loading."""
         return [m for versions in self.versions.values() for m in versions.values()]
 
+    def index(self, in_repository: Iterable[str]) -> list[ServedModel | tuple[str, str]]:
+        """Every version loaded or loading, and (name, reason) for each model of the repository
+        (``in_repository``) that is not loaded."""
+        rows: list[ServedModel | tuple[str, str]] = list(self.served())
+        for name in sorted(set(in_repository) | set(self.unloaded)):
+            if name not in self.versions:
+                rows.append((name, self.unloaded.get(name, "not loaded")))
+        return rows
+
+    def overrides(self) -> dict[str, dict[str, Override | None]]:
+        """Every version registered (loading, ready or failed), with its load call's override:
+        what the workers record as served."""
+        return {
+            name: {version: model.override for version, model in versions.items()}
+            for name, versions in self.versions.items()
+        }
+
+    def loaded_besides(self, name: str) -> int:
+        """Versions loaded or loading of every model but ``name`` (failed ones hold nothing)."""
+        return sum(
+            1
+            for other, versions in self.versions.items()
+            if other != name
+            for model in versions.values()
+            if model.state is not State.FAILED
+        )
+
     def version_names(self, name: str) -> list[str]:
         return sorted(self.versions.get(name, {}), key=version_order)
 
@@ -183,3 +212,20 @@ class ModelRegistry:
     def all_ready(self) -> bool:
         """Every config read and every version serving; a failed one keeps the server not ready."""
         return not self.config_errors and all(m.ready for m in self.served())
+
+
+def with_step_models(sources: dict[str, ModelSource], load: Callable[[str], bool]) -> set[str]:
+    """The models ``load`` selects and the step models of the ensembles among them, nested
+    ones' included: Triton loads an ensemble's step models with it."""
+    selected = {name for name in sources if load(name)}
+    waiting = list(selected)
+    while waiting:
+        source = sources.get(waiting.pop())
+        if source is None:
+            continue
+        for version in source.versions.values():
+            for step in version.config.steps:
+                if step.model not in selected:
+                    selected.add(step.model)
+                    waiting.append(step.model)
+    return selected

@@ -87,9 +87,14 @@ def check_declared(
         raise InvalidInput(
             f"unexpected input(s) {unknown} for model {model.name!r}; expected {sorted(specs)}"
         )
-    missing = sorted(set(specs) - set(declared))
+    missing = sorted(name for name in set(specs) - set(declared) if not specs[name].optional)
     if missing:
         raise InvalidInput(f"missing input(s) {missing} for model {model.name!r}")
+    if not declared:
+        raise InvalidInput(
+            f"the request carries no input for model {model.name!r} (its optional inputs: "
+            f"{sorted(specs)}; send at least one)"
+        )
     rows: set[int] = set()
     unbatched = model.config.batch_dimension is False
     for name, (datatype, shape) in declared.items():

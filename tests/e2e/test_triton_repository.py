@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -18,7 +19,7 @@ import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton_http
 from tritonclient.utils import InferenceServerException
 
-from tests.e2e.serving import Server, free_port, run_server
+from tests.e2e.serving import Server, free_port, metric_value, run_server
 from tests.triton_models import SERVED, triton_repository
 
 pytestmark = pytest.mark.e2e
@@ -28,9 +29,14 @@ OTHER = np.full((5, 16), 3, dtype=np.int32)
 
 
 @pytest.fixture(scope="module")
-def triton_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    root = tmp_path_factory.mktemp("triton")
-    repo = triton_repository(root)
+def triton_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return triton_repository(tmp_path_factory.mktemp("triton"))
+
+
+@pytest.fixture(scope="module")
+def triton_server(triton_repo: Path) -> Iterator[Server]:
+    repo = triton_repo
+    root = repo.parent
     env = {
         "NOGRAD_MODEL_REPOSITORY": str(repo),
         "NOGRAD_GRPC_PORT": str(free_port()),
@@ -293,7 +299,7 @@ def test_python_backend_takes_queued_requests_in_one_execute(triton_server: Serv
         return httpx.post(url, json=data, timeout=30)
 
     most = 0
-    for _ in range(10):  # the requests meet in the 20 ms queue delay; a loaded box may miss it
+    for _ in range(10):  # they queue behind a 20 ms execute; a loaded box may miss it
         with ThreadPoolExecutor(8) as pool:
             responses = list(pool.map(send, range(8)))
         assert responses[0].status_code == 400  # its bad input fails it alone
@@ -388,7 +394,7 @@ def test_concurrent_ensemble_requests_batch_in_the_step_models(
         return httpx.post(url, json=data, timeout=30)
 
     executions = 16
-    for _ in range(10):  # the requests meet in the 20 ms queue delay; a loaded box may miss it
+    for _ in range(10):  # they queue behind a 20 ms execute; a loaded box may miss it
         before, ensemble_before = counts("guarded"), counts("guarded_twice")
         with ThreadPoolExecutor(8) as pool:
             responses = list(pool.map(send, range(8)))
@@ -424,11 +430,12 @@ def test_ensemble_load_errors_name_the_problem(
 
 
 def test_unloading_a_step_model_makes_the_ensemble_unready(
-    http_client: triton_http.InferenceServerClient,
+    http_client: triton_http.InferenceServerClient, triton_server: Server
 ) -> None:
     http_client.unload_model("simple_step")
     try:
         assert not http_client.is_model_ready("simple_ensemble")
+        assert _ready_metric(triton_server, "simple_ensemble") == 0
         index = {e["name"]: e for e in http_client.get_model_repository_index()}
         assert index["simple_ensemble"]["state"] == "UNAVAILABLE"
         assert "simple_step" in index["simple_ensemble"]["reason"]
@@ -438,3 +445,154 @@ def test_unloading_a_step_model_makes_the_ensemble_unready(
     finally:
         http_client.load_model("simple_step")
     assert http_client.is_model_ready("simple_ensemble")
+    assert _ready_metric(triton_server, "simple_ensemble") == 1
+
+
+def _ready_metric(server: Server, name: str) -> float:
+    return metric_value(server.url, "nograd_model_ready", model=name)
+
+
+def _index_state(client: triton_http.InferenceServerClient, name: str) -> dict[str, str]:
+    found: dict[str, str] = {e["name"]: e for e in client.get_model_repository_index()}[name]
+    return found
+
+
+def test_loading_an_ensemble_loads_its_step_models_as_triton_does(
+    http_client: triton_http.InferenceServerClient, triton_server: Server, triton_repo: Path
+) -> None:
+    assert not http_client.is_model_ready("lazy_step")
+    http_client.load_model("lazy_ensemble")
+    assert http_client.is_model_ready("lazy_step")
+    assert http_client.is_model_ready("lazy_ensemble")
+    assert _ready_metric(triton_server, "lazy_ensemble") == 1
+    answer = _infer(http_client, triton_http, "lazy_ensemble", {"IN0": ROWS, "IN1": OTHER})
+    np.testing.assert_array_equal(answer.as_numpy("OUT"), ROWS + OTHER)  # type: ignore[attr-defined]
+    # By default an unload takes the named model alone; with unload_dependents, the step
+    # models the ensemble brought with it too.
+    http_client.unload_model("lazy_ensemble")
+    assert http_client.is_model_ready("lazy_step")
+    http_client.load_model("lazy_ensemble")
+    http_client.unload_model("lazy_ensemble", unload_dependents=True)
+    assert not http_client.is_model_ready("lazy_step")
+    assert _index_state(http_client, "lazy_step").get("state") != "READY"
+
+
+def test_a_step_model_reloaded_with_another_config_is_checked_against_its_ensembles(
+    http_client: triton_http.InferenceServerClient, triton_server: Server, triton_repo: Path
+) -> None:
+    config = triton_repo / "lazy_step" / "config.pbtxt"
+    original = config.read_text()
+    http_client.load_model("lazy_ensemble")
+    try:
+        config.write_text(original.replace("max_batch_size: 8", "max_batch_size: 4"))
+        http_client.load_model("lazy_step")
+        assert not http_client.is_model_ready("lazy_ensemble")
+        assert _ready_metric(triton_server, "lazy_ensemble") == 0
+        assert _index_state(http_client, "lazy_ensemble")["reason"] == (
+            "failed to load: ensemble lazy_ensemble allows maximum batch size 8, but it "
+            "contains model lazy_step which only allows maximum batch size to be 4"
+        )
+        config.write_text(original)
+        http_client.load_model("lazy_step")
+        assert http_client.is_model_ready("lazy_ensemble")
+        assert _ready_metric(triton_server, "lazy_ensemble") == 1
+    finally:
+        config.write_text(original)
+        http_client.unload_model("lazy_ensemble")
+        http_client.unload_model("lazy_step")
+
+
+# ------------------------------------------------------------------------------- model_warmup
+def test_model_warmup_runs_at_load_as_triton_runs_it(
+    http_client: triton_http.InferenceServerClient,
+) -> None:
+    # warmed's first execute took the warmup sample's two requests (the file's 1.5 and 2.5).
+    answer = _infer(http_client, triton_http, "warmed", {"X": np.ones((1, 2), np.float32)})
+    np.testing.assert_array_equal(answer.as_numpy("Y")[0], [4.0, 4.0])  # type: ignore[attr-defined]
+    with pytest.raises(InferenceServerException) as failing:
+        http_client.load_model("warm_failing")
+    assert "failed to run warmup sample 'zero sample': An Error Occurred" in (
+        failing.value.message()
+    )
+    assert not http_client.is_model_ready("warm_failing")
+    with pytest.raises(InferenceServerException) as short:
+        http_client.load_model("simple_warm_short")
+    assert (
+        "warmup setting expects 64 bytes, but the data provided from in only has 32 bytes"
+        in short.value.message()
+    )
+
+
+# ----------------------------------------------------------------------------- optional inputs
+def test_python_model_optional_input_may_be_left_out(
+    http_client: triton_http.InferenceServerClient,
+    grpc_client: triton_grpc.InferenceServerClient,
+    triton_server: Server,
+) -> None:
+    a = np.array([[1.0, 0.0]], np.float32)
+    b = np.array([[10.0, 0.0]], np.float32)
+    for client, module in ((http_client, triton_http), (grpc_client, triton_grpc)):
+        alone = _infer(client, module, "optional_sum", {"A": a})
+        assert alone.as_numpy("Y")[0, 0] == 1.0  # type: ignore[attr-defined]
+        both = _infer(client, module, "optional_sum", {"A": a, "B": b})
+        assert both.as_numpy("Y")[0, 0] == 11.0  # type: ignore[attr-defined]
+    url = f"{triton_server.url}/v2/models/optional_sum/infer"
+    body = {"inputs": [{"name": "B", "datatype": "FP32", "shape": [1, 2], "data": [1, 0]}]}
+    refused = httpx.post(url, json=body)
+    assert refused.status_code == 400
+    assert "missing input(s) ['A']" in refused.json()["error"]
+
+
+def test_requests_with_different_optional_inputs_never_share_a_batch(
+    triton_server: Server,
+) -> None:
+    url = f"{triton_server.url}/v2/models/optional_sum/infer"
+
+    def send(index: int) -> httpx.Response:
+        tensors = [{"name": "A", "datatype": "FP32", "shape": [1, 2], "data": [index, 0]}]
+        if index % 2:
+            tensors.append({"name": "B", "datatype": "FP32", "shape": [1, 2], "data": [100, 0]})
+        return httpx.post(url, json={"inputs": tensors}, timeout=30)
+
+    most = 0
+    for _ in range(3):  # the requests queue behind a 50 ms execute; a loaded box may miss it
+        with ThreadPoolExecutor(8) as pool:
+            responses = list(pool.map(send, range(8)))
+        for index, response in enumerate(responses):
+            assert response.status_code == 200, response.text
+            total, took = response.json()["outputs"][0]["data"][:2]
+            assert total == index + (100 if index % 2 else 0)
+            assert took > 0, "requests with and without B shared an execute"
+            most = max(most, int(took))
+        if most > 1:
+            break
+    assert most > 1  # they did batch, each set of inputs with its own
+
+
+@pytest.mark.slow  # two workers of its own: ~22 s on the 2-core box
+def test_every_worker_loads_an_ensemble_with_its_step_models(
+    triton_repo: Path, tmp_path: Path
+) -> None:
+    env = {
+        "NOGRAD_MODEL_REPOSITORY": str(triton_repo),
+        "NOGRAD_WORKERS": "2",
+        "NOGRAD_MODEL_CONTROL": "explicit",
+        "NOGRAD_LOAD_MODELS": "digits",
+    }
+    with run_server(tmp_path, env=env, ready_timeout_s=120) as server:
+        assert (
+            httpx.post(f"{server.url}/v2/repository/models/lazy_ensemble/load").status_code == 200
+        )
+        body = {
+            "inputs": [
+                {"name": name, "datatype": "INT32", "shape": [1, 16], "data": [1] * 16}
+                for name in ("IN0", "IN1")
+            ]
+        }
+        statuses = set()
+        for _ in range(12):  # a connection each, so both workers answer
+            with httpx.Client(base_url=server.url, timeout=30) as http:
+                answer = http.post("/v2/models/lazy_ensemble/infer", json=body)
+                statuses.add((answer.status_code, answer.text if answer.status_code != 200 else ""))
+                assert answer.status_code != 200 or answer.json()["outputs"][0]["data"] == [2] * 16
+        assert statuses == {(200, "")}

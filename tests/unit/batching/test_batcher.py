@@ -11,6 +11,7 @@ import pytest
 
 from nograd.batching import (
     Batcher,
+    BatchLimit,
     DeadlineExceeded,
     QueueFull,
     SampleTooLarge,
@@ -51,12 +52,11 @@ async def test_idle_model_dispatches_at_once_despite_a_long_delay(
     await batcher.stop()
 
 
-async def test_requests_arriving_during_a_batch_form_the_next_batch(
-    executor: ThreadPoolExecutor,
+async def _ten_behind_a_running_batch(
+    batcher: Batcher[Rows, tuple[int, ...]], runner: FakeRunner
 ) -> None:
-    runner = FakeRunner()
-    runner.gate = threading.Event()
-    batcher = make(runner, executor, limit=64, delay_s=5.0)
+    """Request 0 runs, held on the runner's gate, while requests 1 to 10 queue behind it."""
+    assert runner.gate is not None
     await batcher.start()
     first = asyncio.create_task(batcher.submit(Rows((0,))))
     await asyncio.sleep(0.05)  # the first batch is now blocked on the gate
@@ -64,6 +64,15 @@ async def test_requests_arriving_during_a_batch_form_the_next_batch(
     await asyncio.sleep(0.05)
     runner.gate.set()
     await asyncio.gather(first, *later)
+
+
+async def test_requests_arriving_during_a_batch_form_the_next_batch(
+    executor: ThreadPoolExecutor,
+) -> None:
+    runner = FakeRunner()
+    runner.gate = threading.Event()
+    batcher = make(runner, executor, limit=64, delay_s=5.0)
+    await _ten_behind_a_running_batch(batcher, runner)
     # Ten requests queued behind a running batch go out together as soon as it ends, without
     # waiting for the 5 s delay.
     assert [sum(p.rows for p in b) for b in runner.batches] == [1, 10]
@@ -259,3 +268,24 @@ async def test_stop_drains_queued_work(executor: ThreadPoolExecutor) -> None:
     await asyncio.sleep(0)
     await batcher.stop(drain_timeout_s=5)
     assert [t.result() for t in tasks] == [(i * 2,) for i in range(10)]
+
+
+async def test_parts_of_different_groups_never_share_a_batch(
+    executor: ThreadPoolExecutor,
+) -> None:
+    runner = FakeRunner()
+    runner.gate = threading.Event()
+    batcher: Batcher[Rows, tuple[int, ...]] = Batcher(
+        "grouped",
+        runner,
+        executor,
+        BatchLimit(64, recover_after=10_000),
+        max_queue_delay_s=5.0,
+        max_queue_size=100,
+        group_of=lambda part: part.values[0] % 2,
+    )
+    await _ten_behind_a_running_batch(batcher, runner)
+    # Behind the running batch: the oldest (odd) with every odd one, then the even ones.
+    groups = [sorted(p.values[0] for p in batch) for batch in runner.batches]
+    assert groups == [[0], [1, 3, 5, 7, 9], [2, 4, 6, 8, 10]]
+    await batcher.stop()

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from nograd.observability.metrics import Metrics
-from nograd.serving.control import ModelControl, load_parameters
+from nograd.serving.control import ModelControl
+from nograd.serving.control_calls import load_parameters
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.errors import ControlRefused, InvalidInput, LoadFailed, ModelNotFound
 from nograd.serving.registry import State

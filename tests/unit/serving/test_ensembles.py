@@ -4,13 +4,17 @@ disagree, a batch size the step cannot take, and ensembles that contain each oth
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
 from nograd.runtime.config import EnsembleStep, ModelConfig, TensorSpec
+from nograd.serving.control_calls import unload_parameters
 from nograd.serving.ensembles import check_ensemble, load_order
-from nograd.serving.registry import ModelRegistry, ServedModel, State
+from nograd.serving.errors import InvalidInput
+from nograd.serving.registry import ModelRegistry, ServedModel, State, with_step_models
+from nograd.serving.repository import ModelSource, VersionSource
 
 
 def _model(registry: ModelRegistry, config: ModelConfig, state: State = State.READY) -> ServedModel:
@@ -112,3 +116,39 @@ def test_ensembles_containing_each_other() -> None:
     first = _model(plain, _ensemble("first", model="second"), State.LOADING)
     second = _model(plain, _ensemble("second", model="m"), State.LOADING)
     assert load_order([first, second]) == [second, first]
+
+
+def test_models_selected_at_start_up_bring_their_step_models() -> None:
+    def source(config: ModelConfig) -> ModelSource:
+        version = VersionSource(config.model_copy(update={"version": "1"}), Path("."), "")
+        return ModelSource(config.name, Path("."), {"1": version})
+
+    outer = _ensemble(name="outer", model="e")
+    sources = {
+        "outer": source(outer),
+        "e": source(_ensemble()),
+        "m": source(_step_model()),
+        "other": source(_step_model().model_copy(update={"name": "other"})),
+    }
+    assert with_step_models(sources, {"outer"}.__contains__) == {"outer", "e", "m"}
+    assert with_step_models(sources, {"m"}.__contains__) == {"m"}
+
+
+@pytest.mark.parametrize(
+    ("parameters", "expected"),
+    [({}, False), ({"unload_dependents": True}, True), ({"unload_dependents": False}, False)],
+)
+def test_unload_dependents_parameter(parameters: dict[str, object], expected: bool) -> None:
+    assert unload_parameters(parameters) is expected
+
+
+@pytest.mark.parametrize(
+    ("parameters", "message"),
+    [
+        ({"unload_dependents": "yes"}, "parameter 'unload_dependents' must be true or false"),
+        ({"config": "{}"}, "unknown unload parameter 'config' (known: unload_dependents)"),
+    ],
+)
+def test_unload_parameters_refused_by_name(parameters: dict[str, object], message: str) -> None:
+    with pytest.raises(InvalidInput, match=re.escape(message)):
+        unload_parameters(parameters)

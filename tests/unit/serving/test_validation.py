@@ -133,3 +133,40 @@ def test_declared_inputs_are_checked_without_their_data(tmp_path: Path) -> None:
     for declared, error, message in refusals:
         with pytest.raises(error, match=message):
             check_declared(model, declared, max_rows=3)
+
+
+def test_an_optional_input_may_be_left_out(tmp_path: Path) -> None:
+    config = ModelConfig.model_validate(
+        {
+            "name": "maybe",
+            "format": "python",
+            "weights": None,
+            "inputs": [
+                {"name": "A", "datatype": "FP32", "shape": [2]},
+                {"name": "B", "datatype": "FP32", "shape": [2], "optional": True},
+            ],
+            "outputs": [{"name": "Y", "datatype": "FP32", "shape": [2]}],
+        }
+    )
+    model = ServedModel(config, tmp_path)
+    check_declared(model, {"A": ("FP32", (1, 2))}, max_rows=4)
+    check_declared(model, {"A": ("FP32", (1, 2)), "B": ("FP32", (1, 2))}, max_rows=4)
+    with pytest.raises(InvalidInput, match=r"missing input\(s\) \['A'\]"):
+        check_declared(model, {"B": ("FP32", (1, 2))}, max_rows=4)
+    only_optional = config.model_copy(update={"inputs": (config.inputs[1],)})
+    with pytest.raises(InvalidInput, match="the request carries no input for model 'maybe'"):
+        check_declared(ServedModel(only_optional, tmp_path), {}, max_rows=4)
+
+
+def test_optional_inputs_are_refused_outside_the_python_backend() -> None:
+    with pytest.raises(ValueError, match="'optional' inputs are served for Python-backend models"):
+        ModelConfig.model_validate(
+            {
+                "name": "onnx_maybe",
+                "format": "onnx",
+                "artifact": "model.onnx",
+                "weights": None,
+                "inputs": [{"name": "B", "datatype": "FP32", "shape": [2], "optional": True}],
+                "outputs": [{"name": "Y", "datatype": "FP32", "shape": [2]}],
+            }
+        )
