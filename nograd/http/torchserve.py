@@ -10,6 +10,7 @@ from urllib.parse import parse_qsl
 
 import numpy as np
 from fastapi import APIRouter, Request, Response
+from pydantic import BaseModel
 
 from nograd.core.handler_messages import RAW_FIELD, HandlerAnswer, HandlerRequest
 from nograd.http.exchange import Incoming, Reply, run_call
@@ -22,7 +23,25 @@ from nograd.serving.registry import ServedModel
 from nograd.serving.torchserve_documents import archive_of, model_description, model_list
 from nograd.serving.torchserve_management import Answer, ManagementError
 
-router = APIRouter(tags=["TorchServe"])
+
+class TorchServeError(BaseModel):
+    """TorchServe's error body."""
+
+    code: int
+    type: str
+    message: str
+
+
+ANSWERS: Final[dict[int | str, dict[str, Any]]] = {
+    "default": {
+        "model": TorchServeError,
+        "description": "TorchServe's status and error body: the model's handler may set any "
+        "status (PredictionException), as in TorchServe",
+    }
+}
+"""The statuses of every TorchServe route, documented as TorchServe's frontend answers them."""
+
+router = APIRouter(tags=["TorchServe"], responses=ANSWERS)
 PROTOCOL: Final = "torchserve"
 ERROR_TYPES: Final = {
     400: "BadRequestException",
