@@ -239,7 +239,7 @@ class InferenceService:
                 call.shorten_deadline(parameter.int64_param / 1e6)
             name, version = request.model_name, request.model_version or None
             # Checked against the model's declared inputs before any value is read.
-            inputs = await read_inputs(request, self._plane.input_check(name, version))
+            inputs = await read_inputs(request, calls.input_check(call, name, version))
             model, outputs = await calls.infer(call, name, version, inputs)
             response = pb.ModelInferResponse(
                 model_name=model.name, model_version=model.version, id=request.id

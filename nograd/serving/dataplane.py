@@ -17,6 +17,7 @@ from nograd.batching import BatchingError
 from nograd.host.ledger import CoreLedger, CoreShare
 from nograd.observability.metrics import Metrics
 from nograd.observability.stats import Statistics
+from nograd.protocol.limits import decoded_too_large
 from nograd.runtime.devices import device_label, read_memory, resolve_device
 from nograd.runtime.handler import Outputs
 from nograd.serving.admission import Admission
@@ -34,6 +35,7 @@ from nograd.serving.repository import Override
 from nograd.serving.validation import (
     Declared,
     check_declared,
+    decoded_bytes,
     prepare_in_thread,
     squeeze_scalar_samples,
     validate,
@@ -67,7 +69,11 @@ class DataPlane:
         self._inflight = 0
         self._idle: asyncio.Event | None = None
         self._loaded = asyncio.Event()
-        self.admission = Admission(settings.max_requests_in_flight, settings.max_queue_wait_s)
+        self.admission = Admission(
+            settings.max_requests_in_flight,
+            settings.max_queue_wait_s,
+            settings.max_body_bytes_in_flight,
+        )
         self.heap_return = HeapReturn()
         metrics.watch_device_memory(self._memory_readings)
 
@@ -211,20 +217,26 @@ class DataPlane:
             max_text_bytes=self.settings.max_text_bytes,
         )
 
-    def input_check(self, name: str, version: str | None) -> Callable[[Declared], None]:
+    def input_check(self, name: str, version: str | None) -> Callable[[Declared], int]:
         """The check a front runs on a request's inputs as their headers declare them, before
-        decoding any data (``check_declared`` with this server's row limit); an unknown model is
+        decoding any data (``check_declared`` with this server's row limit, then their size
+        decoded within ``max_decoded_bytes``); it returns that size. An unknown model is
         refused here, before its request's data costs anything."""
         model = self.registry.get(name, version)
         max_rows = self.settings.max_request_rows
+        limit = self.settings.max_decoded_bytes
 
-        def check(declared: Declared) -> None:
+        def check(declared: Declared) -> int:
             started = time.perf_counter()
             try:
                 check_declared(model, declared, max_rows=max_rows)
+                size = decoded_bytes(declared)
+                if size > limit:
+                    raise decoded_too_large(size, limit, "the inputs this request declares")
             except Exception as exc:
                 self._failed(model, exc, time.perf_counter() - started)
                 raise
+            return size
 
         return check
 
