@@ -18,6 +18,8 @@ from nograd.core.engines import engine_choices
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 LogFormat = Literal["json", "text"]
 ModelControlMode = Literal["none", "explicit", "poll"]
+MESSAGE_FRAMING_BYTES = 1024 * 1024
+"""Room above the largest request body for a gRPC message's own framing."""
 
 
 class Settings(BaseSettings):
@@ -150,6 +152,23 @@ class Settings(BaseSettings):
     max_request_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
     """Largest request body accepted; larger bodies get 413 before they are read whole."""
 
+    max_decoded_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+    """Most memory one request's inputs may take while they are decoded, estimated before any
+    of them is: a JSON body by its size and the values it holds (each number or text becomes a
+    Python object, then an array slot), binary tensor data by the tensors it declares (a BYTES
+    element costs an object). Past it the request gets 422 naming this setting, before its JSON
+    is parsed or its binary part read. Large tensors travel as binary tensor data, which costs
+    about its own size."""
+
+    max_body_bytes_in_flight: int = Field(default=256 * 1024 * 1024, ge=2048)
+    """Most bytes one server process holds for request bodies at once (each worker its own),
+    counted from a body's Content-Length (as it arrives, for a chunked body or a gRPC message)
+    until its request is answered, together with what decoding them is estimated to take (see
+    ``max_decoded_bytes``); a request past it gets 503 with Retry-After at once. The default
+    holds about two requests at both limits, or thousands of ordinary ones; it must hold one
+    request at both limits (``max_request_bytes + max_decoded_bytes``, and 1 MiB of gRPC
+    framing)."""
+
     header_timeout_s: float = Field(default=10.0, gt=0, le=3600)
     """Longest a request's head (request line and headers) may take to arrive, from its first
     byte (from the connection's opening, for its first request); past it the connection gets
@@ -220,6 +239,11 @@ class Settings(BaseSettings):
         return self.workers if isinstance(self.workers, int) else 1
 
     @property
+    def max_message_bytes(self) -> int:
+        """Largest gRPC request message accepted: a body's limit and room for its framing."""
+        return self.max_request_bytes + MESSAGE_FRAMING_BYTES
+
+    @property
     def api_key_list(self) -> tuple[str, ...]:
         if self.api_keys is None:
             return ()
@@ -279,6 +303,18 @@ class Settings(BaseSettings):
     def _something_to_serve(self) -> Settings:
         if self.port == 0 and self.grpc_port == 0:
             raise ValueError("port and grpc_port are both 0: turn on HTTP or gRPC (or both)")
+        return self
+
+    @model_validator(mode="after")
+    def _budget_holds_one_request(self) -> Settings:
+        """A request alone at both limits must fit the budget, or no retry could ever pass."""
+        one = self.max_message_bytes + self.max_decoded_bytes
+        if self.max_body_bytes_in_flight < one:
+            raise ValueError(
+                f"max_body_bytes_in_flight ({self.max_body_bytes_in_flight}) must hold one "
+                f"request at both limits: max_request_bytes + max_decoded_bytes + 1 MiB of "
+                f"gRPC framing ({one})"
+            )
         return self
 
     @model_validator(mode="after")

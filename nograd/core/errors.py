@@ -15,3 +15,8 @@ class ModelAnswered(Exception):
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
         self.status = status
+
+
+class DecodedTooLarge(DecodeError):
+    """A request whose inputs would take more memory decoded than one request may
+    (``max_decoded_bytes``): refused before they are decoded."""

@@ -33,7 +33,7 @@ class HandlerAnswer:
     status: int = 200
 
 
-def decode_value(raw: bytes, content_type: str) -> object:
+def decode_value(raw: bytes | bytearray, content_type: str) -> object:
     """A value as TorchServe hands it to a handler: JSON parsed, text as str, else bytearray;
     a JSON or text value that does not decode stays bytes, as TorchServe forwards it."""
     media = content_type.split(";", 1)[0].strip().lower()

@@ -18,7 +18,7 @@ import time
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Protocol
 from urllib.parse import quote
 
 from google.protobuf.message import DecodeError as ProtobufDecodeError
@@ -26,6 +26,7 @@ from google.protobuf.message import Message
 
 from nograd.grpc.frames import STATUS_200, literal
 from nograd.grpc.h2 import Handler, Http2Connection, Stream
+from nograd.serving.errors import QueueFull, retry_after_s
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,18 @@ class Method:
     unary: Unary | None = None
     server_streaming: ServerStreaming | None = None
     limits: tuple[Limit, ...] = ()
+    holds_body: bool = True
+    """Its request messages draw on the process's byte budget as they arrive (health calls,
+    bounded by their own limits, never do)."""
+
+
+class ByteBudget(Protocol):
+    """The process's budget of request bytes in flight (``nograd.serving.calls.Calls``)."""
+
+    def take_bytes(self, size: int, name: str | None) -> None:
+        """Draw ``size`` bytes, or raise ``QueueFull`` (counted) when they do not fit."""
+
+    def give_bytes(self, size: int) -> None: ...
 
 
 class CallContext:
@@ -157,11 +170,14 @@ class GrpcCalls(Handler):
         methods: Mapping[str, Method],
         max_message_bytes: int,
         on_refused: Callable[[str], None] | None = None,
+        budget: ByteBudget | None = None,
     ) -> None:
-        """``on_refused``: told the ``reason`` of each call refused for a ``Limit`` (metrics)."""
+        """``on_refused``: told the ``reason`` of each call refused for a ``Limit`` (metrics);
+        ``budget``: what request messages draw on as they arrive (None: no budget)."""
         self._methods = methods
         self._max_message_bytes = max_message_bytes
         self._on_refused = on_refused
+        self._budget = budget
         self.calls: set[asyncio.Task[None]] = set()
         """Unary calls under way, for the drain."""
         self.streams: set[asyncio.Task[None]] = set()
@@ -179,17 +195,39 @@ class GrpcCalls(Handler):
             connection.send_headers(stream, RESPONSE_HEADERS + trailers(*refusal), end=True)
             return
         limit = self._max_message_bytes + _PREFIX_BYTES
+        budget = self._budget if method is not None and method.holds_body else None
+        held = 0
+
+        def refuse(block: bytes) -> None:
+            stream.on_data = None
+            stream.body.clear()
+            connection.send_headers(stream, RESPONSE_HEADERS + block, end=True)
 
         def check_size() -> None:
-            if len(stream.body) > limit:
-                stream.on_data = None
+            nonlocal held
+            received = len(stream.body)
+            if received > limit:
                 size = int.from_bytes(stream.body[1:5], "big")
                 message = f"received message larger than max ({size} vs. {limit - 5})"
-                block = trailers(Code.RESOURCE_EXHAUSTED, message)
-                stream.body.clear()
-                connection.send_headers(stream, RESPONSE_HEADERS + block, end=True)
+                refuse(trailers(Code.RESOURCE_EXHAUSTED, message))
+                return
+            if budget is None or received <= held:
+                return
+            try:
+                budget.take_bytes(received - held, None)
+            except QueueFull as exc:
+                extra = (("retry-after", str(retry_after_s(exc))),)
+                refuse(trailers(Code.UNAVAILABLE, str(exc), extra))
+                return
+            held = received
+
+        def give_back() -> None:
+            if budget is not None and held:
+                budget.give_bytes(held)
 
         stream.on_data = check_size
+        if budget is not None:
+            stream.on_closed = give_back
 
     def _hold(self, stream: Stream, limits: tuple[Limit, ...]) -> tuple[Code, str] | None:
         """Take one place in each of ``limits`` until the stream ends (however it ends), or

@@ -27,8 +27,6 @@ from nograd.settings import Settings
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME: Final = "inference.GRPCInferenceService"
-MAX_MESSAGE_BYTES_MARGIN: Final = 1024 * 1024
-"""Room above the largest request body for the message's own framing."""
 TOO_MANY_CONNECTIONS: Final = "too_many_connections"
 """The rejection reason HTTP's connection cap counts too."""
 BACKLOG: Final = 2048
@@ -71,6 +69,7 @@ def inference_methods(service: InferenceService, limits: HealthLimits) -> dict[s
             getattr(pb, rpc.input_type.name),
             unary=function,
             limits=(limits.calls,) if rpc.name in HEALTH_RPCS else (),
+            holds_body=rpc.name not in HEALTH_RPCS,
         )
     return methods
 
@@ -78,9 +77,14 @@ def inference_methods(service: InferenceService, limits: HealthLimits) -> dict[s
 def health_methods(health: Health, limits: HealthLimits) -> dict[str, Method]:
     request = health_pb2.HealthCheckRequest
     return {
-        "/grpc.health.v1.Health/Check": Method(request, unary=health.check, limits=(limits.calls,)),
+        "/grpc.health.v1.Health/Check": Method(
+            request, unary=health.check, limits=(limits.calls,), holds_body=False
+        ),
         "/grpc.health.v1.Health/Watch": Method(
-            request, server_streaming=health.watch, limits=(limits.calls, limits.watches)
+            request,
+            server_streaming=health.watch,
+            limits=(limits.calls, limits.watches),
+            holds_body=False,
         ),
     }
 
@@ -108,9 +112,7 @@ class GrpcServer:
             rejected.labels(unknown, reason).inc()
 
         self._refused = refused
-        self._calls = GrpcCalls(
-            methods, settings.max_request_bytes + MAX_MESSAGE_BYTES_MARGIN, refused
-        )
+        self._calls = GrpcCalls(methods, settings.max_message_bytes, refused, core.calls)
         self._connections: set[Http2Connection] = set()
         self._server: asyncio.AbstractServer | None = None
 

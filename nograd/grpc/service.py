@@ -243,7 +243,7 @@ class InferenceService:
                 call.shorten_deadline(parameter.int64_param / 1e6)
             name, version = request.model_name, request.model_version or None
             # Checked against the model's declared inputs before any value is read.
-            check = self._plane.input_check(name, version, request.id or None)
+            check = calls.input_check(call, name, version, request.id or None)
             inputs = await read_inputs(request, check)
             model, outputs = await calls.infer(call, name, version, inputs, request.id or None)
             response = pb.ModelInferResponse(

@@ -81,6 +81,7 @@ def build_app(core: Core, lifespan: Lifespan | None = None) -> FastAPI:
         max_bytes=settings.max_request_bytes,
         metrics=metrics,
         known_model=core.plane.models.__contains__,
+        calls=core.calls,
     )
     app.add_middleware(AdmissionMiddleware, calls=core.calls)
     if core.calls.keys_required:

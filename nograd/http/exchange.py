@@ -15,15 +15,20 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
+from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from nograd.core.errors import DecodeError
 from nograd.http.errors import status_of
 from nograd.http.middleware import STARTED_KEY
+from nograd.protocol.limits import OFFLOAD_DECODE_BYTES, decoded_too_large, json_decoded_bytes
 from nograd.serving.calls import CLIENT_GONE, Call, Calls, safe_request_id
 
+Body = bytes | bytearray | memoryview
+Parsed = TypeVar("Parsed")
 REQUEST_ID_HEADER = "X-Request-ID"
 TIMEOUT_HEADER = "X-Request-Timeout"
 DISCONNECT_GRACE_S = 0.02
@@ -53,21 +58,29 @@ class Incoming:
             name.decode("latin-1"): value.decode("latin-1")
             for name, value in reversed(scope["headers"])
         }
-        self._body: bytes | None = None
+        self._body: bytes | bytearray | None = None
 
-    async def body(self) -> bytes:
-        """The whole body, read once; a client that disconnects before sending it is gone."""
+    async def body(self) -> bytes | bytearray:
+        """The whole body, read once; a client that disconnects before sending it is gone. A
+        body of several pieces is gathered into one buffer as they arrive, never held twice
+        (the buffer grows in place), and is writable: binary tensors become views of it."""
         if self._body is None:
-            chunks: list[bytes] = []
-            while True:
-                message = await self.receive()
-                if message["type"] != "http.request":
-                    raise ClientGone("client disconnected before sending its body")
-                chunks.append(message.get("body", b""))
-                if not message.get("more_body", False):
-                    break
-            self._body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            message = await self._next()
+            body: bytes | bytearray = message.get("body", b"")
+            if message.get("more_body", False):
+                gathered = bytearray(body)
+                while message.get("more_body", False):
+                    message = await self._next()
+                    gathered += message.get("body", b"")
+                body = gathered
+            self._body = body
         return self._body
+
+    async def _next(self) -> Message:
+        message = await self.receive()
+        if message["type"] != "http.request":
+            raise ClientGone("client disconnected before sending its body")
+        return message
 
 
 @dataclass
@@ -109,6 +122,26 @@ def header_timeout_s(incoming: Incoming) -> float | None:
             f"header {TIMEOUT_HEADER} must be a positive number of seconds, got {raw!r}"
         )
     return value
+
+
+async def parse_measured(
+    calls: Calls, call: Call, text: Body, parse: Callable[[Body], Parsed]
+) -> Parsed:
+    """``parse(text)``, a JSON document, once the memory decoding it takes is estimated
+    (``json_decoded_bytes``) within ``NOGRAD_MAX_DECODED_BYTES`` (else 422, before parsing)
+    and held in the process's budget for ``call`` (else 503). A large document is measured
+    and parsed in a thread."""
+    limit = calls.plane.settings.max_decoded_bytes
+    offload = len(text) > OFFLOAD_DECODE_BYTES
+    if offload:
+        size = await run_in_threadpool(json_decoded_bytes, text, limit)
+    else:
+        size = json_decoded_bytes(text, limit)
+    if size > limit:
+        calls.metrics.rejected.labels(call.model, "too_large").inc()
+        raise decoded_too_large(size, limit, "the request's JSON")
+    calls.hold_bytes(call, size)
+    return await run_in_threadpool(parse, text) if offload else parse(text)
 
 
 async def until_disconnect(

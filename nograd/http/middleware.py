@@ -150,15 +150,24 @@ class AdmissionMiddleware:
 
 class BodyLimitMiddleware:
     """Refuse bodies over the limit with 413: by Content-Length before reading a byte, and by
-    counting for chunked uploads, so an oversized body is never buffered whole."""
+    counting for chunked uploads, so an oversized body is never buffered whole. Each body's
+    bytes are held in the process's byte budget (``Calls.take_bytes``) until its request is
+    answered, taken the same way (by Content-Length, or chunk by chunk): one that does not fit
+    is refused with 503 and Retry-After before the rest of it is read."""
 
     def __init__(
-        self, app: ASGIApp, max_bytes: int, metrics: Metrics, known_model: Callable[[str], bool]
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        metrics: Metrics,
+        known_model: Callable[[str], bool],
+        calls: Calls | None = None,
     ) -> None:
         self.app = app
         self._max = max_bytes
         self._metrics = metrics
         self._known_model = known_model
+        self._calls = calls
 
     async def _too_large(self, scope: Scope, send: Send) -> None:
         path = scope["path"]
@@ -171,6 +180,25 @@ class BodyLimitMiddleware:
             "request_too_large",
             [(b"connection", b"close")],
         )
+
+    async def _took(self, scope: Scope, send: Send, size: int) -> bool:
+        """``size`` bytes drawn from the budget (True), or the request refused with 503."""
+        if self._calls is None or not size:
+            return True
+        path = scope["path"]
+        target = v2_model(path)
+        try:
+            self._calls.take_bytes(size, None if target is None else target[0])
+        except QueueFull as exc:
+            headers = [(k.lower().encode(), v.encode()) for k, v in error_headers(503, exc)]
+            headers.append((b"connection", b"close"))  # the rest of the body is never read
+            await _respond(send, path, 503, str(exc), "server_overloaded", headers)
+            return False
+        return True
+
+    def _give(self, size: int) -> None:
+        if self._calls is not None and size:
+            self._calls.give_bytes(size)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
@@ -186,26 +214,37 @@ class BodyLimitMiddleware:
                 await self._too_large(scope, send)
                 return
             if declared >= 0:
-                await self.app(scope, receive, send)
+                if not await self._took(scope, send, declared):
+                    return
+                try:
+                    await self.app(scope, receive, send)
+                finally:
+                    self._give(declared)
                 return
         # No usable Content-Length (chunked): read up to the limit, then replay the body.
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                await self.app(scope, _replay([message], receive), send)
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self._max:
-                await self._too_large(scope, send)
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        whole: Message = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-        await self.app(scope, _replay([whole], receive), send)
+        held = 0
+        try:
+            chunks: list[bytes] = []
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":
+                    await self.app(scope, _replay([message], receive), send)
+                    return
+                chunk = message.get("body", b"")
+                if held + len(chunk) > self._max:
+                    await self._too_large(scope, send)
+                    return
+                if not await self._took(scope, send, len(chunk)):
+                    return
+                held += len(chunk)
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    break
+            whole: Message = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            del chunks
+            await self.app(scope, _replay([whole], receive), send)
+        finally:
+            self._give(held)
 
 
 def _replay(messages: list[Message], receive: Receive) -> Receive:

@@ -21,7 +21,7 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from nograd.http.errors import error_headers, openai_error_body
-from nograd.http.exchange import Incoming, Reply, run_call
+from nograd.http.exchange import Incoming, Reply, parse_measured, run_call
 from nograd.http.state import calls_of, dataplane_of
 from nograd.serving.calls import Call, Calls
 from nograd.serving.errors import InferenceFailed
@@ -163,9 +163,11 @@ def _texts(body: EmbeddingRequest) -> list[str]:
     return [item for item in raw if isinstance(item, str)]
 
 
-def _parse(body: bytes) -> EmbeddingRequest:
+def _parse(body: bytes | bytearray | memoryview) -> EmbeddingRequest:
     try:
-        return EmbeddingRequest.model_validate_json(body)
+        return EmbeddingRequest.model_validate_json(
+            bytes(body) if isinstance(body, memoryview) else body
+        )
     except ValidationError as exc:
         first = exc.errors()[0]
         param = str(first["loc"][0]) if first["loc"] else None
@@ -254,7 +256,7 @@ async def embeddings_call(incoming: Incoming, calls: Calls) -> Reply:
     route."""
 
     async def work(call: Call) -> Reply:
-        body = _parse(await incoming.body())
+        body = await parse_measured(calls, call, await incoming.body(), _parse)
         call.model = calls.label(body.model)
         return Reply(200, await _embeddings(calls, call, body))
 

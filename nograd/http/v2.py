@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -12,16 +12,19 @@ from fastapi.concurrency import run_in_threadpool
 
 from nograd.core.errors import DecodeError
 from nograd.http.errors import error_body, error_headers
-from nograd.http.exchange import Incoming, Reply, run_call
+from nograd.http.exchange import Incoming, Reply, parse_measured, run_call
 from nograd.http.state import calls_of, dataplane_of
 from nograd.protocol import binary
 from nograd.protocol.limits import OFFLOAD_DECODE_BYTES
 from nograd.protocol.v2 import (
     InferRequest,
-    decode_body,
+    declared_inputs,
+    decode_document,
     dumps,
     encode_outputs,
+    parse_json,
     select_outputs,
+    split_body,
 )
 from nograd.protocol.v2_schemas import (
     ERROR_RESPONSES,
@@ -38,6 +41,7 @@ from nograd.serving import documents
 from nograd.serving.calls import Call, Calls
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.registry import ServedModel
+from nograd.serving.validation import Declared
 
 logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v2", tags=["Open Inference Protocol"])
@@ -150,15 +154,26 @@ async def model_version_ready(request: Request, name: str, version: str) -> Resp
     return _model_ready(request, name, version)
 
 
-async def _decode(incoming: Incoming) -> InferRequest:
+async def _decode(
+    incoming: Incoming,
+    calls: Calls,
+    call: Call,
+    check_for: Callable[[str | None], Callable[[Declared], None]],
+) -> InferRequest:
+    """The request, its JSON measured before it is parsed (``parse_measured``) and the inputs
+    it declares checked against the model (``check_for`` the request's own id) before any
+    tensor is built or a byte of the binary part read."""
     encoding = incoming.headers.get("content-encoding", "identity").strip().lower()
     if encoding != "identity":
         raise DecodeError(f"Content-Encoding {encoding!r} is not supported; send the body as is")
     body = await incoming.body()
-    header_length = incoming.headers.get(binary.HEADER_LENGTH.lower())
+    header, data = split_body(body, incoming.headers.get(binary.HEADER_LENGTH.lower()))
+    document = await parse_measured(calls, call, header, parse_json)
+    given_id = document.get("id") if isinstance(document, dict) else None
+    check_for(given_id if isinstance(given_id, str) else None)(declared_inputs(document))
     if len(body) > OFFLOAD_DECODE_BYTES:  # milliseconds of CPU: off the event loop
-        return await run_in_threadpool(decode_body, body, header_length)
-    return decode_body(body, header_length)
+        return await run_in_threadpool(decode_document, document, data)
+    return decode_document(document, data)
 
 
 def _timeout_s(parameters: Mapping[str, Any]) -> float | None:
@@ -205,7 +220,9 @@ async def infer_call(incoming: Incoming, calls: Calls, name: str, version: str |
 
     async def work(call: Call) -> Reply:
         call.model = calls.label(name)
-        decoded = await _decode(incoming)
+        decoded = await _decode(
+            incoming, calls, call, lambda given_id: calls.input_check(call, name, version, given_id)
+        )
         call.adopt_request_id(decoded.id)
         call.shorten_deadline(_timeout_s(decoded.parameters))
         model, outputs = await calls.infer(call, name, version, decoded.inputs, decoded.id)

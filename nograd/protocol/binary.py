@@ -38,7 +38,7 @@ def little_endian(datatype: str) -> np.dtype[np.generic]:
     return dtype.newbyteorder("<") if dtype.itemsize > 1 else dtype
 
 
-def split_body(body: bytes, header_length: str | None) -> tuple[memoryview, memoryview]:
+def split_body(body: bytes | bytearray, header_length: str | None) -> tuple[memoryview, memoryview]:
     """The JSON header and the binary part of a body; without the header, all of it is JSON."""
     view = memoryview(body)
     if header_length is None:

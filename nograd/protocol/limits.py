@@ -13,7 +13,7 @@ import math
 from collections.abc import Sequence
 from typing import Final
 
-from nograd.core.errors import DecodeError
+from nograd.core.errors import DecodedTooLarge, DecodeError
 
 MAX_DIMS: Final = 32
 """Most dimensions a tensor may have (numpy 1.x's own limit; no model here needs more)."""
@@ -41,3 +41,51 @@ def checked_shape(dims: Sequence[int], where: str) -> tuple[int, ...]:
             "(2**40, zero dimensions aside)"
         )
     return shape
+
+
+BYTES_ELEMENT_BYTES: Final = 48
+"""Memory a BYTES element takes decoded besides its text: a Python ``bytes`` object and its slot
+in the tensor."""
+JSON_PARSE_BYTES: Final = 14
+"""Memory per byte of a JSON body while it is parsed: the parser's own working copy of the
+document (about 13 bytes per byte, whatever it holds), then its texts as Python objects."""
+JSON_TOKEN_BYTES: Final = ((b",", 48), (b"[", 64), (b"{", 96), (b'"', 56))
+"""Memory each of these characters of a JSON body stands for once it is decoded: a separator,
+one value more (a list slot, a number object, its slots in numpy's copy and in the tensor); an
+opening bracket or brace, a list or dict; a quote, half a text (a ``str``, then its ``bytes``)."""
+JSON_SCAN_SLICE: Final = 1 << 20
+"""Bytes of a JSON body scanned at a time: a large body is scanned off the event loop, and the
+thread lets go of the interpreter between two slices."""
+
+
+def json_decoded_bytes(body: bytes | bytearray | memoryview, stop_at: int) -> int:
+    """About the most memory the JSON ``body`` takes while its tensors are decoded: the parse
+    (``JSON_PARSE_BYTES`` per byte) and each value, list and text by ``JSON_TOKEN_BYTES``, read
+    from its characters without parsing it. Once past ``stop_at`` the scan stops (the result is
+    then a lower bound above ``stop_at``), so a hostile body costs a few slices of scanning."""
+    size = len(body)
+    total = JSON_PARSE_BYTES * size + JSON_TOKEN_BYTES[0][1]
+    if total > stop_at:  # the parse alone passes it: nothing to scan (nor copy)
+        return total
+    data = body if isinstance(body, (bytes, bytearray)) else body.tobytes()
+    for start in range(0, size, JSON_SCAN_SLICE):
+        end = start + JSON_SCAN_SLICE
+        total += sum(cost * data.count(token, start, end) for token, cost in JSON_TOKEN_BYTES)
+        if total > stop_at:
+            break
+    return total
+
+
+def tensor_decoded_bytes(datatype: str, shape: Sequence[int], itemsize: int) -> int:
+    """Memory the tensor ``shape`` of ``datatype`` takes decoded, texts aside: its elements,
+    a BYTES element counting ``BYTES_ELEMENT_BYTES`` (Python ints: no overflow)."""
+    return math.prod(shape) * (BYTES_ELEMENT_BYTES if datatype == "BYTES" else itemsize)
+
+
+def decoded_too_large(estimate: int, limit: int, what: str) -> DecodedTooLarge:
+    """The refusal of a request whose inputs would take ``estimate`` bytes decoded."""
+    return DecodedTooLarge(
+        f"{what} would take about {estimate} bytes of memory decoded, more than the limit of "
+        f"{limit} bytes per request (NOGRAD_MAX_DECODED_BYTES); send large tensors as binary "
+        "tensor data (binary_data_size), which decodes to its own size"
+    )

@@ -19,7 +19,9 @@ from nograd.core.errors import DecodeError
 from nograd.core.handler_messages import RAW_FIELD, decode_value
 
 
-def request_data(body: bytes, content_type: str, query: dict[str, str]) -> dict[str, object]:
+def request_data(
+    body: bytes | bytearray, content_type: str, query: dict[str, str]
+) -> dict[str, object]:
     """The handler's dict for one request: each field of a multipart form by name, else the raw
     body as ``body``; query parameters too, as TorchServe adds them. A form that cannot be parsed
     is a ``DecodeError``."""
@@ -34,7 +36,7 @@ def request_data(body: bytes, content_type: str, query: dict[str, str]) -> dict[
     return data
 
 
-def _form_fields(body: bytes, content_type: str) -> dict[str, object]:
+def _form_fields(body: bytes | bytearray, content_type: str) -> dict[str, object]:
     head = f"Content-Type: {content_type}\r\nMIME-Version: 1.0\r\n\r\n".encode("latin-1")
     message = BytesParser(policy=HTTP).parsebytes(head + body)
     if not message.is_multipart():

@@ -58,7 +58,7 @@ _KINDS = {
 }
 
 
-def parse_json(body: bytes | memoryview) -> Any:
+def parse_json(body: bytes | bytearray | memoryview) -> Any:
     try:
         return orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -71,7 +71,9 @@ def parse_json(body: bytes | memoryview) -> Any:
         raise DecodeError(f"malformed JSON: {exc}{hint}") from exc
 
 
-def _is_non_finite_number(body: bytes | memoryview, exc: orjson.JSONDecodeError) -> bool:
+def _is_non_finite_number(
+    body: bytes | bytearray | memoryview, exc: orjson.JSONDecodeError
+) -> bool:
     """True when the parser stopped at ``NaN``, ``Infinity`` (signed or not) or an overflow:
     the client most likely serialised a non-finite float (Python's json module does)."""
     if "infinity" in exc.msg:
@@ -80,16 +82,33 @@ def _is_non_finite_number(body: bytes | memoryview, exc: orjson.JSONDecodeError)
     return _NON_FINITE_TOKEN.match(bytes(body[start : start + 4])) is not None
 
 
-def decode_body(body: bytes, header_length: str | None) -> InferRequest:
+def decode_body(body: bytes | bytearray, header_length: str | None) -> InferRequest:
     """A whole request body: JSON, or with ``Inference-Header-Content-Length`` JSON + binary."""
+    header, data = split_body(body, header_length)
+    return decode_document(parse_json(header), data)
+
+
+def split_body(
+    body: bytes | bytearray, header_length: str | None
+) -> tuple[memoryview, memoryview | None]:
+    """The JSON of a body and its binary part (None without ``Inference-Header-Content-Length``),
+    so the JSON can be measured and checked before the binary part is read."""
     try:
         header, data = binary.split_body(body, header_length)
+    except binary.BinaryFormatError as exc:
+        raise DecodeError(str(exc)) from exc
+    return header, None if header_length is None else data
+
+
+def decode_document(document: Any, data: memoryview | None) -> InferRequest:
+    """The request of a parsed JSON document, its binary inputs read from ``data``."""
+    try:
         reader = None
-        if header_length is not None:
-            # torch refuses read-only memory and a bytes body is read-only: one copy of the binary
-            # part, after which every fixed-size input is a view of it.
-            reader = binary.BinaryReader(memoryview(bytearray(data)))
-        request = decode_request(parse_json(header), reader)
+        if data is not None:
+            # torch refuses read-only memory: a body read into a writable buffer is used as it
+            # is, a bytes body copied once; every fixed-size input is then a view of it.
+            reader = binary.BinaryReader(data if not data.readonly else memoryview(bytearray(data)))
+        request = decode_request(document, reader)
         if reader is not None:
             reader.finish()
     except binary.BinaryFormatError as exc:
@@ -97,15 +116,32 @@ def decode_body(body: bytes, header_length: str | None) -> InferRequest:
     return request
 
 
-def decode_request(document: Any, reader: binary.BinaryReader | None = None) -> InferRequest:
-    """Validate the request document and decode every input tensor, JSON or binary."""
+def declared_inputs(document: Any) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Each input's datatype and shape by name, as the document declares them and checked as
+    decoding checks them, without reading any data: what the model's check and the estimate of
+    the decoded size need before a tensor is built or a byte of the binary part read."""
+    declared: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for index, raw in enumerate(_raw_inputs(document)):
+        name, datatype, shape = _declared_tensor(raw, f"inputs[{index}]")
+        if name in declared:
+            raise DecodeError(f"input {name!r} appears twice")
+        declared[name] = (datatype, shape)
+    return declared
+
+
+def _raw_inputs(document: Any) -> list[Any]:
     if not isinstance(document, dict):
         raise DecodeError("request body must be a JSON object")
     raw_inputs = document.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise DecodeError("field 'inputs' must be a non-empty list of tensors")
+    return raw_inputs
+
+
+def decode_request(document: Any, reader: binary.BinaryReader | None = None) -> InferRequest:
+    """Validate the request document and decode every input tensor, JSON or binary."""
     inputs: dict[str, np.ndarray] = {}
-    for index, raw in enumerate(raw_inputs):
+    for index, raw in enumerate(_raw_inputs(document)):
         name, array = decode_tensor(raw, f"inputs[{index}]", reader)
         if name in inputs:
             raise DecodeError(f"input {name!r} appears twice")
@@ -163,16 +199,8 @@ def decode_tensor(
 ) -> tuple[str, np.ndarray]:
     """One tensor: ``{name, shape, datatype, data}`` with flat or nested row-major data, or
     ``{name, shape, datatype, parameters: {binary_data_size}}`` with its bytes in ``reader``."""
-    if not isinstance(raw, dict):
-        raise DecodeError(f"field '{where}' must be an object")
-    name = raw.get("name")
-    if not isinstance(name, str) or not name:
-        raise DecodeError(f"field '{where}.name' must be a non-empty string")
+    name, datatype, shape = _declared_tensor(raw, where)
     where = f"input {name!r}"
-    shape = decode_shape(raw.get("shape"), where)
-    datatype = raw.get("datatype")
-    if datatype not in NUMPY_DTYPES:
-        raise DecodeError(f"{where}: datatype {datatype!r} is not one of {', '.join(NUMPY_DTYPES)}")
     size = _parameters(raw.get("parameters"), f"{where}.parameters").get(binary.SIZE_PARAMETER)
     if size is not None:
         if "data" in raw:
@@ -186,6 +214,21 @@ def decode_tensor(
     if "data" not in raw:
         raise DecodeError(f"{where}: field 'data' is missing")
     return name, decode_data(raw["data"], datatype, shape, where)
+
+
+def _declared_tensor(raw: Any, where: str) -> tuple[str, str, tuple[int, ...]]:
+    """A tensor's name, datatype and shape, checked."""
+    if not isinstance(raw, dict):
+        raise DecodeError(f"field '{where}' must be an object")
+    name = raw.get("name")
+    if not isinstance(name, str) or not name:
+        raise DecodeError(f"field '{where}.name' must be a non-empty string")
+    where = f"input {name!r}"
+    shape = decode_shape(raw.get("shape"), where)
+    datatype = raw.get("datatype")
+    if datatype not in NUMPY_DTYPES:
+        raise DecodeError(f"{where}: datatype {datatype!r} is not one of {', '.join(NUMPY_DTYPES)}")
+    return name, datatype, shape
 
 
 def decode_data(data: Any, datatype: str, shape: tuple[int, ...], where: str) -> np.ndarray:

@@ -12,7 +12,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Final
 
 import numpy as np
@@ -32,6 +32,7 @@ from nograd.serving.errors import (
     kind_of,
 )
 from nograd.serving.registry import ServedModel
+from nograd.serving.validation import Declared
 
 logger = logging.getLogger("nograd.requests")
 
@@ -50,7 +51,16 @@ def safe_request_id(given: str | None) -> str | None:
 class Call:
     """One call under way: who it is for the logs and metrics, and its deadline."""
 
-    __slots__ = ("id_given", "model", "protocol", "request_id", "started", "target", "timeout_s")
+    __slots__ = (
+        "bytes_held",
+        "id_given",
+        "model",
+        "protocol",
+        "request_id",
+        "started",
+        "target",
+        "timeout_s",
+    )
 
     def __init__(self, protocol: str, target: str, started: float, request_id: str | None) -> None:
         self.protocol = protocol
@@ -64,6 +74,8 @@ class Call:
         self.model = UNKNOWN_MODEL
         """Metric label: the model once the name is known to be served."""
         self.timeout_s: float | None = None
+        self.bytes_held = 0
+        """Bytes of the process's budget this call holds for decoding (``Calls.hold_bytes``)."""
 
     def adopt_request_id(self, protocol_id: str | None) -> None:
         """Use the protocol's own id (the V2 ``id``) when the caller sent none of its own."""
@@ -113,6 +125,38 @@ class Calls:
 
     def release(self) -> None:
         self.plane.release()
+
+    def hold_bytes(self, call: Call, size: int) -> None:
+        """Draw ``size`` bytes of the budget for decoding ``call``'s request, or refuse
+        (``BodyBytesOverBudget``, counted); given back when the call closes."""
+        self.take_bytes(size, call.model)
+        call.bytes_held += size
+
+    def input_check(
+        self, call: Call, name: str, version: str | None, protocol_id: str | None = None
+    ) -> Callable[[Declared], None]:
+        """The serving core's check of the inputs a request declares (``DataPlane.input_check``:
+        the model, the limits, the decoded size), holding that size for ``call`` once passed;
+        ``protocol_id`` is the request's own id (the V2 ``id``), which Triton's refusals quote."""
+        check = self.plane.input_check(name, version, protocol_id)
+
+        def check_and_hold(declared: Declared) -> None:
+            self.hold_bytes(call, check(declared))
+
+        return check_and_hold
+
+    def take_bytes(self, size: int, name: str | None) -> None:
+        """Draw ``size`` bytes of a body (or of decoding it) for model ``name`` from the
+        process's byte budget, or refuse (``BodyBytesOverBudget``, counted); each draw is given
+        back with ``give_bytes`` once its request is answered."""
+        try:
+            self.plane.admission.take_bytes(size)
+        except QueueFull as exc:
+            self.metrics.rejected.labels(self.label(name), exc.reason).inc()
+            raise
+
+    def give_bytes(self, size: int) -> None:
+        self.plane.admission.give_bytes(size)
 
     def label(self, name: str | None) -> str:
         """The metric label of a model name: itself when served, else one shared value."""
@@ -167,8 +211,12 @@ class Calls:
         return kind
 
     def close(self, call: Call, status: int) -> None:
-        """The call is answered with ``status`` (its kind's, for every protocol): recorded."""
+        """The call is answered with ``status`` (its kind's, for every protocol): recorded, and
+        the bytes it held given back."""
         self.metrics.inflight.dec()
+        if call.bytes_held:
+            self.give_bytes(call.bytes_held)
+            call.bytes_held = 0
         seconds = time.perf_counter() - call.started
         self.metrics.request_done(call.model, call.protocol, status, seconds)
         if logger.isEnabledFor(logging.DEBUG):

@@ -18,6 +18,7 @@ from nograd.core.errors import ModelAnswered
 from nograd.host.ledger import CoreLedger, CoreShare
 from nograd.observability.metrics import Metrics
 from nograd.observability.stats import Statistics
+from nograd.protocol.limits import decoded_too_large
 from nograd.runtime.config import EnsembleStep
 from nograd.runtime.devices import device_label, read_memory, resolve_device
 from nograd.runtime.handler import Outputs
@@ -39,6 +40,7 @@ from nograd.serving.validation import (
     Declared,
     add_batch_dimension,
     check_declared,
+    decoded_bytes,
     prepare_in_thread,
     remove_batch_dimension,
     squeeze_scalar_samples,
@@ -79,7 +81,11 @@ class DataPlane:
         self._inflight = 0
         self._idle: asyncio.Event | None = None
         self._loaded = asyncio.Event()
-        self.admission = Admission(settings.max_requests_in_flight, settings.max_queue_wait_s)
+        self.admission = Admission(
+            settings.max_requests_in_flight,
+            settings.max_queue_wait_s,
+            settings.max_body_bytes_in_flight,
+        )
         self.heap_return = HeapReturn()
         metrics.watch_device_memory(self._memory_readings)
 
@@ -266,20 +272,26 @@ class DataPlane:
 
     def input_check(
         self, name: str, version: str | None, request_id: str | None = None
-    ) -> Callable[[Declared], None]:
+    ) -> Callable[[Declared], int]:
         """The check a front runs on a request's inputs as their headers declare them, before
-        decoding any data (``check_declared`` with this server's row limit); an unknown model is
+        decoding any data (``check_declared`` with this server's row limit, then their size
+        decoded within ``max_decoded_bytes``); it returns that size. An unknown model is
         refused here, before its request's data costs anything."""
         model = self.registry.get(name, version)
         max_rows = self.settings.max_request_rows
+        limit = self.settings.max_decoded_bytes
 
-        def check(declared: Declared) -> None:
+        def check(declared: Declared) -> int:
             started = time.perf_counter()
             try:
                 check_declared(model, declared, max_rows=max_rows, request_id=request_id)
+                size = decoded_bytes(declared)
+                if size > limit:
+                    raise decoded_too_large(size, limit, "the inputs this request declares")
             except Exception as exc:
                 self._failed(model, exc, time.perf_counter() - started)
                 raise
+            return size
 
         return check
 
@@ -351,7 +363,7 @@ class DataPlane:
         if self._draining:
             raise Draining(f"model {name!r} is not ready (server is draining)")
         if not model.ready or (model.waiting_for is None and model.handler is None):
-            raise ModelNotReady(f"model {name!r} is not ready ({self._why_not_ready(model)})")
+            raise ModelNotReady(f"model {name!r} is not ready ({model.why_not_ready()})")
         inputs = squeeze_scalar_samples(model, inputs)
         validate(
             model,
@@ -417,17 +429,6 @@ class DataPlane:
         rows = len(next(iter(inputs.values()))) if model.config.batch_dimension else 1
         self.statistics.of(model.name).batch_finished(rows, time.perf_counter() - started, True)
         return outputs
-
-    def _why_not_ready(self, model: ServedModel) -> str:
-        if self._draining:
-            return "server is draining"
-        if model.state is State.READY and model.waiting_for is not None:
-            return model.waiting_for() or "ready"
-        if model.state is State.FAILED:
-            return f"failed to load: {model.error}"
-        if model.state is State.LOADING:
-            return "still loading"
-        return "its batch loop is not running"
 
     # ------------------------------------------------------------------ metrics
     def _memory_readings(self) -> Iterable[tuple[str, int, int, int, int]]:

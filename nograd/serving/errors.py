@@ -16,6 +16,7 @@ from nograd.batching import BatcherClosed as BatcherClosed
 from nograd.batching import DeadlineExceeded as DeadlineExceeded
 from nograd.batching import QueueFull as QueueFull
 from nograd.batching import SampleTooLarge as SampleTooLarge
+from nograd.core.errors import DecodedTooLarge as DecodedTooLarge
 from nograd.core.errors import DecodeError as DecodeError
 from nograd.core.errors import ModelAnswered as ModelAnswered
 
@@ -76,6 +77,13 @@ class Overloaded(QueueFull):
     reason = "in_flight"
 
 
+class BodyBytesOverBudget(QueueFull):
+    """The server process already holds its most bytes of request bodies and their decoding
+    (``max_body_bytes_in_flight``): refused before the rest of the body is read or decoded."""
+
+    reason = "bytes_in_flight"
+
+
 class Draining(ModelNotReady):
     """The server received SIGTERM and finishes accepted work only."""
 
@@ -94,6 +102,7 @@ class LoadFailed(Exception):
 
 
 KINDS: Final[tuple[tuple[type[Exception], Kind], ...]] = (
+    (DecodedTooLarge, Kind.OVER_LIMIT),
     (DecodeError, Kind.INVALID),
     (InvalidInput, Kind.INVALID),
     (ControlRefused, Kind.REFUSED),
@@ -153,7 +162,7 @@ def rejection_reason(exc: BaseException) -> str | None:
         return "deadline"
     if isinstance(exc, (Draining, BatcherClosed)):
         return "draining"
-    if isinstance(exc, (LimitExceeded, SampleTooLarge)):
+    if isinstance(exc, (LimitExceeded, SampleTooLarge, DecodedTooLarge)):
         return "too_large"
     if isinstance(exc, asyncio.CancelledError):
         return "cancelled"

@@ -85,6 +85,16 @@ class ServedModel:
             return self.state is State.READY and self.waiting_for() is None
         return self.state is State.READY and self.batcher is not None and self.batcher.alive
 
+    def why_not_ready(self) -> str:
+        """What keeps this version from serving, for the 503 that says so."""
+        if self.state is State.READY and self.waiting_for is not None:
+            return self.waiting_for() or "ready"
+        if self.state is State.FAILED:
+            return f"failed to load: {self.error}"
+        if self.state is State.LOADING:
+            return "still loading"
+        return "its batch loop is not running"
+
 
 class ModelRegistry:
     """The served models: every loaded version by name, the version each name answers with, the

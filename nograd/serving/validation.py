@@ -7,7 +7,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from nograd.core.datatypes import datatype_of, shape_matches
+from nograd.core.datatypes import NUMPY_DTYPES, datatype_of, shape_matches
+from nograd.protocol.limits import tensor_decoded_bytes
 from nograd.runtime.handler import ModelHandler, Outputs
 from nograd.serving.errors import InvalidInput, LimitExceeded
 from nograd.serving.registry import ServedModel
@@ -55,6 +56,15 @@ def squeeze_scalar_samples(
 
 Declared = Mapping[str, tuple[str, tuple[int, ...]]]
 """A request's inputs as their headers declare them: name -> (datatype, shape), no data read."""
+
+
+def decoded_bytes(declared: Declared) -> int:
+    """Memory the declared tensors take once built, texts aside (a BYTES element counts its
+    object): known before any is built, so a request over ``max_decoded_bytes`` costs none."""
+    return sum(
+        tensor_decoded_bytes(datatype, shape, NUMPY_DTYPES[datatype].itemsize)
+        for datatype, shape in declared.values()
+    )
 
 
 def triton_batch_refusal(model: ServedModel, rows: int, request_id: str | None) -> str | None:

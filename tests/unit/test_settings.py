@@ -76,3 +76,10 @@ def test_explicit_model_control_without_keys_is_warned_about_at_start_up() -> No
     assert Settings(model_control="explicit", api_keys="k1").exposure_warnings == ()
     assert Settings(model_control="none").exposure_warnings == ()
     assert Settings(model_control="poll").exposure_warnings == ()
+
+
+def test_the_byte_budget_must_hold_one_request_at_both_limits() -> None:
+    mib = 1024 * 1024
+    Settings(max_request_bytes=mib, max_decoded_bytes=mib, max_body_bytes_in_flight=3 * mib)
+    with pytest.raises(ValidationError, match="must hold one request at both limits"):
+        Settings(max_request_bytes=mib, max_decoded_bytes=mib, max_body_bytes_in_flight=2 * mib)

@@ -126,3 +126,22 @@ def test_every_failure_has_one_kind_and_each_front_its_status(
 
 def test_the_grpc_table_names_every_kind() -> None:
     assert set(CODES) == set(Kind)
+
+
+def test_the_byte_budget_refuses_what_does_not_fit_and_a_closed_call_gives_back() -> None:
+    mib = 1024 * 1024
+    calls = calls_with(
+        max_request_bytes=mib, max_decoded_bytes=mib, max_body_bytes_in_flight=3 * mib
+    )
+    admission = calls.plane.admission
+    calls.take_bytes(2 * mib, None)
+    call = calls.open("http", "/v2/models/digits/infer")
+    calls.hold_bytes(call, mib)
+    with pytest.raises(QueueFull, match="NOGRAD_MAX_BODY_BYTES_IN_FLIGHT") as refused:
+        calls.take_bytes(1, "absent")
+    assert kind_of(refused.value) is Kind.UNAVAILABLE
+    assert rejected(calls, "bytes_in_flight") == 1
+    calls.close(call, 200)
+    assert admission.bytes_in_flight == 2 * mib
+    calls.give_bytes(2 * mib)
+    assert admission.bytes_in_flight == 0
