@@ -19,7 +19,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.serving import ROOT, SLOW_BODY, Server, run_server, until_accepted
+from tests.e2e.serving import (
+    ROOT,
+    SLOW_BODY,
+    Server,
+    run_server,
+    until_accepted,
+    wait_until_accepted,
+)
 
 pytestmark = pytest.mark.e2e
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "models"
@@ -165,6 +172,10 @@ def kept_alive_through_a_stop(
         before, after = conns[: count // 2], conns[count // 2 :]
         for conn in before:
             send(conn, path, body)
+        # Read by the server before the stop (on a loaded machine its event loop may lag its
+        # clients): a request whose head was not read yet would rightly be answered 503.
+        model = str(body.get("model", "slow"))
+        wait_until_accepted(server.url, count + len(before), model)
         os.killpg(server.process.pid, signal.SIGTERM)
         answered_before = [answer(conn) for conn in before]
         wait_for_log(server, "draining: not ready", count=2)
@@ -192,7 +203,9 @@ def test_requests_on_connections_kept_alive_through_a_stop_are_answered(tmp_path
         assert_workers_stopped_cleanly(server)
     assert [status for status, _ in before] == [200] * 4, before
     assert [status for status, _ in after] == [503] * 4, after
-    for _, headers in before + after:
+    # A request answered during the drain ends its connection (one answered before the stop
+    # reached its worker may keep it: that connection is then idle, and waited for).
+    for _, headers in after:
         assert headers["connection"] == "close", headers
     assert all(headers["retry-after"] for _, headers in after), after
 
@@ -281,7 +294,7 @@ def test_a_stop_of_make_run_with_minilm_loses_no_accepted_request(
             )
             assert_workers_stopped_cleanly(server, stopped_make)
             outcomes = before + after
-            assert all(headers["connection"] == "close" for _, headers in outcomes), outcomes
+            assert all(headers.get("connection") == "close" for _, headers in after), after
         elif scenario == "stream":
             outcomes = steady_stream(server, EMBEDDINGS_PATH, EMBEDDINGS_BODY)
             assert_workers_stopped_cleanly(server, stopped_make)
