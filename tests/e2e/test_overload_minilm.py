@@ -89,14 +89,17 @@ def test_minilm_at_three_times_capacity_sheds_within_a_second_and_answers_the_re
     assert len(served) >= 0.5 * capacity * duration_s, report
     # The generator took a small share of one core: the server was not starved by its client.
     assert run.cpu_s < 0.25 * run.wall_s, report
-    # Every refusal is counted, by the wait bound above all (a worker's series reach /metrics
+    # Every refusal is counted (a worker's series reach /metrics
     # once it refreshes them: waited for).
     deadline = time.monotonic() + 10
     while metric_value(url, "nograd_rejected_total") < len(refused):
         assert time.monotonic() < deadline, report
         time.sleep(0.2)
+    # Shed by the wait bound or, where the model is fast enough that the requests in flight
+    # reach their cap first (NOGRAD_MAX_REQUESTS_IN_FLIGHT), by that cap: both are overload's.
     by_wait = metric_value(url, "nograd_rejected_total", reason="queue_wait")
-    assert by_wait >= 0.5 * len(refused), report
+    by_cap = metric_value(url, "nograd_rejected_total", reason="in_flight")
+    assert by_wait + by_cap >= len(refused), report
 
 
 def test_a_set_server_wide_queue_size_replaces_the_models_own_and_says_so(
