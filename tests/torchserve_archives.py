@@ -13,7 +13,9 @@ import torch
 
 FIXTURES = Path(__file__).parent / "fixtures" / "torchserve"
 MNIST = FIXTURES / "mnist"
+CLASSIFIER = FIXTURES / "classifier"
 DIGITS = {name: (MNIST / f"{name}.png").read_bytes() for name in ("0", "1", "7")}
+KITTEN = (CLASSIFIER / "kitten_small.jpg").read_bytes()
 
 
 def _archiver() -> list[str]:
@@ -48,10 +50,27 @@ def scale_model(path: Path) -> Path:
     return path
 
 
+def classifier_model(path: Path) -> Path:
+    """A seeded TorchScript image classifier with ImageNet's 1,000 classes, small enough to
+    build in a test: where TorchServe's squeezenet example has downloaded weights, the default
+    ``image_classifier`` handler runs this one on the same images."""
+    torch.manual_seed(2)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, kernel_size=8, stride=8),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8, 1000),
+    ).eval()
+    torch.jit.trace(net, torch.zeros(1, 3, 224, 224)).save(str(path))
+    return path
+
+
 def build_store(store: Path, work: Path) -> dict[str, Path]:
-    """``mnist.mar`` (custom handler, batchSize 8), ``scale.mar`` (function handler) and
-    ``lazy.mar`` (a function handler importing a file of its archive inside ``handle``) in
-    ``store``."""
+    """``mnist.mar`` (custom handler, batchSize 8), ``classifier.mar`` (the default
+    ``image_classifier`` handler on a TorchScript model, batchSize 4), ``scale.mar`` (function
+    handler) and ``lazy.mar`` (a function handler importing a file of its archive inside
+    ``handle``) in ``store``."""
     store.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     mnist = archive(
@@ -62,6 +81,15 @@ def build_store(store: Path, work: Path) -> dict[str, Path]:
         "--serialized-file", str(mnist_weights(work / "mnist_cnn.pt")),
         "--handler", str(MNIST / "mnist_handler.py"),
         "--config-file", str(MNIST / "model-config.yaml"),
+    )  # fmt: skip
+    classifier = archive(
+        store,
+        "classifier",
+        "--version", "1.0",
+        "--serialized-file", str(classifier_model(work / "classifier.pt")),
+        "--handler", "image_classifier",
+        "--extra-files", str(CLASSIFIER / "index_to_name.json"),
+        "--config-file", str(CLASSIFIER / "model-config.yaml"),
     )  # fmt: skip
     scale = archive(
         store,
@@ -77,4 +105,4 @@ def build_store(store: Path, work: Path) -> dict[str, Path]:
         "--handler", str(FIXTURES / "lazy" / "lazy_handler.py"),
         "--extra-files", str(FIXTURES / "lazy" / "lazy_helper.py"),
     )  # fmt: skip
-    return {"mnist": mnist, "scale": scale, "lazy": lazy}
+    return {"mnist": mnist, "classifier": classifier, "scale": scale, "lazy": lazy}

@@ -49,6 +49,9 @@ class PeerSpec:
     """pip commands run after the install, e.g. removing a package an extra pulled in."""
     needs_java: bool = False
     min_glibc: tuple[int, int] | None = None
+    constrained: bool = True
+    """Installed under ``constraints.txt`` (the CPU torch pin); off for a peer whose torch must
+    be the one its other wheels were built against."""
 
     @property
     def requirements(self) -> Path:
@@ -66,6 +69,12 @@ SPECS: Final = {
         "torchserve",
         "import ts, model_archiver, transformers, tokenizers, safetensors",
         needs_java=True,
+    ),
+    "torchserve-vision": PeerSpec(
+        "torchserve-vision",
+        "import torchvision.transforms, captum, ts.torch_handler.image_classifier, model_archiver",
+        needs_java=True,
+        constrained=False,
     ),
     "infinity": PeerSpec(
         "infinity",
@@ -214,7 +223,7 @@ def _build(
     python = str(venv_python(venv))
     lines = requirement_lines(spec.requirements)
     pip = [python, "-m", "pip", "install", "--disable-pip-version-check"]
-    if CONSTRAINTS.is_file():
+    if spec.constrained and CONSTRAINTS.is_file():
         pip += ["-c", str(CONSTRAINTS)]
     deadline = time.monotonic() + timeout_s
     torch_pins = [line for line in lines if line.startswith("torch==")]

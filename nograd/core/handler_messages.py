@@ -26,11 +26,13 @@ class HandlerRequest:
 
 @dataclass(frozen=True, slots=True)
 class HandlerAnswer:
-    """One request's answer: its bytes and content type, or a failure's status and message."""
+    """One request's answer: its bytes, the content type the handler set (TorchServe sends none
+    otherwise) and status; or a failure's status and message."""
 
     body: bytes
-    content_type: str | None = JSON_TYPE
+    content_type: str | None = None
     status: int = 200
+    failed: bool = False
 
 
 def decode_value(raw: bytes | bytearray, content_type: str) -> object:
@@ -52,11 +54,12 @@ def decode_value(raw: bytes | bytearray, content_type: str) -> object:
 
 def encode_answer(value: object) -> HandlerAnswer:
     """One handler answer as TorchServe sends it: bytes and str as they are, anything else as
-    JSON (indent 2); a value JSON cannot hold is the model's failure."""
+    JSON (indent 2), with no content type unless the handler sets one; a value JSON cannot
+    hold is the model's failure."""
     if isinstance(value, bytes | bytearray):
-        return HandlerAnswer(bytes(value), "application/octet-stream")
+        return HandlerAnswer(bytes(value))
     if isinstance(value, str):
-        return HandlerAnswer(value.encode("utf-8"), "text/plain; charset=utf-8")
+        return HandlerAnswer(value.encode("utf-8"))
     try:
         return HandlerAnswer(json.dumps(value, indent=2).encode("utf-8"))
     except (TypeError, ValueError):
@@ -65,4 +68,4 @@ def encode_answer(value: object) -> HandlerAnswer:
 
 def failure(status: int, message: str) -> HandlerAnswer:
     """A failed prediction: TorchServe answers it with its status and the message."""
-    return HandlerAnswer(message.encode("utf-8"), None, status)
+    return HandlerAnswer(message.encode("utf-8"), None, status, failed=True)

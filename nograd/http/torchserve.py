@@ -20,7 +20,12 @@ from nograd.protocol.torchserve import request_data
 from nograd.serving.calls import Call, Calls
 from nograd.serving.errors import ModelNotFound
 from nograd.serving.registry import ServedModel
-from nograd.serving.torchserve_documents import archive_of, model_description, model_list
+from nograd.serving.torchserve_documents import (
+    DescribeDefaults,
+    archive_of,
+    model_description,
+    model_list,
+)
 from nograd.serving.torchserve_management import Answer, ManagementError
 
 
@@ -61,12 +66,14 @@ def _dumps(document: Any) -> bytes:
     return json.dumps(document, indent=2).encode()
 
 
-def _versioned(model: ServedModel, name: str, version: str | None) -> None:
-    """Refuse a TorchServe version the archive does not have (it serves as nograd's 1)."""
+def _version_missing(model: ServedModel, name: str, version: str | None) -> Reply | None:
+    """TorchServe's 404 for a version the archive does not have (it serves as nograd's 1)."""
     archive = archive_of(model)
     own = archive.version if archive is not None else model.version
-    if version is not None and version != own:
-        raise ModelNotFound(f"Model version: {version} does not exist for model: {name}")
+    if version is None or version == own:
+        return None
+    message = f"Model version: {version} does not exist for model: {name}"
+    return Reply(404, ts_error_body(404, "ModelVersionNotFoundException", message))
 
 
 async def predictions_call(
@@ -80,7 +87,9 @@ async def predictions_call(
             model = calls.plane.get(name)
         except ModelNotFound:
             return _error(404, f"Model not found: {name}")
-        _versioned(model, name, version)
+        missing = _version_missing(model, name, version)
+        if missing is not None:
+            return missing
         if archive_of(model) is None:
             return _error(400, f"Model {name} is not a TorchServe archive; use /v2/models/{name}")
         body = await incoming.body()
@@ -91,7 +100,7 @@ async def predictions_call(
         inputs[0] = request
         _, outputs = await calls.infer(call, name, None, {RAW_FIELD: inputs}, handler_answers=True)
         answer: HandlerAnswer = outputs["answer"][0]
-        if answer.status != 200 and answer.content_type is None:
+        if answer.failed:
             return _error(answer.status, answer.body.decode("utf-8", "replace"))
         return Reply(answer.status, answer.body, answer.content_type)
 
@@ -143,11 +152,17 @@ def _describe(request: Request, name: str, version: str | None) -> Response:
     plane = dataplane_of(request)
     try:
         model = plane.get(name)
-        _versioned(model, name, version)
-    except ModelNotFound as exc:
-        message = f"Model not found: {name}" if version is None else str(exc)
-        return _error(404, message).response()
-    document = [model_description(model, plane.settings.max_queue_delay_ms)]
+    except ModelNotFound:
+        return _error(404, f"Model not found: {name}").response()
+    missing = _version_missing(model, name, version)
+    if missing is not None:
+        return missing.response()
+    defaults = DescribeDefaults(
+        plane.settings.max_queue_delay_ms,
+        plane.settings.max_queue_size,
+        torchserve_of(request).started,
+    )
+    document = [model_description(model, defaults)]
     return Response(_dumps(document), media_type="application/json")
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Final
 
@@ -59,6 +60,9 @@ class TorchServeManagement:
         self._registering: set[str] = set()
         """Models whose registration is loading (not ``synchronous``): a second one is a 409."""
         self._tasks: set[asyncio.Task[None]] = set()
+        now = datetime.now(UTC)
+        self.started = now.strftime("%Y-%m-%dT%H:%M:%S.") + f"{now.microsecond // 1000:03d}Z"
+        """When this process began serving, as TorchServe writes a worker's ``startTime``."""
 
     def _require_control(self) -> None:
         """TorchServe answers 405 when its model API is disabled; nograd says which setting."""

@@ -22,6 +22,7 @@ from PIL import Image
 
 from tests.e2e.serving import ROOT, Server, metric_value, run_server
 from tests.torchserve_archives import DIGITS, MNIST, build_store
+from tests.torchserve_exchanges import EXCHANGES, differences, recorded_answers, send
 
 pytestmark = pytest.mark.e2e
 KEY = "ts-management-key"
@@ -105,7 +106,8 @@ def test_ping_and_models(server: Server) -> None:
     described = httpx.get(f"{server.url}/models/mnist").json()
     assert len(described) == 1
     mnist = described[0]
-    assert (mnist["modelName"], mnist["modelVersion"], mnist["status"]) == ("mnist", "1.0", "READY")
+    assert (mnist["modelName"], mnist["modelVersion"]) == ("mnist", "1.0")
+    assert mnist["workers"][0]["status"] == mnist["nograd"]["status"] == "READY"
     assert (mnist["batchSize"], mnist["maxBatchDelay"]) == (8, 200)
     assert (mnist["minWorkers"], mnist["maxWorkers"], mnist["responseTimeout"]) == (1, 1, 120)
     assert httpx.get(f"{server.url}/models/scale/2.1").json()[0]["modelVersion"] == "2.1"
@@ -142,6 +144,24 @@ def test_mnist_answers_as_torchserve(server: Server, store: Path) -> None:
         for response in (put, posted, form):
             assert response.status_code == 200, response.text
             assert response.json() == want
+
+
+def test_answers_equal_torchserves(server: Server) -> None:
+    """Every call of ``tests/torchserve_exchanges.py`` answered as real TorchServe answered it
+    (``scripts/record_torchserve_answers.py``): status, media type and body, floats within
+    1e-5, one call at a time on one connection."""
+    recorded = recorded_answers()
+    assert sorted(recorded) == sorted(exchange.name for exchange in EXCHANGES)
+    base = {"inference": server.url, "management": server.url}
+    with httpx.Client(timeout=60) as client:
+        found = {
+            exchange.name: differences(
+                exchange, recorded[exchange.name], send(client, base, exchange)
+            )
+            for exchange in EXCHANGES
+        }
+    failed = {name: diff for name, diff in found.items() if diff}
+    assert not failed, json.dumps(failed, indent=1)
 
 
 def test_function_handler_and_prediction_exception(server: Server) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import io
 import logging
 import mimetypes
 from collections.abc import Callable, Mapping, Sequence
@@ -147,13 +148,22 @@ class ArchiveHandler(ModelHandler):
             return [failure(503, "number of batch response mismatched")] * len(requests)
         answers = []
         for index, result in enumerate(results):
-            answer = encode_answer(result)
+            answer = encode_answer(_saved(result))
             code, _ = context.get_response_status(index)
             content_type = context.get_response_content_type(index) or answer.content_type
             if code != 200 or content_type != answer.content_type:
                 answer = HandlerAnswer(answer.body, content_type, code)
             answers.append(answer)
         return answers
+
+
+def _saved(result: object) -> object:
+    """A tensor answer as TorchServe sends it: the bytes of ``torch.save``."""
+    if not isinstance(result, torch.Tensor):
+        return result
+    buffer = io.BytesIO()
+    torch.save(result, buffer)
+    return buffer.getvalue()
 
 
 def _raw(item: object) -> object:

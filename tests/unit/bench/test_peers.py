@@ -325,7 +325,9 @@ def test_texts_come_back_as_str_from_bytes_or_json() -> None:
 def test_requirements_pin_every_package_and_torch_first() -> None:
     for spec in envs.SPECS.values():
         lines = envs.requirement_lines(spec.requirements)
-        assert lines[0] == "torch==2.13.0", spec.name
+        # The constrained venvs take this checkout's CPU torch; the others their own pin.
+        assert lines[0] == "torch==2.13.0" or not spec.constrained, spec.name
+        assert lines[0].startswith("torch=="), spec.name
         assert all("==" in line for line in lines), spec.name
 
 

@@ -42,7 +42,8 @@ def list_classes_from_module(module: ModuleType, parent_class: type | None = Non
 
 
 def load_label_mapping(mapping_file_path: str) -> dict[str, Any] | None:
-    """``index_to_name.json`` as a dict of class index (text) to name; None when absent."""
+    """``index_to_name.json`` as a dict of class index (text) to name; None when absent. A
+    label given as a list (ImageNet's ``["n01440764", "tench"]``) is its last item."""
     if not os.path.isfile(mapping_file_path):
         logger.warning(
             "%r is missing. Inference output will not include class name.", mapping_file_path
@@ -54,6 +55,11 @@ def load_label_mapping(mapping_file_path: str) -> dict[str, Any] | None:
         raise Exception('index->name JSON mapping should be in "class": "label" format.')
     if "object_type_names" in mapping and isinstance(mapping["object_type_names"], list):
         return {str(k): v for k, v in enumerate(mapping["object_type_names"])}
+    for key, value in mapping.items():
+        label = value[-1] if isinstance(value, list) and value else value
+        if not isinstance(label, str):
+            raise Exception("labels in index->name mapping must be either str or List[str]")
+        mapping[key] = label
     return mapping
 
 
