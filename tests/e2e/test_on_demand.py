@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.serving import Server, metric_value, run_server, worker_pids
+from tests.e2e.serving import Server, free_port, metric_value, run_server, worker_pids
 
 pytestmark = pytest.mark.e2e
 
@@ -81,6 +81,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         "NOGRAD_MODEL_REPOSITORY": str(repo),
         "NOGRAD_MODEL_CONTROL": "on_demand",
         "NOGRAD_MEMORY_LIMIT_BYTES": f"{LIMIT_MIB}MiB",
+        "NOGRAD_GRPC_PORT": str(free_port()),
     }
     with run_server(tmp_path_factory.mktemp("log"), env) as running:
         yield running
@@ -128,12 +129,12 @@ def test_models_load_on_first_request_and_evict_by_memory(server: Server) -> Non
         # probes): memory is compared from there, one model resident.
         first_mib = rss_mib(server)
 
-        # Three rounds over six models, from three clients at once: every answer right.
-        order = [i % MODELS for i in range(3 * MODELS)]
+        # Two rounds over six models, from three clients at once: every answer right.
+        order = [i % MODELS for i in range(2 * MODELS)]
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             list(pool.map(lambda i: answer_of(client, i), order))
         after_rounds_mib = rss_mib(server)
-        for index in order:  # and once more one at a time: each cold model evicts another
+        for index in range(MODELS):  # and once more one at a time: each load evicts a model
             answer_of(client, index)
 
         listed = index_of(client)
@@ -178,3 +179,59 @@ def test_a_failed_load_answers_its_waiters_and_is_not_retried(server: Server) ->
         assert index_of(client)["broken"]["state"] == "UNAVAILABLE"
         assert "no weights here" in index_of(client)["broken"]["reason"]
     assert server.log().count("OSError: no weights here") <= 2  # one load (its trace, its log)
+
+
+def grpc_answer_of(address: str, index: int) -> None:
+    import numpy as np
+    import tritonclient.grpc as triton
+
+    grpc_client = triton.InferenceServerClient(address)
+    try:
+        tensor = triton.InferInput("x", [1, 1], "FP32")
+        tensor.set_data_from_numpy(np.array([[0.25]], dtype=np.float32))
+        result = grpc_client.infer(f"m{index}", [tensor]).as_numpy("y")
+        assert result is not None and result.tolist() == [[index + 0.25]]
+    finally:
+        grpc_client.close()
+
+
+def test_grpc_requests_load_models_too(server: Server) -> None:
+    assert server.grpc_address is not None
+    for index in (4, 5, 0, 1, 2):
+        grpc_answer_of(server.grpc_address, index)
+
+
+@pytest.mark.slow
+def test_two_workers_each_keep_their_part_and_grpc_loads_too(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Two workers, each within half the limit (two models); one model pinned by its config;
+    requests over HTTP and gRPC for models none has loaded are answered by them."""
+    repo = tmp_path_factory.mktemp("repository")
+    for index in range(4):
+        write_model(repo, f"m{index}", MODEL_MIB, index)
+    config = repo / "m3" / "config.toml"
+    config.write_text(
+        config.read_text().replace('weights = ""', 'weights = ""\nresident = "always"')
+    )
+    env = {
+        "NOGRAD_MODEL_REPOSITORY": str(repo),
+        "NOGRAD_MODEL_CONTROL": "on_demand",
+        "NOGRAD_MEMORY_LIMIT_BYTES": f"{2 * LIMIT_MIB - 2 * MODEL_MIB}MiB",
+        "NOGRAD_WORKERS": "2",
+        "NOGRAD_GRPC_PORT": str(free_port()),
+    }
+    with (
+        run_server(tmp_path_factory.mktemp("log"), env) as running,
+        httpx.Client(base_url=running.url, timeout=60) as client,
+    ):
+        listed = index_of(client)
+        assert listed["m3"]["state"] == "READY" and listed["m0"]["state"] == "UNAVAILABLE"
+        assert running.grpc_address is not None
+        for index in range(4):
+            answer_of(client, index)
+            grpc_answer_of(running.grpc_address, index)
+        assert metric_value(running.url, "nograd_model_evictions_total", model="m3") == 0
+        # Each worker holds the pinned model and at most one other (20 MiB each).
+        assert metric_value(running.url, "nograd_models_resident") <= 4
+        assert metric_value(running.url, "nograd_model_evictions_total", reason="memory") >= 1
