@@ -10,16 +10,32 @@ import os
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import BeforeValidator, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from nograd.core.engines import engine_choices
 
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 LogFormat = Literal["json", "text"]
-ModelControlMode = Literal["none", "explicit", "poll"]
+ModelControlMode = Literal["none", "explicit", "poll", "on_demand"]
 MESSAGE_FRAMING_BYTES = 1024 * 1024
 """Room above the largest request body for a gRPC message's own framing."""
+SIZE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_size(value: object) -> object:
+    """A byte count given as ``268435456`` or ``256MiB`` (KiB, MiB, GiB, TiB; case ignored)."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip().lower().replace(" ", "")
+    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = SIZE_UNITS.get(text[len(number) :])
+    if unit is None or not number:
+        raise ValueError(f"{value!r} is not a size: write bytes, or a number with KiB, MiB or GiB")
+    return int(float(number) * unit)
+
+
+ByteSize = Annotated[int, BeforeValidator(parse_size)]
 
 
 class Settings(BaseSettings):
@@ -50,12 +66,21 @@ class Settings(BaseSettings):
     model_control: ModelControlMode = "none"
     """How the set of served models changes while serving: ``none`` (every model loads at
     start-up; load/unload calls are refused), ``explicit`` (load/unload calls; the start-up set
-    is ``load_models``) or ``poll`` (the repository is watched: new or changed models and
-    versions load, removed ones unload)."""
+    is ``load_models``), ``poll`` (the repository is watched: new or changed models and
+    versions load, removed ones unload) or ``on_demand`` (a model loads on its first request
+    and the least recently used are evicted to stay within ``memory_limit_bytes``; load and
+    unload calls work as with ``explicit``)."""
 
     load_models: str = ""
     """With ``model_control = explicit``: comma-separated models to load at start-up, ``*`` for
-    every model; empty loads none."""
+    every model; empty loads none. With ``on_demand``: the models always resident (loaded at
+    start-up, never evicted), as a config's ``resident = "always"``."""
+
+    memory_limit_bytes: ByteSize | None = Field(default=None, gt=0)
+    """With ``model_control = on_demand``: bytes the resident models' weights and smallest
+    batches may hold, all workers together (each worker keeps its own resident set within an
+    equal part); ``256MiB`` style accepted. Unset: what the memory plan measures as usable
+    (``memory_fraction`` of the device's free memory at start-up)."""
 
     max_loaded_models: int | None = Field(default=None, ge=1)
     """With ``model_control = explicit``: most model versions loaded at once (each version of a
@@ -265,10 +290,10 @@ class Settings(BaseSettings):
     def exposure_warnings(self) -> tuple[str, ...]:
         """What the start-up log must say about settings that leave the server open to anyone
         who reaches its ports: easy to miss in a deployment, costly when missed."""
-        if self.model_control == "explicit" and not self.api_key_list:
+        if self.model_control in ("explicit", "on_demand") and not self.api_key_list:
             return (
-                "NOGRAD_MODEL_CONTROL=explicit without NOGRAD_API_KEYS: anyone who reaches the "
-                "server's ports can load and unload models; set NOGRAD_API_KEYS",
+                f"NOGRAD_MODEL_CONTROL={self.model_control} without NOGRAD_API_KEYS: anyone who "
+                "reaches the server's ports can load and unload models; set NOGRAD_API_KEYS",
             )
         return ()
 

@@ -242,6 +242,7 @@ class InferenceService:
             if parameter is not None and parameter.int64_param > 0:
                 call.shorten_deadline(parameter.int64_param / 1e6)
             name, version = request.model_name, request.model_version or None
+            await calls.resident(call, name)
             # Checked against the model's declared inputs before any value is read.
             check = calls.input_check(call, name, version, request.id or None)
             inputs = await read_inputs(request, check)

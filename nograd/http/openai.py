@@ -204,6 +204,7 @@ def _error_reply(
 async def _embeddings(calls: Calls, call: Call, body: EmbeddingRequest) -> bytes:
     """The response body; raises on any error."""
     texts = _texts(body)
+    await calls.resident(call, body.model)
     spec = _as_embeddings_model(calls.plane.get(body.model))
     if body.dimensions is not None and body.dimensions != spec.dimensions:
         raise _ClientError(

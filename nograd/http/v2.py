@@ -219,6 +219,7 @@ async def infer_call(incoming: Incoming, calls: Calls, name: str, version: str |
     routes."""
 
     async def work(call: Call) -> Reply:
+        await calls.resident(call, name)
         call.model = calls.label(name)
         decoded = await _decode(
             incoming, calls, call, lambda given_id: calls.input_check(call, name, version, given_id)

@@ -89,6 +89,9 @@ class ModelConfig(BaseModel):
     max_batch_size: int | None = Field(default=None, ge=1, le=65536)
     max_queue_delay_ms: float | None = Field(default=None, ge=0.0, le=10_000.0)
     max_queue_size: int | None = Field(default=None, ge=1)
+    resident: Literal["on_demand", "always"] = "on_demand"
+    """Under ``NOGRAD_MODEL_CONTROL=on_demand``: ``always`` loads the model at start-up and
+    never evicts it; ``on_demand`` loads it on its first request and may evict it."""
     device: str = "auto"
     precision: Precision = "fp32"
     batch_unit: Literal["samples", "tokens"] = "samples"

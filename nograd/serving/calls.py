@@ -31,6 +31,7 @@ from nograd.serving.errors import (
     is_server_fault,
     kind_of,
 )
+from nograd.serving.on_demand import OnDemand
 from nograd.serving.registry import ServedModel
 from nograd.serving.validation import Declared
 
@@ -53,6 +54,7 @@ class Call:
 
     __slots__ = (
         "bytes_held",
+        "held_model",
         "id_given",
         "model",
         "protocol",
@@ -76,6 +78,8 @@ class Call:
         self.timeout_s: float | None = None
         self.bytes_held = 0
         """Bytes of the process's budget this call holds for decoding (``Calls.hold_bytes``)."""
+        self.held_model: str | None = None
+        """The model this call keeps resident until it is answered (on-demand control)."""
 
     def adopt_request_id(self, protocol_id: str | None) -> None:
         """Use the protocol's own id (the V2 ``id``) when the caller sent none of its own."""
@@ -92,10 +96,17 @@ class Call:
 class Calls:
     """The steps every front takes for a call, over one data plane."""
 
-    def __init__(self, plane: DataPlane, metrics: Metrics, api_keys: Sequence[str]) -> None:
+    def __init__(
+        self,
+        plane: DataPlane,
+        metrics: Metrics,
+        api_keys: Sequence[str],
+        on_demand: OnDemand | None = None,
+    ) -> None:
         self.plane = plane
         self.metrics = metrics
         self._keys = tuple(key.encode() for key in api_keys)
+        self._on_demand = on_demand
 
     @property
     def keys_required(self) -> bool:
@@ -125,6 +136,15 @@ class Calls:
 
     def release(self) -> None:
         self.plane.release()
+
+    async def resident(self, call: Call, name: str) -> None:
+        """Under on-demand control, load model ``name`` if it is not resident (one load for
+        every request waiting on it) and keep it resident until ``call`` is answered."""
+        if self._on_demand is None or call.held_model is not None:
+            return
+        self._on_demand.hold(name)
+        call.held_model = name
+        await self._on_demand.ensure(name)
 
     def hold_bytes(self, call: Call, size: int) -> None:
         """Draw ``size`` bytes of the budget for decoding ``call``'s request, or refuse
@@ -214,6 +234,9 @@ class Calls:
         """The call is answered with ``status`` (its kind's, for every protocol): recorded, and
         the bytes it held given back."""
         self.metrics.inflight.dec()
+        if call.held_model is not None and self._on_demand is not None:
+            self._on_demand.release(call.held_model)
+            call.held_model = None
         if call.bytes_held:
             self.give_bytes(call.bytes_held)
             call.bytes_held = 0

@@ -16,17 +16,11 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nograd.runtime.config import (
-    ConfigError,
-    ModelConfig,
-    check_model_name,
-    find_config,
-    version_order,
-)
-from nograd.serving.archives import origin
+from nograd.runtime.config import ModelConfig, check_model_name, version_order
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.ensembles import composing, step_models, used_by_ensemble
 from nograd.serving.errors import ControlRefused, InvalidInput, LoadFailed, ModelNotFound
@@ -35,13 +29,12 @@ from nograd.serving.registry import ServedModel
 from nograd.serving.repository import (
     ModelSource,
     Override,
-    archive_model,
+    always_resident,
     archive_names,
+    find_source,
+    folder_gone,
     holds_model,
-    model_folder,
     model_names,
-    read_model,
-    read_wanted,
     scan,
 )
 
@@ -66,6 +59,8 @@ class ModelControl:
         """Models a load call named: ``unload_dependents`` leaves them loaded, as in Triton."""
         self._touched: set[str] = set()
         """What the call being applied loaded or unloaded, step models included (for siblings)."""
+        self.pinned: set[str] = set()
+        """On demand: the models always resident (``load_models``, ``resident = "always"``)."""
 
     @property
     def mode(self) -> str:
@@ -90,7 +85,11 @@ class ModelControl:
         """Read the repository and register the start-up set: every model (``none``, ``poll``),
         or (``explicit``) what the workers serve as the last control call recorded it, versions
         and overrides included, and ``load_models`` before any call."""
-        if self.mode != "explicit":
+        if self.mode == "on_demand":
+            sources, _ = scan(self.root, None, self._plane.archive_store)
+            self.pinned = always_resident(sources, self._settings.load_model_names)
+            self._plane.discover(self.pinned.__contains__)
+        elif self.mode != "explicit":
             self._plane.discover()
         elif (recorded := self._recorded()) is not None:
             # A worker started after control calls (a restart) serves what its siblings serve:
@@ -130,7 +129,7 @@ class ModelControl:
             check_model_name(name)
         except ValueError as exc:
             raise InvalidInput(str(exc)) from exc
-        if self.mode != "explicit":
+        if self.mode not in ("explicit", "on_demand"):
             if name not in self._plane.registry.versions and not self._in_repository(name):
                 raise ModelNotFound(f"model {name!r} is not in the repository")
             setting = "NOGRAD_MODEL_CONTROL"
@@ -145,6 +144,14 @@ class ModelControl:
             )
         if self._peers is None:
             await self.apply(call)
+            return
+        if self.mode == "on_demand":
+            # Each worker keeps a resident set of its own: the call itself reaches each one.
+            await self.apply(call)
+            failures = await self._peers.broadcast(call)
+            if failures:
+                detail = "; ".join(f"{w}: {error}" for w, error in sorted(failures.items()))
+                raise LoadFailed(f"applied by this worker, but not by every worker: {detail}")
             return
         async with self._peers.exclusive():
             recorded = self._recorded()
@@ -264,9 +271,15 @@ class ModelControl:
     async def apply_from_peer(self, call: dict[str, Any]) -> str | None:
         """A sibling's ``sync``, once this worker's start-up set has loaded: the problems as
         text, or None."""
+        await self._started.wait()
+        if self.mode == "on_demand" and call.get("op") in ("load", "unload"):
+            try:
+                await self.apply(call)
+            except (LoadFailed, ModelNotFound, InvalidInput, ControlRefused) as exc:
+                return str(exc)
+            return None
         if call.get("op") != "sync":
             return f"unknown control call {call.get('op')!r}"
-        await self._started.wait()
         async with self._lock:
             problems = await self._sync()
         return "; ".join(problems) or None
@@ -289,26 +302,7 @@ class ModelControl:
         override: Override | None = None,
         wanted: dict[str, Override | None] | None = None,
     ) -> ModelSource:
-        """The repository folder of model ``name``, read with ``override`` (the versions its
-        policy selects), or as ``wanted`` names its versions and their overrides."""
-        folder = model_folder(self.root, name)
-        try:
-            if folder is None:
-                source = archive_model(self.root, name, self._plane.archive_store, override, wanted)
-                if source is None:
-                    raise ModelNotFound(
-                        f"model {name!r} is not in the repository {str(self.root)!r}"
-                    )
-                return source
-            source = read_model(folder, override) if wanted is None else read_wanted(folder, wanted)
-        except ConfigError as exc:
-            raise InvalidInput(str(exc)) from exc
-        if source is None or not source.versions:
-            if wanted is not None:
-                listed = ", ".join(sorted(wanted))
-                raise InvalidInput(f"{folder}: none of version(s) {listed} is in the repository")
-            raise InvalidInput(f"{folder}: its version policy selects no version")
-        return source
+        return find_source(self.root, self._plane.archive_store, name, override, wanted)
 
     async def _unload(self, name: str) -> None:
         registry = self._plane.registry
@@ -320,6 +314,22 @@ class ModelControl:
         for model in served:
             await self._retire(model, "unloaded by request")
         self._plane.replan()
+
+    async def evict(self, name: str, reason: str, idle: Callable[[str], bool]) -> bool:
+        """Unload every version of ``name`` (on demand, to make room) unless ``idle(name)`` no
+        longer holds once no other change is under way: taken out of the registry at once, so
+        no request finds it from then on. False when nothing was evicted."""
+        async with self._lock:
+            registry = self._plane.registry
+            served = list(registry.versions.get(name, {}).values())
+            if not served or not idle(name):
+                return False
+            for model in served:
+                registry.remove(model, reason)
+            for model in served:
+                await self._retire(model, reason)
+            self._plane.replan()
+            return True
 
     def _in_repository(self, name: str) -> bool:
         return holds_model(self.root, name, self._plane.archive_store)
@@ -424,16 +434,8 @@ class ModelControl:
     def _folder_left(self, name: str) -> bool:
         """Whether every folder ``name`` was loaded from is gone (an unreadable config keeps
         the model serving: a half-copied folder must not unload it)."""
-        for model in self._plane.registry.versions.get(name, {}).values():
-            archive = origin(model.directory)
-            if archive is not None:  # an archive: its file, not its unpacked folder
-                if (self.root / archive).is_file():
-                    return False
-                continue
-            folder = model.directory.parent if model.directory.name.isdigit() else model.directory
-            if find_config(folder) is not None:
-                return False
-        return True
+        served = self._plane.registry.versions.get(name, {}).values()
+        return all(folder_gone(self.root, model.directory) for model in served)
 
     def _changed(self, name: str, source: ModelSource) -> bool:
         """Whether a served version left the selection, or a selected one is new or changed

@@ -17,6 +17,7 @@ from nograd.observability.stats import Statistics
 from nograd.serving.calls import Calls
 from nograd.serving.control import ModelControl
 from nograd.serving.dataplane import DataPlane
+from nograd.serving.on_demand import OnDemand
 from nograd.serving.torchserve_management import TorchServeManagement
 from nograd.settings import Settings
 
@@ -37,7 +38,12 @@ class Core:
         self.metrics = Metrics(multiprocess_dir=shared_dir)
         self.plane = DataPlane(settings, self.metrics, Statistics(shared_dir), cores=cores)
         self.control = ModelControl(self.plane, shared_dir)
-        self.calls = Calls(self.plane, self.metrics, settings.api_key_list)
+        self.on_demand = (
+            OnDemand(self.control, self.plane, self.metrics)
+            if settings.model_control == "on_demand"
+            else None
+        )
+        self.calls = Calls(self.plane, self.metrics, settings.api_key_list, self.on_demand)
         self.torchserve = TorchServeManagement(self.control, self.plane)
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -52,6 +58,8 @@ class Core:
     async def load(self) -> None:
         """Load, warm and plan the start-up set of models."""
         await self.control.load_startup()
+        if self.on_demand is not None:
+            self.on_demand.opened()
 
     def load_in_background(self) -> None:
         """Load while the fronts already answer: liveness says alive, readiness tells the truth

@@ -42,7 +42,8 @@ class Kind(enum.Enum):
     """Not ready, draining or overloaded: a transient refusal with a time to retry."""
     DEADLINE = ("deadline", 504)
     TOO_LARGE_FOR_MEMORY = ("too_large_for_memory", 507)
-    """One sample does not fit in the device memory the model may use."""
+    """One sample does not fit in the device memory the model may use, or a model in the
+    memory limit of on-demand residency."""
 
     @property
     def status(self) -> int:
@@ -84,6 +85,14 @@ class BodyBytesOverBudget(QueueFull):
     reason = "bytes_in_flight"
 
 
+class LargerThanLimit(Exception):
+    """A model needs more memory than the whole on-demand limit: no eviction makes it fit."""
+
+
+class NoRoomNow(ModelNotReady):
+    """An on-demand load would fit once requests in flight on other models are answered."""
+
+
 class Draining(ModelNotReady):
     """The server received SIGTERM and finishes accepted work only."""
 
@@ -115,6 +124,7 @@ KINDS: Final[tuple[tuple[type[Exception], Kind], ...]] = (
     (BatcherClosed, Kind.UNAVAILABLE),
     (DeadlineExceeded, Kind.DEADLINE),
     (SampleTooLarge, Kind.TOO_LARGE_FOR_MEMORY),
+    (LargerThanLimit, Kind.TOO_LARGE_FOR_MEMORY),
     (InferenceFailed, Kind.FAILED),
 )
 """Every failure nograd names, with its kind; anything else is ``FAILED``."""

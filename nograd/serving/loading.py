@@ -276,6 +276,10 @@ class ModelLoader:
         if explicit:
             return explicit // self._settings.worker_count
         weights = sum(m.weights_bytes for m in group)
+        limit = self._settings.memory_limit_bytes
+        if limit and self._settings.model_control == "on_demand":
+            # On demand, batches share what the resident models' weights leave of the limit.
+            return max(0, limit // self._settings.worker_count - weights)
         pool = self._pools.get(label)
         if pool is None:
             assert group[0].handler is not None

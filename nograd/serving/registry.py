@@ -26,6 +26,10 @@ from nograd.serving.repository import ModelSource, Override, VersionSource, Want
 
 logger = logging.getLogger(__name__)
 
+LOADING_ON_DEMAND = "loading on its first request"
+"""The reason a model not yet resident is listed with while its on-demand load runs."""
+NOT_LOADED_YET = "not loaded yet: loads on its first request"
+
 
 class State(enum.Enum):
     LOADING = "loading"

@@ -28,7 +28,8 @@ from nograd.runtime.config import (
     load_config,
     version_order,
 )
-from nograd.serving.archives import ArchiveStore, archives, read_archive
+from nograd.serving.archives import ArchiveStore, archives, origin, read_archive
+from nograd.serving.errors import InvalidInput, ModelNotFound
 
 Override = Mapping[str, object]
 """Config fields a load call sets over the file's (Triton's ``config`` parameter)."""
@@ -322,3 +323,62 @@ def _fingerprint(roots: list[Path], extra: str) -> str:
             stat = path.stat()
             digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
     return digest.hexdigest()[:16]
+
+
+def find_source(
+    root: Path,
+    store: ArchiveStore,
+    name: str,
+    override: Override | None = None,
+    wanted: Mapping[str, Override | None] | None = None,
+) -> ModelSource:
+    """The repository folder (or archive) of model ``name``, read with ``override`` (the
+    versions its policy selects), or as ``wanted`` names its versions and their overrides."""
+    folder = model_folder(root, name)
+    try:
+        if folder is None:
+            source = archive_model(root, name, store, override, wanted)
+            if source is None:
+                raise ModelNotFound(f"model {name!r} is not in the repository {str(root)!r}")
+            return source
+        source = read_model(folder, override) if wanted is None else read_wanted(folder, wanted)
+    except ConfigError as exc:
+        raise InvalidInput(str(exc)) from exc
+    if source is None or not source.versions:
+        if wanted is not None:
+            listed = ", ".join(sorted(wanted))
+            raise InvalidInput(f"{folder}: none of version(s) {listed} is in the repository")
+        raise InvalidInput(f"{folder}: its version policy selects no version")
+    return source
+
+
+def files_bytes(source: ModelSource) -> int:
+    """The size of a model's files on disk: what its first load is expected to hold."""
+    total = 0
+    for version in source.versions.values():
+        for path in version.directory.rglob("*"):
+            if path.is_file():
+                total += path.stat().st_size
+    return total
+
+
+def folder_gone(root: Path, directory: Path) -> bool:
+    """Whether the folder (or archive) a version was loaded from has left the repository; an
+    unreadable config does not count as gone (a half-copied folder must not unload a model)."""
+    archive = origin(directory)
+    if archive is not None:  # an archive: its file, not its unpacked folder
+        return not (root / archive).is_file()
+    folder = directory.parent if directory.name.isdigit() else directory
+    return find_config(folder) is None
+
+
+def always_resident(sources: Mapping[str, ModelSource], names: Collection[str] | None) -> set[str]:
+    """The models on-demand control keeps resident: those ``names`` lists (every one when None,
+    ``load_models = "*"``) and those whose config says ``resident = "always"``."""
+    return {
+        name
+        for name, source in sources.items()
+        if names is None
+        or name in names
+        or any(v.config.resident == "always" for v in source.versions.values())
+    }

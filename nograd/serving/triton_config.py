@@ -13,7 +13,7 @@ from typing import Any, Final
 
 from nograd.core.datatypes import TABLE
 from nograd.runtime.config import TensorSpec, version_order
-from nograd.serving.registry import ServedModel, State
+from nograd.serving.registry import LOADING_ON_DEMAND, ServedModel, State
 from nograd.settings import Settings
 
 TRITON_TYPES: Final[dict[str, str]] = {row.name: row.triton for row in TABLE}
@@ -171,5 +171,6 @@ def repository_index(
     if not ready_only:
         for row in rows:
             if isinstance(row, tuple):
-                index.append({"name": row[0], "state": "UNAVAILABLE", "reason": row[1]})
+                state = "LOADING" if row[1] == LOADING_ON_DEMAND else "UNAVAILABLE"
+                index.append({"name": row[0], "state": state, "reason": row[1]})
     return index

@@ -1,0 +1,238 @@
+"""Models loaded on their first request and evicted by memory (``NOGRAD_MODEL_CONTROL=on_demand``).
+
+A request for a model of the repository that is not resident holds it, waits for its one load
+(however many requests wait, they share it), then is served. Before a load, resident models are
+evicted least recently used first until the model's expected bytes (what it measured when last
+resident, else the size of its files) fit in the limit; after it, what it measured counts. A
+model a request holds is never evicted; one larger than the whole limit is refused (507); a load
+that fails answers every waiter with its error and is not tried again until its files change.
+
+Each worker process keeps a resident set of its own within an equal part of the limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+
+from nograd.host.readings import resident_bytes
+from nograd.observability.metrics import Metrics
+from nograd.runtime.devices import resolve_device
+from nograd.runtime.memory import device_budget, probe_for
+from nograd.serving.control import ModelControl
+from nograd.serving.dataplane import DataPlane
+from nograd.serving.errors import LoadFailed, NoRoomNow
+from nograd.serving.registry import LOADING_ON_DEMAND, NOT_LOADED_YET
+from nograd.serving.repository import files_bytes, find_source, holds_model
+from nograd.serving.residency import Residency, mib
+from nograd.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+ROOM_WAIT_S = 2.0
+"""How long a load waits for requests on the models it must evict, when the server sets no
+queue-wait bound; then the request is refused with 503 and Retry-After."""
+
+
+def process_limit(settings: Settings) -> int:
+    """This worker's part of the memory limit: the operator's, or the share of free device
+    memory the memory plan would budget (``memory_fraction``), split among the workers."""
+    workers = settings.worker_count
+    if settings.memory_limit_bytes is not None:
+        return settings.memory_limit_bytes // workers
+    probe = probe_for(resolve_device("auto"))
+    return device_budget(probe, settings.memory_fraction / workers, None)
+
+
+class OnDemand:
+    """Loads models as requests ask for them and evicts by memory, in one worker process."""
+
+    def __init__(self, control: ModelControl, plane: DataPlane, metrics: Metrics) -> None:
+        settings = plane.settings
+        self._control = control
+        self._root = settings.model_repository
+        self._store = plane.archive_store
+        self._registry = plane.registry
+        self._metrics = metrics
+        self.residency = Residency(process_limit(settings))
+        self._room_wait_s = settings.max_queue_wait_s or ROOM_WAIT_S
+        self._loads: dict[str, asyncio.Task[None]] = {}
+        """The load under way of each model: every request for it waits on this one."""
+        self._lock = asyncio.Lock()
+        """One load or eviction at a time: each decides on the resident set as it is."""
+        self._released = asyncio.Event()
+        """Set when the last request holding a model is answered (a load waiting for room)."""
+        self._failed: dict[str, tuple[tuple[str, ...], str]] = {}
+        """Per model, the fingerprints of the files that failed to load and the error."""
+
+    def opened(self) -> None:
+        """The start-up set (the pinned models) has loaded: count it, and say how the others
+        load."""
+        for name, reason in list(self._registry.unloaded.items()):
+            if reason == "not loaded at start-up":
+                self._registry.unloaded[name] = NOT_LOADED_YET
+        self._follow_registry()
+        logger.info(
+            "on-demand model control: memory limit %s in this worker, %d model(s) resident",
+            mib(self.residency.limit),
+            len(self.residency.resident),
+        )
+
+    # ------------------------------------------------------------------ requests
+    def hold(self, name: str) -> None:
+        """A request for ``name`` arrived: it is not evicted until ``release``."""
+        self.residency.hold(name)
+
+    def release(self, name: str) -> None:
+        if self.residency.release(name):
+            self._released.set()
+
+    async def ensure(self, name: str) -> None:
+        """Return once ``name`` is resident (at once when it is), loading it if it is a model
+        of the repository; a name the repository lacks is left to the lookup's 404."""
+        model = self._registry.models.get(name)
+        if model is not None and model.ready:
+            return
+        if name not in self._loads:
+            if not holds_model(self._root, name, self._store):
+                return
+            task = asyncio.create_task(self._load(name), name=f"load-{name}")
+            self._loads[name] = task
+            task.add_done_callback(self._loaded)
+        started = time.perf_counter()
+        try:
+            await asyncio.shield(self._loads[name])
+        finally:
+            self._metrics.load_wait.labels(name).observe(time.perf_counter() - started)
+
+    def _loaded(self, task: asyncio.Task[None]) -> None:
+        """A load ended: the next request for its model starts anew (its waiters have the
+        outcome; one whose waiters all left is still read, so it is not reported unread)."""
+        name = task.get_name().removeprefix("load-")
+        if self._loads.get(name) is task:
+            del self._loads[name]
+        if not task.cancelled():
+            task.exception()
+
+    # ------------------------------------------------------------------ loads
+    async def _load(self, name: str) -> None:
+        async with self._lock:
+            model = self._registry.models.get(name)
+            if model is not None and model.ready:
+                return
+            self._follow_registry()
+            source = find_source(self._root, self._store, name)
+            prints = tuple(sorted(v.fingerprint for v in source.versions.values()))
+            failed = self._failed.get(name)
+            if failed is not None and failed[0] == prints:
+                raise LoadFailed(failed[1])
+            expected = self.residency.estimate(name, files_bytes(source))
+            await self._make_room(name, expected)
+            before = resident_bytes(os.getpid())
+            self._registry.unloaded[name] = LOADING_ON_DEMAND
+            started = time.perf_counter()
+            try:
+                await self._control.apply({"op": "load", "name": name})
+            except Exception as exc:
+                self._failed[name] = (prints, str(exc))
+                if self._registry.unloaded.get(name) == LOADING_ON_DEMAND:
+                    self._registry.unloaded[name] = f"failed to load: {exc}"
+                raise
+            self._failed.pop(name, None)
+            seconds = time.perf_counter() - started
+            size = self._measured(name)
+            self.residency.admit(name, size, name in self._control.pinned, seconds)
+            self._count()
+            self._metrics.model_loads.labels(name).inc()
+            self._metrics.load_duration.labels(name).observe(seconds)
+            logger.info(
+                "model %s loaded on demand in %.2fs: holds %s (expected %s); process resident "
+                "memory %s -> %s",
+                name,
+                seconds,
+                mib(size),
+                mib(expected),
+                mib(before or 0),
+                mib(resident_bytes(os.getpid()) or 0),
+            )
+            if size > expected:
+                # Its first load held more than its files: make the room it really takes.
+                try:
+                    await self._make_room(name, size)
+                except Exception:
+                    await self._evict(name, "larger_than_limit")
+                    raise
+
+    async def _make_room(self, name: str, needed: int) -> None:
+        """Evict until ``needed`` bytes fit for ``name``, waiting (within the wait bound) for
+        requests on the models that must go; ``LargerThanLimit`` or ``NoRoomNow`` else."""
+        deadline = time.monotonic() + self._room_wait_s
+        while True:
+            try:
+                victims = self.residency.victims(name, needed)
+            except NoRoomNow:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise
+                self._released.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._released.wait(), remaining)
+                continue
+            evicted = [await self._evict(victim, "memory") for victim in victims]
+            if all(evicted):
+                return
+
+    async def _evict(self, name: str, reason: str) -> bool:
+        """Unload ``name`` unless a request took hold of it meanwhile; its memory is returned
+        (``ModelLoader.free``) and its measured size kept for its next load."""
+        before = resident_bytes(os.getpid())
+        why = f"evicted ({'memory limit' if reason == 'memory' else 'larger than the limit'})"
+        idle = self._idle if reason == "memory" else (lambda _: True)
+        if not await self._control.evict(name, why, idle):
+            return False
+        self.residency.evicted(name)
+        self._registry.unloaded[name] = why
+        self._metrics.model_evictions.labels(name, reason).inc()
+        self._metrics.resident_bytes.labels(name).set(0)
+        self._count()
+        logger.info(
+            "model %s %s; process resident memory %s -> %s",
+            name,
+            why,
+            mib(before or 0),
+            mib(resident_bytes(os.getpid()) or 0),
+        )
+        return True
+
+    def _idle(self, name: str) -> bool:
+        return not self.residency.held(name)
+
+    # ------------------------------------------------------------------ accounting
+    def _measured(self, name: str) -> int:
+        """What ``name`` holds against the limit: each version's weights and smallest batch."""
+        return sum(
+            model.weights_bytes + (model.plan.minimum_bytes if model.plan is not None else 0)
+            for model in self._registry.versions.get(name, {}).values()
+        )
+
+    def _follow_registry(self) -> None:
+        """Count what load and unload calls changed: a model they loaded is resident, one they
+        unloaded is not."""
+        resident = self.residency.resident
+        for name in list(resident):
+            if name not in self._registry.versions:
+                self.residency.evicted(name)
+                self._metrics.resident_bytes.labels(name).set(0)
+        for name, versions in self._registry.versions.items():
+            if name not in resident and any(m.ready for m in versions.values()):
+                pinned = name in self._control.pinned
+                self.residency.admit(name, self._measured(name), pinned, 0.0)
+        self._count()
+
+    def _count(self) -> None:
+        self._metrics.models_resident.set(len(self.residency.resident))
+        for entry in self.residency.resident.values():
+            self._metrics.resident_bytes.labels(entry.name).set(entry.bytes)

@@ -1,0 +1,130 @@
+"""Which models stay resident under a memory limit (``NOGRAD_MODEL_CONTROL=on_demand``).
+
+The policy alone, without torch or the event loop: what each resident model holds, when it was
+last asked for and whether a request holds it; which to evict, least recently used first (ties:
+the quickest to load again), so that a model to load fits. A model a request holds (queued,
+running, or still being read) and a pinned one are never chosen.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from nograd.serving.errors import LargerThanLimit, NoRoomNow
+
+MIB = 1 << 20
+
+
+def mib(size: int) -> str:
+    return f"{size / MIB:.1f} MiB"
+
+
+@dataclass
+class Resident:
+    """One resident model as the policy sees it."""
+
+    name: str
+    bytes: int
+    """Its weights and the memory of its smallest batch, as measured at its load."""
+    last_used: float = 0.0
+    pinned: bool = False
+    load_seconds: float = 0.0
+    """How long it took to load: the cost of loading it again."""
+
+
+@dataclass
+class Residency:
+    """The resident set of one process and its limit in bytes."""
+
+    limit: int
+    clock: Callable[[], float] = time.monotonic
+    resident: dict[str, Resident] = field(default_factory=dict)
+    holds: dict[str, int] = field(default_factory=dict)
+    """Requests holding each model (resident or not yet: a load waiting holds its model)."""
+    measured: dict[str, int] = field(default_factory=dict)
+    """The bytes each model measured when last resident: the estimate of its next load."""
+
+    @property
+    def used(self) -> int:
+        return sum(r.bytes for r in self.resident.values())
+
+    def touch(self, name: str) -> None:
+        entry = self.resident.get(name)
+        if entry is not None:
+            entry.last_used = self.clock()
+
+    def hold(self, name: str) -> None:
+        self.holds[name] = self.holds.get(name, 0) + 1
+        self.touch(name)
+
+    def release(self, name: str) -> bool:
+        """One request for ``name`` is answered; True when none holds it any more."""
+        left = self.holds.get(name, 0) - 1
+        if left > 0:
+            self.holds[name] = left
+            return False
+        self.holds.pop(name, None)
+        return True
+
+    def held(self, name: str) -> bool:
+        return self.holds.get(name, 0) > 0
+
+    def admit(self, name: str, size: int, pinned: bool, load_seconds: float) -> None:
+        """``name`` is resident, holding ``size`` bytes (measured at its load)."""
+        self.measured[name] = size
+        self.resident[name] = Resident(name, size, self.clock(), pinned, load_seconds)
+
+    def evicted(self, name: str) -> None:
+        self.resident.pop(name, None)
+
+    def estimate(self, name: str, on_disk: int) -> int:
+        """What loading ``name`` will take: its measured size if it was resident before, else
+        the size of its files."""
+        return self.measured.get(name, on_disk)
+
+    def victims(self, name: str, needed: int) -> list[str]:
+        """The resident models to evict so that ``needed`` more bytes fit for ``name``, least
+        recently used first (ties: the quickest to load again); ``LargerThanLimit`` when even
+        an empty set of evictable models leaves too little, ``NoRoomNow`` when requests hold
+        the models that would have to go."""
+        return choose_victims(self.resident.values(), name, needed, self.limit, self.held)
+
+
+def choose_victims(
+    resident: Iterable[Resident],
+    name: str,
+    needed: int,
+    limit: int,
+    held: Callable[[str], bool] = lambda _: False,
+) -> list[str]:
+    """The pure rule behind ``Residency.victims``."""
+    others = [r for r in resident if r.name != name]
+    pinned = sum(r.bytes for r in others if r.pinned)
+    if needed + pinned > limit:
+        beside = f" ({mib(pinned)} of it held by always-resident models)" if pinned else ""
+        raise LargerThanLimit(
+            f"model {name!r} needs {mib(needed)} of memory, more than the memory limit of "
+            f"{mib(limit)}{beside} (NOGRAD_MEMORY_LIMIT_BYTES)"
+        )
+    free = limit - sum(r.bytes for r in others)
+    chosen: list[str] = []
+    waiting = 0
+    for entry in sorted(others, key=lambda r: (r.last_used, r.load_seconds)):
+        if free >= needed:
+            break
+        if entry.pinned:
+            continue
+        if held(entry.name):
+            waiting += entry.bytes
+            continue
+        chosen.append(entry.name)
+        free += entry.bytes
+    if free < needed:
+        raise NoRoomNow(
+            f"model {name!r} needs {mib(needed)}; {mib(free)} of the memory limit of "
+            f"{mib(limit)} can be freed now, {mib(waiting)} more once requests in flight on "
+            "other models are answered"
+        )
+    return chosen

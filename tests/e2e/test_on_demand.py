@@ -1,0 +1,237 @@
+"""On-demand model control under a memory limit, through a real server: six models of 8 MiB of
+weights each under a limit that holds three. Every request is answered 200 by the model it
+asked for, loading it on its first request (once, however many requests wait), evicting the
+least recently used; a model larger than the limit gets 507 naming the sizes; a model that fails
+to load answers its error, without a load per request; the worker's memory stays bounded."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.serving import Server, free_port, metric_value, run_server, worker_pids
+
+pytestmark = pytest.mark.e2e
+
+MODELS = 6
+MODEL_MIB = 8
+LIMIT_MIB = 28
+"""Three models and their smallest batches, not four."""
+HUGE_MIB = 40
+
+CONFIG = """name = "{name}"
+weights = ""
+max_batch_size = 4
+max_queue_delay_ms = 1
+device = "cpu"
+
+[[inputs]]
+name = "x"
+datatype = "FP32"
+shape = [1]
+
+[[outputs]]
+name = "y"
+datatype = "FP32"
+shape = [1]
+"""
+
+CODE = """import torch
+
+
+class Table(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.full(({mib} << 18,), {value}.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        {forward}
+
+
+def build(model_dir):
+    return Table()
+"""
+
+
+def write_model(repo: Path, name: str, mib: int, value: int, broken: bool = False) -> None:
+    folder = repo / name
+    folder.mkdir()
+    (folder / "config.toml").write_text(CONFIG.format(name=name))
+    forward = "return x + self.table[0]"
+    code = CODE.format(mib=mib, value=value, forward=forward)
+    if broken:
+        code = code.replace(
+            "def build(model_dir):", "def build(model_dir):\n    raise OSError('no weights here')"
+        )
+    (folder / "model.py").write_text(code)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    repo = tmp_path_factory.mktemp("repository")
+    for index in range(MODELS):
+        write_model(repo, f"m{index}", MODEL_MIB, index)
+    write_model(repo, "huge", HUGE_MIB, 7)
+    write_model(repo, "broken", 1, 0, broken=True)
+    env = {
+        "NOGRAD_MODEL_REPOSITORY": str(repo),
+        "NOGRAD_MODEL_CONTROL": "on_demand",
+        "NOGRAD_MEMORY_LIMIT_BYTES": f"{LIMIT_MIB}MiB",
+        "NOGRAD_GRPC_PORT": str(free_port()),
+    }
+    with run_server(tmp_path_factory.mktemp("log"), env) as running:
+        yield running
+
+
+def infer(client: httpx.Client, name: str, x: float = 1.0) -> httpx.Response:
+    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1], "data": [x]}]}
+    return client.post(f"/v2/models/{name}/infer", json=body)
+
+
+def answer_of(client: httpx.Client, index: int) -> None:
+    answer = infer(client, f"m{index}", 0.5)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["model_name"] == f"m{index}"
+    assert answer.json()["outputs"][0]["data"] == [index + 0.5]
+
+
+def rss_mib(server: Server) -> float:
+    pid = worker_pids(server).get(0, server.process.pid)
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def index_of(client: httpx.Client) -> dict[str, dict[str, str]]:
+    answer = client.post("/v2/repository/index", json={})
+    assert answer.status_code == 200, answer.text
+    return {row["name"]: row for row in answer.json()}
+
+
+def test_models_load_on_first_request_and_evict_by_memory(server: Server) -> None:
+    url = server.url
+    with httpx.Client(base_url=url, timeout=60) as client:
+        listed = index_of(client)
+        assert set(listed) >= {f"m{i}" for i in range(MODELS)}
+        assert all(row["state"] == "UNAVAILABLE" for row in listed.values()), listed
+        assert "loads on its first request" in listed["m0"]["reason"]
+
+        # Eight requests for one cold model: one load, every one answered by it.
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda _: answer_of(client, 0), range(8)))
+        assert metric_value(url, "nograd_model_loads_total", model="m0") == 1
+        # The first load brings what every later one shares (libraries, threads, the plan's
+        # probes): memory is compared from there, one model resident.
+        first_mib = rss_mib(server)
+
+        # Two rounds over six models, from three clients at once: every answer right.
+        order = [i % MODELS for i in range(2 * MODELS)]
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            list(pool.map(lambda i: answer_of(client, i), order))
+        after_rounds_mib = rss_mib(server)
+        for index in range(MODELS):  # and once more one at a time: each load evicts a model
+            answer_of(client, index)
+
+        listed = index_of(client)
+        ready = [name for name, row in listed.items() if row["state"] == "READY"]
+        assert 1 <= len(ready) <= 3, listed
+        evicted = [row for row in listed.values() if "evicted" in row.get("reason", "")]
+        assert evicted, listed
+        assert metric_value(url, "nograd_model_loads_total") >= MODELS + 3
+        assert metric_value(url, "nograd_model_evictions_total", reason="memory") >= MODELS
+        assert metric_value(url, "nograd_models_resident") == len(ready)
+        held = metric_value(url, "nograd_model_resident_bytes")
+        assert MODEL_MIB << 20 <= held <= LIMIT_MIB << 20
+        assert metric_value(url, "nograd_model_load_duration_seconds_count") >= MODELS + 3
+        end_mib = rss_mib(server)
+    # Memory returned at eviction: within the limit above one resident model (and half of it
+    # again for the heap), and no growth with the number of loads after the first rounds.
+    assert end_mib - first_mib <= 1.5 * LIMIT_MIB, (first_mib, after_rounds_mib, end_mib)
+    assert end_mib - after_rounds_mib <= MODEL_MIB, (after_rounds_mib, end_mib)
+
+
+def test_a_model_larger_than_the_limit_is_refused_with_507(server: Server) -> None:
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        for _ in range(2):  # the first load measures it; the second is refused before loading
+            answer = infer(client, "huge")
+            assert answer.status_code == 507, answer.text
+            assert f"limit of {LIMIT_MIB}.0 MiB" in answer.text
+            assert "NOGRAD_MEMORY_LIMIT_BYTES" in answer.text
+        assert metric_value(server.url, "nograd_model_loads_total", model="huge") == 1
+        answer_of(client, 1)  # the others still serve
+
+
+def test_a_failed_load_answers_its_waiters_and_is_not_retried(server: Server) -> None:
+    with (
+        httpx.Client(base_url=server.url, timeout=60) as client,
+        concurrent.futures.ThreadPoolExecutor(4) as pool,
+    ):
+        answers = list(pool.map(lambda _: infer(client, "broken"), range(4)))
+        answers.append(infer(client, "broken"))
+        for answer in answers:
+            assert answer.status_code == 400, answer.text
+            assert "no weights here" in answer.text
+        assert index_of(client)["broken"]["state"] == "UNAVAILABLE"
+        assert "no weights here" in index_of(client)["broken"]["reason"]
+    assert server.log().count("OSError: no weights here") <= 2  # one load (its trace, its log)
+
+
+def grpc_answer_of(address: str, index: int) -> None:
+    import numpy as np
+    import tritonclient.grpc as triton
+
+    grpc_client = triton.InferenceServerClient(address)
+    try:
+        tensor = triton.InferInput("x", [1, 1], "FP32")
+        tensor.set_data_from_numpy(np.array([[0.25]], dtype=np.float32))
+        result = grpc_client.infer(f"m{index}", [tensor]).as_numpy("y")
+        assert result is not None and result.tolist() == [[index + 0.25]]
+    finally:
+        grpc_client.close()
+
+
+def test_grpc_requests_load_models_too(server: Server) -> None:
+    assert server.grpc_address is not None
+    for index in (4, 5, 0, 1, 2):
+        grpc_answer_of(server.grpc_address, index)
+
+
+@pytest.mark.slow
+def test_two_workers_each_keep_their_part_and_grpc_loads_too(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Two workers, each within half the limit (two models); one model pinned by its config;
+    requests over HTTP and gRPC for models none has loaded are answered by them."""
+    repo = tmp_path_factory.mktemp("repository")
+    for index in range(4):
+        write_model(repo, f"m{index}", MODEL_MIB, index)
+    config = repo / "m3" / "config.toml"
+    config.write_text(
+        config.read_text().replace('weights = ""', 'weights = ""\nresident = "always"')
+    )
+    env = {
+        "NOGRAD_MODEL_REPOSITORY": str(repo),
+        "NOGRAD_MODEL_CONTROL": "on_demand",
+        "NOGRAD_MEMORY_LIMIT_BYTES": f"{2 * LIMIT_MIB - 2 * MODEL_MIB}MiB",
+        "NOGRAD_WORKERS": "2",
+        "NOGRAD_GRPC_PORT": str(free_port()),
+    }
+    with (
+        run_server(tmp_path_factory.mktemp("log"), env) as running,
+        httpx.Client(base_url=running.url, timeout=60) as client,
+    ):
+        listed = index_of(client)
+        assert listed["m3"]["state"] == "READY" and listed["m0"]["state"] == "UNAVAILABLE"
+        assert running.grpc_address is not None
+        for index in range(4):
+            answer_of(client, index)
+            grpc_answer_of(running.grpc_address, index)
+        assert metric_value(running.url, "nograd_model_evictions_total", model="m3") == 0
+        # Each worker holds the pinned model and at most one other (20 MiB each).
+        assert metric_value(running.url, "nograd_models_resident") <= 4
+        assert metric_value(running.url, "nograd_model_evictions_total", reason="memory") >= 1

@@ -1,0 +1,117 @@
+"""The on-demand residency policy: which models are evicted for a load, and when none can be."""
+
+from __future__ import annotations
+
+import pytest
+
+from nograd.serving.errors import LargerThanLimit, NoRoomNow
+from nograd.serving.residency import Residency, Resident, choose_victims
+from nograd.settings import Settings
+
+MIB = 1 << 20
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def residency(limit_mib: int, *sizes: tuple[str, int]) -> Residency:
+    """Models admitted in order (the first is the least recently used), ``sizes`` in MiB."""
+    resident = Residency(limit_mib * MIB, clock=Clock())
+    for name, size in sizes:
+        resident.admit(name, size * MIB, pinned=False, load_seconds=1.0)
+    return resident
+
+
+def test_nothing_evicted_while_the_model_fits() -> None:
+    resident = residency(30, ("a", 10), ("b", 10))
+    assert resident.victims("c", 10 * MIB) == []
+
+
+def test_least_recently_used_go_first_and_only_as_many_as_needed() -> None:
+    resident = residency(30, ("a", 10), ("b", 10), ("c", 10))
+    resident.touch("a")  # now b is the least recently used
+    assert resident.victims("d", 10 * MIB) == ["b"]
+    assert resident.victims("d", 20 * MIB) == ["b", "c"]
+
+
+def test_ties_evict_the_quickest_to_load_again() -> None:
+    slow = Resident("slow", 10 * MIB, last_used=1.0, load_seconds=9.0)
+    quick = Resident("quick", 10 * MIB, last_used=1.0, load_seconds=0.5)
+    assert choose_victims([slow, quick], "new", 10 * MIB, 20 * MIB) == ["quick"]
+
+
+def test_a_held_model_is_never_evicted() -> None:
+    resident = residency(30, ("a", 10), ("b", 10), ("c", 10))
+    resident.hold("a")
+    assert resident.victims("d", 10 * MIB) == ["b"]
+    resident.hold("b")
+    resident.hold("c")
+    with pytest.raises(NoRoomNow, match="once requests in flight"):
+        resident.victims("d", 10 * MIB)
+    assert resident.release("c")
+    assert resident.victims("d", 10 * MIB) == ["c"]
+
+
+def test_release_counts_every_hold() -> None:
+    resident = residency(30, ("a", 10))
+    resident.hold("a")
+    resident.hold("a")
+    assert not resident.release("a")
+    assert resident.held("a")
+    assert resident.release("a")
+    assert not resident.held("a")
+
+
+def test_a_pinned_model_is_never_evicted() -> None:
+    resident = Residency(30 * MIB, clock=Clock())
+    resident.admit("pinned", 10 * MIB, pinned=True, load_seconds=1.0)
+    resident.admit("b", 10 * MIB, pinned=False, load_seconds=1.0)
+    assert resident.victims("c", 20 * MIB) == ["b"]
+
+
+def test_a_model_larger_than_the_limit_is_refused_naming_the_sizes() -> None:
+    resident = residency(30, ("a", 10))
+    with pytest.raises(LargerThanLimit, match=r"needs 40\.0 MiB.*limit of 30\.0 MiB"):
+        resident.victims("big", 40 * MIB)
+
+
+def test_pinned_models_count_against_what_any_model_may_take() -> None:
+    resident = Residency(30 * MIB, clock=Clock())
+    resident.admit("pinned", 20 * MIB, pinned=True, load_seconds=1.0)
+    with pytest.raises(LargerThanLimit, match="always-resident"):
+        resident.victims("big", 15 * MIB)
+
+
+def test_the_model_itself_does_not_count_as_resident_room() -> None:
+    """Room made again after a first load measured more than expected: its own bytes are not
+    counted twice."""
+    resident = residency(30, ("a", 10), ("b", 10))
+    resident.admit("c", 15 * MIB, pinned=False, load_seconds=1.0)
+    assert resident.victims("c", 15 * MIB) == ["a"]
+
+
+def test_an_estimate_is_the_last_measured_size_else_the_files() -> None:
+    resident = residency(30, ("a", 12))
+    resident.evicted("a")
+    assert resident.used == 0
+    assert resident.estimate("a", on_disk=1) == 12 * MIB
+    assert resident.estimate("never", on_disk=5) == 5
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [("256MiB", 256 * MIB), ("1.5 GiB", 3 * (1 << 29)), ("4096", 4096), ("64kib", 64 << 10)],
+)
+def test_memory_limit_reads_sizes(given: str, expected: int) -> None:
+    assert Settings(memory_limit_bytes=given).memory_limit_bytes == expected
+
+
+def test_memory_limit_refuses_an_unknown_unit() -> None:
+    with pytest.raises(ValueError, match="not a size"):
+        Settings(memory_limit_bytes="12 parsecs")
