@@ -162,20 +162,76 @@ def test_function_handler_and_prediction_exception(server: Server) -> None:
     }
 
 
+def _send_at_once(url: str, method: str, path: str, bodies: list[bytes]) -> list[httpx.Response]:
+    """Every body sent to ``path`` at the same time, each on a request of its own."""
+
+    async def send_all() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            return await asyncio.gather(
+                *(client.request(method, path, content=body) for body in bodies)
+            )
+
+    return asyncio.run(send_all())
+
+
 def test_concurrent_requests_are_batched(server: Server, store: Path) -> None:
     images = [DIGITS[name] for name in ("0", "1", "7", "0")] * 4
     expected = mnist_reference(store, images)
     batches_before = metric_value(server.url, "nograd_batch_size_count", model="mnist")
-
-    async def send_all() -> list[httpx.Response]:
-        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
-            return await asyncio.gather(
-                *(client.put("/predictions/mnist", content=image) for image in images)
-            )
-
-    responses = asyncio.run(send_all())
+    responses = _send_at_once(server.url, "PUT", "/predictions/mnist", images)
     assert [r.json() for r in responses] == expected
     batches = metric_value(server.url, "nograd_batch_size_count", model="mnist") - batches_before
+    assert 1 <= batches < len(images), f"{batches} batches for {len(images)} requests"
+
+
+def _photo(width: int, height: int, seed: int) -> bytes:
+    """A PNG of seeded RGB noise."""
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def segmenter_reference(store: Path, images: list[bytes]) -> list[object]:
+    """What TorchServe's ``image_segmenter`` answers, computed from its parts: torchvision's
+    Resize(256) (PIL bilinear on the shorter edge), CenterCrop(224), ToTensor and ImageNet's
+    Normalize as arithmetic; the archived model's ``out``; softmax over the classes and, per
+    pixel, ``[top class as a float, its probability]``."""
+    rows = []
+    for raw in images:
+        image = Image.open(io.BytesIO(raw)).convert("RGB")
+        width, height = image.size
+        scale = 256 / min(width, height)
+        size = (256, int(height * scale)) if width <= height else (int(width * scale), 256)
+        pixels = np.asarray(image.resize(size, Image.Resampling.BILINEAR), dtype=np.float32)
+        top, left = round((size[1] - 224) / 2), round((size[0] - 224) / 2)
+        crop = pixels[top : top + 224, left : left + 224] / 255
+        mean, std = np.array([0.485, 0.456, 0.406]), np.array([0.229, 0.224, 0.225])
+        rows.append(torch.from_numpy(((crop - mean) / std).transpose(2, 0, 1).astype(np.float32)))
+    model = torch.jit.load(str(store / "work" / "segment.pt"))  # type: ignore[no-untyped-call]
+    with torch.inference_mode():
+        probabilities = torch.softmax(model(torch.stack(rows))["out"], dim=1)
+    values, indices = probabilities.max(dim=1)
+    return [
+        [[[float(c), p] for c, p in zip(cs, ps, strict=True)] for cs, ps in zip(*pair, strict=True)]
+        for pair in zip(indices.tolist(), values.tolist(), strict=True)
+    ]
+
+
+def test_default_image_segmenter_answers_as_torchserve(server: Server, store: Path) -> None:
+    """Images of several sizes sent at once: batched (the archive's batchSize is 4), each
+    answered with its own 28x28 grid of [class, probability] as TorchServe computes it."""
+    images = [_photo(300, 256, 0), _photo(240, 320, 1), _photo(224, 224, 2)] * 2
+    expected = segmenter_reference(store, images)
+    batches_before = metric_value(server.url, "nograd_batch_size_count", model="segment")
+    responses = _send_at_once(server.url, "POST", "/predictions/segment", images)
+    for response, want in zip(responses, expected, strict=True):
+        assert response.status_code == 200, response.text
+        got = response.json()
+        assert np.asarray(got).shape == (28, 28, 2)
+        assert np.array_equal(np.asarray(got)[..., 0], np.asarray(want)[..., 0])
+        assert np.allclose(np.asarray(got)[..., 1], np.asarray(want)[..., 1], atol=1e-5)
+    batches = metric_value(server.url, "nograd_batch_size_count", model="segment") - batches_before
     assert 1 <= batches < len(images), f"{batches} batches for {len(images)} requests"
 
 
