@@ -14,13 +14,16 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import grpc
 import httpx
 import numpy as np
 import pytest
 import torch
+import tritonclient.grpc as triton
 from PIL import Image
+from tritonclient.utils import InferenceServerException
 
-from tests.e2e.serving import ROOT, Server, metric_value, run_server
+from tests.e2e.serving import ROOT, Server, free_port, metric_value, run_server
 from tests.torchserve_archives import DIGITS, MNIST, build_store
 
 pytestmark = pytest.mark.e2e
@@ -49,6 +52,7 @@ def server(store: Path) -> Iterator[Server]:
         # The repository is followed: an archive added or removed is loaded or unloaded.
         "NOGRAD_MODEL_CONTROL": "poll",
         "NOGRAD_REPOSITORY_POLL_S": "0.5",
+        "NOGRAD_GRPC_PORT": str(free_port()),
     }
     with run_server(store, env) as running:
         yield running
@@ -343,31 +347,37 @@ def _until(predicate: Callable[[], bool], timeout_s: float = 30.0) -> None:
         time.sleep(0.2)
 
 
-def test_archives_answer_over_v2(server: Server, store: Path) -> None:
-    """One BYTES input element per TorchServe request, handed to the handler as a raw body
-    (binary or a JSON string alike); the answer's body as the BYTES output element."""
-    image = DIGITS["7"]
-    element = len(image).to_bytes(4, "little") + image
+def _v2_binary(url: str, model: str, bodies: list[bytes]) -> httpx.Response:
+    """A V2 inference whose BYTES input ``body`` holds ``bodies`` as binary data."""
+    elements = b"".join(len(body).to_bytes(4, "little") + body for body in bodies)
     header = json.dumps(
         {
             "inputs": [
                 {
                     "name": "body",
-                    "shape": [1],
+                    "shape": [len(bodies)],
                     "datatype": "BYTES",
-                    "parameters": {"binary_data_size": len(element)},
+                    "parameters": {"binary_data_size": len(elements)},
                 }
             ]
         }
     ).encode()
-    binary = httpx.post(
-        f"{server.url}/v2/models/mnist/infer",
-        content=header + element,
+    return httpx.post(
+        f"{url}/v2/models/{model}/infer",
+        content=header + elements,
         headers={
             "Content-Type": "application/octet-stream",
             "Inference-Header-Content-Length": str(len(header)),
         },
+        timeout=60,
     )
+
+
+def test_archives_answer_over_v2(server: Server, store: Path) -> None:
+    """One BYTES input element per TorchServe request, handed to the handler as a raw body
+    (binary or a JSON string alike); the answer's body as the BYTES output element."""
+    image = DIGITS["7"]
+    binary = _v2_binary(server.url, "mnist", [image])
     assert binary.status_code == 200, binary.text
     assert binary.json()["outputs"][0]["data"] == [str(mnist_reference(store, [image])[0])]
     text = {"inputs": [{"name": "body", "shape": [2], "datatype": "BYTES", "data": ["a", "b"]}]}
@@ -377,6 +387,46 @@ def test_archives_answer_over_v2(server: Server, store: Path) -> None:
     refused = httpx.post(f"{server.url}/v2/models/scale/infer", json=text)
     assert refused.status_code == 500
     assert refused.json()["error"] == (
+        "the model's handler answered 513: send a JSON object with a list 'x' of 4 numbers"
+    )
+
+
+def _grpc_bodies(bodies: list[bytes], *, column: bool = False) -> triton.InferInput:
+    """The BYTES input ``body``, shaped ``[n]`` or, as a column, ``[n, 1]``."""
+    array = np.array(bodies, dtype=np.object_).reshape((-1, 1) if column else (-1,))
+    tensor = triton.InferInput("body", list(array.shape), "BYTES")
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+def test_archives_answer_over_grpc_as_over_http(server: Server) -> None:
+    """V2's ModelInfer over gRPC reaches an archive as V2 over HTTP does: each element of the
+    BYTES input ``body`` one request, each answer's body an element of the BYTES output
+    ``answer``, byte for byte what /predictions answers; a handler's failure is the call's,
+    with the handler's message."""
+    assert server.grpc_address is not None
+    images = [DIGITS["7"], DIGITS["0"], DIGITS["1"]]
+    predicted = [httpx.put(f"{server.url}/predictions/mnist", content=i).content for i in images]
+    over_http = _v2_binary(server.url, "mnist", images)
+    assert over_http.status_code == 200, over_http.text
+    assert over_http.json()["outputs"][0]["data"] == [p.decode() for p in predicted]
+    texts = [b'{"text": "a"}', b"plain"]
+    echoed = _v2_binary(server.url, "lazy", texts)
+    assert echoed.status_code == 200, echoed.text
+    with triton.InferenceServerClient(server.grpc_address) as client:
+        metadata = client.get_model_metadata("mnist", as_json=True)
+        # One element a request: [n] or [n, 1] (Triton's scalar), as over HTTP.
+        assert metadata["inputs"] == [{"name": "body", "datatype": "BYTES", "shape": ["-1", "1"]}]
+        assert metadata["outputs"] == [{"name": "answer", "datatype": "BYTES", "shape": ["-1"]}]
+        answer = client.infer("mnist", [_grpc_bodies(images)]).as_numpy("answer")
+        assert answer is not None and answer.tolist() == predicted
+        lazy = client.infer("lazy", [_grpc_bodies(texts, column=True)]).as_numpy("answer")
+        assert lazy is not None
+        assert [item.decode() for item in lazy.tolist()] == echoed.json()["outputs"][0]["data"]
+        with pytest.raises(InferenceServerException) as refused:
+            client.infer("scale", [_grpc_bodies([b"not json"])])
+    assert refused.value.status() == str(grpc.StatusCode.INTERNAL)
+    assert refused.value.message() == (
         "the model's handler answered 513: send a JSON object with a list 'x' of 4 numbers"
     )
 
