@@ -178,14 +178,41 @@ def _send_at_once(url: str, method: str, path: str, bodies: list[bytes]) -> list
     return asyncio.run(send_all())
 
 
+def _batch_sizes(url: str, model: str) -> dict[str, float]:
+    """The model's ``nograd_batch_size`` histogram: batches run, rows in them, and batches of
+    at most 1, ``n`` rows (``le_n``)."""
+    sizes = {
+        "count": metric_value(url, "nograd_batch_size_count", model=model),
+        "rows": metric_value(url, "nograd_batch_size_sum", model=model),
+    }
+    for bound in (1, 2, 4, 8):
+        sizes[f"le_{bound}"] = metric_value(
+            url, "nograd_batch_size_bucket", model=model, le=f"{bound}.0"
+        )
+    return sizes
+
+
+def _assert_batched(
+    before: dict[str, float], after: dict[str, float], requests: int, batch_size: int
+) -> None:
+    """The ``requests`` sent since ``before`` ran as batches of the model's handler: every
+    request in exactly one, at least one batch of two or more, none over ``batch_size``."""
+    ran = {key: after[key] - before[key] for key in after}
+    assert ran["rows"] == requests, ran
+    assert 1 <= ran["count"] < requests, ran
+    assert ran["count"] - ran["le_1"] >= 1, f"no batch of more than one request: {ran}"
+    assert ran[f"le_{batch_size}"] == ran["count"], f"a batch over batchSize {batch_size}: {ran}"
+
+
 def test_concurrent_requests_are_batched(server: Server, store: Path) -> None:
+    """16 requests sent at once reach the handler in batches (model-config.yaml's batchSize 8,
+    maxBatchDelay 200 ms), each answered with its own digit."""
     images = [DIGITS[name] for name in ("0", "1", "7", "0")] * 4
     expected = mnist_reference(store, images)
-    batches_before = metric_value(server.url, "nograd_batch_size_count", model="mnist")
+    before = _batch_sizes(server.url, "mnist")
     responses = _send_at_once(server.url, "PUT", "/predictions/mnist", images)
     assert [r.json() for r in responses] == expected
-    batches = metric_value(server.url, "nograd_batch_size_count", model="mnist") - batches_before
-    assert 1 <= batches < len(images), f"{batches} batches for {len(images)} requests"
+    _assert_batched(before, _batch_sizes(server.url, "mnist"), len(images), 8)
 
 
 def _photo(width: int, height: int, seed: int) -> bytes:
@@ -227,7 +254,7 @@ def test_default_image_segmenter_answers_as_torchserve(server: Server, store: Pa
     answered with its own 28x28 grid of [class, probability] as TorchServe computes it."""
     images = [_photo(300, 256, 0), _photo(240, 320, 1), _photo(224, 224, 2)] * 2
     expected = segmenter_reference(store, images)
-    batches_before = metric_value(server.url, "nograd_batch_size_count", model="segment")
+    before = _batch_sizes(server.url, "segment")
     responses = _send_at_once(server.url, "POST", "/predictions/segment", images)
     for response, want in zip(responses, expected, strict=True):
         assert response.status_code == 200, response.text
@@ -235,8 +262,7 @@ def test_default_image_segmenter_answers_as_torchserve(server: Server, store: Pa
         assert np.asarray(got).shape == (28, 28, 2)
         assert np.array_equal(np.asarray(got)[..., 0], np.asarray(want)[..., 0])
         assert np.allclose(np.asarray(got)[..., 1], np.asarray(want)[..., 1], atol=1e-5)
-    batches = metric_value(server.url, "nograd_batch_size_count", model="segment") - batches_before
-    assert 1 <= batches < len(images), f"{batches} batches for {len(images)} requests"
+    _assert_batched(before, _batch_sizes(server.url, "segment"), len(images), 4)
 
 
 def test_handler_imports_its_archive_files_lazily(server: Server) -> None:
