@@ -66,11 +66,31 @@ def classifier_model(path: Path) -> Path:
     return path
 
 
+class TinySegmenter(torch.nn.Module):
+    """A segmentation model as torchvision's are called: images in, ``{"out": [N, K, H, W]}``
+    out (four classes on a grid of 8x8 patches, so answers stay small)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patches = torch.nn.Conv2d(3, 4, kernel_size=8, stride=8)
+
+    def forward(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"out": self.patches(images)}
+
+
+def segment_model(path: Path) -> Path:
+    """A seeded TorchScript ``TinySegmenter``."""
+    torch.manual_seed(2)
+    torch.jit.script(TinySegmenter().eval()).save(str(path))
+    return path
+
+
 def build_store(store: Path, work: Path) -> dict[str, Path]:
     """``mnist.mar`` (custom handler, batchSize 8), ``classifier.mar`` (the default
     ``image_classifier`` handler on a TorchScript model, batchSize 4), ``scale.mar`` (function
-    handler) and ``lazy.mar`` (a function handler importing a file of its archive inside
-    ``handle``) in ``store``."""
+    handler), ``lazy.mar`` (a function handler importing a file of its archive inside
+    ``handle``) and ``segment.mar`` (the default ``image_segmenter``, batchSize 4) in
+    ``store``."""
     store.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     mnist = archive(
@@ -105,4 +125,18 @@ def build_store(store: Path, work: Path) -> dict[str, Path]:
         "--handler", str(FIXTURES / "lazy" / "lazy_handler.py"),
         "--extra-files", str(FIXTURES / "lazy" / "lazy_helper.py"),
     )  # fmt: skip
-    return {"mnist": mnist, "classifier": classifier, "scale": scale, "lazy": lazy}
+    segment = archive(
+        store,
+        "segment",
+        "--version", "1.0",
+        "--serialized-file", str(segment_model(work / "segment.pt")),
+        "--handler", "image_segmenter",
+        "--config-file", str(FIXTURES / "segment" / "model-config.yaml"),
+    )  # fmt: skip
+    return {
+        "mnist": mnist,
+        "classifier": classifier,
+        "scale": scale,
+        "lazy": lazy,
+        "segment": segment,
+    }

@@ -23,6 +23,7 @@ from nograd.serving.control_calls import load_parameters, unload_parameters
 from nograd.serving.core import Core
 from nograd.serving.errors import (
     DeadlineExceeded,
+    HandlerFailed,
     InferenceFailed,
     InvalidInput,
     Kind,
@@ -62,8 +63,9 @@ def client_message(exc: BaseException, kind: Kind) -> str:
     """What a client is told of a failure. nograd's own messages say what was wrong, but one may
     carry a detail from below (a load error's file): absolute server paths are cut to their
     last part. A failure of the model or of nograd itself says only that; its exception and
-    traceback are in the log."""
-    if kind is Kind.FAILED:
+    traceback are in the log. A TorchServe handler's failure answer is the model's message to
+    its client, passed on as HTTP does."""
+    if kind is Kind.FAILED and not isinstance(exc, HandlerFailed):
         if isinstance(exc, InferenceFailed):
             return "the model failed on this request (the server's log has the detail)"
         return "internal error (the server's log has the detail)"

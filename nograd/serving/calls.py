@@ -24,7 +24,7 @@ from nograd.protocol.keys import bearer_key_matches
 from nograd.runtime.handler import Outputs
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.errors import (
-    InferenceFailed,
+    HandlerFailed,
     InvalidInput,
     Kind,
     Unauthenticated,
@@ -280,7 +280,7 @@ def answer_bodies(outputs: Outputs) -> Outputs:
             if answer.status != 200:
                 message = answer.body.decode("utf-8", "replace")
                 text = f"the model's handler answered {answer.status}: {message}"
-                raise InvalidInput(text) if 400 <= answer.status < 500 else InferenceFailed(text)
+                raise InvalidInput(text) if 400 <= answer.status < 500 else HandlerFailed(text)
             bodies.flat[index] = answer.body
         plain[name] = bodies
     return plain

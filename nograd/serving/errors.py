@@ -71,6 +71,11 @@ class InferenceFailed(Exception):
     """The model raised on this request (after bisection, on this request alone)."""
 
 
+class HandlerFailed(InferenceFailed):
+    """A TorchServe handler answered this request with a failure: its message was written for
+    the client (TorchServe sends it as the answer), so every front passes it on."""
+
+
 class Overloaded(QueueFull):
     """The server process already holds its most requests in flight (``max_requests_in_flight``):
     refused before its body is read, so overload costs neither memory nor decoding."""

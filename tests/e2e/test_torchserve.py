@@ -14,13 +14,16 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import grpc
 import httpx
 import numpy as np
 import pytest
 import torch
+import tritonclient.grpc as triton
 from PIL import Image
+from tritonclient.utils import InferenceServerException
 
-from tests.e2e.serving import ROOT, Server, metric_value, run_server
+from tests.e2e.serving import ROOT, Server, free_port, metric_value, run_server
 from tests.torchserve_archives import DIGITS, MNIST, build_store
 from tests.torchserve_exchanges import EXCHANGES, differences, recorded_answers, send
 
@@ -50,6 +53,7 @@ def server(store: Path) -> Iterator[Server]:
         # The repository is followed: an archive added or removed is loaded or unloaded.
         "NOGRAD_MODEL_CONTROL": "poll",
         "NOGRAD_REPOSITORY_POLL_S": "0.5",
+        "NOGRAD_GRPC_PORT": str(free_port()),
     }
     with run_server(store, env) as running:
         yield running
@@ -182,21 +186,103 @@ def test_function_handler_and_prediction_exception(server: Server) -> None:
     }
 
 
-def test_concurrent_requests_are_batched(server: Server, store: Path) -> None:
-    images = [DIGITS[name] for name in ("0", "1", "7", "0")] * 4
-    expected = mnist_reference(store, images)
-    batches_before = metric_value(server.url, "nograd_batch_size_count", model="mnist")
+def _send_at_once(url: str, method: str, path: str, bodies: list[bytes]) -> list[httpx.Response]:
+    """Every body sent to ``path`` at the same time, each on a request of its own."""
 
     async def send_all() -> list[httpx.Response]:
-        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
             return await asyncio.gather(
-                *(client.put("/predictions/mnist", content=image) for image in images)
+                *(client.request(method, path, content=body) for body in bodies)
             )
 
-    responses = asyncio.run(send_all())
+    return asyncio.run(send_all())
+
+
+def _batch_sizes(url: str, model: str) -> dict[str, float]:
+    """The model's ``nograd_batch_size`` histogram: batches run, rows in them, and batches of
+    at most 1, ``n`` rows (``le_n``)."""
+    sizes = {
+        "count": metric_value(url, "nograd_batch_size_count", model=model),
+        "rows": metric_value(url, "nograd_batch_size_sum", model=model),
+    }
+    for bound in (1, 2, 4, 8):
+        sizes[f"le_{bound}"] = metric_value(
+            url, "nograd_batch_size_bucket", model=model, le=f"{bound}.0"
+        )
+    return sizes
+
+
+def _assert_batched(
+    before: dict[str, float], after: dict[str, float], requests: int, batch_size: int
+) -> None:
+    """The ``requests`` sent since ``before`` ran as batches of the model's handler: every
+    request in exactly one, at least one batch of two or more, none over ``batch_size``."""
+    ran = {key: after[key] - before[key] for key in after}
+    assert ran["rows"] == requests, ran
+    assert 1 <= ran["count"] < requests, ran
+    assert ran["count"] - ran["le_1"] >= 1, f"no batch of more than one request: {ran}"
+    assert ran[f"le_{batch_size}"] == ran["count"], f"a batch over batchSize {batch_size}: {ran}"
+
+
+def test_concurrent_requests_are_batched(server: Server, store: Path) -> None:
+    """16 requests sent at once reach the handler in batches (model-config.yaml's batchSize 8,
+    maxBatchDelay 200 ms), each answered with its own digit."""
+    images = [DIGITS[name] for name in ("0", "1", "7", "0")] * 4
+    expected = mnist_reference(store, images)
+    before = _batch_sizes(server.url, "mnist")
+    responses = _send_at_once(server.url, "PUT", "/predictions/mnist", images)
     assert [r.json() for r in responses] == expected
-    batches = metric_value(server.url, "nograd_batch_size_count", model="mnist") - batches_before
-    assert 1 <= batches < len(images), f"{batches} batches for {len(images)} requests"
+    _assert_batched(before, _batch_sizes(server.url, "mnist"), len(images), 8)
+
+
+def _photo(width: int, height: int, seed: int) -> bytes:
+    """A PNG of seeded RGB noise."""
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def segmenter_reference(store: Path, images: list[bytes]) -> list[object]:
+    """What TorchServe's ``image_segmenter`` answers, computed from its parts: torchvision's
+    Resize(256) (PIL bilinear on the shorter edge), CenterCrop(224), ToTensor and ImageNet's
+    Normalize as arithmetic; the archived model's ``out``; softmax over the classes and, per
+    pixel, ``[top class as a float, its probability]``."""
+    rows = []
+    for raw in images:
+        image = Image.open(io.BytesIO(raw)).convert("RGB")
+        width, height = image.size
+        scale = 256 / min(width, height)
+        size = (256, int(height * scale)) if width <= height else (int(width * scale), 256)
+        pixels = np.asarray(image.resize(size, Image.Resampling.BILINEAR), dtype=np.float32)
+        top, left = round((size[1] - 224) / 2), round((size[0] - 224) / 2)
+        crop = pixels[top : top + 224, left : left + 224] / 255
+        mean, std = np.array([0.485, 0.456, 0.406]), np.array([0.229, 0.224, 0.225])
+        rows.append(torch.from_numpy(((crop - mean) / std).transpose(2, 0, 1).astype(np.float32)))
+    model = torch.jit.load(str(store / "work" / "segment.pt"))  # type: ignore[no-untyped-call]
+    with torch.inference_mode():
+        probabilities = torch.softmax(model(torch.stack(rows))["out"], dim=1)
+    values, indices = probabilities.max(dim=1)
+    return [
+        [[[float(c), p] for c, p in zip(cs, ps, strict=True)] for cs, ps in zip(*pair, strict=True)]
+        for pair in zip(indices.tolist(), values.tolist(), strict=True)
+    ]
+
+
+def test_default_image_segmenter_answers_as_torchserve(server: Server, store: Path) -> None:
+    """Images of several sizes sent at once: batched (the archive's batchSize is 4), each
+    answered with its own 28x28 grid of [class, probability] as TorchServe computes it."""
+    images = [_photo(300, 256, 0), _photo(240, 320, 1), _photo(224, 224, 2)] * 2
+    expected = segmenter_reference(store, images)
+    before = _batch_sizes(server.url, "segment")
+    responses = _send_at_once(server.url, "POST", "/predictions/segment", images)
+    for response, want in zip(responses, expected, strict=True):
+        assert response.status_code == 200, response.text
+        got = response.json()
+        assert np.asarray(got).shape == (28, 28, 2)
+        assert np.array_equal(np.asarray(got)[..., 0], np.asarray(want)[..., 0])
+        assert np.allclose(np.asarray(got)[..., 1], np.asarray(want)[..., 1], atol=1e-5)
+    _assert_batched(before, _batch_sizes(server.url, "segment"), len(images), 4)
 
 
 def test_handler_imports_its_archive_files_lazily(server: Server) -> None:
@@ -307,31 +393,37 @@ def _until(predicate: Callable[[], bool], timeout_s: float = 30.0) -> None:
         time.sleep(0.2)
 
 
-def test_archives_answer_over_v2(server: Server, store: Path) -> None:
-    """One BYTES input element per TorchServe request, handed to the handler as a raw body
-    (binary or a JSON string alike); the answer's body as the BYTES output element."""
-    image = DIGITS["7"]
-    element = len(image).to_bytes(4, "little") + image
+def _v2_binary(url: str, model: str, bodies: list[bytes]) -> httpx.Response:
+    """A V2 inference whose BYTES input ``body`` holds ``bodies`` as binary data."""
+    elements = b"".join(len(body).to_bytes(4, "little") + body for body in bodies)
     header = json.dumps(
         {
             "inputs": [
                 {
                     "name": "body",
-                    "shape": [1],
+                    "shape": [len(bodies)],
                     "datatype": "BYTES",
-                    "parameters": {"binary_data_size": len(element)},
+                    "parameters": {"binary_data_size": len(elements)},
                 }
             ]
         }
     ).encode()
-    binary = httpx.post(
-        f"{server.url}/v2/models/mnist/infer",
-        content=header + element,
+    return httpx.post(
+        f"{url}/v2/models/{model}/infer",
+        content=header + elements,
         headers={
             "Content-Type": "application/octet-stream",
             "Inference-Header-Content-Length": str(len(header)),
         },
+        timeout=60,
     )
+
+
+def test_archives_answer_over_v2(server: Server, store: Path) -> None:
+    """One BYTES input element per TorchServe request, handed to the handler as a raw body
+    (binary or a JSON string alike); the answer's body as the BYTES output element."""
+    image = DIGITS["7"]
+    binary = _v2_binary(server.url, "mnist", [image])
     assert binary.status_code == 200, binary.text
     assert binary.json()["outputs"][0]["data"] == [str(mnist_reference(store, [image])[0])]
     text = {"inputs": [{"name": "body", "shape": [2], "datatype": "BYTES", "data": ["a", "b"]}]}
@@ -341,6 +433,46 @@ def test_archives_answer_over_v2(server: Server, store: Path) -> None:
     refused = httpx.post(f"{server.url}/v2/models/scale/infer", json=text)
     assert refused.status_code == 500
     assert refused.json()["error"] == (
+        "the model's handler answered 513: send a JSON object with a list 'x' of 4 numbers"
+    )
+
+
+def _grpc_bodies(bodies: list[bytes], *, column: bool = False) -> triton.InferInput:
+    """The BYTES input ``body``, shaped ``[n]`` or, as a column, ``[n, 1]``."""
+    array = np.array(bodies, dtype=np.object_).reshape((-1, 1) if column else (-1,))
+    tensor = triton.InferInput("body", list(array.shape), "BYTES")
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+def test_archives_answer_over_grpc_as_over_http(server: Server) -> None:
+    """V2's ModelInfer over gRPC reaches an archive as V2 over HTTP does: each element of the
+    BYTES input ``body`` one request, each answer's body an element of the BYTES output
+    ``answer``, byte for byte what /predictions answers; a handler's failure is the call's,
+    with the handler's message."""
+    assert server.grpc_address is not None
+    images = [DIGITS["7"], DIGITS["0"], DIGITS["1"]]
+    predicted = [httpx.put(f"{server.url}/predictions/mnist", content=i).content for i in images]
+    over_http = _v2_binary(server.url, "mnist", images)
+    assert over_http.status_code == 200, over_http.text
+    assert over_http.json()["outputs"][0]["data"] == [p.decode() for p in predicted]
+    texts = [b'{"text": "a"}', b"plain"]
+    echoed = _v2_binary(server.url, "lazy", texts)
+    assert echoed.status_code == 200, echoed.text
+    with triton.InferenceServerClient(server.grpc_address) as client:
+        metadata = client.get_model_metadata("mnist", as_json=True)
+        # One element a request: [n] or [n, 1] (Triton's scalar), as over HTTP.
+        assert metadata["inputs"] == [{"name": "body", "datatype": "BYTES", "shape": ["-1", "1"]}]
+        assert metadata["outputs"] == [{"name": "answer", "datatype": "BYTES", "shape": ["-1"]}]
+        answer = client.infer("mnist", [_grpc_bodies(images)]).as_numpy("answer")
+        assert answer is not None and answer.tolist() == predicted
+        lazy = client.infer("lazy", [_grpc_bodies(texts, column=True)]).as_numpy("answer")
+        assert lazy is not None
+        assert [item.decode() for item in lazy.tolist()] == echoed.json()["outputs"][0]["data"]
+        with pytest.raises(InferenceServerException) as refused:
+            client.infer("scale", [_grpc_bodies([b"not json"])])
+    assert refused.value.status() == str(grpc.StatusCode.INTERNAL)
+    assert refused.value.message() == (
         "the model's handler answered 513: send a JSON object with a list 'x' of 4 numbers"
     )
 

@@ -42,7 +42,7 @@ from nograd.runtime.torchserve.ts.utils.util import PredictionException, list_cl
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_HANDLERS: Final = ("image_classifier",)
+DEFAULT_HANDLERS: Final = ("image_classifier", "image_segmenter")
 """TorchServe's default handlers nograd provides (``ts/torch_handler/``)."""
 Entry = Callable[[Any, Context], Any]
 

@@ -26,6 +26,7 @@ from nograd.grpc.server import SERVICE_NAME, GrpcServer
 from nograd.grpc.service import client_message
 from nograd.serving.core import Core
 from nograd.serving.errors import (
+    HandlerFailed,
     InferenceFailed,
     Kind,
     LoadFailed,
@@ -269,6 +270,11 @@ def test_client_messages_cut_server_paths_and_hide_internals() -> None:
         (
             ModelNotFound("see https://example.com/a/b and 1/2 of '/v2'"),
             "see https://example.com/a/b and 1/2 of '/v2'",
+        ),
+        # A TorchServe handler's failure answer is written for the client: passed on.
+        (
+            HandlerFailed("the model's handler answered 507: no room in /srv/cache/x"),
+            "the model's handler answered 507: no room in .../x",
         ),
         (InferenceFailed("model 'm' failed on this request: KeyError: 'x'"), ""),
         (RuntimeError("<object at 0x7f00> /usr/lib/python3.11/x.py"), ""),
