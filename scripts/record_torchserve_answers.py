@@ -11,12 +11,8 @@ torchvision (the ``torchserve-vision`` peer venv, ``bench/peers/envs.py``), and 
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,17 +24,18 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.peers.envs import ensure_env  # noqa: E402
+from tests.e2e.serving import free_port  # noqa: E402
+from tests.peer_answers import (  # noqa: E402
+    print_log_tail,
+    run_recorder,
+    start_group,
+    stop_group,
+    write_answers,
+)
 from tests.torchserve_archives import build_store  # noqa: E402
 from tests.torchserve_exchanges import ANSWERS, EXCHANGES, send  # noqa: E402
 
 START_TIMEOUT_S = 240.0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _config(folder: Path, store: Path, ports: dict[str, int]) -> Path:
@@ -79,13 +76,15 @@ def _wait_ready(client: httpx.Client, base: dict[str, str], models: list[str]) -
     raise TimeoutError(f"TorchServe did not load {models} in {START_TIMEOUT_S:.0f} s")
 
 
-def record(python: Path, out: Path) -> dict[str, object]:
+def record(python: Path, out: Path) -> int:
+    """Serve the archives with TorchServe, send every call, write the answers; their count."""
     folder = Path(tempfile.mkdtemp(prefix="nograd-ts-answers-"))
+    log = folder / "torchserve.log"
     process: subprocess.Popen[bytes] | None = None
     try:
         archives = build_store(folder / "store", folder / "work")
         names = ("inference", "management", "metrics", "worker", "grpc_inference")
-        ports = {name: _free_port() for name in (*names, "grpc_management")}
+        ports = {name: free_port() for name in (*names, "grpc_management")}
         config = _config(folder, folder / "store", ports)
         bin_dir = python.parent
         env = {
@@ -100,15 +99,7 @@ def record(python: Path, out: Path) -> dict[str, object]:
             *("--start", "--foreground", "--ncs", "--disable-token-auth"),
             *("--ts-config", str(config), "--model-store", str(folder / "store")),
         ]
-        log = (folder / "torchserve.log").open("wb")
-        process = subprocess.Popen(
-            command,
-            cwd=folder,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        process = start_group(command, folder, env, log)
         base = {
             "inference": f"http://127.0.0.1:{ports['inference']}",
             "management": f"http://127.0.0.1:{ports['management']}",
@@ -121,49 +112,24 @@ def record(python: Path, out: Path) -> dict[str, object]:
              "print(ts.__version__, torch.__version__, torchvision.__version__)"],
             capture_output=True, text=True, check=True, timeout=120,
         ).stdout.split()  # fmt: skip
-        document = {
-            "recorded_with": {
-                "torchserve": packages[0],
-                "torch": packages[1],
-                "torchvision": packages[2],
-                "command": "python scripts/record_torchserve_answers.py",
-            },
-            "answers": answers,
+        recorded_with = {
+            "torchserve": packages[0],
+            "torch": packages[1],
+            "torchvision": packages[2],
+            "command": "python scripts/record_torchserve_answers.py",
         }
-        out.write_text(json.dumps(document, indent=1, sort_keys=False) + "\n", "utf-8")
-        return document
+        write_answers(out, recorded_with, answers)
+        return len(answers)
     except BaseException:
-        if process is not None:
-            print(
-                (folder / "torchserve.log").read_text("utf-8", "replace")[-4000:], file=sys.stderr
-            )
+        print_log_tail(log)
         raise
     finally:
-        if process is not None and process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait(timeout=10)
+        stop_group(process)
         shutil.rmtree(folder, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--python", type=Path, help="a TorchServe venv's python (default: built)")
-    parser.add_argument("--out", type=Path, default=ANSWERS)
-    args = parser.parse_args(argv)
-    python = args.python
-    if python is None:
-        env = ensure_env("torchserve-vision")
-        if not env.ok or env.python is None:
-            print(env.reason, file=sys.stderr)
-            return 2
-        python = env.python
-    document = record(python, args.out)
-    print(f"{len(document['answers'])} answers from TorchServe written to {args.out}")  # type: ignore[arg-type]
-    return 0
+    return run_recorder(__doc__ or "", "torchserve-vision", record, ANSWERS, argv)
 
 
 if __name__ == "__main__":

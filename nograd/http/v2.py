@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 from fastapi import APIRouter, Request, Response
@@ -131,7 +131,9 @@ async def model_version_metadata(request: Request, name: str, version: str) -> M
 
 def _model_ready(request: Request, name: str, version: str | None) -> Response:
     model = dataplane_of(request).get(name, version)
-    return json_response({"name": model.name, "ready": model.ready}, 200 if model.ready else 503)
+    if model.ready:
+        return Response(status_code=200)  # as Triton: the status is the answer
+    return json_response({"name": model.name, "ready": False}, 503)
 
 
 @router.get(
@@ -186,6 +188,9 @@ def _timeout_s(parameters: Mapping[str, Any]) -> float | None:
     return value / 1e6 if value else None
 
 
+ENSEMBLE_PARAMETERS: Final = {"sequence_id": 0, "sequence_start": False, "sequence_end": False}
+
+
 def _infer_reply(
     model: ServedModel, decoded: InferRequest, outputs: Mapping[str, np.ndarray]
 ) -> Reply:
@@ -197,6 +202,9 @@ def _infer_reply(
         "model_version": model.version,
         "outputs": tensors,
     }
+    if model.config.steps:
+        # Triton's ensembles answer with the sequence parameters of the request they composed.
+        document["parameters"] = ENSEMBLE_PARAMETERS
     if decoded.id is not None:
         document["id"] = decoded.id
     header = dumps(document)

@@ -187,8 +187,25 @@ def _convert(model_dir: Path, message: Any, text: str, where: str) -> ModelConfi
             f"{where}: field 'parameters' ({', '.join(sorted(message.parameters))}): reported "
             "in the model configuration; nograd's backends read none of them"
         )
-    fields["triton_config"] = json.dumps(_document(message), sort_keys=True)
+    _complete(message, backend)
+    fields["triton_config"] = json.dumps(_document(message))
     return ModelConfig.model_validate(fields)
+
+
+def _complete(message: Any, backend: Backend) -> None:
+    """What Triton fills in a configuration it loads, so the configuration nograd reports is the
+    one Triton reports: pinned-memory optimisation for a model of its own, a transaction policy
+    for an ensemble, and a Python model's preferred batch size (its ``max_batch_size``)."""
+    if backend is ENSEMBLE:
+        message.model_transaction_policy.SetInParent()
+        return
+    if not message.HasField("optimization"):
+        message.optimization.input_pinned_memory.enable = True
+        message.optimization.output_pinned_memory.enable = True
+    batching = message.dynamic_batching
+    batched = message.HasField("dynamic_batching") and message.max_batch_size > 0
+    if backend is PYTHON and batched and not batching.preferred_batch_size:
+        batching.preferred_batch_size.append(message.max_batch_size)
 
 
 def _refuse_unknown(message: Any, where: str) -> None:
@@ -331,10 +348,14 @@ def _device(message: Any, where: str) -> str:
 
 def _document(message: Message) -> dict[str, Any]:
     """The message as JSON, as Triton's model configuration endpoint prints it: every field,
-    64-bit integers as numbers."""
+    64-bit integers as numbers; an ensemble's ``max_inflight_requests`` only when set (Triton
+    2.51, whose answers nograd is checked against, does not have the field)."""
     document = json_format.MessageToDict(
         message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
+    scheduling = document.get("ensemble_scheduling")
+    if scheduling is not None and not int(scheduling.get("max_inflight_requests", 0)):
+        scheduling.pop("max_inflight_requests", None)
     return _numbers(message, document)
 
 

@@ -212,15 +212,20 @@ class ModelRegistry:
     def get(self, name: str, version: str | None = None) -> ServedModel:
         model = self.models.get(name)
         if model is None:
+            # Triton's words first (its clients match on them), then why.
             if name in self.unloaded:
-                raise ModelNotFound(f"model {name!r} is not loaded ({self.unloaded[name]})")
-            raise ModelNotFound(f"model {name!r} is not in the repository")
+                raise ModelNotFound(
+                    f"Request for unknown model: '{name}' has no available versions "
+                    f"({self.unloaded[name]})"
+                )
+            raise ModelNotFound(f"Request for unknown model: '{name}' is not found")
         if version is None:
             return model
         found = self.versions.get(name, {}).get(version)
         if found is None:
-            served = ", ".join(self.version_names(name))
-            raise ModelNotFound(f"model {name!r} has no version {version!r} (serving: {served})")
+            raise ModelNotFound(
+                f"Request for unknown model: '{name}' version {version} is not found"
+            )
         return found
 
     def all_ready(self) -> bool:

@@ -108,9 +108,10 @@ def triton_folder_configuration(model: ServedModel) -> dict[str, Any]:
     document: dict[str, Any] = json.loads(config.triton_config)
     if not document.get("instance_group") and not config.steps:
         device = str(model.handler.device) if model.handler is not None else config.device
+        # Triton names the group it adds after the model.
         document["instance_group"] = [
             {
-                "name": f"{config.name}_0",
+                "name": config.name,
                 "kind": "KIND_GPU" if device.startswith("cuda") else "KIND_CPU",
                 "count": 1,
                 "gpus": [int(device.partition(":")[2] or 0)] if device.startswith("cuda") else [],

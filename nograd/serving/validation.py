@@ -10,6 +10,7 @@ import numpy as np
 from nograd.core.datatypes import NUMPY_DTYPES, datatype_of, shape_matches
 from nograd.protocol.limits import tensor_decoded_bytes
 from nograd.runtime.handler import ModelHandler, Outputs
+from nograd.serving import input_refusals as refusals
 from nograd.serving.errors import InvalidInput, LimitExceeded
 from nograd.serving.registry import ServedModel
 
@@ -92,14 +93,17 @@ def check_declared(
     ``validate`` runs it on every front's arrays, so both fronts refuse with one check.
     ``request_id`` is the protocol's own id (the V2 ``id``), which Triton's refusals quote."""
     specs = {spec.name: spec for spec in model.config.inputs}
-    unknown = sorted(set(declared) - set(specs))
+    required = [spec.name for spec in model.config.inputs if not spec.optional]
+    missing = [name for name in required if name not in declared]
+    if (
+        len(declared) > len(specs)
+        or len(declared) < len(required)
+        or (missing and not set(declared) - set(specs))
+    ):
+        raise InvalidInput(refusals.input_count(model, list(declared), missing, request_id))
+    unknown = [name for name in declared if name not in specs]
     if unknown:
-        raise InvalidInput(
-            f"unexpected input(s) {unknown} for model {model.name!r}; expected {sorted(specs)}"
-        )
-    missing = sorted(name for name in set(specs) - set(declared) if not specs[name].optional)
-    if missing:
-        raise InvalidInput(f"missing input(s) {missing} for model {model.name!r}")
+        raise InvalidInput(refusals.unexpected_input(model, unknown[0]))
     if not declared:
         raise InvalidInput(
             f"the request carries no input for model {model.name!r} (its optional inputs: "
@@ -110,26 +114,17 @@ def check_declared(
     for name, (datatype, shape) in declared.items():
         spec = specs[name]
         if datatype != spec.datatype:
-            raise InvalidInput(
-                f"input {name!r} has datatype {datatype}; model {model.name!r} expects "
-                f"{spec.datatype}"
-            )
+            raise InvalidInput(refusals.datatype(model, name, datatype, spec, request_id))
         if unbatched:
             # No batch dimension (Triton's max_batch_size 0): the request is one sample.
             if not shape_matches(spec.shape, shape):
-                raise InvalidInput(
-                    f"input {name!r} has shape {list(shape)}; model {model.name!r} has no batch "
-                    f"dimension and expects {list(spec.shape)}"
-                )
+                raise InvalidInput(refusals.shape(model, name, shape, spec, request_id))
             continue
         sample = shape[1:]
         if not spec.shape and sample == (1,):  # Triton's extra axis (``squeeze_scalar_samples``)
             sample = ()
         if not shape or not shape_matches(spec.shape, sample):
-            raise InvalidInput(
-                f"input {name!r} has shape {list(shape)}; model {model.name!r} "
-                f"expects [-1, {', '.join(str(d) for d in spec.shape)}]".replace(", ]", "]")
-            )
+            raise InvalidInput(refusals.shape(model, name, shape, spec, request_id))
         refusal = triton_batch_refusal(model, shape[0], request_id)
         if refusal is not None:
             raise InvalidInput(refusal)

@@ -135,7 +135,12 @@ def test_typed_contents_are_accepted(served: GrpcServer) -> None:
 @pytest.mark.parametrize(
     ("model", "tensor", "code", "fragment"),
     [
-        ("nope", ("image", "FP32", IMAGES), grpc.StatusCode.NOT_FOUND, "not in the repository"),
+        (
+            "nope",
+            ("image", "FP32", IMAGES),
+            grpc.StatusCode.NOT_FOUND,
+            "unknown model: 'nope' is not found",
+        ),
         ("digits", ("pixels", "FP32", IMAGES), grpc.StatusCode.INVALID_ARGUMENT, "unexpected"),
         (
             "digits",
@@ -183,7 +188,12 @@ def _send(served: GrpcServer, request: Any) -> grpc.RpcError:
     [
         ([1] * 70, "FP32", ("raw", b"\0" * 4), "70 dimensions is too large; the limit is 32"),
         ([0, 2**62, 2**62], "FP32", ("raw", b""), "the limit is 1099511627776 elements"),
-        ([1], "UINT64", ("uint64_contents", [2**64 - 1]), "has datatype UINT64; .* expects FP32"),
+        (
+            [1],
+            "UINT64",
+            ("uint64_contents", [2**64 - 1]),
+            "data-type is 'UINT64', but model .* expects 'FP32'",
+        ),
     ],
     ids=["rank-70", "empty-with-huge-dims", "uint64-max"],
 )

@@ -8,6 +8,7 @@ OUTPUT0 = INPUT0 + INPUT1, OUTPUT1 = INPUT0 - INPUT1), over HTTP and gRPC with t
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,6 +21,7 @@ import tritonclient.http as triton_http
 from tritonclient.utils import InferenceServerException
 
 from tests.e2e.serving import Server, free_port, metric_value, run_server
+from tests.triton_exchanges import EXCHANGES, differences, recorded_answers, send_grpc, send_http
 from tests.triton_models import SERVED, triton_repository
 
 pytestmark = pytest.mark.e2e
@@ -195,7 +197,10 @@ def test_no_batch_dimension_refuses_a_batched_request(triton_server: Server) -> 
     body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 2, 3], "data": [0.0] * 6}]}
     response = httpx.post(f"{triton_server.url}/v2/models/scale_shift/infer", json=body)
     assert response.status_code == 400
-    assert "no batch dimension" in response.json()["error"]
+    assert response.json()["error"] == (
+        "[request id: <id_unknown>] unexpected shape for input 'x' for model 'scale_shift'. "
+        "Expected [2,3], got [1,2,3]. "
+    )
 
 
 def test_more_rows_than_max_batch_size_refused_as_triton_refuses_them(
@@ -540,7 +545,7 @@ def test_python_model_optional_input_may_be_left_out(
     body = {"inputs": [{"name": "B", "datatype": "FP32", "shape": [1, 2], "data": [1, 0]}]}
     refused = httpx.post(url, json=body)
     assert refused.status_code == 400
-    assert "missing input(s) ['A']" in refused.json()["error"]
+    assert "missing required input(s) ['A']" in refused.json()["error"]
 
 
 def test_requests_with_different_optional_inputs_never_share_a_batch(
@@ -596,3 +601,23 @@ def test_every_worker_loads_an_ensemble_with_its_step_models(
                 statuses.add((answer.status_code, answer.text if answer.status_code != 200 else ""))
                 assert answer.status_code != 200 or answer.json()["outputs"][0]["data"] == [2] * 16
         assert statuses == {(200, "")}
+
+
+def test_answers_equal_tritons(
+    triton_server: Server, grpc_client: triton_grpc.InferenceServerClient
+) -> None:
+    """Every call of ``tests/triton_exchanges.py`` answered as Triton 2.51 answered it
+    (``scripts/record_triton_answers.py``): metadata, configuration, answers and errors, over
+    HTTP and gRPC, floats within 1e-5, one call at a time."""
+    recorded = recorded_answers()
+    assert sorted(recorded) == sorted(exchange.name for exchange in EXCHANGES)
+    with httpx.Client(timeout=60) as client:
+        answers = {
+            e.name: send_http(client, triton_server.url, e)
+            if e.api == "http"
+            else send_grpc(grpc_client, e)
+            for e in EXCHANGES
+        }
+    found = {name: differences(recorded[name], answers[name]) for name in recorded}
+    failed = {name: diff for name, diff in found.items() if diff}
+    assert not failed, json.dumps(failed, indent=1)

@@ -196,7 +196,9 @@ def test_a_hostile_bytes_tensor_is_refused_before_its_elements_are_parsed(
     request.inputs[0].ClearField("shape")
     request.inputs[0].shape.extend([1, HOSTILE_ELEMENTS])
     started = time.perf_counter()
-    with pytest.raises(InvalidInput, match=r"input 'text' has shape \[1, 15728640\]"):
+    with pytest.raises(
+        InvalidInput, match=r"unexpected shape for input 'text' .* got \[1,15728640\]"
+    ):
         decode_inputs(request, check)
     assert time.perf_counter() - started < 2.0
 

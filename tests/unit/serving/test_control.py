@@ -112,7 +112,9 @@ async def test_the_newest_version_serves_by_default(tmp_path: Path, stop: list[D
     stop.append(plane)
     assert plane.registry.version_names("scaler") == ["3"]
     assert await answer(plane) == 3.0
-    with pytest.raises(ModelNotFound, match=r"no version '1' \(serving: 3\)"):
+    with pytest.raises(
+        ModelNotFound, match=r"Request for unknown model: 'scaler' version 1 is not found"
+    ):
         await answer(plane, "1")
 
 
