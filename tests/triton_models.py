@@ -333,6 +333,8 @@ def triton_repository(root: Path) -> Path:
 
     - ``simple`` (Triton's, ONNX) with versions 1 and 2: the default policy serves 2 alone;
     - ``simple_int8`` (Triton's, ONNX);
+    - ``simple_string`` (Triton's, ONNX with TYPE_STRING tensors), and ``simple_string_queued``,
+      the same with dynamic batching (a 200 ms delay, so concurrent requests share a batch);
     - ``simple_specific``: ``simple`` with versions 1 to 3 and a policy serving 1 and 3;
     - ``cpu_instance`` (Triton's QA config) with a generated TorchScript ``model.pt``;
     - ``scale_shift``: TorchScript without a batch dimension;
@@ -358,8 +360,15 @@ def triton_repository(root: Path) -> Path:
     repo = root / "repo"
     repo.mkdir(parents=True)
     simple = FIXTURES / "simple"
-    for name in ("simple", "simple_int8", "simple_identity"):
+    for name in ("simple", "simple_int8", "simple_identity", "simple_string"):
         shutil.copytree(FIXTURES / name, repo / name)
+    queued = repo / "simple_string_queued"
+    shutil.copytree(FIXTURES / "simple_string" / "1", queued / "1")
+    strings = (FIXTURES / "simple_string" / "config.pbtxt").read_text()
+    (queued / "config.pbtxt").write_text(
+        strings.replace('"simple_string"', '"simple_string_queued"')
+        + "\ndynamic_batching { max_queue_delay_microseconds: 200000 }\n"
+    )
     shutil.copytree(simple / "1", repo / "simple" / "2")
     specific = repo / "simple_specific"
     for version in ("1", "2", "3"):
@@ -463,6 +472,8 @@ def _ensembles(repo: Path) -> None:
 SERVED = (
     "simple",
     "simple_int8",
+    "simple_string",
+    "simple_string_queued",
     "simple_specific",
     "cpu_instance",
     "scale_shift",

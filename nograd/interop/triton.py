@@ -260,11 +260,11 @@ def _tensor(tensor: Any, kind: str, where: str, backend: Backend) -> TensorSpec:
     datatype = DATATYPES.get(type_name)
     if datatype is None:
         raise ValueError(f"{label}: 'data_type' {type_name} is not served by nograd")
-    if datatype == "BYTES" and backend not in (PYTHON, ENSEMBLE):
+    if datatype == "BYTES" and backend.format == "torchscript":
         raise ValueError(
             f"{label}: 'data_type' TYPE_STRING is not served by nograd's {backend.backend} "
-            "backend yet (its tensors pass through torch, which holds no strings; the python "
-            "backend takes them)"
+            "backend (TorchScript tensors pass through torch, which holds no strings; the "
+            "onnxruntime and python backends take them)"
         )
     dims = tuple(int(d) for d in tensor.dims)
     reshape = tuple(int(d) for d in tensor.reshape.shape) if tensor.HasField("reshape") else None

@@ -120,9 +120,17 @@ def test_python_backend_read_with_its_strings() -> None:
     add_sub = read_triton(FIXTURES / "add_sub")
     assert add_sub.batch_dimension is False
     assert json.loads(add_sub.triton_config or "")["platform"] == ""
-    # Strings through ONNX Runtime (torch in between) are still refused, naming the type.
-    with pytest.raises(ConfigError, match="TYPE_STRING"):
-        read_triton(FIXTURES / "simple_string")
+    # Strings through ONNX Runtime are served (numpy arrays, no torch); through TorchScript
+    # (torch in between) they are refused, naming the type.
+    strings = read_triton(FIXTURES / "simple_string")
+    assert strings.format == "onnx" and strings.outputs[0].datatype == "BYTES"
+
+
+def test_strings_through_torchscript_refused_naming_the_type(tmp_path: Path) -> None:
+    text = (FIXTURES / "simple_string" / "config.pbtxt").read_text()
+    text = text.replace('"simple_string"', '"s"').replace("onnxruntime_onnx", "pytorch_libtorch")
+    with pytest.raises(ConfigError, match="TYPE_STRING is not served by nograd's pytorch"):
+        read_triton(_folder(tmp_path, "s", text, model="model.pt"))
 
 
 def test_a_python_model_without_config_is_no_triton_folder(tmp_path: Path) -> None:
