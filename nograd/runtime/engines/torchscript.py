@@ -1,5 +1,7 @@
 """TorchScript: a ``model.pt`` saved by ``torch.jit.save`` (Triton's PyTorch backend), loaded with
-``torch.jit.load`` and run by torch under inference mode.
+``torch.jit.load`` and run by torch under inference mode. nograd builds one from a python model
+(``nograd export --to torchscript``) by tracing its forward as exported: positional inputs in the
+order the handler collates them, a tuple of the config's outputs in its order.
 
 A TorchScript module names no datatypes, so its config lists the inputs and outputs. They are
 bound as Triton's PyTorch backend binds them: inputs by ``forward()``'s argument names, else by
@@ -10,6 +12,7 @@ outputs by their ``__N`` suffix, else in the config's order (a dict returned is 
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,9 +61,10 @@ class TorchScriptPath(EnginePath):
     def check_inputs(self, handler: ModelHandler) -> None:
         """Bind the config's inputs to ``forward``'s arguments and its outputs to the results,
         or refuse the model when their counts differ."""
-        config = handler.config
-        inputs = [spec.name for spec in config.inputs]
-        outputs = [spec.name for spec in config.outputs]
+        # What the handler collates: the config's inputs, in its order, for a plain handler;
+        # the tensors a model's own handler makes (token ids) for one exported by nograd.
+        inputs = list(handler.collate([handler.example(1, 8)]))
+        outputs = [spec.name for spec in handler.config.outputs]
         if self.arguments is not None and len(self.arguments) != len(inputs):
             raise ArtifactError(
                 f"forward() takes {len(self.arguments)} argument(s) {self.arguments}, the config "
@@ -98,6 +102,23 @@ class TorchScriptPath(EnginePath):
         }
 
 
+class _Positional(torch.nn.Module):
+    """The exported forward (a dict in, a dict out) as TorchScript models take and give
+    tensors: positional arguments, a tuple of outputs."""
+
+    def __init__(
+        self, module: torch.nn.Module, inputs: Sequence[str], outputs: Sequence[str]
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self.inputs = tuple(inputs)
+        self.outputs = tuple(outputs)
+
+    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        result = self.module(dict(zip(self.inputs, tensors, strict=True)))
+        return tuple(result[name] for name in self.outputs)
+
+
 def _forward_arguments(module: torch.jit.ScriptModule) -> list[str] | None:
     """``forward``'s argument names, ``self`` left out; None when its schema cannot be read."""
     try:
@@ -109,7 +130,7 @@ def _forward_arguments(module: torch.jit.ScriptModule) -> list[str] | None:
 
 @dataclass(frozen=True)
 class TorchScriptEngine:
-    """``torch.jit.load`` to open; nograd builds no TorchScript (``buildable`` is False)."""
+    """``torch.jit.trace`` of the exported forward to build, ``torch.jit.load`` to open."""
 
     row: EngineRow
 
@@ -117,7 +138,15 @@ class TorchScriptEngine:
         return None
 
     def build(self, traced: Traced, target: Path) -> None:
-        raise ArtifactError("nograd serves TorchScript as it is brought; it builds none")
+        module = _Positional(traced.forward, traced.inputs, traced.outputs)
+        example = tuple(traced.example[name] for name in traced.inputs)
+        with torch.no_grad(), warnings.catch_warnings():
+            # torch deprecates TorchScript; Triton's PyTorch backend serves nothing else.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            scripted = torch.jit.trace(  # type: ignore[no-untyped-call]
+                module, example, check_trace=False
+            )
+            torch.jit.save(scripted, str(target))
 
     def open(self, path: Path, device: torch.device) -> EnginePath:
         module = torch.jit.load(str(path), map_location=device)  # type: ignore[no-untyped-call]
