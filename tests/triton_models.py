@@ -337,6 +337,8 @@ def triton_repository(root: Path) -> Path:
       the same with dynamic batching (a 200 ms delay, so concurrent requests share a batch);
     - ``simple_specific``: ``simple`` with versions 1 to 3 and a policy serving 1 and 3;
     - ``cpu_instance`` (Triton's QA config) with a generated TorchScript ``model.pt``;
+    - ``sum_chosen``: ``cpu_instance`` opted in to nograd's engine choice (``nograd_engine``:
+      ONNX Runtime, built from the TorchScript model and checked against it);
     - ``scale_shift``: TorchScript without a batch dimension;
     - ``auto``: ``simple``'s model.onnx with no config (auto-complete: batched, 4 rows);
     - ``fixed``: a fixed-shape ONNX model with no config (auto-complete: no batch dimension);
@@ -384,6 +386,14 @@ def triton_repository(root: Path) -> Path:
     )
     shutil.copytree(FIXTURES / "cpu_instance", repo / "cpu_instance")
     save_torchscript(SumDifference(), repo / "cpu_instance" / "1" / "model.pt")
+    chosen = repo / "sum_chosen"
+    save_torchscript(SumDifference(), chosen / "1" / "model.pt")
+    (chosen / "config.pbtxt").write_text(
+        (FIXTURES / "cpu_instance" / "config.pbtxt")
+        .read_text()
+        .replace("cpu_instance", "sum_chosen")
+        + '\nparameters { key: "nograd_engine" value: { string_value: "onnx" } }\n'
+    )
     save_torchscript(ScaleShift(), repo / "scale_shift" / "1" / "model.pt")
     (repo / "scale_shift" / "config.pbtxt").write_text(NO_BATCH_CONFIG)
     shutil.copytree(simple / "1", repo / "auto" / "1")
@@ -401,6 +411,8 @@ def triton_repository(root: Path) -> Path:
     (repo / "optional_sum" / "config.pbtxt").write_text(OPTIONAL_CONFIG)
     (repo / "optional_sum" / "1" / "model.py").write_text(OPTIONAL_MODEL)
     shutil.copytree(ROOT / "models" / "digits", repo / "digits")
+    digits = repo / "digits" / "config.toml"  # eager: no engine built at every start
+    digits.write_text(digits.read_text().replace('engine = "auto"', 'engine = "eager"'))
     return repo
 
 
@@ -476,6 +488,7 @@ SERVED = (
     "simple_string_queued",
     "simple_specific",
     "cpu_instance",
+    "sum_chosen",
     "scale_shift",
     "auto",
     "simple_identity",

@@ -17,6 +17,7 @@ from nograd.runtime.config import (
     PYTHON_FORMAT,
     TORCHSERVE_FORMAT,
     ModelConfig,
+    chooses_engine,
     is_triton_python,
 )
 from nograd.runtime.engines.artifacts import verify_sha256
@@ -25,6 +26,7 @@ from nograd.runtime.engines.errors import ArtifactError
 from nograd.runtime.engines.onnx import OnnxPath
 from nograd.runtime.engines.registry import open_engine
 from nograd.runtime.engines.signature import with_signature
+from nograd.runtime.engines.torchscript import ScriptedForward, TorchScriptPath
 from nograd.runtime.handler import ModelHandler
 from nograd.runtime.python_backend.handler import (
     PythonBackendHandler,
@@ -229,6 +231,11 @@ def build_artifact_handler(
         engine.check_inputs(handler)
     except ArtifactError as exc:
         raise LoadError(f"{path}: {exc}") from exc
+    if chooses_engine(config) and isinstance(engine, TorchScriptPath):
+        # Opted in to nograd's engine choice: the TorchScript module is the eager forward the
+        # engines are built from and checked against (nograd/runtime/engines/choice.py).
+        handler.module = ScriptedForward(engine, handler)
+        return handler
     handler.speed_path = engine
     handler.speed_mode = config.format
     return handler

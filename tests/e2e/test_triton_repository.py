@@ -42,6 +42,8 @@ def triton_server(triton_repo: Path) -> Iterator[Server]:
         "NOGRAD_GRPC_PORT": str(free_port()),
         "NOGRAD_MODEL_CONTROL": "explicit",
         "NOGRAD_LOAD_MODELS": ",".join([*SERVED, "fixed", "digits"]),
+        # Unset (the harness sets eager): each model's own choice, sum_chosen's opt-in included.
+        "NOGRAD_ENGINE": "",
     }
     with run_server(root, env=env, ready_timeout_s=120) as server:
         yield server
@@ -275,6 +277,34 @@ def test_concurrent_string_requests_share_a_batch(
         if fewest == 1:
             break
     assert fewest < 8
+
+
+def test_torchscript_opted_in_to_the_engine_choice_gets_one_checked_against_it(
+    triton_server: Server, http_client: triton_http.InferenceServerClient
+) -> None:
+    """``nograd_engine`` in config.pbtxt: ONNX Runtime built from the TorchScript model, checked
+    against it (reported in the log and the accuracy metrics), answering as Triton would;
+    ``cpu_instance``, the same model without the parameter, stays on TorchScript alone."""
+    log = triton_server.log()
+    assert "model sum_chosen: engines measured at load" in log
+    assert "model cpu_instance: engines measured at load" not in log
+    from prometheus_client.parser import text_string_to_metric_families
+
+    checked = {
+        (sample.labels["model"], sample.labels["mode"], sample.value)
+        for family in text_string_to_metric_families(httpx.get(f"{triton_server.url}/metrics").text)
+        for sample in family.samples
+        if sample.name == "nograd_model_accuracy_delta"
+    }
+    assert ("sum_chosen", "onnx", 0.0) in checked
+    assert not {row for row in checked if row[0] == "cpu_instance"}
+    config = http_client.get_model_config("sum_chosen")
+    assert config["parameters"]["nograd_engine"]["string_value"] == "onnx"
+    assert config["platform"] == "pytorch_libtorch"
+    a, b = ROWS[:4], OTHER[:4]
+    result = _infer(http_client, triton_http, "sum_chosen", {"INPUT__0": a, "INPUT__1": b})
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT__0"), a + b)  # type: ignore[attr-defined]
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT__1"), a - b)  # type: ignore[attr-defined]
 
 
 def test_version_policy_specific(http_client: triton_http.InferenceServerClient) -> None:

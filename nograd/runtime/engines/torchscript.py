@@ -11,6 +11,7 @@ outputs by their ``__N`` suffix, else in the config's order (a dict returned is 
 
 from __future__ import annotations
 
+import logging
 import re
 import warnings
 from collections.abc import Mapping, Sequence
@@ -28,6 +29,8 @@ from nograd.runtime.handler import ModelHandler
 if TYPE_CHECKING:
     from nograd.runtime.config import TensorSpec
     from nograd.runtime.engines.trace import Traced
+
+logger = logging.getLogger(__name__)
 
 _INDEXED: Final = re.compile(r"^.*__(\d+)$")
 
@@ -79,13 +82,15 @@ class TorchScriptPath(EnginePath):
         self._output_slots = suffix_order(outputs) or list(range(len(outputs)))
 
     def forward(self, batch: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
-        if self._by_name:
-            result = self.module(**batch)
-        else:
-            result = self.module(*(batch[name] for name in self._positions))
-        return self._named(result)
+        return self.named(self.module(*self.arguments_of(batch)))
 
-    def _named(self, result: Any) -> dict[str, torch.Tensor]:
+    def arguments_of(self, batch: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+        """The batch's tensors as ``forward()``'s positional arguments."""
+        names = self.arguments if self._by_name and self.arguments else self._positions
+        return [batch[name] for name in names]
+
+    def named(self, result: Any) -> dict[str, torch.Tensor]:
+        """``forward()``'s result under the config's output names."""
         if isinstance(result, Mapping):
             missing = [name for name in self.outputs if name not in result]
             if missing:
@@ -100,6 +105,56 @@ class TorchScriptPath(EnginePath):
         return {
             name: results[slot] for name, slot in zip(self.outputs, self._output_slots, strict=True)
         }
+
+
+class ScriptedForward(torch.nn.Module):
+    """A TorchScript model as the eager module of a handler that may choose another engine
+    (``engine = "auto"``, opted in): it runs the TorchScript module, and under ``torch.export``
+    the same graph converted to ATen operators, which export traces with a symbolic batch
+    dimension (through the TorchScript interpreter every size would be a constant)."""
+
+    def __init__(self, path: TorchScriptPath, handler: ModelHandler) -> None:
+        super().__init__()
+        self.path = path
+        self.scripted = path.module
+        self.converted = _converted(path, handler)
+
+    def forward(self, **batch: torch.Tensor) -> dict[str, torch.Tensor]:
+        if self.converted is not None and torch.compiler.is_exporting():
+            return self.path.named(self.converted(*self.path.arguments_of(batch)))
+        return dict(self.path.forward(batch))
+
+
+def _converted(path: TorchScriptPath, handler: ModelHandler) -> torch.nn.Module | None:
+    """The TorchScript graph as an ATen graph module, or None when it does not convert (then
+    ``torch.export`` fails, the engines are refused, and TorchScript serves)."""
+    from torch._export.converter import TS2EPConverter
+
+    with torch.no_grad():
+        example = handler.collate([handler.example(3)])
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            program = TS2EPConverter(path.module, tuple(path.arguments_of(example))).convert()
+        return _Converted(program.module())
+    except Exception:
+        logger.info("model %s: TorchScript not convertible for torch.export", handler.config.name)
+        logger.debug("conversion failure", exc_info=True)
+        return None
+
+
+class _Converted(torch.nn.Module):
+    """An exported program's module, kept out of ``train()``/``eval()`` (which it refuses)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def train(self, mode: bool = True) -> _Converted:
+        return self
+
+    def forward(self, *tensors: torch.Tensor) -> Any:
+        return self.module(*tensors)
 
 
 class _Positional(torch.nn.Module):

@@ -159,3 +159,19 @@ def test_triton_and_nograd_folders_side_by_side(tmp_path: Path) -> None:
     assert problems == []
     assert sorted(found) == ["bare", "digits", "simple"]
     assert found["digits"].versions["1"].config.backend == "nograd"
+
+
+def test_the_engine_parameter_opts_torchscript_in_and_is_refused_elsewhere(
+    tmp_path: Path,
+) -> None:
+    parameter = '\nparameters { key: "nograd_engine" value: { string_value: "%s" } }\n'
+    text = (FIXTURES / "cpu_instance" / "config.pbtxt").read_text()
+    chosen = read_triton(_folder(tmp_path, "cpu_instance", text + parameter % "auto", "model.pt"))
+    assert (chosen.format, chosen.engine) == ("torchscript", "auto")
+    with pytest.raises(ConfigError, match="'nograd_engine': 'fast' is not one of"):
+        read_triton(
+            _folder(tmp_path / "bad", "cpu_instance", text + parameter % "fast", "model.pt")
+        )
+    simple = (FIXTURES / "simple" / "config.pbtxt").read_text() + parameter % "auto"
+    with pytest.raises(ConfigError, match="only a TorchScript model"):
+        read_triton(_folder(tmp_path, "simple", simple))
