@@ -92,7 +92,7 @@ class Settings(BaseSettings):
     """With ``model_control = poll``: seconds between two looks at the repository."""
 
     engine: str = ""
-    """Replaces the ``engine`` of every python model's config when set (``eager`` skips building
+    """Replaces the ``engine`` of every python and TorchScript model's config when set (``eager`` skips building
     and timing engines at start-up; ``auto``, or one engine of ``nograd.core.engines``); empty
     keeps each config's own. Like every setting a model's config also has, see
     ``nograd.serving.precedence``."""

@@ -333,8 +333,12 @@ def triton_repository(root: Path) -> Path:
 
     - ``simple`` (Triton's, ONNX) with versions 1 and 2: the default policy serves 2 alone;
     - ``simple_int8`` (Triton's, ONNX);
+    - ``simple_string`` (Triton's, ONNX with TYPE_STRING tensors), and ``simple_string_queued``,
+      the same with dynamic batching (a 200 ms delay, so concurrent requests share a batch);
     - ``simple_specific``: ``simple`` with versions 1 to 3 and a policy serving 1 and 3;
     - ``cpu_instance`` (Triton's QA config) with a generated TorchScript ``model.pt``;
+    - ``sum_chosen``: ``cpu_instance`` opted in to nograd's engine choice (``nograd_engine``:
+      ONNX Runtime, built from the TorchScript model and checked against it);
     - ``scale_shift``: TorchScript without a batch dimension;
     - ``auto``: ``simple``'s model.onnx with no config (auto-complete: batched, 4 rows);
     - ``fixed``: a fixed-shape ONNX model with no config (auto-complete: no batch dimension);
@@ -358,8 +362,15 @@ def triton_repository(root: Path) -> Path:
     repo = root / "repo"
     repo.mkdir(parents=True)
     simple = FIXTURES / "simple"
-    for name in ("simple", "simple_int8", "simple_identity"):
+    for name in ("simple", "simple_int8", "simple_identity", "simple_string"):
         shutil.copytree(FIXTURES / name, repo / name)
+    queued = repo / "simple_string_queued"
+    shutil.copytree(FIXTURES / "simple_string" / "1", queued / "1")
+    strings = (FIXTURES / "simple_string" / "config.pbtxt").read_text()
+    (queued / "config.pbtxt").write_text(
+        strings.replace('"simple_string"', '"simple_string_queued"')
+        + "\ndynamic_batching { max_queue_delay_microseconds: 200000 }\n"
+    )
     shutil.copytree(simple / "1", repo / "simple" / "2")
     specific = repo / "simple_specific"
     for version in ("1", "2", "3"):
@@ -375,6 +386,14 @@ def triton_repository(root: Path) -> Path:
     )
     shutil.copytree(FIXTURES / "cpu_instance", repo / "cpu_instance")
     save_torchscript(SumDifference(), repo / "cpu_instance" / "1" / "model.pt")
+    chosen = repo / "sum_chosen"
+    save_torchscript(SumDifference(), chosen / "1" / "model.pt")
+    (chosen / "config.pbtxt").write_text(
+        (FIXTURES / "cpu_instance" / "config.pbtxt")
+        .read_text()
+        .replace("cpu_instance", "sum_chosen")
+        + '\nparameters { key: "nograd_engine" value: { string_value: "onnx" } }\n'
+    )
     save_torchscript(ScaleShift(), repo / "scale_shift" / "1" / "model.pt")
     (repo / "scale_shift" / "config.pbtxt").write_text(NO_BATCH_CONFIG)
     shutil.copytree(simple / "1", repo / "auto" / "1")
@@ -392,6 +411,8 @@ def triton_repository(root: Path) -> Path:
     (repo / "optional_sum" / "config.pbtxt").write_text(OPTIONAL_CONFIG)
     (repo / "optional_sum" / "1" / "model.py").write_text(OPTIONAL_MODEL)
     shutil.copytree(ROOT / "models" / "digits", repo / "digits")
+    digits = repo / "digits" / "config.toml"  # eager: no engine built at every start
+    digits.write_text(digits.read_text().replace('engine = "auto"', 'engine = "eager"'))
     return repo
 
 
@@ -463,8 +484,11 @@ def _ensembles(repo: Path) -> None:
 SERVED = (
     "simple",
     "simple_int8",
+    "simple_string",
+    "simple_string_queued",
     "simple_specific",
     "cpu_instance",
+    "sum_chosen",
     "scale_shift",
     "auto",
     "simple_identity",

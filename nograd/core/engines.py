@@ -36,7 +36,7 @@ class EngineRow:
     """Among the engines ``auto`` considers when a config lists none."""
     buildable: bool = True
     """nograd builds its artifact from a python model (``engine``, ``nograd export --to``); False:
-    a format nograd only serves as it is brought (TorchScript, from Triton repositories)."""
+    a format nograd only serves as it is brought."""
 
 
 ENGINES: Final[tuple[EngineRow, ...]] = (
@@ -55,12 +55,7 @@ ENGINES: Final[tuple[EngineRow, ...]] = (
         auto_default=True,
     ),
     EngineRow("onnx-int8", ".onnx", "nograd.runtime.engines.onnx:ONNX_INT8", int8_of="onnx"),
-    EngineRow(
-        "torchscript",
-        ".pt",
-        "nograd.runtime.engines.torchscript:TORCHSCRIPT",
-        buildable=False,
-    ),
+    EngineRow("torchscript", ".pt", "nograd.runtime.engines.torchscript:TORCHSCRIPT"),
 )
 
 

@@ -20,6 +20,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from nograd.core.datatypes import TABLE
+from nograd.core.engines import engine_choices
 from nograd.interop.ensemble import ensemble_steps
 from nograd.interop.generated import model_config_pb2 as pb
 from nograd.runtime.config import (
@@ -61,6 +62,9 @@ BACKENDS: Final = (
     PYTHON,
     ENSEMBLE,
 )
+ENGINE_PARAMETER: Final = "nograd_engine"
+"""A config parameter (``string_value``) opting a TorchScript model in to nograd's engine choice
+(``auto``, or an engine's name); Triton's backends ignore parameters they do not know."""
 DATATYPES: Final[dict[str, str]] = {row.triton: row.name for row in TABLE}
 """Triton's ``TYPE_...`` names to the protocol's datatypes (TYPE_STRING is BYTES)."""
 
@@ -182,10 +186,13 @@ def _convert(model_dir: Path, message: Any, text: str, where: str) -> ModelConfi
         fields["max_queue_delay_ms"] = 0.0
     if message.instance_group:
         fields["device"] = _device(message, where)
-    if message.parameters:
+    if ENGINE_PARAMETER in message.parameters:
+        fields["engine"] = _engine(message.parameters[ENGINE_PARAMETER].string_value, backend)
+    unread = sorted(set(message.parameters) - {ENGINE_PARAMETER})
+    if unread:
         _warn(
-            f"{where}: field 'parameters' ({', '.join(sorted(message.parameters))}): reported "
-            "in the model configuration; nograd's backends read none of them"
+            f"{where}: field 'parameters' ({', '.join(unread)}): reported in the model "
+            "configuration; nograd's backends read none of them"
         )
     _complete(message, backend)
     fields["triton_config"] = json.dumps(_document(message))
@@ -277,11 +284,11 @@ def _tensor(tensor: Any, kind: str, where: str, backend: Backend) -> TensorSpec:
     datatype = DATATYPES.get(type_name)
     if datatype is None:
         raise ValueError(f"{label}: 'data_type' {type_name} is not served by nograd")
-    if datatype == "BYTES" and backend not in (PYTHON, ENSEMBLE):
+    if datatype == "BYTES" and backend.format == "torchscript":
         raise ValueError(
             f"{label}: 'data_type' TYPE_STRING is not served by nograd's {backend.backend} "
-            "backend yet (its tensors pass through torch, which holds no strings; the python "
-            "backend takes them)"
+            "backend (TorchScript tensors pass through torch, which holds no strings; the "
+            "onnxruntime and python backends take them)"
         )
     dims = tuple(int(d) for d in tensor.dims)
     reshape = tuple(int(d) for d in tensor.reshape.shape) if tensor.HasField("reshape") else None
@@ -292,6 +299,19 @@ def _tensor(tensor: Any, kind: str, where: str, backend: Backend) -> TensorSpec:
     return TensorSpec(
         name=tensor.name, datatype=datatype, shape=dims, reshape=reshape, optional=optional
     )
+
+
+def _engine(value: str, backend: Backend) -> str:
+    """The ``nograd_engine`` parameter: a TorchScript model's opt-in to nograd's engine choice."""
+    label = f"field 'parameters' key {ENGINE_PARAMETER!r}"
+    if backend.format != "torchscript":
+        raise ValueError(
+            f"{label}: only a TorchScript model (platform pytorch_libtorch) may choose another "
+            f"engine; this {backend.backend} model runs on its own backend's runtime"
+        )
+    if value not in engine_choices():
+        raise ValueError(f"{label}: {value!r} is not one of {', '.join(engine_choices())}")
+    return value
 
 
 def _version_policy(policy: Any) -> VersionPolicy:

@@ -41,6 +41,9 @@ as in the engine table (``nograd.core.engines``)."""
 TORCHSERVE_FORMAT = "torchserve"
 """A TorchServe model archive (``.mar``), unpacked by ``nograd.serving.archives``: its handler
 runs as TorchServe runs it (``nograd.runtime.torchserve``)."""
+TORCHSCRIPT_FORMAT = "torchscript"
+"""A TorchScript ``model.pt`` (Triton's PyTorch backend); runs as it is unless its ``engine``
+opts in to an engine built from it (``chooses_engine``)."""
 ENSEMBLE_FORMAT = "ensemble"
 """A Triton ensemble: no model of its own; ``steps`` run other served models
 (``nograd.serving.ensembles``)."""
@@ -304,6 +307,19 @@ def is_triton_python(config: ModelConfig) -> bool:
     return config.triton_config is not None and config.backend == "python"
 
 
+def chooses_engine(config: ModelConfig) -> bool:
+    """Whether the model's forward may run on an engine built from it at load: a python model,
+    or a TorchScript one opted in (``engine`` other than eager or its own), whose TorchScript
+    module is then the eager forward the engines are checked against."""
+    if config.format == PYTHON_FORMAT:
+        return True
+    return config.format == TORCHSCRIPT_FORMAT and config.engine not in (
+        None,
+        EAGER,
+        TORCHSCRIPT_FORMAT,
+    )
+
+
 def check_engine_fields(config: ModelConfig) -> None:
     """The format, artifact, engine and precision fields agree; each error names the field."""
     python = config.format == PYTHON_FORMAT
@@ -321,7 +337,7 @@ def check_engine_fields(config: ModelConfig) -> None:
         raise ValueError(f"field 'artifact': format {config.format!r} needs the artifact's file")
     if python and config.artifact is not None:
         raise ValueError("field 'artifact': only for a format other than \"python\"")
-    if not python and config.engine not in (None, config.format):
+    if not python and not chooses_engine(config) and config.engine not in (None, config.format):
         raise ValueError(
             f"field 'engine': a {config.format} artifact runs on its own engine, "
             f"got {config.engine!r}"

@@ -17,13 +17,16 @@ from nograd.runtime.config import (
     PYTHON_FORMAT,
     TORCHSERVE_FORMAT,
     ModelConfig,
+    chooses_engine,
     is_triton_python,
 )
 from nograd.runtime.engines.artifacts import verify_sha256
 from nograd.runtime.engines.autocomplete import auto_complete
 from nograd.runtime.engines.errors import ArtifactError
+from nograd.runtime.engines.onnx import OnnxPath
 from nograd.runtime.engines.registry import open_engine
 from nograd.runtime.engines.signature import with_signature
+from nograd.runtime.engines.torchscript import ScriptedForward, TorchScriptPath
 from nograd.runtime.handler import ModelHandler
 from nograd.runtime.python_backend.handler import (
     PythonBackendHandler,
@@ -32,6 +35,7 @@ from nograd.runtime.python_backend.handler import (
     register_utils,
 )
 from nograd.runtime.shapes import ShapedHandler, needs_shaping
+from nograd.runtime.string_tensors import StringTensorHandler, has_strings
 from nograd.runtime.torchserve.handler import ArchiveLoadError, build_archive_handler
 
 logger = logging.getLogger(__name__)
@@ -215,6 +219,10 @@ def build_artifact_handler(
                 "handler: define build_handler(model_dir, config, device, module)"
             )
         handler = cast(ModelHandler, factory(model_dir, config, device, module=placeholder))
+    elif has_strings(config):
+        # No handler of its own turns its strings into tensors (a tokenizer): the model reads
+        # them itself.
+        return _string_handler(path, engine, config, device)
     elif needs_shaping(config):
         handler = ShapedHandler(placeholder, config, device)
     else:
@@ -223,9 +231,30 @@ def build_artifact_handler(
         engine.check_inputs(handler)
     except ArtifactError as exc:
         raise LoadError(f"{path}: {exc}") from exc
+    if chooses_engine(config) and isinstance(engine, TorchScriptPath):
+        # Opted in to nograd's engine choice: the TorchScript module is the eager forward the
+        # engines are built from and checked against (nograd/runtime/engines/choice.py).
+        handler.module = ScriptedForward(engine, handler)
+        return handler
     handler.speed_path = engine
     handler.speed_mode = config.format
     return handler
+
+
+def _string_handler(
+    path: Path, engine: object, config: ModelConfig, device: torch.device
+) -> ModelHandler:
+    """A model with BYTES tensors: ONNX Runtime on numpy arrays, the only engine that takes
+    strings (torch holds none)."""
+    if not isinstance(engine, OnnxPath):
+        raise LoadError(
+            f"{path}: BYTES (TYPE_STRING) tensors are served through ONNX Runtime only; a "
+            f"{config.format} model's tensors pass through torch, which holds no strings"
+        )
+    try:
+        return StringTensorHandler(engine, config, device)
+    except ArtifactError as exc:
+        raise LoadError(f"{path}: {exc}") from exc
 
 
 def weights_bytes(module: torch.nn.Module) -> int:

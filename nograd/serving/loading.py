@@ -13,6 +13,7 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Final
 
 import torch
@@ -163,7 +164,7 @@ class ModelLoader:
                 self._limit(config),
                 sample,
                 recorder(self._metrics),
-                code=[locate(model.directory, config.module)],
+                code=_model_files(model.directory, config),
                 cache_dir=self._settings.engine_cache_dir,
             )
         if self.cores is not None:
@@ -403,3 +404,12 @@ def collect_frozen() -> None:
     """
     gc.unfreeze()
     settle_heap()
+
+
+def _model_files(model_dir: Path, config: ModelConfig) -> list[Path]:
+    """What an engine built from the model depends on besides its weights: its code, and the
+    TorchScript file it is built from (its graph is not in its weights)."""
+    files = [locate(model_dir, config.module)]
+    if config.artifact is not None:
+        files.append(locate(model_dir, config.artifact))
+    return files

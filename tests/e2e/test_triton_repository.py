@@ -44,6 +44,8 @@ def triton_server(triton_repo: Path) -> Iterator[Server]:
         "NOGRAD_GRPC_PORT": str(free_port()),
         "NOGRAD_MODEL_CONTROL": "explicit",
         "NOGRAD_LOAD_MODELS": ",".join([*SERVED, "fixed", "digits"]),
+        # Unset (the harness sets eager): each model's own choice, sum_chosen's opt-in included.
+        "NOGRAD_ENGINE": "",
     }
     with run_server(root, env=env, ready_timeout_s=120) as server:
         yield server
@@ -173,6 +175,138 @@ def test_rows_of_one_request_run_as_one_batch(
     after = http_client.get_inference_statistics("simple_int8")["model_stats"][0]
     assert int(after["inference_count"]) - int(before["inference_count"]) == 5
     assert int(after["execution_count"]) - int(before["execution_count"]) == 1
+
+
+def _strings(values: np.ndarray) -> np.ndarray:
+    return np.array([[str(v).encode() for v in row] for row in values], dtype=np.object_)
+
+
+@pytest.mark.parametrize("protocol", ["http", "http-json", "grpc"])
+def test_simple_string_answers_as_its_client_checks(
+    request: pytest.FixtureRequest, protocol: str
+) -> None:
+    """Triton's simple_string clients: OUTPUT0 = str(int(a) + int(b)), OUTPUT1 the difference,
+    BYTES elements given back as bytes (binary HTTP, JSON HTTP, gRPC)."""
+    client = request.getfixturevalue(f"{protocol.removesuffix('-json')}_client")
+    module = triton_http if protocol.startswith("http") else triton_grpc
+    a, b = ROWS[:3], OTHER[:3]
+    inputs = []
+    for name, values in (("INPUT0", a), ("INPUT1", b)):
+        tensor = module.InferInput(name, [3, 16], "BYTES")
+        if protocol == "http-json":
+            tensor.set_data_from_numpy(_strings(values), binary_data=False)
+        else:
+            tensor.set_data_from_numpy(_strings(values))
+        inputs.append(tensor)
+    if protocol == "http-json":
+        outputs = [
+            module.InferRequestedOutput(n, binary_data=False) for n in ("OUTPUT0", "OUTPUT1")
+        ]
+        result = client.infer("simple_string", inputs, outputs=outputs)
+    else:
+        result = client.infer("simple_string", inputs)
+    # tritonclient gives JSON's strings as str, binary and gRPC elements as bytes.
+    text = str if protocol == "http-json" else bytes
+    for output, values in (("OUTPUT0", a + b), ("OUTPUT1", a - b)):
+        got = result.as_numpy(output)
+        assert got.shape == (3, 16) and {type(v) for v in got.flat} == {text}
+        assert [int(v) for v in got.flat] == values.reshape(-1).tolist()
+
+
+def test_simple_string_over_json_gives_strings(triton_server: Server) -> None:
+    url = f"{triton_server.url}/v2/models/simple_string/infer"
+    tensors = [
+        {"name": name, "datatype": "BYTES", "shape": [1, 16], "data": [str(v) for v in row[0]]}
+        for name, row in (("INPUT0", ROWS), ("INPUT1", OTHER))
+    ]
+    answer = httpx.post(url, json={"inputs": tensors}, timeout=30)
+    assert answer.status_code == 200, answer.text
+    outputs = {o["name"]: o for o in answer.json()["outputs"]}
+    assert outputs["OUTPUT0"]["datatype"] == "BYTES"
+    assert outputs["OUTPUT0"]["data"] == [str(v) for v in ROWS[0] + OTHER[0]]
+    assert outputs["OUTPUT1"]["data"] == [str(v) for v in ROWS[0] - OTHER[0]]
+    bad = [{**tensors[0], "data": ["x"] * 16}, tensors[1]]
+    refused = httpx.post(url, json={"inputs": bad, "id": "7"}, timeout=30)
+    assert refused.status_code >= 400 and refused.status_code != 503  # the graph's own failure
+    assert "stoll" in refused.text or "Cast" in refused.text
+
+
+def test_simple_string_refuses_bytes_that_are_not_text(triton_server: Server) -> None:
+    tensors = []
+    for name in ("INPUT0", "INPUT1"):
+        tensor = triton_http.InferInput(name, [1, 16], "BYTES")
+        tensor.set_data_from_numpy(np.array([[b"\xff\xfe"] * 16], dtype=np.object_))
+        tensors.append(tensor)
+    body, length = triton_http.InferenceServerClient.generate_request_body(tensors)
+    answer = httpx.post(
+        f"{triton_server.url}/v2/models/simple_string/infer",
+        content=body,
+        headers={"Inference-Header-Content-Length": str(length)},
+        timeout=30,
+    )
+    assert answer.status_code == 400
+    assert "'INPUT0'" in answer.json()["error"] and "UTF-8" in answer.json()["error"]
+
+
+def test_concurrent_string_requests_share_a_batch(
+    triton_server: Server, http_client: triton_http.InferenceServerClient
+) -> None:
+    """Eight one-row requests sent at once run in fewer executions (one when they all arrive
+    within the 200 ms queue delay), each answered with its own rows."""
+
+    def send(index: int) -> np.ndarray:
+        tensors = []
+        for name, values in (("INPUT0", ROWS[:1] + index), ("INPUT1", OTHER[:1])):
+            tensor = triton_http.InferInput(name, [1, 16], "BYTES")
+            tensor.set_data_from_numpy(_strings(values))
+            tensors.append(tensor)
+        client = triton_http.InferenceServerClient(triton_server.url.removeprefix("http://"))
+        try:
+            return client.infer("simple_string_queued", tensors).as_numpy("OUTPUT0")  # type: ignore[no-any-return]
+        finally:
+            client.close()
+
+    fewest = 8
+    for _ in range(5):  # a loaded box may spread them over more than one delay
+        before = http_client.get_inference_statistics("simple_string_queued")["model_stats"][0]
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(send, range(8)))
+        after = http_client.get_inference_statistics("simple_string_queued")["model_stats"][0]
+        for index, answer in enumerate(answers):
+            np.testing.assert_array_equal(answer, _strings(ROWS[:1] + index + OTHER[:1]))
+        assert int(after["inference_count"]) - int(before["inference_count"]) == 8
+        fewest = min(fewest, int(after["execution_count"]) - int(before["execution_count"]))
+        if fewest == 1:
+            break
+    assert fewest < 8
+
+
+def test_torchscript_opted_in_to_the_engine_choice_gets_one_checked_against_it(
+    triton_server: Server, http_client: triton_http.InferenceServerClient
+) -> None:
+    """``nograd_engine`` in config.pbtxt: ONNX Runtime built from the TorchScript model, checked
+    against it (reported in the log and the accuracy metrics), answering as Triton would;
+    ``cpu_instance``, the same model without the parameter, stays on TorchScript alone."""
+    log = triton_server.log()
+    assert "model sum_chosen: engines measured at load" in log
+    assert "model cpu_instance: engines measured at load" not in log
+    from prometheus_client.parser import text_string_to_metric_families
+
+    checked = {
+        (sample.labels["model"], sample.labels["mode"], sample.value)
+        for family in text_string_to_metric_families(httpx.get(f"{triton_server.url}/metrics").text)
+        for sample in family.samples
+        if sample.name == "nograd_model_accuracy_delta"
+    }
+    assert ("sum_chosen", "onnx", 0.0) in checked
+    assert not {row for row in checked if row[0] == "cpu_instance"}
+    config = http_client.get_model_config("sum_chosen")
+    assert config["parameters"]["nograd_engine"]["string_value"] == "onnx"
+    assert config["platform"] == "pytorch_libtorch"
+    a, b = ROWS[:4], OTHER[:4]
+    result = _infer(http_client, triton_http, "sum_chosen", {"INPUT__0": a, "INPUT__1": b})
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT__0"), a + b)  # type: ignore[attr-defined]
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT__1"), a - b)  # type: ignore[attr-defined]
 
 
 def test_version_policy_specific(http_client: triton_http.InferenceServerClient) -> None:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from nograd.core.engines import AUTO, EAGER, engine_row, int8_variant
-from nograd.runtime.config import PYTHON_FORMAT, ModelConfig
+from nograd.runtime.config import ModelConfig, chooses_engine
 from nograd.runtime.engines.artifacts import cache_key, cached, write_artifact
 from nograd.runtime.engines.paths import EagerPath, EnginePath, RangePath
 from nograd.runtime.engines.registry import engine, open_engine
@@ -199,11 +199,12 @@ def prepare_engine(
 ) -> ModelHandler:
     """The handler to serve, running the engine(s) its config asks for and measurement picks.
 
-    A model in an artifact format already runs its artifact (the loader set it up), and one with
+    A model in an artifact format already runs its artifact (the loader set it up), a TorchScript
+    one unless it opted in (its TorchScript module is then the eager forward), and one with
     ``engine = "eager"`` gets its speed mode alone (``apply_speed``).
     """
     config = handler.config
-    if config.format != PYTHON_FORMAT:
+    if not chooses_engine(config):
         return handler
     chosen = config.engine or EAGER
     if chosen == EAGER:

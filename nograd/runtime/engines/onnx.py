@@ -37,7 +37,12 @@ ONNX_OPSET: Final = 18
 INT8_OPS: Final = ("MatMul", "Gemm")
 """Operators int8 quantises: the matrix multiplies, where the time goes in transformers and
 classifier heads. Convolutions stay fp32 (ONNX Runtime's int8 convolution is slower on CPU)."""
-ONNX_DATATYPES: Final = {row.onnx: row.name for row in TABLE if row.onnx is not None}
+ONNX_DATATYPES: Final = {
+    **{row.onnx: row.name for row in TABLE if row.onnx is not None},
+    "tensor(string)": "BYTES",
+}
+"""ONNX's tensor types to the protocol's datatypes; strings are BYTES, run on numpy object arrays
+of ``str`` (``nograd/runtime/string_tensors.py``), never through torch."""
 ALONE_READING_BYTES: Final = 4 << 20
 """A fresh session's run reading at least this is taken alone: its allocations repeat exactly,
 and the noise of a resident reading (pages other threads touch) is a small part of it."""
@@ -207,25 +212,28 @@ class OnnxPath(EnginePath):
 
     def forward(self, batch: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         batch = self.plain(batch)
-        try:
-            if self.device.type == "cuda":
+        if self.device.type == "cuda":
+            with _out_of_memory_named():
                 results = self._run_bound(batch)
-            else:
-                feeds = {name: batch[name].numpy() for name in self.inputs}
-                results = self.session.run(list(self.outputs), feeds, self._run_options)
-                # The arena's growth, handed back when the run ended, stays resident in the C
-                # heap, where the next run's regions do not fit again: repeated runs of one
-                # batch size held more than one run needs. Back to the system, each run holds
-                # what it needs.
-                release_free_memory()
-        except Exception as exc:
-            if any(fragment in str(exc) for fragment in _OUT_OF_MEMORY):
-                raise MemoryError(f"ONNX Runtime ran out of memory: {exc}") from exc
-            raise
+        else:
+            arrays = self.run_arrays({name: batch[name].numpy() for name in self.inputs})
+            results = [arrays[name] for name in self.outputs]
         return {
             name: torch.from_numpy(np.asarray(value))
             for name, value in zip(self.outputs, results, strict=True)
         }
+
+    def run_arrays(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One run on host arrays, by name in and out: what a model with string tensors runs
+        on (object arrays of ``str``), as torch holds no strings."""
+        with _out_of_memory_named():
+            results = self.session.run(list(self.outputs), dict(feeds), self._run_options)
+        if self.device.type == "cpu":
+            # The arena's growth, handed back when the run ended, stays resident in the C heap,
+            # where the next run's regions do not fit again: repeated runs of one batch size
+            # held more than one run needs. Back to the system, each run holds what it needs.
+            release_free_memory()
+        return {name: np.asarray(value) for name, value in zip(self.outputs, results, strict=True)}
 
     def _run_bound(self, batch: Mapping[str, torch.Tensor]) -> list[Any]:
         binding = self.session.io_binding()
@@ -240,6 +248,18 @@ class OnnxPath(EnginePath):
         torch.cuda.current_stream(self.device).synchronize()
         self.session.run_with_iobinding(binding, self._run_options)
         return list(binding.copy_outputs_to_cpu())
+
+
+@contextlib.contextmanager
+def _out_of_memory_named() -> Iterator[None]:
+    """ONNX Runtime's failed allocations raised as the ``MemoryError`` the batcher recovers
+    from (it splits the batch), every other failure as it is."""
+    try:
+        yield
+    except Exception as exc:
+        if any(fragment in str(exc) for fragment in _OUT_OF_MEMORY):
+            raise MemoryError(f"ONNX Runtime ran out of memory: {exc}") from exc
+        raise
 
 
 def _has_cuda_provider() -> bool:
@@ -305,8 +325,8 @@ def _seat_arena(session: Any, device: torch.device) -> None:
     feeds = {}
     for value in session.get_inputs():
         datatype = ONNX_DATATYPES.get(value.type)
-        if datatype is None:
-            return
+        if datatype is None or datatype == "BYTES":
+            return  # strings: a graph reads them as it means to; empty ones may fail it
         shape = [dim if isinstance(dim, int) and dim > 0 else 1 for dim in value.shape]
         feeds[value.name] = np.zeros(shape, dtype=NUMPY_DTYPES[datatype])
     try:

@@ -41,6 +41,9 @@ class Traced:
     outputs: tuple[str, ...]
     example: dict[str, torch.Tensor]
     """The batch it was traced with (the ONNX exporter traces again with it)."""
+    forward: torch.nn.Module
+    """The eager forward exported (``TracedForward``): TorchScript traces it again, as its
+    tracer records the sizes an exported graph has already turned into numbers."""
 
 
 def export_program(handler: ModelHandler) -> Traced:
@@ -59,4 +62,4 @@ def export_program(handler: ModelHandler) -> Traced:
     module = TracedForward(handler).eval()
     with torch.no_grad():
         program = torch.export.export(module, (batch,), dynamic_shapes=(shapes,), strict=False)
-    return Traced(program, names, module.outputs, batch)
+    return Traced(program, names, module.outputs, batch, module)

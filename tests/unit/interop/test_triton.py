@@ -120,9 +120,17 @@ def test_python_backend_read_with_its_strings() -> None:
     add_sub = read_triton(FIXTURES / "add_sub")
     assert add_sub.batch_dimension is False
     assert json.loads(add_sub.triton_config or "")["platform"] == ""
-    # Strings through ONNX Runtime (torch in between) are still refused, naming the type.
-    with pytest.raises(ConfigError, match="TYPE_STRING"):
-        read_triton(FIXTURES / "simple_string")
+    # Strings through ONNX Runtime are served (numpy arrays, no torch); through TorchScript
+    # (torch in between) they are refused, naming the type.
+    strings = read_triton(FIXTURES / "simple_string")
+    assert strings.format == "onnx" and strings.outputs[0].datatype == "BYTES"
+
+
+def test_strings_through_torchscript_refused_naming_the_type(tmp_path: Path) -> None:
+    text = (FIXTURES / "simple_string" / "config.pbtxt").read_text()
+    text = text.replace('"simple_string"', '"s"').replace("onnxruntime_onnx", "pytorch_libtorch")
+    with pytest.raises(ConfigError, match="TYPE_STRING is not served by nograd's pytorch"):
+        read_triton(_folder(tmp_path, "s", text, model="model.pt"))
 
 
 def test_a_python_model_without_config_is_no_triton_folder(tmp_path: Path) -> None:
@@ -151,3 +159,19 @@ def test_triton_and_nograd_folders_side_by_side(tmp_path: Path) -> None:
     assert problems == []
     assert sorted(found) == ["bare", "digits", "simple"]
     assert found["digits"].versions["1"].config.backend == "nograd"
+
+
+def test_the_engine_parameter_opts_torchscript_in_and_is_refused_elsewhere(
+    tmp_path: Path,
+) -> None:
+    parameter = '\nparameters { key: "nograd_engine" value: { string_value: "%s" } }\n'
+    text = (FIXTURES / "cpu_instance" / "config.pbtxt").read_text()
+    chosen = read_triton(_folder(tmp_path, "cpu_instance", text + parameter % "auto", "model.pt"))
+    assert (chosen.format, chosen.engine) == ("torchscript", "auto")
+    with pytest.raises(ConfigError, match="'nograd_engine': 'fast' is not one of"):
+        read_triton(
+            _folder(tmp_path / "bad", "cpu_instance", text + parameter % "fast", "model.pt")
+        )
+    simple = (FIXTURES / "simple" / "config.pbtxt").read_text() + parameter % "auto"
+    with pytest.raises(ConfigError, match="only a TorchScript model"):
+        read_triton(_folder(tmp_path, "simple", simple))

@@ -7,10 +7,12 @@ import logging
 
 import pytest
 
+from nograd.interop.triton import read_triton
 from nograd.runtime.config import ModelConfig, load_config
 from nograd.serving.precedence import effective_config
 from nograd.settings import Settings
 from tests.e2e.serving import ROOT
+from tests.triton_models import FIXTURES
 
 
 def minilm() -> ModelConfig:
@@ -55,3 +57,18 @@ def test_a_value_set_in_the_environment_counts_as_set(
     monkeypatch.setenv("NOGRAD_MAX_QUEUE_SIZE", "4")
     config = effective_config(minilm(), Settings())
     assert config.max_queue_size == 4
+
+
+def test_a_set_engine_reaches_triton_torchscript_models_and_no_other_artifact(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``NOGRAD_ENGINE`` set: a TorchScript model (Triton's PyTorch backend) opts in to the
+    engine choice as a python model does, with the line that says so; an ONNX one keeps its
+    own runtime."""
+    own = read_triton(FIXTURES / "cpu_instance").model_copy(update={"engine": "eager"})
+    with caplog.at_level(logging.INFO, logger="nograd.serving.precedence"):
+        config = effective_config(own, Settings(engine="auto"))
+    assert config.engine == "auto"
+    assert "model cpu_instance: engine = auto from NOGRAD_ENGINE replaces eager" in caplog.text
+    onnx = read_triton(FIXTURES / "simple")
+    assert effective_config(onnx, Settings(engine="auto")).engine is None

@@ -49,7 +49,7 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-@pytest.mark.parametrize("to", ["onnx", "torch_export", "aoti"])
+@pytest.mark.parametrize("to", ["onnx", "torch_export", "aoti", "torchscript"])
 def test_digits_round_trips_through_each_format(repository: Path, to: str) -> None:
     done = export_model(repository / "digits", to)
     assert done.folder == repository / f"digits-{to}"
@@ -62,7 +62,7 @@ def test_digits_round_trips_through_each_format(repository: Path, to: str) -> No
     np.testing.assert_array_equal(got["label"], expected["label"])
 
 
-@pytest.mark.parametrize("to", ["onnx", "torch_export"])
+@pytest.mark.parametrize("to", ["onnx", "torch_export", "torchscript"])
 def test_minilm_round_trips_with_its_tokenizer_kept(repository: Path, to: str) -> None:
     done = export_model(repository / "minilm", to)
     assert (done.folder / "model.py").is_file()  # the tokenizer and naming hooks
@@ -138,6 +138,30 @@ def test_the_export_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert (tmp_path / "out" / "model.onnx").is_file()
     assert export_command([str(tmp_path / "nowhere"), "--to", "onnx"]) == 1
     assert "no config file" in capsys.readouterr().err
+
+
+def test_the_export_command_writes_torchscript_as_triton_s_pytorch_backend_runs_it(
+    tmp_path: Path,
+) -> None:
+    """``--to torchscript``: a ``model.pt`` that ``torch.jit.load`` runs alone (positional
+    inputs, a tuple of outputs in the config's order) and a config of format torchscript."""
+    folder = tiny_folder(tmp_path)
+    out = tmp_path / "tiny-torchscript"
+    assert export_command([str(folder), "--to", "torchscript", "--out", str(out)]) == 0
+    config = load_config(out / "config.yaml")
+    assert (config.format, config.artifact) == ("torchscript", "model.pt")
+    assert [spec.name for spec in config.outputs] == ["scores", "label"]
+    eager = load(folder)
+    x = np.random.default_rng(3).random((5, 16), dtype=np.float32)
+    expected = TorchRunner(eager).run_batch([eager.prepare({"x": x})])[0]
+    scripted = torch.jit.load(str(out / "model.pt"))
+    scores, label = scripted(torch.from_numpy(x))
+    np.testing.assert_allclose(scores.numpy(), expected["scores"], atol=1e-5)
+    np.testing.assert_array_equal(label.numpy(), expected["label"])
+    served = load(out)
+    assert served.speed_mode == "torchscript"
+    got = TorchRunner(served).run_batch([served.prepare({"x": x})])[0]
+    np.testing.assert_allclose(got["scores"], expected["scores"], atol=1e-5)
 
 
 @pytest.mark.slow

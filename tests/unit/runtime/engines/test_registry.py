@@ -39,8 +39,8 @@ def test_every_row_is_implemented_by_the_object_it_names() -> None:
         "torchscript",
     }
     assert engine_row("onnx-int8").int8_of == "onnx"
-    # TorchScript is served as brought (Triton repositories), never built: no engine to choose.
-    assert not engine_row("torchscript").buildable and "torchscript" in artifact_engines()
+    # TorchScript is served as brought (Triton repositories) and built (nograd export).
+    assert engine_row("torchscript").buildable and "torchscript" in artifact_engines()
     assert engine("onnx-int8").unsupported(torch.device("cuda")) is not None
     assert engine("onnx").unsupported(torch.device("cpu")) is None
     with pytest.raises(UnknownEngine, match="known: torch_export"):
@@ -50,10 +50,12 @@ def test_every_row_is_implemented_by_the_object_it_names() -> None:
 def test_settings_configs_and_the_command_line_take_their_names_from_the_table(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert engine_choices() == ("eager", "auto", "torch_export", "aoti", "onnx")
+    assert engine_choices() == ("eager", "auto", "torch_export", "aoti", "onnx", "torchscript")
     assert signature_formats() == ("torch_export", "onnx")
     assert Settings(engine="aoti").engine == "aoti"
-    with pytest.raises(ValidationError, match="one of eager, auto, torch_export, aoti, onnx"):
+    with pytest.raises(
+        ValidationError, match="one of eager, auto, torch_export, aoti, onnx, torchscript"
+    ):
         Settings(engine="onnx-int8")
     folder = tiny_folder(tmp_path)
     with pytest.raises(ConfigError, match=r"field 'engine'.*is not one of"):
@@ -62,7 +64,7 @@ def test_settings_configs_and_the_command_line_take_their_names_from_the_table(
         load_config(folder / "config.toml", override={"format": "onnx-int8", "artifact": "m"})
     with pytest.raises(SystemExit):
         export_command([str(folder), "--to", "tensorrt"])
-    assert "--to {torch_export,aoti,onnx}" in capsys.readouterr().err
+    assert "--to {torch_export,aoti,onnx,torchscript}" in capsys.readouterr().err
 
 
 @pytest.fixture
