@@ -92,9 +92,9 @@ class Settings(BaseSettings):
     """With ``model_control = poll``: seconds between two looks at the repository."""
 
     engine: str = ""
-    """Replaces the ``engine`` of every python and TorchScript model's config when set (``eager`` skips building
-    and timing engines at start-up; ``auto``, or one engine of ``nograd.core.engines``); empty
-    keeps each config's own. Like every setting a model's config also has, see
+    """Replaces the ``engine`` of every python and TorchScript model's config when set (``eager``
+    skips building and timing engines at start-up; ``auto``, or one engine of
+    ``nograd.core.engines``); empty keeps each config's own. Like every setting a model's config also has, see
     ``nograd.serving.precedence``."""
 
     engine_cache: Path | None = None
