@@ -94,8 +94,8 @@ class Settings(BaseSettings):
     engine: str = ""
     """Replaces the ``engine`` of every python and TorchScript model's config when set (``eager``
     skips building and timing engines at start-up; ``auto``, or one engine of
-    ``nograd.core.engines``); empty keeps each config's own. Like every setting a model's config also has, see
-    ``nograd.serving.precedence``."""
+    ``nograd.core.engines``); empty keeps each config's own. Like every setting a model's config
+    also has, see ``nograd.serving.precedence``."""
 
     engine_cache: Path | None = None
     """Folder of the engine artifacts built at load (ONNX models, exported programs, AOTInductor
