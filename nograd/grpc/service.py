@@ -19,7 +19,7 @@ from nograd.grpc.tensors import encode_outputs, read_inputs
 from nograd.interop.generated import model_config_pb2
 from nograd.serving import documents
 from nograd.serving.calls import Call
-from nograd.serving.control_calls import load_parameters, unload_parameters
+from nograd.serving.control_calls import load_model, unload_parameters
 from nograd.serving.core import Core
 from nograd.serving.errors import (
     DeadlineExceeded,
@@ -195,8 +195,7 @@ class InferenceService:
                 key: value.string_param if value.HasField("string_param") else value.bytes_param
                 for key, value in request.parameters.items()
             }
-            override = load_parameters(parameters)
-            await self._control.load(request.model_name, override)
+            await load_model(self._control, request.model_name, parameters)
             return pb.RepositoryModelLoadResponse()
 
         return await self._answer(context, load)

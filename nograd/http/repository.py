@@ -12,9 +12,8 @@ from nograd.http.errors import error_body
 from nograd.http.state import control_of, dataplane_of
 from nograd.protocol.v2 import dumps
 from nograd.protocol.v2_schemas import ERROR_RESPONSES, ErrorResponse, RepositoryIndexEntry
-from nograd.serving.control_calls import load_parameters, unload_parameters
+from nograd.serving.control_calls import load_model, unload_parameters
 from nograd.serving.errors import InvalidInput
-from nograd.serving.repository import Override
 from nograd.serving.triton_config import model_configuration, repository_index
 
 router = APIRouter(prefix="/v2", tags=["Model repository"])
@@ -112,10 +111,6 @@ async def _parameters(request: Request, example: str) -> dict[str, Any]:
     return parameters
 
 
-async def _load_parameters(request: Request) -> Override | None:
-    return load_parameters(await _parameters(request, '{"parameters": {"config": "{...}"}}'))
-
-
 @router.post(
     "/repository/models/{name}/load",
     summary="Load a model, or reload what changed of it (NOGRAD_MODEL_CONTROL=explicit); "
@@ -123,8 +118,8 @@ async def _load_parameters(request: Request) -> Override | None:
     responses={**CONTROL_RESPONSES, 404: ERROR_RESPONSES[404]},
 )
 async def load(request: Request, name: str) -> Response:
-    override = await _load_parameters(request)
-    await control_of(request).load(name, override)
+    parameters = await _parameters(request, '{"parameters": {"config": "{...}"}}')
+    await load_model(control_of(request), name, parameters)
     return Response(status_code=200)
 
 

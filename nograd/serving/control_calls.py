@@ -6,8 +6,18 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
-from nograd.serving.errors import InvalidInput
+from nograd.serving.control import ModelControl
+from nograd.serving.errors import InvalidInput, LoadFailed, ModelNotFound
 from nograd.serving.repository import Override
+
+
+async def load_model(control: ModelControl, name: str, parameters: Mapping[str, object]) -> None:
+    """A load call from either front; its failures begin as Triton's do, ``failed to load 'm',``
+    (Triton's clients and examples match on it), nograd's reason following."""
+    try:
+        await control.load(name, load_parameters(parameters))
+    except (InvalidInput, LoadFailed, ModelNotFound) as exc:
+        raise type(exc)(f"failed to load '{name}', {exc}") from exc
 
 
 def load_parameters(parameters: Mapping[str, object]) -> Override | None:
