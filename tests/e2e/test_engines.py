@@ -68,9 +68,19 @@ def test_shipped_models_on_auto_then_a_restart_reuses_the_built_engines(
     assert len(list((tmp_path / "cache").glob("*.onnx"))) == 2
     with run_server(tmp_path, env=env, ready_timeout_s=240) as again:
         log = again.log()
+        # Same files and versions: the choice itself comes from the cache, nothing is exported,
+        # built, checked or timed again, and the metrics still say what serves.
         assert "built the onnx engine" not in log
-        assert "model digits: engines measured at load" in log
+        assert "engines measured at load" not in log
+        for model in ("digits", "minilm"):
+            assert f"model {model}: engines as chosen at an earlier load" in log
+        again_speedups = {
+            (labels["model"], labels["mode"])
+            for labels, _, _ in metrics(again)["nograd_model_speedup"]
+        }
+        assert {("digits", "onnx"), ("minilm", "onnx")} <= again_speedups
         assert digits_labels(again.url, "digits") == eager_server_labels
+        np.testing.assert_allclose(embed(again.url, "minilm"), eager_embeddings, atol=1e-5)
 
 
 def test_exported_folders_serve_the_eager_models_answers(

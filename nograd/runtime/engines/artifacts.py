@@ -70,7 +70,7 @@ def cache_key(name: str, traced: Traced, code: Iterable[Path], device: torch.dev
     """What the artifact depends on: the engine, the library versions, the device type, the
     model's code files and its weights (hashed by value), and the traced signature."""
     digest = hashlib.sha256()
-    for part in (name, torch.__version__, _onnxruntime_version(), device.type):
+    for part in (name, torch.__version__, onnxruntime_version(), device.type):
         digest.update(part.encode() + b"\0")
     digest.update(repr((traced.inputs, traced.outputs)).encode())
     for input_name, example in traced.example.items():
@@ -81,11 +81,11 @@ def cache_key(name: str, traced: Traced, code: Iterable[Path], device: torch.dev
     for tensor_name in sorted(tensors):
         tensor = tensors[tensor_name]
         if isinstance(tensor, torch.Tensor):
-            digest.update(tensor_name.encode() + _tensor_bytes(tensor))
+            digest.update(tensor_name.encode() + tensor_bytes(tensor))
     return digest.hexdigest()[:24]
 
 
-def _tensor_bytes(tensor: torch.Tensor) -> bytes:
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
     flat = tensor.detach().cpu().contiguous().reshape(-1)
     return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
 
@@ -97,7 +97,7 @@ def cached(cache_dir: Path, label: str, name: str, key: str, build: Callable[[Pa
     Builders take a lock file beside it, so workers starting together build it once: the others
     wait, then find it built.
     """
-    target = cache_file(cache_dir, f"{label}-{name}-{key}{engine_row(name).suffix}")
+    target = artifact_file(cache_dir, label, name, key)
     if target.is_file():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -106,6 +106,11 @@ def cached(cache_dir: Path, label: str, name: str, key: str, build: Callable[[Pa
         if target.is_file():
             return target
         return build(target)
+
+
+def artifact_file(cache_dir: Path, label: str, name: str, key: str) -> Path:
+    """Where engine ``name``'s artifact of ``label`` with content ``key`` lies in the cache."""
+    return cache_file(cache_dir, f"{label}-{name}-{key}{engine_row(name).suffix}")
 
 
 def cache_file(cache_dir: Path, file_name: str) -> Path:
@@ -121,7 +126,7 @@ def cache_file(cache_dir: Path, file_name: str) -> Path:
     return target
 
 
-def _onnxruntime_version() -> str:
+def onnxruntime_version() -> str:
     try:
         import onnxruntime
     except ImportError:

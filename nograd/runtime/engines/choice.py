@@ -12,22 +12,30 @@ content, so only the first start pays for exporting and compiling.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 import torch
 
 from nograd.core.engines import AUTO, EAGER, engine_row, int8_variant
 from nograd.runtime.config import ModelConfig, chooses_engine
-from nograd.runtime.engines.artifacts import cache_key, cached, write_artifact
+from nograd.runtime.engines.artifacts import artifact_file, cache_key, cached, write_artifact
 from nograd.runtime.engines.paths import EagerPath, EnginePath, RangePath
 from nograd.runtime.engines.registry import engine, open_engine
+from nograd.runtime.engines.remembered import (
+    Remembered,
+    choice_key,
+    recall,
+    remember,
+    report_from,
+)
 from nograd.runtime.engines.trace import Traced, export_program
 from nograd.runtime.handler import ModelHandler, TensorPart, TorchRunner
 from nograd.runtime.speed.accuracy import AccuracyReport, compare
@@ -209,11 +217,16 @@ def prepare_engine(
     chosen = config.engine or EAGER
     if chosen == EAGER:
         return apply_speed(handler, limit, sample, report_check)
+    label = f"{config.name}-v{config.version}"
+    key = choice_key(handler, limit, code)
+    known = recall(cache_dir, label, key)
+    if known is not None:
+        return _install_remembered(handler, known, limit, sample, report_check)
     plan = replace(mode_for(config, handler.device), buckets=None)
     batches = check_batches(handler, plan, limit, sample)
     reference = run_all(TorchRunner(handler), batches)
     names = candidates(config, handler.device)
-    built, results = _build_all(handler, names, batches, reference, code, cache_dir)
+    built, results, artifacts = _build_all(handler, names, batches, reference, code, cache_dir)
     handler = apply_speed(handler, limit, sample, report_check)
     eager_path = EagerPath(handler, handler.speed_path)
     timing = timing_batches(handler, limit)
@@ -229,7 +242,55 @@ def prepare_engine(
     table = EngineTable(config.name, rows, eager, tuple(timed), serving)
     _install(handler, {eager.engine: eager_path, **built}, table)
     _report(table, report_check)
+    remember(cache_dir, label, key, dataclasses.asdict(table), artifacts)
     return handler
+
+
+def _install_remembered(
+    handler: ModelHandler,
+    known: Remembered,
+    limit: int,
+    sample: TensorPart | None,
+    report_check: Callable[[SpeedCheck], None] | None,
+) -> ModelHandler:
+    """Serve the choice an earlier load measured on the same files and versions: its engines
+    opened from the cache, nothing exported, built, checked or timed again."""
+    table = _table_from(known.table)
+    serving = {name for _, name in table.serving}
+    opened: dict[str, EnginePath] = {}
+    for name in serving - {table.eager.engine}:
+        opened[name] = open_engine(name, known.artifacts[name], handler.device)
+        opened[name].check_inputs(handler)
+    if table.eager.engine in serving:
+        handler = apply_speed(handler, limit, sample, report_check)
+    _install(handler, {table.eager.engine: EagerPath(handler, handler.speed_path), **opened}, table)
+    logger.info(
+        "model %s: engines as chosen at an earlier load (the engine cache holds the choice for "
+        "these files and versions); serving %s",
+        table.model,
+        table.label,
+    )
+    _report(table, report_check, log=False)
+    return handler
+
+
+def _table_from(document: dict[str, Any]) -> EngineTable:
+    def result(row: dict[str, Any]) -> EngineResult:
+        seconds = row.get("seconds")
+        return EngineResult(
+            row["engine"],
+            report_from(row.get("accuracy")),
+            tuple(seconds) if seconds is not None else None,
+            row.get("refused"),
+        )
+
+    return EngineTable(
+        document["model"],
+        tuple(document["rows"]),
+        result(document["eager"]),
+        tuple(result(row) for row in document["engines"]),
+        tuple((int(most), str(name)) for most, name in document["serving"]),
+    )
 
 
 def _time_engine(
@@ -246,10 +307,12 @@ def _build_all(
     reference: Sequence[dict[str, np.ndarray]],
     code: Sequence[Path],
     cache_dir: Path,
-) -> tuple[dict[str, EnginePath], list[EngineResult]]:
-    """Each engine built, opened and checked against fp32 eager: accepted ones, and every row."""
+) -> tuple[dict[str, EnginePath], list[EngineResult], dict[str, Path]]:
+    """Each engine built, opened and checked against fp32 eager: accepted ones, every row, and
+    the accepted ones' artifacts in the cache."""
     config = handler.config
     built: dict[str, EnginePath] = {}
+    artifacts: dict[str, Path] = {}
     results: list[EngineResult] = []
     traced: Traced | None = None
     export_error = ""
@@ -278,8 +341,10 @@ def _build_all(
             results.append(EngineResult(name, report, refused="; ".join(problems)))
             continue
         built[name] = path
+        key = cache_key(name, traced, code, handler.device)
+        artifacts[name] = artifact_file(cache_dir, f"{config.name}-v{config.version}", name, key)
         results.append(EngineResult(name, report))
-    return built, results
+    return built, results, artifacts
 
 
 def _choose(
@@ -342,15 +407,18 @@ def _install(handler: ModelHandler, opened: dict[str, EnginePath], table: Engine
     handler.speed_mode = table.label
 
 
-def _report(table: EngineTable, report_check: Callable[[SpeedCheck], None] | None) -> None:
-    logger.info(
-        "model %s: engines measured at load (fastest pass of %d, milliseconds per batch); "
-        "serving %s\n%s",
-        table.model,
-        SPEED_PASSES,
-        table.label,
-        "\n".join(table.lines()),
-    )
+def _report(
+    table: EngineTable, report_check: Callable[[SpeedCheck], None] | None, log: bool = True
+) -> None:
+    if log:
+        logger.info(
+            "model %s: engines measured at load (fastest pass of %d, milliseconds per batch); "
+            "serving %s\n%s",
+            table.model,
+            SPEED_PASSES,
+            table.label,
+            "\n".join(table.lines()),
+        )
     if report_check is None or table.eager.seconds is None:
         return
     for result in table.engines:

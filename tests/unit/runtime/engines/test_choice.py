@@ -134,6 +134,33 @@ def test_auto_keeps_eager_when_no_engine_is_faster_by_the_margin(
     assert served.speed_mode == "fp32"
 
 
+def test_a_load_of_the_same_files_serves_the_remembered_choice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(choice, "time_parts", scripted((1.0, 1.0, 1.0), (0.5, 0.5, 0.5)))
+    first = prepare_engine(
+        tiny_handler(tmp_path, 'engine = "onnx"'), LIMIT, None, None, [], tmp_path / "cache"
+    )
+    assert first.speed_mode == "onnx"
+
+    def no_export(*args: object) -> object:
+        raise AssertionError("a remembered choice exports nothing")
+
+    monkeypatch.setattr(choice, "export_program", no_export)
+    again = prepare_engine(
+        tiny_handler(tmp_path, 'engine = "onnx"'), LIMIT, None, None, [], tmp_path / "cache"
+    )
+    assert isinstance(again.speed_path, EnginePath) and again.speed_mode == "onnx"
+    # Other weights are another model: measured again, which needs an export (refused here,
+    # so eager serves it).
+    changed = tiny_handler(tmp_path, 'engine = "onnx"')
+    with torch.no_grad():
+        next(changed.module.parameters()).add_(1.0)
+    monkeypatch.setattr(choice, "time_parts", scripted((1.0, 1.0, 1.0)))
+    measured = prepare_engine(changed, LIMIT, None, None, [], tmp_path / "cache")
+    assert measured.speed_path is None
+
+
 def test_an_engine_named_alone_is_refused_when_slower(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -143,7 +170,8 @@ def test_an_engine_named_alone_is_refused_when_slower(
     assert served.speed_path is None
     monkeypatch.setattr(choice, "time_parts", scripted((1.0, 1.0, 1.0), (0.5, 0.5, 0.5)))
     handler = tiny_handler(tmp_path, 'engine = "onnx"')
-    served = prepare_engine(handler, LIMIT, None, None, [], tmp_path / "cache")
+    # A cache of its own: the first cache remembers the choice measured above for these files.
+    served = prepare_engine(handler, LIMIT, None, None, [], tmp_path / "cache-faster")
     assert isinstance(served.speed_path, EnginePath) and served.speed_mode == "onnx"
     # ONNX Runtime runs every batch: its threads keep ONNX Runtime's default spinning.
     assert spinning(served.speed_path) == "1"

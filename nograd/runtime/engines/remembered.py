@@ -1,0 +1,106 @@
+"""An engine choice remembered in the engine cache, so a model loaded again (a restart, a reload,
+an on-demand load after an eviction) opens the engines it chose before instead of exporting,
+building, checking and timing them again: loads are what on-demand serving makes users wait for.
+
+The record is keyed by everything the choice was made from: the engine and library versions, the
+device type, the model's config, code and weights (hashed by value), and the batch limit it was
+timed up to. Any change measures again; a record whose artifacts are gone is measured again too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import torch
+
+from nograd.runtime.engines.artifacts import cache_file, onnxruntime_version, tensor_bytes
+from nograd.runtime.handler import ModelHandler
+from nograd.runtime.speed.accuracy import AccuracyReport, OutputDelta
+
+logger = logging.getLogger(__name__)
+
+FORMAT: Final = 1
+"""The record's layout; a record of another layout is measured again."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Remembered:
+    """A choice as measured at an earlier load: the table, and each accepted engine's artifact."""
+
+    table: dict[str, Any]
+    artifacts: dict[str, Path]
+
+
+def choice_key(handler: ModelHandler, limit: int, code: Sequence[Path]) -> str:
+    """What the choice depends on, known before any export."""
+    digest = hashlib.sha256()
+    config = handler.config.model_dump(mode="json")
+    for part in (
+        str(FORMAT),
+        torch.__version__,
+        onnxruntime_version(),
+        handler.device.type,
+        json.dumps(config, sort_keys=True, default=str),
+        str(limit),
+    ):
+        digest.update(part.encode() + b"\0")
+    for path in code:
+        digest.update(path.read_bytes() if path.is_file() else b"")
+    state = handler.module.state_dict()
+    for name in sorted(state):
+        tensor = state[name]
+        if isinstance(tensor, torch.Tensor):
+            digest.update(name.encode() + tensor_bytes(tensor))
+    return digest.hexdigest()[:24]
+
+
+def _record_path(cache_dir: Path, label: str, key: str) -> Path:
+    return cache_file(cache_dir, f"{label}-choice-{key}.json")
+
+
+def recall(cache_dir: Path, label: str, key: str) -> Remembered | None:
+    """The remembered choice, or None when there is none or an artifact it names is gone."""
+    try:
+        path = _record_path(cache_dir, label, key)
+        document = json.loads(path.read_text("utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(document, dict) or document.get("format") != FORMAT:
+        return None
+    artifacts = {name: Path(file) for name, file in document.get("artifacts", {}).items()}
+    if not all(path.exists() for path in artifacts.values()):
+        return None
+    return Remembered(document["table"], artifacts)
+
+
+def remember(
+    cache_dir: Path, label: str, key: str, table: dict[str, Any], artifacts: dict[str, Path]
+) -> None:
+    """Write the record atomically; a cache that cannot be written only costs the next load."""
+    try:
+        path = _record_path(cache_dir, label, key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        document = {
+            "format": FORMAT,
+            "table": table,
+            "artifacts": {name: str(file) for name, file in artifacts.items()},
+        }
+        temporary = path.with_name(f".{path.name}.tmp")
+        temporary.write_text(json.dumps(document), "utf-8")
+        temporary.replace(path)
+    except OSError as exc:
+        logger.warning("engine cache: could not remember the engine choice (%s)", exc)
+
+
+def report_from(document: dict[str, Any] | None) -> AccuracyReport | None:
+    """An accuracy report as ``dataclasses.asdict`` wrote it."""
+    if document is None:
+        return None
+    outputs = tuple(OutputDelta(**delta) for delta in document["outputs"])
+    return AccuracyReport(outputs, document["batches"])
