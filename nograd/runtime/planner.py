@@ -15,11 +15,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from nograd.host.heap import release_free_memory
 from nograd.runtime.engines.paths import EnginePath, serving_ranges
 from nograd.runtime.handler import ModelHandler, TensorPart, TorchRunner
 from nograd.runtime.memory import (
     CostModel,
+    CpuMemoryProbe,
     MemoryProbe,
     PlanRow,
     Profile,
@@ -315,3 +318,10 @@ def _smallest_batch(plan: ModelPlan) -> str:
     if plan.unit == "token":
         return f"one sequence of {plan.reference_length} tokens"
     return "one sample"
+
+
+def warm_memory_probe() -> None:
+    """Measure one tiny operation, so this process imports what measuring a model's activation
+    memory brings in (torch's dispatch machinery) now, at start-up, rather than at the first
+    model loaded later, where it would count as that model's memory."""
+    CpuMemoryProbe().measure_peak(lambda: torch.zeros(2) + 1)

@@ -26,7 +26,7 @@ from nograd.observability.stats import FanOutObserver, Statistics
 from nograd.runtime.config import ModelConfig
 from nograd.runtime.devices import DeviceThreads, configure_threads, device_label, resolve_device
 from nograd.runtime.engines.choice import prepare_engine
-from nograd.runtime.engines.paths import engine_weights_bytes, share_cores
+from nograd.runtime.engines.paths import engine_weights_bytes, serving_ranges, share_cores
 from nograd.runtime.handler import ModelHandler, Outputs, TensorPart, TorchRunner
 from nograd.runtime.loader import (
     build_handler,
@@ -60,6 +60,15 @@ def configured_limit(config: ModelConfig, default_rows: int) -> int:
     return config.max_batch_size or default_rows
 
 
+def _profile_key(model: ServedModel, cap: int) -> tuple[object, ...]:
+    """What a model's measured activation cost depends on: its files, its override, its device,
+    its batch cap and the engines serving its batch sizes."""
+    assert model.handler is not None
+    engines = tuple((most, path.name) for most, path in serving_ranges(model.handler))
+    device = device_label(model.handler.device)
+    return (model.fingerprint, repr(model.override), device, cap, engines)
+
+
 class ModelLoader:
     """Brings every model of the registry from its config to a running batcher."""
 
@@ -83,6 +92,10 @@ class ModelLoader:
         self._joined = False
         self._pools: dict[str, int] = {}
         """Per device, the memory first planned (activation budget plus weights)."""
+        self._profiles: dict[tuple[str, str], tuple[tuple[object, ...], RangedCost]] = {}
+        """Per model version, the activation cost last measured and what it was measured on:
+        a reload of the same files on the same engines and device reuses it (an evicted model
+        loads again without being profiled again)."""
 
     def _limit(self, config: ModelConfig) -> int:
         return configured_limit(config, self._settings.max_batch_size)
@@ -209,10 +222,16 @@ class ModelLoader:
             executor = self.threads.executor(model.handler.device)
             probe = probe_for(model.handler.device)
             cap = self._limit(model.config)
+            measured_on = _profile_key(model, cap)
+            known = self._profiles.get((model.name, model.version))
+            if known is not None and known[0] == measured_on:
+                model.profile = known[1]
+                continue
             try:
                 model.profile = await loop.run_in_executor(
                     executor, profile_handler, model.handler, probe, cap
                 )
+                self._profiles[(model.name, model.version)] = (measured_on, model.profile)
             except Exception:
                 logger.exception(
                     "memory profiling of model %s v%s failed; its limit stays at %d",

@@ -21,7 +21,9 @@ import time
 from nograd.host.readings import resident_bytes
 from nograd.observability.metrics import Metrics
 from nograd.runtime.devices import resolve_device
+from nograd.runtime.engines.onnx import warm_onnx_runtime
 from nograd.runtime.memory import device_budget, probe_for
+from nograd.runtime.planner import warm_memory_probe
 from nograd.serving.control import ModelControl
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.errors import LoadFailed, NoRoomNow
@@ -69,12 +71,15 @@ class OnDemand:
         """Per model, the fingerprints of the files that failed to load and the error."""
 
     def opened(self) -> None:
-        """The start-up set (the pinned models) has loaded: count it, and say how the others
-        load."""
+        """The start-up set (the pinned models) has loaded: count it, say how the others load,
+        and pay at start-up what the first model's memory profile would otherwise bring in."""
         for name, reason in list(self._registry.unloaded.items()):
             if reason == "not loaded at start-up":
                 self._registry.unloaded[name] = NOT_LOADED_YET
         self._follow_registry()
+        warm_memory_probe()
+        if any(self._root.rglob("*.onnx")):
+            warm_onnx_runtime()
         logger.info(
             "on-demand model control: memory limit %s in this worker, %d model(s) resident",
             mib(self.residency.limit),

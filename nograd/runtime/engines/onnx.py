@@ -374,3 +374,27 @@ def _name_outputs(graph: object, names: Iterable[str]) -> None:
         value.name = rename(value.name)
     for tensor in graph.initializer:  # type: ignore[attr-defined]
         tensor.name = rename(tensor.name)
+
+
+def warm_onnx_runtime() -> None:
+    """Import ONNX Runtime and run one tiny session, so that what its first session brings in
+    (the library, its environment and thread pools) is paid at start-up rather than counted
+    as the memory and load time of the first ONNX model loaded later. Nothing without it."""
+    try:
+        import onnxruntime
+        from onnx import TensorProto, helper
+    except ImportError:
+        return
+    value = helper.make_tensor_value_info
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["X"], ["Y"])],
+        "warm",
+        [value("X", TensorProto.FLOAT, [1])],
+        [value("Y", TensorProto.FLOAT, [1])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    session = onnxruntime.InferenceSession(
+        model.SerializeToString(), providers=["CPUExecutionProvider"]
+    )
+    session.run(None, {"X": np.zeros(1, dtype=np.float32)})
