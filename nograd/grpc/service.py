@@ -146,7 +146,8 @@ class InferenceService:
 
     async def ServerMetadata(self, request: Any, context: CallContext) -> pb.ServerMetadataResponse:
         async def metadata() -> pb.ServerMetadataResponse:
-            return _message(documents.server_metadata(EXTENSIONS), pb.ServerMetadataResponse())
+            document = documents.server_metadata(self._plane.settings.server_name, EXTENSIONS)
+            return _message(document, pb.ServerMetadataResponse())
 
         return await self._answer(context, metadata)
 

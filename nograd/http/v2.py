@@ -54,8 +54,9 @@ def json_response(document: Any, status: int = 200) -> Response:
 
 
 @router.get("", response_model=ServerMetadata, summary="Server metadata")
-async def server_metadata() -> ServerMetadata:
-    return ServerMetadata.model_validate(documents.server_metadata(EXTENSIONS))
+async def server_metadata(request: Request) -> ServerMetadata:
+    name = dataplane_of(request).settings.server_name
+    return ServerMetadata.model_validate(documents.server_metadata(name, EXTENSIONS))
 
 
 @router.get("/health/live", response_model=LiveResponse, summary="Liveness")
