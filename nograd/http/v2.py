@@ -12,7 +12,14 @@ from fastapi.concurrency import run_in_threadpool
 
 from nograd.core.errors import DecodeError
 from nograd.http.errors import error_body, error_headers
-from nograd.http.exchange import Incoming, Reply, parse_measured, run_call
+from nograd.http.exchange import (
+    Incoming,
+    Reply,
+    encoded_reply,
+    inflated_body,
+    parse_measured,
+    run_call,
+)
 from nograd.http.state import calls_of, dataplane_of
 from nograd.protocol import binary
 from nograd.protocol.limits import OFFLOAD_DECODE_BYTES
@@ -163,13 +170,11 @@ async def _decode(
     call: Call,
     check_for: Callable[[str | None], Callable[[Declared], None]],
 ) -> InferRequest:
-    """The request, its JSON measured before it is parsed (``parse_measured``) and the inputs
-    it declares checked against the model (``check_for`` the request's own id) before any
-    tensor is built or a byte of the binary part read."""
-    encoding = incoming.headers.get("content-encoding", "identity").strip().lower()
-    if encoding != "identity":
-        raise DecodeError(f"Content-Encoding {encoding!r} is not supported; send the body as is")
-    body = await incoming.body()
+    """The request, inflated if compressed (``inflated_body``), its JSON measured before it is
+    parsed (``parse_measured``) and the inputs it declares checked against the model
+    (``check_for`` the request's own id) before any tensor is built or a byte of the binary
+    part read."""
+    body = await inflated_body(incoming, calls, call)
     header, data = split_body(body, incoming.headers.get(binary.HEADER_LENGTH.lower()))
     document = await parse_measured(calls, call, header, parse_json)
     given_id = document.get("id") if isinstance(document, dict) else None
@@ -238,7 +243,8 @@ async def infer_call(incoming: Incoming, calls: Calls, name: str, version: str |
         model, outputs = await calls.infer(call, name, version, decoded.inputs, decoded.id)
         return _infer_reply(model, decoded, outputs)
 
-    return await run_call(incoming, calls, PROTOCOL, work, _error_reply)
+    reply = await run_call(incoming, calls, PROTOCOL, work, _error_reply)
+    return await encoded_reply(incoming, reply)
 
 
 async def _routed_infer(request: Request, name: str, version: str | None) -> Response:
