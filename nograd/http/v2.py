@@ -45,7 +45,7 @@ from nograd.protocol.v2_schemas import (
     StatisticsResponse,
 )
 from nograd.serving import documents
-from nograd.serving.calls import Call, Calls
+from nograd.serving.calls import Call, Calls, classified
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.registry import ServedModel
 from nograd.serving.validation import Declared
@@ -53,7 +53,13 @@ from nograd.serving.validation import Declared
 logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v2", tags=["Open Inference Protocol"])
 PROTOCOL = "v2"
-EXTENSIONS = ["binary_tensor_data", "model_configuration", "model_repository", "statistics"]
+EXTENSIONS = [
+    "binary_tensor_data",
+    "classification",
+    "model_configuration",
+    "model_repository",
+    "statistics",
+]
 
 
 def json_response(document: Any, status: int = 200) -> Response:
@@ -200,8 +206,11 @@ ENSEMBLE_PARAMETERS: Final = {"sequence_id": 0, "sequence_start": False, "sequen
 def _infer_reply(
     model: ServedModel, decoded: InferRequest, outputs: Mapping[str, np.ndarray]
 ) -> Reply:
-    """JSON, or with any binary output JSON + raw bytes and ``Inference-Header-Content-Length``."""
+    """JSON, or with any binary output JSON + raw bytes and ``Inference-Header-Content-Length``;
+    an output asked for by classification answers its top classes."""
     selected = select_outputs(list(outputs), decoded.outputs, decoded.parameters)
+    counts = {output.name: output.classification for output in selected if output.classification}
+    outputs = classified(model, outputs, counts)
     tensors, chunks = encode_outputs(outputs, selected, model=model.name)
     document: dict[str, Any] = {
         "model_name": model.name,
