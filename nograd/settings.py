@@ -110,6 +110,10 @@ class Settings(BaseSettings):
     max_archive_members: int = Field(default=10_000, ge=1)
     """Most files and folders a TorchServe archive may hold; more refuses the archive unread."""
 
+    server_name: str = Field(default="nograd", min_length=1, max_length=64)
+    """The name server metadata reports (``GET /v2``, gRPC ``ServerMetadata``); ``triton`` for
+    clients and scripts that check the server is Triton."""
+
     log_level: LogLevel = "info"
     """Log level of nograd and uvicorn."""
 

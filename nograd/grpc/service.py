@@ -15,10 +15,10 @@ from google.protobuf.message import Message
 
 from nograd.grpc.generated import grpc_service_pb2 as pb
 from nograd.grpc.rpc import CallContext, Code
-from nograd.grpc.tensors import encode_outputs, read_inputs
+from nograd.grpc.tensors import class_counts, encode_outputs, read_inputs
 from nograd.interop.generated import model_config_pb2
 from nograd.serving import documents
-from nograd.serving.calls import Call
+from nograd.serving.calls import Call, classified
 from nograd.serving.control_calls import load_model, unload_parameters
 from nograd.serving.core import Core
 from nograd.serving.errors import (
@@ -35,7 +35,7 @@ from nograd.serving.triton_config import model_configuration, repository_index
 
 logger = logging.getLogger(__name__)
 PROTOCOL: Final = "grpc"
-EXTENSIONS: Final = ["model_configuration", "model_repository", "statistics"]
+EXTENSIONS: Final = ["classification", "model_configuration", "model_repository", "statistics"]
 METHOD_PREFIX: Final = "/inference.GRPCInferenceService/"
 
 CODES: Final[dict[Kind, Code]] = {
@@ -146,7 +146,8 @@ class InferenceService:
 
     async def ServerMetadata(self, request: Any, context: CallContext) -> pb.ServerMetadataResponse:
         async def metadata() -> pb.ServerMetadataResponse:
-            return _message(documents.server_metadata(EXTENSIONS), pb.ServerMetadataResponse())
+            document = documents.server_metadata(self._plane.settings.server_name, EXTENSIONS)
+            return _message(document, pb.ServerMetadataResponse())
 
         return await self._answer(context, metadata)
 
@@ -251,7 +252,10 @@ class InferenceService:
             response = pb.ModelInferResponse(
                 model_name=model.name, model_version=model.version, id=request.id
             )
-            encode_outputs(response, outputs, [o.name for o in request.outputs])
+            counts = class_counts(request)
+            encode_outputs(
+                response, classified(model, outputs, counts), [o.name for o in request.outputs]
+            )
             return response
         finally:
             calls.release()

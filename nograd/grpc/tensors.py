@@ -24,7 +24,7 @@ import numpy as np
 from nograd.core.datatypes import NUMPY_DTYPES, ROWS, TABLE, datatype_of
 from nograd.core.errors import DecodeError
 from nograd.grpc.generated import grpc_service_pb2 as pb
-from nograd.protocol import binary
+from nograd.protocol import binary, classification
 from nograd.protocol.limits import OFFLOAD_DECODE_BYTES, checked_shape
 from nograd.serving.validation import Declared
 
@@ -179,6 +179,20 @@ def _from_contents(
             )
         array = array.astype(dtype, copy=False)
     return array.reshape(shape)
+
+
+def class_counts(request: pb.ModelInferRequest) -> dict[str, int]:
+    """The outputs asked for by classification (Triton's ``classification`` parameter of a
+    requested output, an int64), with their number of classes."""
+    counts: dict[str, int] = {}
+    for output in request.outputs:
+        parameter = output.parameters.get(classification.PARAMETER)
+        if parameter is None:
+            continue
+        kind = parameter.WhichOneof("parameter_choice")
+        value = getattr(parameter, kind) if kind else None
+        counts[output.name] = classification.class_count(value, output.name)
+    return counts
 
 
 def encode_outputs(

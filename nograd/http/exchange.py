@@ -24,6 +24,15 @@ from starlette.types import Message, Receive, Scope, Send
 from nograd.core.errors import DecodeError
 from nograd.http.errors import status_of
 from nograd.http.middleware import STARTED_KEY
+from nograd.protocol.compression import (
+    MOST_RATIO,
+    PIECE_BYTES,
+    Inflater,
+    compress,
+    request_encoding,
+    response_encoding,
+    too_large,
+)
 from nograd.protocol.limits import OFFLOAD_DECODE_BYTES, decoded_too_large, json_decoded_bytes
 from nograd.serving.calls import CLIENT_GONE, Call, Calls, safe_request_id
 
@@ -142,6 +151,43 @@ async def parse_measured(
         raise decoded_too_large(size, limit, "the request's JSON")
     calls.hold_bytes(call, size)
     return await run_in_threadpool(parse, text) if offload else parse(text)
+
+
+async def inflated_body(incoming: Incoming, calls: Calls, call: Call) -> bytes | bytearray:
+    """The request's body, inflated when its ``Content-Encoding`` is gzip or deflate: a piece at
+    a time, each counted against ``NOGRAD_MAX_REQUEST_BYTES`` (413 past it, after at most that
+    much output) and held in the process's budget for ``call`` (503 when it does not fit). A body
+    that may inflate past one piece is inflated in a thread, a piece per hop."""
+    body = await incoming.body()
+    encoding = request_encoding(incoming.headers.get("content-encoding"))
+    if encoding is None:
+        return body
+    limit = calls.plane.settings.max_request_bytes
+    inflater = Inflater(body, encoding)
+    offload = len(body) * MOST_RATIO > PIECE_BYTES
+    whole = bytearray()
+    while not inflater.done:
+        piece = await run_in_threadpool(inflater.step) if offload else inflater.step()
+        if len(whole) + len(piece) > limit:
+            calls.metrics.rejected.labels(call.model, "too_large").inc()
+            raise too_large(limit)
+        calls.hold_bytes(call, len(piece))
+        whole += piece
+    return whole
+
+
+async def encoded_reply(incoming: Incoming, reply: Reply) -> Reply:
+    """A successful reply compressed as the client's ``Accept-Encoding`` asks (gzip or deflate),
+    a large one in a thread; otherwise as it is."""
+    encoding = response_encoding(incoming.headers.get("accept-encoding"))
+    if encoding is None or reply.status != 200:
+        return reply
+    if len(reply.body) > OFFLOAD_DECODE_BYTES:
+        reply.body = await run_in_threadpool(compress, reply.body, encoding)
+    else:
+        reply.body = compress(reply.body, encoding)
+    reply.headers += [("Content-Encoding", encoding), ("Vary", "Accept-Encoding")]
+    return reply
 
 
 async def until_disconnect(

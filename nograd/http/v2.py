@@ -12,7 +12,14 @@ from fastapi.concurrency import run_in_threadpool
 
 from nograd.core.errors import DecodeError
 from nograd.http.errors import error_body, error_headers
-from nograd.http.exchange import Incoming, Reply, parse_measured, run_call
+from nograd.http.exchange import (
+    Incoming,
+    Reply,
+    encoded_reply,
+    inflated_body,
+    parse_measured,
+    run_call,
+)
 from nograd.http.state import calls_of, dataplane_of
 from nograd.protocol import binary
 from nograd.protocol.limits import OFFLOAD_DECODE_BYTES
@@ -38,7 +45,7 @@ from nograd.protocol.v2_schemas import (
     StatisticsResponse,
 )
 from nograd.serving import documents
-from nograd.serving.calls import Call, Calls
+from nograd.serving.calls import Call, Calls, classified
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.registry import ServedModel
 from nograd.serving.validation import Declared
@@ -46,7 +53,13 @@ from nograd.serving.validation import Declared
 logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v2", tags=["Open Inference Protocol"])
 PROTOCOL = "v2"
-EXTENSIONS = ["binary_tensor_data", "model_configuration", "model_repository", "statistics"]
+EXTENSIONS = [
+    "binary_tensor_data",
+    "classification",
+    "model_configuration",
+    "model_repository",
+    "statistics",
+]
 
 
 def json_response(document: Any, status: int = 200) -> Response:
@@ -54,8 +67,9 @@ def json_response(document: Any, status: int = 200) -> Response:
 
 
 @router.get("", response_model=ServerMetadata, summary="Server metadata")
-async def server_metadata() -> ServerMetadata:
-    return ServerMetadata.model_validate(documents.server_metadata(EXTENSIONS))
+async def server_metadata(request: Request) -> ServerMetadata:
+    name = dataplane_of(request).settings.server_name
+    return ServerMetadata.model_validate(documents.server_metadata(name, EXTENSIONS))
 
 
 @router.get("/health/live", response_model=LiveResponse, summary="Liveness")
@@ -162,13 +176,11 @@ async def _decode(
     call: Call,
     check_for: Callable[[str | None], Callable[[Declared], None]],
 ) -> InferRequest:
-    """The request, its JSON measured before it is parsed (``parse_measured``) and the inputs
-    it declares checked against the model (``check_for`` the request's own id) before any
-    tensor is built or a byte of the binary part read."""
-    encoding = incoming.headers.get("content-encoding", "identity").strip().lower()
-    if encoding != "identity":
-        raise DecodeError(f"Content-Encoding {encoding!r} is not supported; send the body as is")
-    body = await incoming.body()
+    """The request, inflated if compressed (``inflated_body``), its JSON measured before it is
+    parsed (``parse_measured``) and the inputs it declares checked against the model
+    (``check_for`` the request's own id) before any tensor is built or a byte of the binary
+    part read."""
+    body = await inflated_body(incoming, calls, call)
     header, data = split_body(body, incoming.headers.get(binary.HEADER_LENGTH.lower()))
     document = await parse_measured(calls, call, header, parse_json)
     given_id = document.get("id") if isinstance(document, dict) else None
@@ -194,8 +206,11 @@ ENSEMBLE_PARAMETERS: Final = {"sequence_id": 0, "sequence_start": False, "sequen
 def _infer_reply(
     model: ServedModel, decoded: InferRequest, outputs: Mapping[str, np.ndarray]
 ) -> Reply:
-    """JSON, or with any binary output JSON + raw bytes and ``Inference-Header-Content-Length``."""
+    """JSON, or with any binary output JSON + raw bytes and ``Inference-Header-Content-Length``;
+    an output asked for by classification answers its top classes."""
     selected = select_outputs(list(outputs), decoded.outputs, decoded.parameters)
+    counts = {output.name: output.classification for output in selected if output.classification}
+    outputs = classified(model, outputs, counts)
     tensors, chunks = encode_outputs(outputs, selected, model=model.name)
     document: dict[str, Any] = {
         "model_name": model.name,
@@ -237,7 +252,8 @@ async def infer_call(incoming: Incoming, calls: Calls, name: str, version: str |
         model, outputs = await calls.infer(call, name, version, decoded.inputs, decoded.id)
         return _infer_reply(model, decoded, outputs)
 
-    return await run_call(incoming, calls, PROTOCOL, work, _error_reply)
+    reply = await run_call(incoming, calls, PROTOCOL, work, _error_reply)
+    return await encoded_reply(incoming, reply)
 
 
 async def _routed_infer(request: Request, name: str, version: str | None) -> Response:

@@ -147,7 +147,9 @@ def _convert(model_dir: Path, message: Any, text: str, where: str) -> ModelConfi
     if not message.HasField("version_policy"):
         message.version_policy.latest.num_versions = 1
     inputs = tuple(_tensor(tensor, "input", where, backend) for tensor in message.input)
-    outputs = tuple(_tensor(tensor, "output", where, backend) for tensor in message.output)
+    outputs = tuple(
+        _tensor(tensor, "output", where, backend, model_dir) for tensor in message.output
+    )
     for index, group in enumerate(message.instance_group):
         group.name = group.name or f"{folder}_{index}"
         group.count = group.count or 1
@@ -249,6 +251,10 @@ def _backend(model_dir: Path, message: Any) -> Backend:
     )
 
 
+MAX_LABELS_BYTES: Final = 64 * 1024 * 1024
+"""Largest labels file an output may name."""
+
+
 def _detect(model_dir: Path, filename: str = "") -> Backend | None:
     for version in _versions(model_dir):
         for backend in BACKENDS:
@@ -265,7 +271,9 @@ def _versions(model_dir: Path) -> list[str]:
     return [d.name for d in model_dir.iterdir() if d.is_dir() and is_version(d.name)]
 
 
-def _tensor(tensor: Any, kind: str, where: str, backend: Backend) -> TensorSpec:
+def _tensor(
+    tensor: Any, kind: str, where: str, backend: Backend, model_dir: Path | None = None
+) -> TensorSpec:
     label = f"field '{kind}' {tensor.name!r}"
     for unsupported in ("is_shape_tensor", "allow_ragged_batch", "is_non_linear_format_io"):
         if unsupported in tensor.DESCRIPTOR.fields_by_name and getattr(tensor, unsupported):
@@ -278,8 +286,9 @@ def _tensor(tensor: Any, kind: str, where: str, backend: Backend) -> TensorSpec:
         )
     if kind == "input" and tensor.format != pb.ModelInput.FORMAT_NONE:
         _warn(f"{where}: {label}: 'format' is reported only; nograd passes tensors as sent")
-    if kind == "output" and tensor.label_filename:
-        _warn(f"{where}: {label}: 'label_filename' ignored: nograd serves no classification")
+    labels: tuple[str, ...] = ()
+    if kind == "output" and tensor.label_filename and model_dir is not None:
+        labels = _labels(model_dir, tensor.label_filename, label)
     type_name = pb.DataType.Name(tensor.data_type)
     datatype = DATATYPES.get(type_name)
     if datatype is None:
@@ -297,8 +306,26 @@ def _tensor(tensor: Any, kind: str, where: str, backend: Backend) -> TensorSpec:
         dims, reshape = (), None
     optional = kind == "input" and tensor.optional
     return TensorSpec(
-        name=tensor.name, datatype=datatype, shape=dims, reshape=reshape, optional=optional
+        name=tensor.name,
+        datatype=datatype,
+        shape=dims,
+        reshape=reshape,
+        optional=optional,
+        labels=labels,
     )
+
+
+def _labels(model_dir: Path, filename: str, label: str) -> tuple[str, ...]:
+    """An output's ``label_filename``: one class name per line, the line's number its index (as
+    Triton reads it); a file in the model's folder, of at most ``MAX_LABELS_BYTES``."""
+    path = model_dir / filename
+    if Path(filename).is_absolute() or ".." in Path(filename).parts or not path.is_file():
+        raise ValueError(
+            f"{label}: 'label_filename' {filename!r} is not a file in the model folder"
+        )
+    if path.stat().st_size > MAX_LABELS_BYTES:
+        raise ValueError(f"{label}: 'label_filename' {filename!r} is over {MAX_LABELS_BYTES} bytes")
+    return tuple(path.read_text(encoding="utf-8", errors="replace").splitlines())
 
 
 def _engine(value: str, backend: Backend) -> str:

@@ -22,7 +22,7 @@ import orjson
 
 from nograd.core.datatypes import NUMPY_DTYPES, datatype_of
 from nograd.core.errors import DecodeError
-from nograd.protocol import binary
+from nograd.protocol import binary, classification
 from nograd.protocol.limits import MAX_DIMS, checked_shape
 
 logger = logging.getLogger(__name__)
@@ -40,6 +40,8 @@ _NON_FINITE_TOKEN = re.compile(rb"-?(?:nan|inf)", re.IGNORECASE)
 class RequestedOutput:
     name: str
     binary: bool = False
+    classification: int = 0
+    """Classes to answer instead of the tensor (Triton's classification extension); 0: none."""
 
 
 @dataclass(frozen=True)
@@ -174,12 +176,13 @@ def _requested_outputs(raw: Any, parameters: Mapping[str, Any]) -> tuple[Request
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise DecodeError(f"field 'outputs[{index}].name' must be a string")
         params = _parameters(item.get("parameters"), f"outputs[{index}].parameters")
-        if "classification" in params:
-            raise DecodeError(
-                f"output {item['name']!r}: the classification extension is not supported"
-            )
+        classes = params.get(classification.PARAMETER)
         requested.append(
-            RequestedOutput(item["name"], bool(params.get("binary_data", default_binary)))
+            RequestedOutput(
+                item["name"],
+                bool(params.get("binary_data", default_binary)),
+                0 if classes is None else classification.class_count(classes, item["name"]),
+            )
         )
     return tuple(requested)
 

@@ -21,6 +21,9 @@ class TensorSpec(BaseModel):
     from ``shape``, the one requests carry (Triton's ``reshape``); same number of elements."""
     optional: bool = False
     """An input a request may leave out (Triton's ``optional``; Python-backend models only)."""
+    labels: tuple[str, ...] = ()
+    """A classifier output's class names by index (Triton's ``label_filename``, read at load),
+    which the classification extension appends to its ``score:index`` answers."""
 
     @field_validator("shape", "reshape")
     @classmethod

@@ -20,6 +20,7 @@ import numpy as np
 from nograd.batching import QueueFull
 from nograd.core.handler_messages import HandlerAnswer
 from nograd.observability.metrics import UNKNOWN_MODEL, Metrics
+from nograd.protocol import classification
 from nograd.protocol.keys import bearer_key_matches
 from nograd.runtime.handler import Outputs
 from nograd.serving.dataplane import DataPlane
@@ -284,3 +285,15 @@ def answer_bodies(outputs: Outputs) -> Outputs:
             bodies.flat[index] = answer.body
         plain[name] = bodies
     return plain
+
+
+def classified(
+    model: ServedModel, outputs: Mapping[str, np.ndarray], counts: Mapping[str, int]
+) -> Mapping[str, np.ndarray]:
+    """A model's answer with the outputs ``counts`` names as their top classes (Triton's
+    classification extension), labelled with the model's own labels of each output."""
+    if not counts:
+        return outputs
+    labels = {spec.name: spec.labels for spec in model.config.outputs}
+    batched = bool(model.config.batch_dimension)
+    return classification.classified(outputs, counts, labels, batched=batched)

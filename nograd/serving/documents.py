@@ -4,17 +4,16 @@ the same fields), so a model is described the same way over every protocol."""
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Any
 
 from nograd import __version__
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.registry import ServedModel
 
-SERVER_NAME: Final = "nograd"
 
-
-def server_metadata(extensions: list[str]) -> dict[str, Any]:
-    return {"name": SERVER_NAME, "version": __version__, "extensions": extensions}
+def server_metadata(name: str, extensions: list[str]) -> dict[str, Any]:
+    """The server's metadata; ``name`` is ``NOGRAD_SERVER_NAME``."""
+    return {"name": name, "version": __version__, "extensions": extensions}
 
 
 def model_metadata(plane: DataPlane, model: ServedModel) -> dict[str, Any]:

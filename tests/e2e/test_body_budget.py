@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import socket
+import struct
 import threading
 import time
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -107,6 +109,38 @@ def test_a_json_body_that_would_decode_past_the_bound_is_refused_unparsed(server
     assert watch.slowest_health_s < 1.0
     assert watch.peak_mib - watch.before_mib < 200
     assert metric_value(server.url, "nograd_rejected_total", reason="too_large") >= 1
+
+
+def gzip_bomb(inflated_mib: int) -> bytes:
+    """A valid gzip body of ``inflated_mib`` MiB of zeros, about a thousand times smaller: one
+    compressed MiB of zeros (a full flush makes each such block independent) repeated."""
+    zeros = bytes(MIB)
+    deflater = zlib.compressobj(9, zlib.DEFLATED, -zlib.MAX_WBITS)
+    block = deflater.compress(zeros) + deflater.flush(zlib.Z_FULL_FLUSH)
+    crc = 0
+    for _ in range(inflated_mib):
+        crc = zlib.crc32(zeros, crc)
+    trailer = struct.pack("<II", crc, (inflated_mib * MIB) & 0xFFFFFFFF)
+    return (
+        b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff"
+        + block * inflated_mib
+        + deflater.flush()
+        + trailer
+    )
+
+
+def test_a_gzip_bomb_is_refused_after_the_request_limit_in_bounded_memory(server: Server) -> None:
+    """A GiB of zeros in a MiB of gzip is inflated only up to NOGRAD_MAX_REQUEST_BYTES (64 MiB),
+    a piece at a time off the event loop, then refused with 413."""
+    bomb = gzip_bomb(1024)
+    assert len(bomb) < 2 * MIB
+    headers = {"content-type": "application/json", "content-encoding": "gzip"}
+    response, took, watch = post_watched(server, bomb, headers)
+    assert response.status_code == 413, response.text
+    assert "once decompressed (NOGRAD_MAX_REQUEST_BYTES)" in response.json()["error"]
+    assert took < 10
+    assert watch.slowest_health_s < 1.0
+    assert watch.peak_mib - watch.before_mib < 200
 
 
 def test_a_binary_body_is_checked_against_the_model_before_its_binary_part_is_read(

@@ -175,3 +175,19 @@ def test_the_engine_parameter_opts_torchscript_in_and_is_refused_elsewhere(
     simple = (FIXTURES / "simple" / "config.pbtxt").read_text() + parameter % "auto"
     with pytest.raises(ConfigError, match="only a TorchScript model"):
         read_triton(_folder(tmp_path, "simple", simple))
+
+
+def test_an_output_s_labels_file_is_read_and_a_missing_one_named(tmp_path: Path) -> None:
+    text = (FIXTURES / "simple" / "config.pbtxt").read_text().replace('"simple"', '"m"')
+    labelled = text.replace('name: "OUTPUT1"', 'name: "OUTPUT1"\n    label_filename: "l.txt"')
+    folder = _folder(tmp_path, "m", labelled)
+    (folder / "l.txt").write_text("cat\ndog\n")
+    config = read_triton(folder)
+    assert [spec.labels for spec in config.outputs] == [(), ("cat", "dog")]
+    (folder / "l.txt").unlink()
+    with pytest.raises(ConfigError, match=r"'label_filename' 'l\.txt' is not a file in the model"):
+        read_triton(folder)
+    escaping = labelled.replace('"l.txt"', '"../l.txt"')
+    (tmp_path / "l.txt").write_text("x\n")
+    with pytest.raises(ConfigError, match="is not a file in the model folder"):
+        read_triton(_folder(tmp_path, "n", escaping.replace('"m"', '"n"')))

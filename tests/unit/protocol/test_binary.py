@@ -331,15 +331,18 @@ def test_malformed_bytes_elements(raw: bytes, shape: tuple[int, ...], message: s
         decode_body(body, length)
 
 
-def test_classification_outputs_are_refused() -> None:
-    body = orjson.dumps(
-        {
-            "inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}],
-            "outputs": [{"name": "a", "parameters": {"classification": 3}}],
-        }
-    )
-    with pytest.raises(DecodeError, match="classification extension is not supported"):
-        decode_body(body, None)
+def test_a_classification_output_is_decoded_with_its_class_count() -> None:
+    def body(count: object) -> bytes:
+        return orjson.dumps(
+            {
+                "inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}],
+                "outputs": [{"name": "a", "parameters": {"classification": count}}],
+            }
+        )
+
+    assert decode_body(body(3), None).outputs[0].classification == 3
+    with pytest.raises(DecodeError, match="'classification' must be a positive integer"):
+        decode_body(body("3"), None)
 
 
 @pytest.mark.parametrize("shape", [[161, 0, 59501478496280752, 525], [0] * 33, [0, 2**62]])
