@@ -47,12 +47,10 @@ SHM = "system shared memory"
 SEQUENCES = "sequence batching"
 STREAM = "ModelStreamInfer and decoupled models"
 CUDA = "CUDA shared memory (a GPU)"
-CLASSIFICATION = "the classification extension"
 UPLOAD_STATUS = "Triton's INTERNAL status for an uploaded model file (nograd: INVALID_ARGUMENT)"
-NAME = "a server name of its choosing (NOGRAD_SERVER_NAME)"
 
 EXAMPLE_RUNS: dict[str, Example] = {
-    "http-health-metadata": Example("simple_http_health_metadata.py", missing=NAME),
+    "http-health-metadata": Example("simple_http_health_metadata.py"),
     "http-infer": Example("simple_http_infer_client.py"),
     "http-aio-infer": Example("simple_http_aio_infer_client.py"),
     "http-async-infer": Example("simple_http_async_infer_client.py"),
@@ -62,20 +60,18 @@ EXAMPLE_RUNS: dict[str, Example] = {
     "http-image": Example(
         "image_client.py",
         ("-m", "densenet_onnx", "-s", "INCEPTION", "-c", "1", "-b", "1", str(IMAGE)),
-        missing=CLASSIFICATION,
         expect="VULTURE",
     ),
     "http-image-async": Example(
         "image_client.py",
         ("-m", "densenet_onnx", "-s", "INCEPTION", "-a", "-c", "1", "-b", "1", str(IMAGE)),
-        missing=CLASSIFICATION,
         expect="VULTURE",
     ),
     "http-shm": Example("simple_http_shm_client.py", missing=SHM),
     "http-shm-string": Example("simple_http_shm_string_client.py", missing=SHM),
     "http-sequence-sync": Example("simple_http_sequence_sync_infer_client.py", missing=SEQUENCES),
     "http-cudashm": Example("simple_http_cudashm_client.py", missing=CUDA),
-    "grpc-health-metadata": Example("simple_grpc_health_metadata.py", grpc=True, missing=NAME),
+    "grpc-health-metadata": Example("simple_grpc_health_metadata.py", grpc=True),
     "grpc-infer": Example("simple_grpc_infer_client.py", grpc=True),
     "grpc-aio-infer": Example("simple_grpc_aio_infer_client.py", grpc=True),
     "grpc-async-infer": Example("simple_grpc_async_infer_client.py", grpc=True),
@@ -99,14 +95,12 @@ EXAMPLE_RUNS: dict[str, Example] = {
         "grpc_image_client.py",
         ("-m", "densenet_onnx", "-s", "INCEPTION", "-c", "1", "-b", "1", str(IMAGE)),
         grpc=True,
-        missing=CLASSIFICATION,
         expect="VULTURE",
     ),
     "grpc-image-via-image-client": Example(
         "image_client.py",
         ("-i", "grpc", "-m", "densenet_onnx", "-s", "INCEPTION", "-c", "1", "-b", "1", str(IMAGE)),
         grpc=True,
-        missing=CLASSIFICATION,
         expect="VULTURE",
     ),
     "grpc-image-streaming": Example(
