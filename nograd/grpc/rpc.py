@@ -11,68 +11,35 @@ those calls never take the room inference calls need.
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
-import re
 import time
-import zlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final, Protocol
-from urllib.parse import quote
+from typing import Any, Protocol
 
 from google.protobuf.message import DecodeError as ProtobufDecodeError
 from google.protobuf.message import Message
 
-from nograd.grpc.frames import STATUS_200, literal
+from nograd.grpc.bidi import BidiCall, BidiStreaming
 from nograd.grpc.h2 import Handler, Http2Connection, Stream
+from nograd.grpc.wire import (
+    PREFIX_BYTES,
+    RESPONSE_HEADERS,
+    Abort,
+    decompress,
+    message_bytes,
+    parse_timeout,
+    trailers,
+)
+from nograd.grpc.wire import CallContext as CallContext
+from nograd.grpc.wire import Code as Code
 from nograd.serving.errors import QueueFull, retry_after_s
 
 logger = logging.getLogger(__name__)
 
 
-class Code(enum.IntEnum):
-    """gRPC status codes (grpc/doc/statuscodes.md)."""
-
-    OK = 0
-    CANCELLED = 1
-    UNKNOWN = 2
-    INVALID_ARGUMENT = 3
-    DEADLINE_EXCEEDED = 4
-    NOT_FOUND = 5
-    ALREADY_EXISTS = 6
-    PERMISSION_DENIED = 7
-    RESOURCE_EXHAUSTED = 8
-    FAILED_PRECONDITION = 9
-    ABORTED = 10
-    OUT_OF_RANGE = 11
-    UNIMPLEMENTED = 12
-    INTERNAL = 13
-    UNAVAILABLE = 14
-    DATA_LOSS = 15
-    UNAUTHENTICATED = 16
-
-
-RESPONSE_HEADERS: Final = STATUS_200 + literal(b"content-type", b"application/grpc")
-_PREFIX_BYTES: Final = 5
-"""Each message's prefix: a compressed flag and a 4-byte big-endian length."""
-_TIMEOUT_UNITS: Final = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
-_TIMEOUT: Final = re.compile(r"([0-9]{1,8})([HMSmun])")
-"""gRPC's TimeoutValue and TimeoutUnit: 1 to 8 ASCII digits, no sign, then the unit."""
-_MESSAGE_SAFE: Final = " !#$&'()*+,/:;=?@[]~"
-"""Printable ASCII left as is in ``grpc-message``; the rest is percent-encoded (gRPC's spec)."""
-
 Unary = Callable[[Any, "CallContext"], Awaitable[Message]]
 ServerStreaming = Callable[[Any, "CallContext"], AsyncIterator[Message]]
-
-
-class Abort(Exception):
-    """A call ended with a status other than OK (raised by ``CallContext.abort``)."""
-
-    def __init__(self, code: Code, details: str) -> None:
-        super().__init__(details)
-        self.code = code
-        self.details = details
 
 
 class Limit:
@@ -99,6 +66,7 @@ class Method:
     request_type: type[Message]
     unary: Unary | None = None
     server_streaming: ServerStreaming | None = None
+    bidi_streaming: BidiStreaming | None = None
     limits: tuple[Limit, ...] = ()
     holds_body: bool = True
     """Its request messages draw on the process's byte budget as they arrive (health calls,
@@ -112,54 +80,6 @@ class ByteBudget(Protocol):
         """Draw ``size`` bytes, or raise ``QueueFull`` (counted) when they do not fit."""
 
     def give_bytes(self, size: int) -> None: ...
-
-
-class CallContext:
-    """What a servicer learns of its call and how it ends it with a status."""
-
-    __slots__ = ("_deadline", "_metadata", "trailing_metadata")
-
-    def __init__(self, metadata: list[tuple[str, str]], deadline: float | None) -> None:
-        self._metadata = metadata
-        self._deadline = deadline
-        self.trailing_metadata: Sequence[tuple[str, str]] = ()
-
-    def invocation_metadata(self) -> list[tuple[str, str]]:
-        return self._metadata
-
-    def time_remaining(self) -> float | None:
-        """Seconds left before the client's deadline (``grpc-timeout``); None without one."""
-        return None if self._deadline is None else self._deadline - time.monotonic()
-
-    def set_trailing_metadata(self, metadata: Sequence[tuple[str, str]]) -> None:
-        self.trailing_metadata = metadata
-
-    async def abort(self, code: Code, details: str) -> None:
-        raise Abort(code, details)
-
-
-def trailers(code: Code, message: str = "", extra: Sequence[tuple[str, str]] = ()) -> bytes:
-    """The header block that ends a call: its status, message and trailing metadata."""
-    block = literal(b"grpc-status", str(int(code)).encode())
-    if message:
-        block += literal(b"grpc-message", quote(message, safe=_MESSAGE_SAFE).encode())
-    for name, value in extra:
-        block += literal(name.encode("latin-1"), value.encode("latin-1"))
-    return block
-
-
-def message_bytes(response: Message) -> bytes:
-    payload: bytes = response.SerializeToString()
-    return b"\x00" + len(payload).to_bytes(4, "big") + payload
-
-
-def parse_timeout(value: str) -> float | None:
-    """``grpc-timeout`` (at most 8 ASCII digits and a unit) in seconds; None when malformed
-    (a sign, another digit than 0-9, no unit), which the call is refused for."""
-    matched = _TIMEOUT.fullmatch(value)
-    if matched is None:
-        return None
-    return int(matched[1]) * _TIMEOUT_UNITS[matched[2]]
 
 
 class GrpcCalls(Handler):
@@ -180,6 +100,8 @@ class GrpcCalls(Handler):
         self._budget = budget
         self.calls: set[asyncio.Task[None]] = set()
         """Unary calls under way, for the drain."""
+        self._bidi: dict[int, BidiCall] = {}
+        """Bidirectional calls by their stream (its ``id``), told when the client's side ends."""
         self.streams: set[asyncio.Task[None]] = set()
         """Server-streaming calls under way (health watches: they end with the connection)."""
 
@@ -194,7 +116,11 @@ class GrpcCalls(Handler):
         if refusal is not None:
             connection.send_headers(stream, RESPONSE_HEADERS + trailers(*refusal), end=True)
             return
-        limit = self._max_message_bytes + _PREFIX_BYTES
+        assert method is not None
+        if method.bidi_streaming is not None:
+            self._open_bidi(connection, stream, method, method.bidi_streaming)
+            return
+        limit = self._max_message_bytes + PREFIX_BYTES
         budget = self._budget if method is not None and method.holds_body else None
         held = 0
 
@@ -248,7 +174,38 @@ class GrpcCalls(Handler):
         stream.on_closed = release
         return None
 
+    def _open_bidi(
+        self, connection: Http2Connection, stream: Stream, method: Method, servicer: BidiStreaming
+    ) -> None:
+        headers = dict(stream.headers)
+        timeout = headers.get("grpc-timeout")
+        seconds = None if timeout is None else parse_timeout(timeout)
+        deadline = None if seconds is None else time.monotonic() + seconds
+        metadata = [(k, v) for k, v in stream.headers if not k.startswith(":")]
+        encoding = headers.get("grpc-encoding", "identity")
+        call = BidiCall(
+            connection,
+            stream,
+            method.request_type,
+            servicer,
+            CallContext(metadata, deadline),
+            self._max_message_bytes,
+            encoding,
+        )
+        self.streams.add(call.task)
+        call.task.add_done_callback(self.streams.discard)
+        self._bidi[id(stream)] = call
+
+        def forget() -> None:
+            self._bidi.pop(id(stream), None)
+
+        stream.on_closed = forget
+
     def stream_complete(self, connection: Http2Connection, stream: Stream) -> None:
+        bidi = self._bidi.get(id(stream))
+        if bidi is not None:
+            bidi.requests_ended()
+            return
         if stream.closed:
             return
         headers = dict(stream.headers)
@@ -280,14 +237,14 @@ class GrpcCalls(Handler):
     def _request(self, method: Method, encoding: str, stream: Stream) -> Message:
         body = bytes(stream.body)
         stream.body.clear()
-        if len(body) < _PREFIX_BYTES:
+        if len(body) < PREFIX_BYTES:
             raise Abort(Code.INTERNAL, "the call carries no request message")
         size = int.from_bytes(body[1:5], "big")
-        if len(body) != _PREFIX_BYTES + size:
+        if len(body) != PREFIX_BYTES + size:
             raise Abort(Code.INTERNAL, "a unary call carries exactly one request message")
-        payload = body[_PREFIX_BYTES:]
+        payload = body[PREFIX_BYTES:]
         if body[0]:
-            payload = _decompress(payload, encoding, self._max_message_bytes)
+            payload = decompress(payload, encoding, self._max_message_bytes)
         request = method.request_type()
         try:
             request.ParseFromString(payload)
@@ -361,17 +318,3 @@ def _refusal(headers: Mapping[str, str], method: Method | None) -> tuple[Code, s
             f"got {timeout[:32]!r}"
         )
     return None
-
-
-def _decompress(payload: bytes, encoding: str, limit: int) -> bytes:
-    if encoding not in ("gzip", "deflate"):
-        raise Abort(Code.INTERNAL, f"a compressed message with grpc-encoding {encoding!r}")
-    inflater = zlib.decompressobj(16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS)
-    try:
-        out = inflater.decompress(payload, limit + 1)
-    except zlib.error as exc:
-        logger.debug("undecompressable %s request: %s", encoding, exc)
-        raise Abort(Code.INTERNAL, f"cannot decompress the request: not {encoding} data") from exc
-    if len(out) > limit:
-        raise Abort(Code.RESOURCE_EXHAUSTED, f"decompressed message larger than max ({limit})")
-    return out

@@ -63,7 +63,14 @@ def inference_methods(service: InferenceService, limits: HealthLimits) -> dict[s
     definition = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
     for rpc in definition.methods:
         function = getattr(service, rpc.name, None)
-        if function is None or rpc.client_streaming or rpc.server_streaming:
+        if function is None:
+            continue
+        if rpc.client_streaming and rpc.server_streaming:
+            methods[f"/{SERVICE_NAME}/{rpc.name}"] = Method(
+                getattr(pb, rpc.input_type.name), bidi_streaming=function
+            )
+            continue
+        if rpc.client_streaming or rpc.server_streaming:
             continue
         methods[f"/{SERVICE_NAME}/{rpc.name}"] = Method(
             getattr(pb, rpc.input_type.name),

@@ -5,9 +5,10 @@ through the same serving core, so one batch may mix HTTP and gRPC requests. Serv
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Final, TypeVar
 
 from google.protobuf import json_format
@@ -228,6 +229,54 @@ class InferenceService:
             kind = calls.failed(call, exc)
             await self._abort(context, exc, kind)
             raise  # abort raises; this line only satisfies the type checker
+        finally:
+            calls.close(call, 200 if kind is None else kind.status)
+
+    async def ModelStreamInfer(
+        self, requests: AsyncIterator[Any], context: CallContext
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        """Triton's streaming inference: each request of the stream served as ModelInfer serves
+        it, side by side, its answer (or its error, in ``error_message`` as Triton sends it, the
+        stream going on) sent as soon as it is ready."""
+        try:
+            self.authorize(context)
+        except Exception as exc:
+            await self._abort(context, exc, kind_of(exc))
+        answers: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        serving: set[asyncio.Task[None]] = set()
+
+        async def serve(request: Any) -> None:
+            await answers.put(await self._stream_one(request, context))
+
+        async def take() -> None:
+            async for request in requests:
+                task = asyncio.create_task(serve(request))
+                serving.add(task)
+                task.add_done_callback(serving.discard)
+            await asyncio.gather(*serving)
+            await answers.put(None)
+
+        taking = asyncio.create_task(take())
+        try:
+            while (answer := await answers.get()) is not None:
+                yield answer
+        finally:
+            taking.cancel()
+            for task in list(serving):
+                task.cancel()
+
+    async def _stream_one(self, request: Any, context: CallContext) -> pb.ModelStreamInferResponse:
+        calls = self._calls
+        call = calls.open(PROTOCOL, METHOD_PREFIX + "ModelStreamInfer")
+        call.model = calls.label(request.model_name)
+        kind: Kind | None = Kind.CLIENT_GONE
+        try:
+            response = await self._infer(call, request, context)
+            kind = None
+            return pb.ModelStreamInferResponse(infer_response=response)
+        except Exception as exc:
+            kind = calls.failed(call, exc)
+            return pb.ModelStreamInferResponse(error_message=client_message(exc, kind))
         finally:
             calls.close(call, 200 if kind is None else kind.status)
 

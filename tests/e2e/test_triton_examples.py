@@ -45,7 +45,7 @@ class Example(NamedTuple):
 
 SHM = "system shared memory"
 SEQUENCES = "sequence batching"
-STREAM = "ModelStreamInfer and decoupled models"
+STREAM = "decoupled models (repeat_int32)"
 CUDA = "CUDA shared memory (a GPU)"
 UPLOAD_STATUS = "Triton's INTERNAL status for an uploaded model file (nograd: INVALID_ARGUMENT)"
 
@@ -110,7 +110,6 @@ EXAMPLE_RUNS: dict[str, Example] = {
             *("-c", "1", "-b", "1", str(IMAGE)),
         ),
         grpc=True,
-        missing=STREAM,
         expect="VULTURE",
     ),
     "grpc-shm": Example("simple_grpc_shm_client.py", grpc=True, missing=SHM),

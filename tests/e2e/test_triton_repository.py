@@ -12,6 +12,7 @@ import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from queue import Queue
 
 import httpx
 import numpy as np
@@ -755,3 +756,39 @@ def test_answers_equal_tritons(
     found = {name: differences(recorded[name], answers[name]) for name in recorded}
     failed = {name: diff for name, diff in found.items() if diff}
     assert not failed, json.dumps(failed, indent=1)
+
+
+def test_model_stream_infer_answers_each_request_and_errors_in_stream(
+    grpc_client: triton_grpc.InferenceServerClient,
+) -> None:
+    """Triton's streaming call: many requests on one stream, each answered as it is ready (by
+    its id), a refused one answered with its error in the stream, which goes on."""
+    answers: Queue[tuple[object, object]] = Queue()
+    grpc_client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        for index in range(4):
+            rows = ROWS[:1] + index
+            tensors = []
+            for name, value in (("INPUT0", rows), ("INPUT1", OTHER[:1])):
+                tensor = triton_grpc.InferInput(name, list(value.shape), "INT32")
+                tensor.set_data_from_numpy(value)
+                tensors.append(tensor)
+            grpc_client.async_stream_infer("simple", tensors, request_id=f"r{index}")
+            if index == 1:
+                wrong = triton_grpc.InferInput("INPUT0", [1, 3], "INT32")
+                wrong.set_data_from_numpy(np.zeros((1, 3), np.int32))
+                grpc_client.async_stream_infer("simple", [wrong, tensors[1]], request_id="bad")
+        got = [answers.get(timeout=30) for _ in range(5)]
+    finally:
+        grpc_client.stop_stream()
+    errors = [str(error) for result, error in got if error is not None]
+    assert len(errors) == 1
+    assert "unexpected shape for input 'INPUT0' for model 'simple'" in errors[0]
+    sums = {}
+    for result, error in got:
+        if error is None:
+            response = result.get_response()  # type: ignore[attr-defined]
+            sums[response.id] = result.as_numpy("OUTPUT0")  # type: ignore[attr-defined]
+    assert sorted(sums) == ["r0", "r1", "r2", "r3"]
+    for index in range(4):
+        np.testing.assert_array_equal(sums[f"r{index}"], ROWS[:1] + index + OTHER[:1])

@@ -50,12 +50,12 @@ class Peer:
             if got[0] == kind:
                 return got
 
-    def request_headers(self) -> bytes:
+    def request_headers(self, path: str = PATH) -> bytes:
         return self.encoder.encode(
             [
                 (":method", "POST"),
                 (":scheme", "http"),
-                (":path", PATH),
+                (":path", path),
                 (":authority", "nograd"),
                 ("content-type", "application/grpc"),
                 ("te", "trailers"),
