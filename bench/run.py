@@ -23,8 +23,8 @@ process is stopped in a ``finally``):
    of each paired with nograd (its default worker count) and the HTTP ceiling, at concurrency 32
    and 1; a peer that cannot be set up or started is reported with the reason;
 8. archives: TorchServe's MNIST example (``mnist.mar``, its custom handler) built with the real
-   ``torch-model-archiver``, one model store served by nograd and by TorchServe, their answers
-   compared, then paired rounds of ``PUT /predictions/mnist`` with PNG bodies at the headline
+   ``torch-model-archiver``, one model store served by nograd (as shipped and as one process)
+   and by TorchServe, their answers compared, then paired rounds of ``PUT /predictions/mnist`` with PNG bodies at the headline
    concurrency and at the archive's batch size (``bench.phases.archives``);
 9. gRPC: Triton's perf_analyzer drives nograd (one process and two workers) over HTTP and over
    gRPC, and Triton (PyTriton) over gRPC, in paired rounds at concurrency 32 and 1;
@@ -117,9 +117,9 @@ def count_steps(plan: Plan) -> int:
         for w in plan.workloads
     )
     steps += plan.paired_rounds * 2 * per_round
-    # archives: TorchServe's venv, the archive, two servers, the answer check, then per round
-    # both servers at two concurrencies
-    steps += 5 + plan.paired_rounds * 2 * 2
+    # archives: TorchServe's venv, the archive, three servers, the answer check, then per round
+    # every server at two concurrencies
+    steps += 6 + plan.paired_rounds * 2 * 3
     # gRPC: two nograds and PyTriton's venv, PyTriton per workload, then per round and
     # concurrency both nograds over both protocols and PyTriton over gRPC
     one_sample = sum(1 for w in plan.workloads if workloads.make(w, 1).samples_per_request == 1)

@@ -23,6 +23,7 @@ from bench.phases.peers import NOGRAD, PEER_READY_TIMEOUT_S, measure_rounds, sta
 from bench.session import Bench
 
 TORCHSERVE = "torchserve"
+NOGRAD_ONE = "nograd-workers-1"
 WORKLOAD = "mnist-png"
 ENV = "torchserve-vision"
 """TorchServe 0.12 with real torchvision: its vision handlers (the MNIST one) import it."""
@@ -67,8 +68,9 @@ def archive_concurrencies(headline: int, batch_size: int) -> list[int]:
 
 
 def phase_archives(bench: Bench) -> None:
-    """Build ``mnist.mar``, serve it with nograd and TorchServe, check the answers agree, then
-    measure both in paired rounds; a TorchServe that cannot be set up, started or does not agree
+    """Build ``mnist.mar``, serve it with nograd (as shipped, and as one process where ``auto``
+    picks more) and TorchServe, check the answers agree, then measure them in paired rounds; a
+    TorchServe that cannot be set up, started or does not agree
     is reported with the reason and measured no further."""
     record: dict[str, Any] = {"archive": "mnist.mar", "workload": WORKLOAD, "runs": []}
     bench.results["archives"] = record
@@ -116,12 +118,15 @@ def phase_archives(bench: Bench) -> None:
             record["refused"] = f"answers differ from nograd's: {check['first_difference']}"
             bench.note(record["refused"][:300])
             return
-        lineup: dict[str, list[tuple[str, Server]]] = {
-            WORKLOAD: [(NOGRAD, nograd), (TORCHSERVE, torchserve)]
-        }
+        systems = [(NOGRAD, nograd), (TORCHSERVE, torchserve)]
+        if workers != "1":
+            # The archive asks TorchServe for one worker: nograd as one process beside it.
+            bench.step("archives: start nograd, one process")
+            one = stack.enter_context(nograd_server(store, cpus, {"NOGRAD_WORKERS": "1"}))
+            systems.insert(1, (NOGRAD_ONE, one))
         concurrencies = archive_concurrencies(bench.plan.concurrency, record["batch_size"])
         record["runs"] = measure_rounds(
-            bench, lineup, [nograd, torchserve], concurrencies, "archives"
+            bench, {WORKLOAD: systems}, [s for _, s in systems], concurrencies, "archives"
         )
 
 

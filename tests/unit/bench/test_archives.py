@@ -69,20 +69,22 @@ def test_rows_take_medians_and_per_round_ratios() -> None:
         _run("torchserve", 32, 2, 100.0, 400.0),  # round 2: 1.5x, p99 0.5x
         _run("nograd", 32, 3, 200.0, 100.0),
         _run("torchserve", 32, 3, 50.0, 200.0),  # round 3: 4.0x, p99 0.5x
+        _run("nograd-workers-1", 32, 3, 100.0, 100.0),  # one round only: 2.0x
         _run("nograd", 8, 1, 90.0, 20.0),  # no TorchServe run in this round: not paired
     ]
     rows = archive_rows({"archives": {"runs": runs}})
-    assert len(rows) == 1
-    concurrency, rounds, rps, p50, p99, ts_rps, ts_p50, ts_p99, ratio, p99_ratio, failed, _ = rows[
-        0
+    assert [(row[0], row[1], row[2]) for row in rows] == [
+        (32, "nograd (`NOGRAD_WORKERS` as `auto` picks)", 3),
+        (32, "nograd, one process", 1),
+        (32, "TorchServe", 3),
     ]
-    assert (concurrency, rounds) == (32, 3)
+    _, _, _, rps, p50, p99, ratio, p99_ratio, failed, foreign = rows[0]
     assert (rps, p50, p99) == (200.0, 50.0, 100.0)
-    assert (ts_rps, ts_p50, ts_p99) == (100.0, 200.0, 400.0)
     # the median of the per-round ratios (3.0, 1.5, 4.0), not the ratio of the medians (2.0)
-    assert ratio == "3.00×"
-    assert p99_ratio == "0.50×"
-    assert failed == "0 / 0"
+    assert (ratio, p99_ratio) == ("3.00×", "0.50×")
+    assert (failed, foreign) == (0, 0.0)
+    assert rows[1][6] == "2.00×"
+    assert rows[2][3:8] == (100.0, 200.0, 400.0, "1.00×", "1.00×")
 
 
 def test_section_says_why_torchserve_was_not_measured() -> None:
