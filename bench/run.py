@@ -24,8 +24,9 @@ process is stopped in a ``finally``):
    and 1; a peer that cannot be set up or started is reported with the reason;
 8. archives: TorchServe's MNIST example (``mnist.mar``, its custom handler) built with the real
    ``torch-model-archiver``, one model store served by nograd (as shipped and as one process)
-   and by TorchServe, their answers compared, then paired rounds of ``PUT /predictions/mnist`` with PNG bodies at the headline
-   concurrency and at the archive's batch size (``bench.phases.archives``);
+   and by TorchServe, their answers compared, then paired rounds of ``PUT /predictions/mnist``
+   with PNG bodies at the headline concurrency and at the archive's batch size
+   (``bench.phases.archives``);
 9. gRPC: Triton's perf_analyzer drives nograd (one process and two workers) over HTTP and over
    gRPC, and Triton (PyTriton) over gRPC, in paired rounds at concurrency 32 and 1;
 10. speed levers (``bench.levers``), issue 3's memory benchmark (``bench.memory_bench``) and
