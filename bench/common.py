@@ -110,8 +110,20 @@ def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
 
 
 def http_post(url: str, body: bytes, timeout: float = 30.0) -> tuple[int, bytes]:
+    return http_send(url, body, timeout=timeout)
+
+
+def http_send(
+    url: str,
+    body: bytes,
+    *,
+    method: str = "POST",
+    content_type: str = "application/json",
+    timeout: float = 30.0,
+) -> tuple[int, bytes]:
+    """One request with ``body``: its status and answer, an HTTP error's included."""
     request = urllib.request.Request(
-        url, data=body, method="POST", headers={"content-type": "application/json"}
+        url, data=body, method=method, headers={"content-type": content_type}
     )
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:

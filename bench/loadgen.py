@@ -158,10 +158,14 @@ def run_closed(
     cpus: str | None,
     timeout_s: float = 10.0,
     pause_ms: float | None = None,
+    method: str = "POST",
+    content_type: str = "application/json",
+    hex_bodies: bool = False,
 ) -> LoadResult:
     """``wrk -c N`` for ``duration_s``; a single wrk thread drives up to 64 connections.
 
     ``pause_ms``: each connection waits that long after every answer (paced, not saturating).
+    ``hex_bodies``: the bodies file holds one hex-encoded (binary) body per line.
     """
     threads = 1 if connections < 64 else 2
     command = [
@@ -178,7 +182,13 @@ def run_closed(
         str(LUA),
         url,
     ]
-    env = {**os.environ, "NOGRAD_BENCH_BODIES": str(bodies)}
+    env = {
+        **os.environ,
+        "NOGRAD_BENCH_BODIES": str(bodies),
+        "NOGRAD_BENCH_METHOD": method,
+        "NOGRAD_BENCH_CONTENT_TYPE": content_type,
+        "NOGRAD_BENCH_HEX": "1" if hex_bodies else "0",
+    }
     env.pop("NOGRAD_BENCH_PAUSE_MS", None)
     if pause_ms is not None:
         env["NOGRAD_BENCH_PAUSE_MS"] = f"{pause_ms:g}"

@@ -22,9 +22,14 @@ process is stopped in a ``finally``):
    against nograd's before any number counts, a few batching configurations each, then the best
    of each paired with nograd (its default worker count) and the HTTP ceiling, at concurrency 32
    and 1; a peer that cannot be set up or started is reported with the reason;
-8. gRPC: Triton's perf_analyzer drives nograd (one process and two workers) over HTTP and over
+8. archives: TorchServe's MNIST example (``mnist.mar``, its custom handler) built with the real
+   ``torch-model-archiver``, one model store served by nograd (as shipped and as one process)
+   and by TorchServe, their answers compared, then paired rounds of ``PUT /predictions/mnist``
+   with PNG bodies at the headline concurrency and at the archive's batch size
+   (``bench.phases.archives``);
+9. gRPC: Triton's perf_analyzer drives nograd (one process and two workers) over HTTP and over
    gRPC, and Triton (PyTriton) over gRPC, in paired rounds at concurrency 32 and 1;
-9. speed levers (``bench.levers``), issue 3's memory benchmark (``bench.memory_bench``) and
+10. speed levers (``bench.levers``), issue 3's memory benchmark (``bench.memory_bench``) and
    torch.profiler on nograd's batch path (``bench.profile_nograd``).
 
 Results: ``bench/results/<timestamp>.json``, ``.png`` (latency vs throughput) and ``.md`` (the
@@ -49,7 +54,7 @@ import orjson
 from bench import loadgen, workloads
 from bench.common import RESULTS, machine
 from bench.peers.servers import MODELS_OF_SYSTEM, SWEEPS
-from bench.phases import engines, litserve, over_grpc, paired, peers, profiling, single
+from bench.phases import archives, engines, litserve, over_grpc, paired, peers, profiling, single
 from bench.plan import PAIRED_ROUNDS, Plan
 from bench.session import MODEL_OF, Bench, wait_quiet
 
@@ -71,6 +76,7 @@ ALL_PHASES = (
     "paired",
     "engines",
     "peers",
+    "archives",
     "grpc",
     "levers",
     "memory",
@@ -112,6 +118,9 @@ def count_steps(plan: Plan) -> int:
         for w in plan.workloads
     )
     steps += plan.paired_rounds * 2 * per_round
+    # archives: TorchServe's venv, the archive, three servers, the answer check, then per round
+    # every server at two concurrencies
+    steps += 6 + plan.paired_rounds * 2 * 3
     # gRPC: two nograds and PyTriton's venv, PyTriton per workload, then per round and
     # concurrency both nograds over both protocols and PyTriton over gRPC
     one_sample = sum(1 for w in plan.workloads if workloads.make(w, 1).samples_per_request == 1)
@@ -215,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         "paired": paired.phase_paired,
         "engines": engines.phase_engines,
         "peers": peers.phase_peers,
+        "archives": archives.phase_archives,
         "grpc": over_grpc.phase_grpc,
         "levers": profiling.phase_levers,
         "memory": profiling.phase_memory,

@@ -25,7 +25,7 @@ from bench.plan import PAIRED_RAW_BATCHES, Plan
 
 QUIET_CORES = 0.3
 """Other processes' CPU (in cores) above which a run counts as disturbed."""
-MODEL_OF = {"digits": "digits", "minilm-1": "minilm", "minilm-8": "minilm"}
+MODEL_OF = {"digits": "digits", "minilm-1": "minilm", "minilm-8": "minilm", "mnist-png": "mnist"}
 WORKERS_2 = {"NOGRAD_WORKERS": "2"}
 
 
@@ -131,6 +131,8 @@ class Bench:
         if perf_analyzer is not None and rate is not None:
             raise ValueError("perf_analyzer runs a closed loop here: no fixed rate")
         wl = self.workload(name)
+        if wl.binary and (rate is not None or perf_analyzer is not None):
+            raise ValueError(f"{name}: raw bodies are sent by wrk's closed loop only")
         url, bodies = self.target(server, name)
         # The concurrency-1 target's yardstick, measured beside the load (before and after it):
         # the forward's speed moves with the machine's between a run's phases.
@@ -164,6 +166,9 @@ class Bench:
                 connections=concurrency or self.plan.concurrency,
                 duration_s=duration_s,
                 cpus=self.plan.generator_cpus,
+                method=wl.method,
+                content_type=wl.content_type,
+                hex_bodies=wl.binary,
             )
         else:
             result = loadgen.run_open(

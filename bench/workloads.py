@@ -7,6 +7,10 @@
 Every system is driven through the same route and body shape: the Open Inference Protocol (KServe
 V2) JSON request at ``/v2/models/<model>/infer``; the baselines expose the same route and answer
 with the same JSON shape.
+
+Not in the default run: ``mnist-png``, one 28×28 PNG per request ``PUT`` to TorchServe's
+``/predictions/mnist``, for TorchServe's MNIST archive served by nograd and by TorchServe
+(``bench.phases.archives``).
 """
 
 from __future__ import annotations
@@ -63,14 +67,28 @@ class Workload:
     samples_per_request: int
     bodies: tuple[bytes, ...]
     description: str
+    method: str = "POST"
+    content_type: str = "application/json"
+    route: str | None = None
+    """The request path, where it is not V2's ``/v2/models/<model>/infer``."""
 
     @property
     def path(self) -> str:
-        return f"/v2/models/{self.model}/infer"
+        return self.route or f"/v2/models/{self.model}/infer"
+
+    @property
+    def binary(self) -> bool:
+        """Raw bodies (not JSON), which may hold newlines: written hex-encoded for wrk."""
+        return self.content_type != "application/json"
 
     def write_bodies(self, directory: Path) -> Path:
-        """One body per line (JSON has no raw newlines) for the wrk Lua script."""
+        """One body per line (JSON has no raw newlines; a binary body hex-encoded) for the wrk
+        Lua script."""
         directory.mkdir(parents=True, exist_ok=True)
+        if self.binary:
+            path = directory / f"bodies-{self.name}.hex"
+            path.write_bytes(b"\n".join(body.hex().encode() for body in self.bodies) + b"\n")
+            return path
         path = directory / f"bodies-{self.name}.txt"
         path.write_bytes(b"\n".join(self.bodies) + b"\n")
         return path
@@ -97,6 +115,31 @@ def text_body(texts: list[str]) -> bytes:
     )
 
 
+def mnist_pngs(count: int, seed: int = SEED) -> tuple[bytes, ...]:
+    """``count`` 28×28 grayscale PNGs: TorchServe's three MNIST test digits, then seeded strokes
+    on black (the handler sees real PNG decoding, whatever the pixels)."""
+    import io
+
+    from PIL import Image
+
+    from bench.peers.torchserve_archives import DIGITS
+
+    out = list(DIGITS.values())[:count]
+    rng = np.random.default_rng(seed)
+    while len(out) < count:
+        pixels = np.zeros((28, 28), dtype=np.uint8)
+        for _ in range(3):
+            row, col = rng.integers(4, 24, size=2)
+            pixels[row - 3 : row + 3, col - 1 : col + 2] = rng.integers(128, 256)
+        buffer = io.BytesIO()
+        Image.fromarray(pixels, mode="L").save(buffer, format="PNG")
+        out.append(buffer.getvalue())
+    return tuple(out)
+
+
+MNIST_PNG_BODIES: Final = 64
+
+
 def make(name: str, count: int = BODIES_PER_WORKLOAD) -> Workload:
     if name == "digits":
         bodies = tuple(digits_body(image) for image in digits_images(count))
@@ -108,6 +151,17 @@ def make(name: str, count: int = BODIES_PER_WORKLOAD) -> Workload:
         texts = sentences(count * 8, seed=SEED + 8)
         bodies = tuple(text_body(texts[i * 8 : i * 8 + 8]) for i in range(count))
         return Workload(name, "minilm", 8, bodies, "minilm, 8 sentences per request")
+    if name == "mnist-png":
+        return Workload(
+            name,
+            "mnist",
+            1,
+            mnist_pngs(min(count, MNIST_PNG_BODIES)),
+            "TorchServe's MNIST archive, one 28x28 PNG per request (PUT /predictions/mnist)",
+            method="PUT",
+            content_type="application/octet-stream",
+            route="/predictions/mnist",
+        )
     raise ValueError(f"unknown workload {name!r}")
 
 

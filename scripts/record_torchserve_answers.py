@@ -24,7 +24,13 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.e2e.serving import free_port  # noqa: E402
+from bench.common import free_port  # noqa: E402
+from bench.peers.torchserve_store import (  # noqa: E402
+    StorePorts,
+    store_command,
+    store_config,
+    store_env,
+)
 from tests.peer_answers import (  # noqa: E402
     print_log_tail,
     run_recorder,
@@ -36,28 +42,6 @@ from tests.torchserve_archives import build_store  # noqa: E402
 from tests.torchserve_exchanges import ANSWERS, EXCHANGES, send  # noqa: E402
 
 START_TIMEOUT_S = 240.0
-
-
-def _config(folder: Path, store: Path, ports: dict[str, int]) -> Path:
-    """Every listener on 127.0.0.1 and free ports; every archive of the store loaded; no token
-    authorisation (the management calls are compared without one)."""
-    lines = [
-        f"inference_address=http://127.0.0.1:{ports['inference']}",
-        f"management_address=http://127.0.0.1:{ports['management']}",
-        f"metrics_address=http://127.0.0.1:{ports['metrics']}",
-        f"initial_worker_port={ports['worker']}",
-        f"grpc_inference_port={ports['grpc_inference']}",
-        f"grpc_management_port={ports['grpc_management']}",
-        f"model_store={store}",
-        "load_models=all",
-        "default_workers_per_model=1",
-        "disable_token_authorization=true",
-        "install_py_dep_per_model=false",
-        "disable_system_metrics=true",
-    ]
-    path = folder / "config.properties"
-    path.write_text("\n".join(lines) + "\n", "utf-8")
-    return path
 
 
 def _wait_ready(client: httpx.Client, base: dict[str, str], models: list[str]) -> None:
@@ -83,26 +67,15 @@ def record(python: Path, out: Path) -> int:
     process: subprocess.Popen[bytes] | None = None
     try:
         archives = build_store(folder / "store", folder / "work")
-        names = ("inference", "management", "metrics", "worker", "grpc_inference")
-        ports = {name: free_port() for name in (*names, "grpc_management")}
-        config = _config(folder, folder / "store", ports)
-        bin_dir = python.parent
-        env = {
-            **os.environ,
-            "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
-            "LOG_LOCATION": str(folder / "logs"),
-            "METRICS_LOCATION": str(folder / "logs"),
-            "TMPDIR": str(folder),
-        }
-        command = [
-            str(bin_dir / "torchserve"),
-            *("--start", "--foreground", "--ncs", "--disable-token-auth"),
-            *("--ts-config", str(config), "--model-store", str(folder / "store")),
-        ]
+        ports = StorePorts(inference=free_port())
+        config = folder / "config.properties"
+        config.write_text(store_config(folder / "store", ports), "utf-8")
+        env = {**os.environ, **store_env(python, folder)}
+        command = store_command(python, config, folder / "store")
         process = start_group(command, folder, env, log)
         base = {
-            "inference": f"http://127.0.0.1:{ports['inference']}",
-            "management": f"http://127.0.0.1:{ports['management']}",
+            "inference": f"http://127.0.0.1:{ports.inference}",
+            "management": f"http://127.0.0.1:{ports.management}",
         }
         with httpx.Client(timeout=120) as client:
             _wait_ready(client, base, sorted(archives))

@@ -1,46 +1,20 @@
 """TorchServe archives built the way TorchServe's users build them: the real
 ``torch-model-archiver`` over TorchServe's example sources (tests/fixtures/torchserve/), with
-seeded weights where the original is a download."""
+seeded weights where the original is a download. The MNIST archive and the archiver call are the
+bench's (``bench.peers.torchserve_archives``), which serves the same ``mnist.mar``."""
 
 from __future__ import annotations
 
-import importlib.util
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
-FIXTURES = Path(__file__).parent / "fixtures" / "torchserve"
-MNIST = FIXTURES / "mnist"
+from bench.peers.torchserve_archives import DIGITS, FIXTURES, MNIST, archive, build_mnist
+
 CLASSIFIER = FIXTURES / "classifier"
-DIGITS = {name: (MNIST / f"{name}.png").read_bytes() for name in ("0", "1", "7")}
 KITTEN = (CLASSIFIER / "kitten_small.jpg").read_bytes()
 
-
-def _archiver() -> list[str]:
-    return [sys.executable, "-m", "model_archiver.model_packaging"]
-
-
-def archive(store: Path, name: str, *args: str) -> Path:
-    subprocess.run(
-        [*_archiver(), "--model-name", name, "--export-path", str(store), *args, "--force"],
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
-    return store / f"{name}.mar"
-
-
-def mnist_weights(path: Path) -> Path:
-    """A seeded state dict of TorchServe's MNIST ``Net``."""
-    spec = importlib.util.spec_from_file_location("ts_fixture_mnist", MNIST / "mnist.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    torch.manual_seed(0)
-    torch.save(module.Net().state_dict(), path)
-    return path
+__all__ = ["CLASSIFIER", "DIGITS", "FIXTURES", "KITTEN", "MNIST", "build_store"]
 
 
 def scale_model(path: Path) -> Path:
@@ -93,15 +67,7 @@ def build_store(store: Path, work: Path) -> dict[str, Path]:
     ``store``."""
     store.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
-    mnist = archive(
-        store,
-        "mnist",
-        "--version", "1.0",
-        "--model-file", str(MNIST / "mnist.py"),
-        "--serialized-file", str(mnist_weights(work / "mnist_cnn.pt")),
-        "--handler", str(MNIST / "mnist_handler.py"),
-        "--config-file", str(MNIST / "model-config.yaml"),
-    )  # fmt: skip
+    mnist = build_mnist(store, work)
     classifier = archive(
         store,
         "classifier",

@@ -162,7 +162,6 @@ def _paired(
     reversed every round, at the headline concurrency and at 1."""
     concurrencies = sorted({bench.plan.concurrency, 1}, reverse=True)
     workers = str(bench.results.get("meta", {}).get("auto_workers") or 1)
-    runs: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
         bench.step("peers: start nograd")
         nograd = stack.enter_context(
@@ -199,29 +198,43 @@ def _paired(
                 started[key] = server
                 everyone.append(server)
             lineup[name].append((system, started[key]))
-        for index in range(bench.plan.paired_rounds):
-            for name, systems in lineup.items():
-                for concurrency in concurrencies:
-                    order = systems if index % 2 == 0 else systems[::-1]
-                    for position, (system, server) in enumerate(order):
-                        run_only(server, everyone)
-                        bench.warm(server, name, concurrency=concurrency)
-                        bench.step(f"peers round {index + 1}: {system} {name} c={concurrency}")
-                        result = bench.load(
-                            server,
-                            system,
-                            name,
-                            concurrency=concurrency,
-                            duration_s=bench.plan.duration_s
-                            if concurrency == bench.plan.concurrency
-                            else bench.plan.short_s,
-                            nograd_metrics=system == NOGRAD,
-                            keep=False,
-                        )
-                        if result is not None:
-                            runs.append(
-                                {"round": index + 1, "position": position} | result.as_dict()
-                            )
-        for server in everyone:
-            server.resume()
+        runs = measure_rounds(bench, lineup, everyone, concurrencies, "peers")
+    return runs
+
+
+def measure_rounds(
+    bench: Bench,
+    lineup: dict[str, list[tuple[str, Server]]],
+    everyone: list[Server],
+    concurrencies: list[int],
+    phase: str,
+) -> list[dict[str, Any]]:
+    """Per round, workload and concurrency, each system of the workload's ``lineup`` measured in
+    turn with every other server of ``everyone`` paused (SIGSTOP), the order reversed every round;
+    the headline duration at the plan's concurrency, the short one elsewhere. Every server is
+    resumed at the end."""
+    runs: list[dict[str, Any]] = []
+    for index in range(bench.plan.paired_rounds):
+        for name, systems in lineup.items():
+            for concurrency in concurrencies:
+                order = systems if index % 2 == 0 else systems[::-1]
+                for position, (system, server) in enumerate(order):
+                    run_only(server, everyone)
+                    bench.warm(server, name, concurrency=concurrency)
+                    bench.step(f"{phase} round {index + 1}: {system} {name} c={concurrency}")
+                    result = bench.load(
+                        server,
+                        system,
+                        name,
+                        concurrency=concurrency,
+                        duration_s=bench.plan.duration_s
+                        if concurrency == bench.plan.concurrency
+                        else bench.plan.short_s,
+                        nograd_metrics=system == NOGRAD,
+                        keep=False,
+                    )
+                    if result is not None:
+                        runs.append({"round": index + 1, "position": position} | result.as_dict())
+    for server in everyone:
+        server.resume()
     return runs

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from bench.report.archives import archives_section
 from bench.report.engines import engines_section
 from bench.report.levers import levers_section
 from bench.report.memory import memory_section
@@ -23,13 +24,15 @@ from bench.report.sections import batching_section, raw_section, sweep_section
 
 
 def markdown(results: dict[str, Any]) -> str:
-    """The whole report: nograd against the real peers first, then gRPC against HTTP and
+    """The whole report: nograd against the real peers first, then the same TorchServe archive
+    served by both, then gRPC against HTTP and
     Triton's gRPC, then the paired verdicts, then every phase's tables."""
     plan = results["meta"]["plan"]
     c = plan["concurrency"]
     tag = f"{results['meta']['cores']} cores"
     parts = header_section(results)
     parts += peers_section(results, tag)
+    parts += archives_section(results, tag)
     parts += grpc_section(results, tag)
     parts += paired_section(results, tag)
     parts += engines_section(results, tag)

@@ -1,7 +1,10 @@
 -- wrk script: POST the workload's bodies in turn and print the latency distribution as JSON.
 --
--- Bodies come from the file named by NOGRAD_BENCH_BODIES, one JSON body per line. Requests are
--- formatted once per thread in init(), so request() costs a table lookup. done() prints one line
+-- Bodies come from the file named by NOGRAD_BENCH_BODIES, one JSON body per line, or with
+-- NOGRAD_BENCH_HEX=1 one hex-encoded body per line (binary bodies such as PNG images have raw
+-- newlines). NOGRAD_BENCH_METHOD (default POST) and NOGRAD_BENCH_CONTENT_TYPE (default
+-- application/json) set the request line and its Content-Type. Requests are formatted once per
+-- thread in init(), so request() costs a table lookup. done() prints one line
 -- "WRK_JSON {...}" that bench/loadgen.py parses: counts, errors (non-2xx = HTTP status >= 400 as
 -- wrk counts them, plus socket errors) and the p50/p90/p99/p99.9 latency in microseconds.
 
@@ -20,10 +23,15 @@ local index = 1
 function init(args)
    local path = os.getenv("NOGRAD_BENCH_BODIES")
    local file = assert(io.open(path, "rb"), "cannot open bodies file " .. tostring(path))
-   local headers = { ["Content-Type"] = "application/json" }
+   local method = os.getenv("NOGRAD_BENCH_METHOD") or "POST"
+   local hex = os.getenv("NOGRAD_BENCH_HEX") == "1"
+   local headers = { ["Content-Type"] = os.getenv("NOGRAD_BENCH_CONTENT_TYPE") or "application/json" }
    for line in file:lines() do
       if #line > 0 then
-         table.insert(requests, wrk.format("POST", nil, headers, line))
+         if hex then
+            line = line:gsub("%x%x", function(pair) return string.char(tonumber(pair, 16)) end)
+         end
+         table.insert(requests, wrk.format(method, nil, headers, line))
       end
    end
    file:close()
