@@ -1,9 +1,9 @@
 """Triton's QA models, as Triton's example clients expect to find them: ``simple``,
-``simple_string``, ``simple_identity``, ``simple_int8``, ``simple_sequence`` and
-``simple_dyna_sequence`` from Triton's
+``simple_string``, ``simple_identity``, ``simple_int8`` and ``simple_sequence`` from Triton's
 example repository (tests/fixtures/triton/), and a stand-in for ``densenet_onnx`` (its weights
 are a download): Triton's own config and labels over an ONNX graph of the same inputs and
-outputs that ranks VULTURE (the image Triton's QA classifies) first."""
+outputs that ranks VULTURE (the image Triton's QA classifies) first; and ``repeat_int32``, Triton's
+decoupled example, as a Python model."""
 
 from __future__ import annotations
 
@@ -14,11 +14,65 @@ import numpy as np
 
 from tests.triton_models import FIXTURES
 
-QA_MODELS = ("simple", "simple_string", "simple_identity", "simple_int8", "densenet_onnx")
-"""The models a server for the example clients loads (``simple_sequence`` and
-``simple_dyna_sequence`` are in the repository too: the model-control examples count seven)."""
+QA_MODELS = (
+    "simple",
+    "simple_string",
+    "simple_identity",
+    "simple_int8",
+    "densenet_onnx",
+    "repeat_int32",
+)
+"""The models a server for the example clients loads (``simple_sequence`` is in the repository
+too: the HTTP model-control example counts seven)."""
 VULTURE = 23
 """VULTURE's line in ``densenet_labels.txt``, counted from 0."""
+
+
+REPEAT_CONFIG = """
+name: "repeat_int32"
+backend: "python"
+max_batch_size: 0
+model_transaction_policy { decoupled: true }
+input [
+  { name: "IN", data_type: TYPE_INT32, dims: [ -1 ] },
+  { name: "DELAY", data_type: TYPE_UINT32, dims: [ -1 ] },
+  { name: "WAIT", data_type: TYPE_UINT32, dims: [ 1 ] }
+]
+output [
+  { name: "OUT", data_type: TYPE_INT32, dims: [ 1 ] },
+  { name: "IDX", data_type: TYPE_UINT32, dims: [ 1 ] }
+]
+"""
+REPEAT_MODEL = """
+import threading
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            values = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+            delays = pb_utils.get_input_tensor_by_name(request, "DELAY").as_numpy()
+            wait = pb_utils.get_input_tensor_by_name(request, "WAIT").as_numpy()
+            sender = request.get_response_sender()
+            threading.Thread(target=self.repeat, args=(sender, values, delays, wait)).start()
+        return None
+
+    def repeat(self, sender, values, delays, wait):
+        for index, (value, delay) in enumerate(zip(values, delays)):
+            time.sleep(int(delay) / 1000)
+            out = pb_utils.Tensor("OUT", np.array([value], np.int32))
+            idx = pb_utils.Tensor("IDX", np.array([index], np.uint32))
+            sender.send(pb_utils.InferenceResponse([out, idx]))
+        time.sleep(int(wait[0]) / 1000)
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+"""
+"""Triton's ``repeat`` example backend (C++, src/backends/backend/examples/repeat.cc in Triton's
+tree) as a decoupled Python model of the same tensors: one response per ``IN`` value, each after
+its ``DELAY`` (ms), then the final flag after ``WAIT`` (ms)."""
 
 
 def densenet_stand_in(path: Path) -> None:
@@ -56,10 +110,13 @@ def qa_repository(root: Path, *, with_inception: bool = False) -> Path:
     example counts."""
     repo = root / ("qa_repo_8" if with_inception else "qa_repo")
     repo.mkdir(parents=True)
-    for name in (*QA_MODELS[:-1], "simple_sequence", "simple_dyna_sequence"):
+    for name in (*QA_MODELS[:4], "simple_sequence"):
         shutil.copytree(FIXTURES / name, repo / name)
     shutil.copytree(FIXTURES / "densenet_onnx", repo / "densenet_onnx")
     densenet_stand_in(repo / "densenet_onnx" / "1" / "model.onnx")
+    (repo / "repeat_int32" / "1").mkdir(parents=True)
+    (repo / "repeat_int32" / "config.pbtxt").write_text(REPEAT_CONFIG)
+    (repo / "repeat_int32" / "1" / "model.py").write_text(REPEAT_MODEL)
     if with_inception:
         shutil.copytree(FIXTURES / "inception_onnx", repo / "inception_onnx")
     return repo

@@ -14,6 +14,7 @@ from typing import Any, Final, TypeVar
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
+from nograd.core.responses import ResponseQueue
 from nograd.grpc.generated import grpc_service_pb2 as pb
 from nograd.grpc.rpc import CallContext, Code
 from nograd.grpc.tensors import class_counts, encode_outputs, read_inputs
@@ -246,7 +247,11 @@ class InferenceService:
         serving: set[asyncio.Task[None]] = set()
 
         async def serve(request: Any) -> None:
-            await answers.put(await self._stream_one(request, context))
+            if not self._decoupled(request):
+                await answers.put(await self._stream_one(request, context))
+                return
+            async for answer in self._stream_decoupled(request, context):
+                await answers.put(answer)
 
         async def take() -> None:
             async for request in requests:
@@ -265,6 +270,51 @@ class InferenceService:
             for task in list(serving):
                 task.cancel()
 
+    def _decoupled(self, request: Any) -> bool:
+        try:
+            model = self._plane.registry.get(request.model_name, request.model_version or None)
+        except Exception:
+            return False  # refused as ModelInfer refuses it
+        return model.config.decoupled
+
+    async def _stream_decoupled(
+        self, request: Any, context: CallContext
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        """A decoupled model's 0..n responses to one request, each sent as it comes; with
+        Triton's ``triton_enable_empty_final_response``, each says whether it is the last and
+        the final flag without a response is sent too."""
+        calls = self._calls
+        call = calls.open(PROTOCOL, METHOD_PREFIX + "ModelStreamInfer")
+        call.model = calls.label(request.model_name)
+        flagged = request.parameters.get("triton_enable_empty_final_response")
+        mark_final = flagged is not None and flagged.bool_param
+        responder = ResponseQueue(asyncio.get_running_loop())
+        kind: Kind | None = Kind.CLIENT_GONE
+        try:
+            head = await self._infer(call, request, context, responder)
+            async for response in responder.responses():
+                if response.error is not None:
+                    yield pb.ModelStreamInferResponse(
+                        error_message=client_message(response.error, kind_of(response.error))
+                    )
+                    continue
+                if response.outputs is None and not mark_final:
+                    continue
+                answer = pb.ModelInferResponse()
+                answer.CopyFrom(head)
+                if response.outputs is not None:
+                    requested = [o.name for o in request.outputs]
+                    encode_outputs(answer, dict(response.outputs), requested)
+                if mark_final:
+                    answer.parameters["triton_final_response"].bool_param = response.final
+                yield pb.ModelStreamInferResponse(infer_response=answer)
+            kind = None
+        except Exception as exc:
+            kind = calls.failed(call, exc)
+            yield pb.ModelStreamInferResponse(error_message=client_message(exc, kind))
+        finally:
+            calls.close(call, 200 if kind is None else kind.status)
+
     async def _stream_one(self, request: Any, context: CallContext) -> pb.ModelStreamInferResponse:
         calls = self._calls
         call = calls.open(PROTOCOL, METHOD_PREFIX + "ModelStreamInfer")
@@ -280,7 +330,13 @@ class InferenceService:
         finally:
             calls.close(call, 200 if kind is None else kind.status)
 
-    async def _infer(self, call: Call, request: Any, context: CallContext) -> pb.ModelInferResponse:
+    async def _infer(
+        self,
+        call: Call,
+        request: Any,
+        context: CallContext,
+        responder: ResponseQueue | None = None,
+    ) -> pb.ModelInferResponse:
         calls = self._calls
         self.authorize(context, request.model_name)
         calls.admit(request.model_name)
@@ -297,10 +353,14 @@ class InferenceService:
             # Checked against the model's declared inputs before any value is read.
             check = calls.input_check(call, name, version, request.id or None)
             inputs = await read_inputs(request, check)
-            model, outputs = await calls.infer(call, name, version, inputs, request.id or None)
+            model, outputs = await calls.infer(
+                call, name, version, inputs, request.id or None, responder=responder
+            )
             response = pb.ModelInferResponse(
                 model_name=model.name, model_version=model.version, id=request.id
             )
+            if responder is not None:
+                return response  # a decoupled model's outputs come with each of its responses
             counts = class_counts(request)
             encode_outputs(
                 response, classified(model, outputs, counts), [o.name for o in request.outputs]

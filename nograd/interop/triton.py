@@ -15,14 +15,13 @@ import re
 from pathlib import Path
 from typing import Any, Final
 
-from google.protobuf import json_format, text_format
-from google.protobuf.descriptor import FieldDescriptor
-from google.protobuf.message import Message
+from google.protobuf import text_format
 
 from nograd.core.datatypes import TABLE
 from nograd.core.engines import engine_choices
 from nograd.interop.ensemble import ensemble_steps
 from nograd.interop.generated import model_config_pb2 as pb
+from nograd.interop.triton_json import config_document
 from nograd.runtime.config import (
     ConfigError,
     ModelConfig,
@@ -164,10 +163,16 @@ def _convert(model_dir: Path, message: Any, text: str, where: str) -> ModelConfi
         "inputs": inputs,
         "outputs": outputs,
     }
+    if message.model_transaction_policy.decoupled and backend is not PYTHON:
+        raise ValueError(
+            "field 'model_transaction_policy': decoupled models are served for the Python "
+            "backend only"
+        )
     if backend is ENSEMBLE:
         fields["steps"] = ensemble_steps(message)
     elif backend is PYTHON:
         fields["module"] = message.default_model_filename
+        fields["decoupled"] = message.model_transaction_policy.decoupled
     else:
         fields["artifact"] = message.default_model_filename
     given = re.search(r"\bmax_batch_size\b", text) is not None
@@ -197,7 +202,7 @@ def _convert(model_dir: Path, message: Any, text: str, where: str) -> ModelConfi
             "configuration; nograd's backends read none of them"
         )
     _complete(message, backend)
-    fields["triton_config"] = json.dumps(_document(message))
+    fields["triton_config"] = json.dumps(config_document(message))
     return ModelConfig.model_validate(fields)
 
 
@@ -226,8 +231,8 @@ def _refuse_unknown(message: Any, where: str) -> None:
         if name in IGNORED:
             _warn(f"{where}: field {name!r} ignored: {IGNORED[name]}")
             continue
-        if name == "model_transaction_policy" and not message.model_transaction_policy.decoupled:
-            continue
+        if name == "model_transaction_policy":
+            continue  # decoupled: the Python backend's alone (``_convert``)
         raise ValueError(f"field {name!r} is not supported by nograd")
 
 
@@ -391,55 +396,6 @@ def _device(message: Any, where: str) -> str:
         "(NOGRAD_WORKERS for more), batching requests instead of running them side by side"
     )
     return device
-
-
-def _document(message: Message) -> dict[str, Any]:
-    """The message as JSON, as Triton's model configuration endpoint prints it: every field,
-    64-bit integers as numbers; an ensemble's ``max_inflight_requests`` only when set (Triton
-    2.51, whose answers nograd is checked against, does not have the field)."""
-    document = json_format.MessageToDict(
-        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-    )
-    scheduling = document.get("ensemble_scheduling")
-    if scheduling is not None and not int(scheduling.get("max_inflight_requests", 0)):
-        scheduling.pop("max_inflight_requests", None)
-    return _numbers(message, document)
-
-
-def _numbers(message: Message, document: dict[str, Any]) -> dict[str, Any]:
-    """protobuf's JSON writes 64-bit integers as strings; Triton's writer does not."""
-    for descriptor in message.DESCRIPTOR.fields:
-        key = descriptor.name
-        if key not in document:
-            continue
-        value = getattr(message, key)
-        repeated = descriptor.is_repeated
-        if descriptor.type == FieldDescriptor.TYPE_MESSAGE:
-            if descriptor.message_type.GetOptions().map_entry:
-                entries = value
-                value_field = descriptor.message_type.fields_by_name["value"]
-                if value_field.type == FieldDescriptor.TYPE_MESSAGE:
-                    for entry_key, entry in entries.items():
-                        _numbers(entry, document[key][str(entry_key)])
-            elif repeated:
-                for item, item_document in zip(value, document[key], strict=True):
-                    _numbers(item, item_document)
-            else:
-                _numbers(value, document[key])
-        elif descriptor.type in _INT64:
-            document[key] = [int(v) for v in document[key]] if repeated else int(document[key])
-    return document
-
-
-_INT64: Final = frozenset(
-    {
-        FieldDescriptor.TYPE_INT64,
-        FieldDescriptor.TYPE_UINT64,
-        FieldDescriptor.TYPE_SINT64,
-        FieldDescriptor.TYPE_FIXED64,
-        FieldDescriptor.TYPE_SFIXED64,
-    }
-)
 
 
 def _warn(text: str) -> None:

@@ -75,6 +75,9 @@ class ModelConfig(BaseModel):
     requests are batched. False (Triton's ``max_batch_size: 0``): requests carry exactly the
     listed shapes and each runs alone. None: read from an ONNX artifact at load, as Triton's
     auto-complete does (batched when every tensor's first dimension is variable)."""
+    decoupled: bool = False
+    """A Triton Python model that answers a request with 0..n responses through its response
+    sender (``model_transaction_policy { decoupled: true }``): served over ``ModelStreamInfer``."""
     triton_config: str | None = None
     """A Triton model folder's configuration (``config.pbtxt`` as JSON, completed): what the
     model configuration endpoints report for it. Set by the repository reader; None for nograd's

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Final, Protocol, cast
+from typing import Any, ClassVar, Final, Protocol, cast
 
 import numpy as np
 import torch
@@ -46,12 +46,15 @@ class TensorPart:
     tensors: Mapping[str, np.ndarray]
     rows: int
     length: int = 1
+    responder: Any = None
+    """Where a decoupled model sends this request's responses (``nograd.core.responses``)."""
 
     def slice(self, start: int, stop: int) -> TensorPart:
         return TensorPart(
             {name: array[start:stop] for name, array in self.tensors.items()},
             stop - start,
             self.length,
+            self.responder,
         )
 
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from nograd.batching import QueueFull
 from nograd.core.handler_messages import HandlerAnswer
+from nograd.core.responses import ResponseQueue
 from nograd.observability.metrics import UNKNOWN_MODEL, Metrics
 from nograd.protocol import classification
 from nograd.protocol.keys import bearer_key_matches
@@ -203,11 +204,16 @@ class Calls:
         protocol_id: str | None = None,
         *,
         handler_answers: bool = False,
+        responder: ResponseQueue | None = None,
     ) -> tuple[ServedModel, Outputs]:
         """One inference; ``protocol_id`` is the request's own id (the V2 ``id``), if any. A
         TorchServe handler's answers come as their bodies, unless the caller (the TorchServe
-        front) takes the answers whole (``handler_answers``)."""
+        front) takes the answers whole (``handler_answers``). A decoupled model's responses go
+        to ``responder`` (a streaming call's); any other call to one is refused as Triton does."""
         call.model = self.label(name)
+        if responder is None and self.plane.registry.get(name, version).config.decoupled:
+            where = "ModelInfer RPC" if call.protocol == "grpc" else "HTTP end point"
+            raise InvalidInput(f"{where} doesn't support models with decoupled transaction policy")
         model, outputs = await self.plane.infer(
             name,
             version,
@@ -215,6 +221,7 @@ class Calls:
             timeout_s=call.timeout_s,
             request_id=protocol_id,
             arrived=call.started,
+            responder=responder,
         )
         return model, outputs if handler_answers else answer_bodies(outputs)
 

@@ -10,11 +10,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 
 import numpy as np
 
 from nograd.batching import BatchingError
 from nograd.core.errors import ModelAnswered
+from nograd.core.responses import ResponseQueue
 from nograd.host.ledger import CoreLedger, CoreShare
 from nograd.observability.metrics import Metrics
 from nograd.observability.stats import Statistics
@@ -304,6 +306,7 @@ class DataPlane:
         timeout_s: float | None = None,
         request_id: str | None = None,
         arrived: float | None = None,
+        responder: ResponseQueue | None = None,
     ) -> tuple[ServedModel, Outputs]:
         """Validate, prepare and queue one request; ``timeout_s`` overrides the server default;
         ``request_id`` is the protocol's own id, quoted by the refusals that Triton words.
@@ -324,7 +327,7 @@ class DataPlane:
         # once it is answered.
         model.active += 1
         try:
-            outputs = await self._infer(model, inputs, deadline, request_id, arrived)
+            outputs = await self._infer(model, inputs, deadline, request_id, arrived, responder)
         except BaseException as exc:
             self._failed(model, exc, time.perf_counter() - started)
             raise
@@ -358,6 +361,7 @@ class DataPlane:
         deadline: float | None,
         request_id: str | None,
         arrived: float | None,
+        responder: ResponseQueue | None = None,
     ) -> Outputs:
         name = model.name
         if self._draining:
@@ -385,6 +389,8 @@ class DataPlane:
                 part = model.handler.prepare(inputs)
         except ValueError as exc:
             raise InvalidInput(str(exc)) from exc
+        if responder is not None:
+            part = replace(part, responder=responder)  # a decoupled model's responses
         try:
             waited_s = 0.0 if arrived is None else max(0.0, time.perf_counter() - arrived)
             outputs = await model.batcher.submit(

@@ -14,10 +14,15 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import NamedTuple
+from queue import Queue
+from typing import Any, NamedTuple
 
 import httpx
+import numpy as np
 import pytest
+import tritonclient.grpc as triton_grpc
+import tritonclient.http as triton_http
+from tritonclient.utils import InferenceServerException
 
 from tests.e2e.serving import Server, free_port, run_server
 from tests.triton_models import FIXTURES
@@ -45,7 +50,6 @@ class Example(NamedTuple):
 
 SHM = "system shared memory"
 SEQUENCES = "sequence batching"
-STREAM = "decoupled models (repeat_int32)"
 CUDA = "CUDA shared memory (a GPU)"
 UPLOAD_STATUS = "Triton's INTERNAL status for an uploaded model file (nograd: INVALID_ARGUMENT)"
 
@@ -123,7 +127,9 @@ EXAMPLE_RUNS: dict[str, Example] = {
     "grpc-aio-sequence-stream": Example(
         "simple_grpc_aio_sequence_stream_infer_client.py", grpc=True, missing=SEQUENCES
     ),
-    "grpc-custom-repeat": Example("simple_grpc_custom_repeat.py", grpc=True, missing=STREAM),
+    "grpc-custom-repeat": Example(
+        "simple_grpc_custom_repeat.py", grpc=True, expect="PASS: Decoupled API"
+    ),
     "grpc-cudashm": Example("simple_grpc_cudashm_client.py", grpc=True, missing=CUDA),
 }
 
@@ -189,3 +195,55 @@ def _run(server: Server, example: Example) -> None:
     output = run.stdout + run.stderr
     assert run.returncode == 0, output[-3000:]
     assert example.expect in output, output[-3000:]
+
+
+def _repeat_inputs(module: Any, values: list[int], delay_ms: int) -> list[Any]:
+    arrays = (
+        ("IN", np.array(values, np.int32), "INT32"),
+        ("DELAY", np.full(len(values), delay_ms, np.uint32), "UINT32"),
+        ("WAIT", np.array([0], np.uint32), "UINT32"),
+    )
+    inputs = []
+    for name, array, datatype in arrays:
+        tensor = module.InferInput(name, list(array.shape), datatype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+def test_a_decoupled_model_streams_its_responses_and_refuses_unary_calls(
+    qa_server: Server,
+) -> None:
+    """``repeat_int32`` over the stream: one response per value as the model sends it, then,
+    asked for, the empty final response; over HTTP and unary gRPC, Triton's refusal."""
+    http = triton_http.InferenceServerClient(qa_server.url.removeprefix("http://"))
+    with pytest.raises(InferenceServerException) as refused:
+        http.infer("repeat_int32", _repeat_inputs(triton_http, [1, 2], 0))
+    assert "HTTP end point doesn't support models with decoupled transaction policy" in str(
+        refused.value
+    )
+    assert qa_server.grpc_address is not None
+    client = triton_grpc.InferenceServerClient(qa_server.grpc_address)
+    with pytest.raises(InferenceServerException) as refused:
+        client.infer("repeat_int32", _repeat_inputs(triton_grpc, [1, 2], 0))
+    assert "ModelInfer RPC doesn't support models with decoupled transaction policy" in str(
+        refused.value
+    )
+    answers: Queue[tuple[Any, Any]] = Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        client.async_stream_infer(
+            "repeat_int32",
+            _repeat_inputs(triton_grpc, [7, 8, 9], 20),
+            enable_empty_final_response=True,
+        )
+        got = [answers.get(timeout=30) for _ in range(4)]
+    finally:
+        client.stop_stream()
+        client.close()
+    assert [error for _, error in got] == [None] * 4
+    finals = [r.get_response().parameters["triton_final_response"].bool_param for r, _ in got]
+    assert finals == [False, False, False, True]
+    assert [int(r.as_numpy("OUT")[0]) for r, _ in got[:3]] == [7, 8, 9]
+    assert [int(r.as_numpy("IDX")[0]) for r, _ in got[:3]] == [0, 1, 2]
+    assert got[3][0].as_numpy("OUT") is None  # the final flag alone

@@ -21,6 +21,7 @@ import torch
 
 from nograd.core.datatypes import TABLE
 from nograd.core.errors import ModelAnswered
+from nograd.core.responses import Response
 from nograd.runtime.config import ModelConfig, TensorSpec
 from nograd.runtime.handler import ModelHandler, Outputs, TensorPart
 from nograd.runtime.python_backend import utils
@@ -130,6 +131,7 @@ class PythonBackendHandler(ModelHandler):
                 outputs,
                 model_name=self.config.name,
                 model_version=version,
+                sender=self._sender(part.responder) if self.config.decoupled else None,
             )
             for part in parts
         ]
@@ -137,6 +139,9 @@ class PythonBackendHandler(ModelHandler):
             responses = self.model.execute(requests)
             if inspect.iscoroutine(responses):
                 responses = asyncio.run(responses)
+            if self.config.decoupled:
+                # Its responses go through each request's sender, now or later, from any thread.
+                return [{} for _ in parts]
             responses = list(responses)
             if len(responses) != len(requests):
                 raise utils.TritonModelException(
@@ -151,6 +156,25 @@ class PythonBackendHandler(ModelHandler):
             )
             return [failure for _ in parts]
         return [self._answer(response, unbatched) for response in responses]
+
+    def _sender(self, responder: Any) -> utils.InferenceResponseSender:
+        """A request's response sender, putting each response on the request's stream."""
+        if responder is None:
+            raise utils.TritonModelException(
+                "a decoupled model answers over the streaming call (gRPC ModelStreamInfer) only"
+            )
+
+        def send(response: Any, final: bool) -> None:
+            if response is None:
+                responder.put(Response(None, None, final))
+                return
+            answer = self._answer(response, unbatched=False)
+            if isinstance(answer, BaseException):
+                responder.put(Response(None, answer, final))
+            else:
+                responder.put(Response(answer, None, final))
+
+        return utils.InferenceResponseSender(send)
 
     def _answer(self, response: Any, unbatched: bool) -> Outputs | BaseException:
         if not isinstance(response, utils.InferenceResponse):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final
 
 import numpy as np
@@ -178,7 +178,9 @@ class InferenceRequest:
         model_name: str = "",
         model_version: int = -1,
         parameters: str = "{}",
+        sender: InferenceResponseSender | None = None,
     ) -> None:
+        self._sender = sender
         self._inputs = list(inputs)
         self._requested = list(requested_output_names)
         self._id = request_id
@@ -213,11 +215,14 @@ class InferenceRequest:
     def is_cancelled(self) -> bool:
         return False
 
-    def get_response_sender(self) -> Any:
-        raise TritonModelException(
-            "decoupled models (a response sender) are not served by nograd: execute returns "
-            "one InferenceResponse per request"
-        )
+    def get_response_sender(self) -> InferenceResponseSender:
+        if self._sender is None:
+            raise TritonModelException(
+                "a response sender is a decoupled model's (model_transaction_policy "
+                "{ decoupled: true }); this model's execute returns one InferenceResponse per "
+                "request"
+            )
+        return self._sender
 
     def exec(self, *args: Any, **kwargs: Any) -> Any:
         raise TritonModelException(
@@ -225,6 +230,28 @@ class InferenceRequest:
         )
 
     async_exec = exec
+
+
+class InferenceResponseSender:
+    """A decoupled model's way to answer one request: any number of responses, from any
+    thread, the last one (or none) flagged ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``."""
+
+    def __init__(self, send: Callable[[InferenceResponse | None, bool], None]) -> None:
+        self._send = send
+        self._closed = False
+
+    def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
+        if self._closed:
+            raise TritonModelException("Unable to send response. Response sender has been closed.")
+        final = bool(flags & TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        if response is None and not final:
+            raise TritonModelException("a response without the final flag must hold a response")
+        if final:
+            self._closed = True
+        self._send(response, final)
+
+    def is_cancelled(self) -> bool:
+        return False
 
 
 class InferenceResponse:
