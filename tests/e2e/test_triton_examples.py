@@ -43,7 +43,6 @@ class Example(NamedTuple):
     the repository (Triton's QA runs it against another repository)."""
 
 
-SHM = "system shared memory"
 SEQUENCES = "sequence batching"
 STREAM = "ModelStreamInfer and decoupled models"
 CUDA = "CUDA shared memory (a GPU)"
@@ -55,7 +54,7 @@ EXAMPLE_RUNS: dict[str, Example] = {
     "http-aio-infer": Example("simple_http_aio_infer_client.py"),
     "http-async-infer": Example("simple_http_async_infer_client.py"),
     "http-string-infer": Example("simple_http_string_infer_client.py"),
-    "http-reuse-infer-objects": Example("reuse_infer_objects_client.py", missing=SHM),
+    "http-reuse-infer-objects": Example("reuse_infer_objects_client.py"),
     "http-model-control": Example("simple_http_model_control.py"),
     "http-image": Example(
         "image_client.py",
@@ -67,8 +66,8 @@ EXAMPLE_RUNS: dict[str, Example] = {
         ("-m", "densenet_onnx", "-s", "INCEPTION", "-a", "-c", "1", "-b", "1", str(IMAGE)),
         expect="VULTURE",
     ),
-    "http-shm": Example("simple_http_shm_client.py", missing=SHM),
-    "http-shm-string": Example("simple_http_shm_string_client.py", missing=SHM),
+    "http-shm": Example("simple_http_shm_client.py"),
+    "http-shm-string": Example("simple_http_shm_string_client.py"),
     "http-sequence-sync": Example("simple_http_sequence_sync_infer_client.py", missing=SEQUENCES),
     "http-cudashm": Example("simple_http_cudashm_client.py", missing=CUDA),
     "grpc-health-metadata": Example("simple_grpc_health_metadata.py", grpc=True),
@@ -113,8 +112,8 @@ EXAMPLE_RUNS: dict[str, Example] = {
         missing=STREAM,
         expect="VULTURE",
     ),
-    "grpc-shm": Example("simple_grpc_shm_client.py", grpc=True, missing=SHM),
-    "grpc-shm-string": Example("simple_grpc_shm_string_client.py", grpc=True, missing=SHM),
+    "grpc-shm": Example("simple_grpc_shm_client.py", grpc=True),
+    "grpc-shm-string": Example("simple_grpc_shm_string_client.py", grpc=True),
     "grpc-sequence-sync": Example(
         "simple_grpc_sequence_sync_infer_client.py", grpc=True, missing=SEQUENCES
     ),

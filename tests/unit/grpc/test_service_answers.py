@@ -211,7 +211,7 @@ async def test_unserved_rpcs_are_unimplemented_without_a_traceback(
         first = pb.ModelInferRequest(model_name="poison").SerializeToString()
         answer = await _raw_call(address, f"/{SERVICE_NAME}/ModelStreamInfer", [], first)
         assert answer["grpc-status"] == str(grpc.StatusCode.UNIMPLEMENTED.value[0])
-        for path in (f"/{SERVICE_NAME}/CudaSharedMemoryStatus", "/no.Such/Method"):
+        for path in (f"/{SERVICE_NAME}/LogSettings", "/no.Such/Method"):
             unary = channel.unary_unary(path)
             with pytest.raises(grpc.aio.AioRpcError) as raised:
                 await unary(b"", timeout=10)
