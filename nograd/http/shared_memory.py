@@ -41,6 +41,7 @@ async def system_region_status(request: Request, name: str) -> Response:
 
 @router.post(
     "/systemsharedmemory/region/{name}/register",
+    response_class=Response,
     summary="Register a system shared-memory region: JSON {key, offset, byte_size}",
     responses=ERROR_RESPONSES,
 )
@@ -58,14 +59,21 @@ async def system_register(request: Request, name: str) -> Response:
 
 @router.post(
     "/systemsharedmemory/region/{name}/unregister",
+    response_class=Response,
     summary="Unregister a system shared-memory region",
+    responses=ERROR_RESPONSES,
 )
 async def system_unregister(request: Request, name: str) -> Response:
     await _regions(request).unregister(name)
     return Response(status_code=200)
 
 
-@router.post("/systemsharedmemory/unregister", summary="Unregister every system region")
+@router.post(
+    "/systemsharedmemory/unregister",
+    response_class=Response,
+    summary="Unregister every system region",
+    responses=ERROR_RESPONSES,
+)
 async def system_unregister_all(request: Request) -> Response:
     await _regions(request).unregister(None)
     return Response(status_code=200)
@@ -81,16 +89,18 @@ async def cuda_region_status(name: str) -> Response:
     raise RegionNotFound(f"Unable to find cuda shared memory region: '{name}'")
 
 
-@router.post("/cudasharedmemory/region/{name}/register", responses=ERROR_RESPONSES)
+@router.post(
+    "/cudasharedmemory/region/{name}/register", response_class=Response, responses=ERROR_RESPONSES
+)
 async def cuda_register(name: str) -> Response:
     raise InvalidInput(cuda_refusal(name))
 
 
-@router.post("/cudasharedmemory/region/{name}/unregister")
+@router.post("/cudasharedmemory/region/{name}/unregister", response_class=Response)
 async def cuda_unregister(name: str) -> Response:
     return Response(status_code=200)
 
 
-@router.post("/cudasharedmemory/unregister")
+@router.post("/cudasharedmemory/unregister", response_class=Response)
 async def cuda_unregister_all() -> Response:
     return Response(status_code=200)

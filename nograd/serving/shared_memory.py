@@ -94,7 +94,7 @@ def map_region(name: str, key: Any, offset: Any, byte_size: Any) -> Region:
         if path is None:
             raise FileNotFoundError(key)
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the key
         raise InvalidInput(f"Unable to open shared memory region: '{key}'") from exc
     try:
         info = os.fstat(fd)
@@ -103,6 +103,9 @@ def map_region(name: str, key: Any, offset: Any, byte_size: Any) -> Region:
         if byte_size == 0 or offset + byte_size > info.st_size:
             raise InvalidInput(f"failed to register shared memory region '{name}': invalid args")
         mapped = mmap.mmap(fd, offset + byte_size, mmap.MAP_SHARED)
+    except (OSError, OverflowError, ValueError) as exc:
+        os.close(fd)
+        raise InvalidInput(f"failed to register shared memory region '{name}': {exc}") from exc
     except BaseException:
         os.close(fd)
         raise
