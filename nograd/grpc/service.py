@@ -30,14 +30,16 @@ from nograd.serving.errors import (
     InvalidInput,
     Kind,
     ModelNotFound,
+    RegionNotFound,
     kind_of,
     retry_after_s,
 )
+from nograd.serving.shared_memory import cuda_refusal
 from nograd.serving.triton_config import model_configuration, repository_index
 
 logger = logging.getLogger(__name__)
 PROTOCOL: Final = "grpc"
-EXTENSIONS: Final = ["classification", "model_configuration", "model_repository", "statistics"]
+EXTENSIONS: Final = list(documents.EXTENSIONS)
 METHOD_PREFIX: Final = "/inference.GRPCInferenceService/"
 
 CODES: Final[dict[Kind, Code]] = {
@@ -45,6 +47,7 @@ CODES: Final[dict[Kind, Code]] = {
     Kind.REFUSED: Code.FAILED_PRECONDITION,
     Kind.UNAUTHENTICATED: Code.UNAUTHENTICATED,
     Kind.NOT_FOUND: Code.NOT_FOUND,
+    Kind.EXISTS: Code.ALREADY_EXISTS,
     Kind.OVER_LIMIT: Code.RESOURCE_EXHAUSTED,
     Kind.CLIENT_GONE: Code.CANCELLED,
     Kind.FAILED: Code.INTERNAL,
@@ -216,6 +219,65 @@ class InferenceService:
 
         return await self._answer(context, unload)
 
+    # ------------------------------------------------------------------ shared memory
+    async def SystemSharedMemoryStatus(
+        self, request: Any, context: CallContext
+    ) -> pb.SystemSharedMemoryStatusResponse:
+        async def status() -> pb.SystemSharedMemoryStatusResponse:
+            regions = self._calls.shared_memory.status(request.name or None)
+            status = pb.SystemSharedMemoryStatusResponse.RegionStatus
+            return pb.SystemSharedMemoryStatusResponse(
+                regions={r["name"]: status(**r) for r in regions}
+            )
+
+        return await self._answer(context, status)
+
+    async def SystemSharedMemoryRegister(
+        self, request: Any, context: CallContext
+    ) -> pb.SystemSharedMemoryRegisterResponse:
+        async def register() -> pb.SystemSharedMemoryRegisterResponse:
+            await self._calls.shared_memory.register(
+                request.name, request.key, request.offset, request.byte_size
+            )
+            return pb.SystemSharedMemoryRegisterResponse()
+
+        return await self._answer(context, register)
+
+    async def SystemSharedMemoryUnregister(
+        self, request: Any, context: CallContext
+    ) -> pb.SystemSharedMemoryUnregisterResponse:
+        async def unregister() -> pb.SystemSharedMemoryUnregisterResponse:
+            await self._calls.shared_memory.unregister(request.name or None)
+            return pb.SystemSharedMemoryUnregisterResponse()
+
+        return await self._answer(context, unregister)
+
+    async def CudaSharedMemoryStatus(
+        self, request: Any, context: CallContext
+    ) -> pb.CudaSharedMemoryStatusResponse:
+        async def status() -> pb.CudaSharedMemoryStatusResponse:
+            if request.name:
+                raise RegionNotFound(f"Unable to find cuda shared memory region: '{request.name}'")
+            return pb.CudaSharedMemoryStatusResponse()
+
+        return await self._answer(context, status)
+
+    async def CudaSharedMemoryRegister(
+        self, request: Any, context: CallContext
+    ) -> pb.CudaSharedMemoryRegisterResponse:
+        async def register() -> pb.CudaSharedMemoryRegisterResponse:
+            raise InvalidInput(cuda_refusal(request.name))
+
+        return await self._answer(context, register)
+
+    async def CudaSharedMemoryUnregister(
+        self, request: Any, context: CallContext
+    ) -> pb.CudaSharedMemoryUnregisterResponse:
+        async def unregister() -> pb.CudaSharedMemoryUnregisterResponse:
+            return pb.CudaSharedMemoryUnregisterResponse()
+
+        return await self._answer(context, unregister)
+
     # ------------------------------------------------------------------ inference
     async def ModelInfer(self, request: Any, context: CallContext) -> pb.ModelInferResponse:
         calls = self._calls
@@ -303,8 +365,7 @@ class InferenceService:
                 answer = pb.ModelInferResponse()
                 answer.CopyFrom(head)
                 if response.outputs is not None:
-                    requested = [o.name for o in request.outputs]
-                    encode_outputs(answer, dict(response.outputs), requested)
+                    encode_outputs(answer, dict(response.outputs), request.outputs)
                 if mark_final:
                     answer.parameters["triton_final_response"].bool_param = response.final
                 yield pb.ModelStreamInferResponse(infer_response=answer)
@@ -352,7 +413,8 @@ class InferenceService:
             await calls.resident(call, name)
             # Checked against the model's declared inputs before any value is read.
             check = calls.input_check(call, name, version, request.id or None)
-            inputs = await read_inputs(request, check)
+            regions = calls.shared_memory
+            inputs = await read_inputs(request, check, regions)
             model, outputs = await calls.infer(
                 call, name, version, inputs, request.id or None, responder=responder
             )
@@ -362,9 +424,7 @@ class InferenceService:
             if responder is not None:
                 return response  # a decoupled model's outputs come with each of its responses
             counts = class_counts(request)
-            encode_outputs(
-                response, classified(model, outputs, counts), [o.name for o in request.outputs]
-            )
+            encode_outputs(response, classified(model, outputs, counts), request.outputs, regions)
             return response
         finally:
             calls.release()

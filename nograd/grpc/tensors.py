@@ -25,6 +25,7 @@ from nograd.core.datatypes import NUMPY_DTYPES, ROWS, TABLE, datatype_of
 from nograd.core.errors import DecodeError
 from nograd.grpc.generated import grpc_service_pb2 as pb
 from nograd.protocol import binary, classification
+from nograd.protocol import shared_memory as shm
 from nograd.protocol.limits import OFFLOAD_DECODE_BYTES, checked_shape
 from nograd.serving.validation import Declared
 
@@ -44,6 +45,21 @@ uint32 for UINT8 to UINT32), so its values convert exactly before their range is
 
 Check = Callable[[Declared], None]
 """The serving core's check of the declared inputs against the model (it raises to refuse)."""
+Parameters = Mapping[str, pb.InferParameter]
+
+
+def plain(parameters: Parameters) -> dict[str, Any]:
+    """A message's parameters as plain values (each ``InferParameter``'s one set field)."""
+    values: dict[str, Any] = {}
+    for key, parameter in parameters.items():
+        kind = parameter.WhichOneof("parameter_choice")
+        values[key] = getattr(parameter, kind) if kind else None
+    return values
+
+
+def placements(tensors: Any, side: str) -> list[shm.Placement | None]:
+    """Each tensor's place in shared memory (its ``shared_memory_*`` parameters), or None."""
+    return [shm.placement(plain(t.parameters), f"{side} {t.name!r}") for t in tensors]
 
 
 def check_inputs(request: pb.ModelInferRequest, check: Check | None = None) -> Declared:
@@ -52,10 +68,12 @@ def check_inputs(request: pb.ModelInferRequest, check: Check | None = None) -> D
     exactly what its shape needs. A ``DecodeError`` (or ``check``'s refusal) names the input."""
     tensors = list(request.inputs)
     raw = request.raw_input_contents
-    if raw and len(raw) != len(tensors):
+    places = placements(tensors, "input")
+    carried = sum(place is None for place in places)
+    if raw and len(raw) != carried:
         raise DecodeError(
-            f"raw_input_contents holds {len(raw)} tensors for {len(tensors)} inputs; "
-            "send every input raw, or none"
+            f"raw_input_contents holds {len(raw)} tensors for {carried} inputs not in shared "
+            "memory; send every such input raw, or none"
         )
     declared: dict[str, tuple[str, tuple[int, ...]]] = {}
     wheres: list[str] = []
@@ -70,21 +88,31 @@ def check_inputs(request: pb.ModelInferRequest, check: Check | None = None) -> D
         wheres.append(where)
     if check is not None:
         check(declared)
-    for index, ((datatype, shape), tensor, where) in enumerate(
-        zip(declared.values(), tensors, wheres, strict=True)
+    index = 0
+    for (datatype, shape), tensor, where, place in zip(
+        declared.values(), tensors, wheres, places, strict=True
     ):
+        if place is not None:
+            if _has_contents(tensor):
+                raise DecodeError(f"{where}: has contents besides {shm.REGION}; send one")
+            continue
+        index += 1
         if not raw:
             _check_contents(tensor, datatype, shape, where)
             continue
-        if tensor.HasField("contents") and any(
-            len(getattr(tensor.contents, field)) for field in _FIELD_DTYPE
-        ):
+        if _has_contents(tensor):
             raise DecodeError(f"{where}: has both contents and raw_input_contents; send one")
         try:
-            binary.check_size(len(raw[index]), datatype, shape, where)
+            binary.check_size(len(raw[index - 1]), datatype, shape, where)
         except binary.BinaryFormatError as exc:
             raise DecodeError(str(exc)) from exc
     return declared
+
+
+def _has_contents(tensor: pb.ModelInferRequest.InferInputTensor) -> bool:
+    return tensor.HasField("contents") and any(
+        len(getattr(tensor.contents, field)) for field in _FIELD_DTYPE
+    )
 
 
 def _check_contents(
@@ -110,42 +138,56 @@ def _check_contents(
 
 
 def decode_inputs(
-    request: pb.ModelInferRequest, check: Check | None = None
+    request: pb.ModelInferRequest, check: Check | None = None, regions: shm.Regions | None = None
 ) -> dict[str, np.ndarray]:
     """The request's inputs by name, once ``check_inputs`` passed them."""
-    return _arrays(request, check_inputs(request, check))
+    return _arrays(request, check_inputs(request, check), regions)
 
 
-async def read_inputs(request: pb.ModelInferRequest, check: Check) -> dict[str, np.ndarray]:
+async def read_inputs(
+    request: pb.ModelInferRequest, check: Check, regions: shm.Regions | None = None
+) -> dict[str, np.ndarray]:
     """``decode_inputs`` with its checks on the event loop (a refusal costs no thread hand-off)
     and the values read in a thread when they are large, as HTTP decodes a large body: a
     model with variable dimensions may take millions of BYTES elements, each parsed in Python."""
     declared = check_inputs(request, check)
     if _payload_bytes(request, declared) > OFFLOAD_DECODE_BYTES:
-        return await asyncio.to_thread(_arrays, request, declared)
-    return _arrays(request, declared)
+        return await asyncio.to_thread(_arrays, request, declared, regions)
+    return _arrays(request, declared, regions)
 
 
 def _payload_bytes(request: pb.ModelInferRequest, declared: Declared) -> int:
-    """About how many bytes the tensors hold, from lengths alone (no value read)."""
+    """About how many bytes the tensors hold, from lengths alone (no value read); those in
+    shared memory are read on the event loop (one copy, no conversion)."""
     raw = request.raw_input_contents
     if raw:
         return sum(len(chunk) for chunk in raw)
     total = 0
     for (datatype, _), tensor in zip(declared.values(), request.inputs, strict=True):
-        values = len(getattr(tensor.contents, CONTENTS_FIELD[datatype]))
+        field = CONTENTS_FIELD.get(datatype)
+        if field is None:  # only in shared memory
+            continue
+        values = len(getattr(tensor.contents, field))
         total += values * max(ROWS[datatype].byte_size, 4)
     return total
 
 
-def _arrays(request: pb.ModelInferRequest, declared: Declared) -> dict[str, np.ndarray]:
+def _arrays(
+    request: pb.ModelInferRequest, declared: Declared, regions: shm.Regions | None = None
+) -> dict[str, np.ndarray]:
     raw = request.raw_input_contents
+    places = placements(request.inputs, "input")
     inputs: dict[str, np.ndarray] = {}
+    carried = 0
     for index, (name, (datatype, shape)) in enumerate(declared.items()):
         where = f"input {name!r}"
-        if raw:
+        place = places[index]
+        if place is not None:
+            inputs[name] = shm.read_input(regions, place, name, datatype, shape)
+        elif raw:
+            carried += 1
             try:
-                inputs[name] = binary.decode_tensor(raw[index], datatype, shape, where)
+                inputs[name] = binary.decode_tensor(raw[carried - 1], datatype, shape, where)
             except binary.BinaryFormatError as exc:
                 raise DecodeError(str(exc)) from exc
         else:
@@ -198,17 +240,32 @@ def class_counts(request: pb.ModelInferRequest) -> dict[str, int]:
 def encode_outputs(
     response: pb.ModelInferResponse,
     outputs: Mapping[str, np.ndarray],
-    requested: list[str],
+    requested: Any,
+    regions: shm.Regions | None = None,
 ) -> None:
-    """Append ``requested`` outputs (every output when empty) to ``response``, raw."""
-    names = requested or list(outputs)
+    """Append the ``requested`` outputs (``InferRequestedOutputTensor``s; every output when
+    none) to ``response``, raw; one placed in shared memory is written into its region and
+    answers its placement, with no contents."""
+    names = [output.name for output in requested] or list(outputs)
+    places = placements(requested, "output") if requested else [None] * len(names)
     unknown = sorted(set(names) - set(outputs))
     if unknown:
         raise DecodeError(f"requested output(s) {unknown} unknown; the model has {sorted(outputs)}")
-    for name in names:
+    for name, place in zip(names, places, strict=True):
         array = outputs[name]
         tensor = response.outputs.add()
         tensor.name = name
         tensor.datatype = datatype_of(array)
         tensor.shape.extend(int(d) for d in array.shape)
-        response.raw_output_contents.append(bytes(binary.encode_tensor(array)))
+        if place is None:
+            response.raw_output_contents.append(bytes(binary.encode_tensor(array)))
+            continue
+        shm.write_output(regions, place, name, array)
+        tensor.parameters[shm.REGION].string_param = place.region
+        tensor.parameters[shm.OFFSET].int64_param = place.offset
+        tensor.parameters[shm.BYTE_SIZE].int64_param = place.byte_size
+        response.raw_output_contents.append(b"")
+    # Only an output a raw one follows needs its empty entry (clients read the list by index).
+    contents = response.raw_output_contents
+    while contents and not contents[-1] and places[len(contents) - 1] is not None:
+        del contents[-1]

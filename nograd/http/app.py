@@ -14,7 +14,7 @@ from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from nograd import __version__
-from nograd.http import openai, repository, torchserve, v2
+from nograd.http import openai, repository, shared_memory, torchserve, v2
 from nograd.http.direct import DirectRoutes
 from nograd.http.errors import install_error_handlers
 from nograd.http.middleware import (
@@ -95,6 +95,7 @@ def build_app(core: Core, lifespan: Lifespan | None = None) -> FastAPI:
     app.add_middleware(StartTimeMiddleware)
     app.include_router(v2.router)
     app.include_router(repository.router)
+    app.include_router(shared_memory.router)
     app.include_router(openai.router)
     app.include_router(torchserve.router)
 

@@ -53,13 +53,7 @@ from nograd.serving.validation import Declared
 logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v2", tags=["Open Inference Protocol"])
 PROTOCOL = "v2"
-EXTENSIONS = [
-    "binary_tensor_data",
-    "classification",
-    "model_configuration",
-    "model_repository",
-    "statistics",
-]
+EXTENSIONS = sorted(["binary_tensor_data", *documents.EXTENSIONS])
 
 
 def json_response(document: Any, status: int = 200) -> Response:
@@ -186,8 +180,8 @@ async def _decode(
     given_id = document.get("id") if isinstance(document, dict) else None
     check_for(given_id if isinstance(given_id, str) else None)(declared_inputs(document))
     if len(body) > OFFLOAD_DECODE_BYTES:  # milliseconds of CPU: off the event loop
-        return await run_in_threadpool(decode_document, document, data)
-    return decode_document(document, data)
+        return await run_in_threadpool(decode_document, document, data, calls.shared_memory)
+    return decode_document(document, data, calls.shared_memory)
 
 
 def _timeout_s(parameters: Mapping[str, Any]) -> float | None:
@@ -204,14 +198,16 @@ ENSEMBLE_PARAMETERS: Final = {"sequence_id": 0, "sequence_start": False, "sequen
 
 
 def _infer_reply(
-    model: ServedModel, decoded: InferRequest, outputs: Mapping[str, np.ndarray]
+    calls: Calls, model: ServedModel, decoded: InferRequest, outputs: Mapping[str, np.ndarray]
 ) -> Reply:
     """JSON, or with any binary output JSON + raw bytes and ``Inference-Header-Content-Length``;
     an output asked for by classification answers its top classes."""
     selected = select_outputs(list(outputs), decoded.outputs, decoded.parameters)
     counts = {output.name: output.classification for output in selected if output.classification}
     outputs = classified(model, outputs, counts)
-    tensors, chunks = encode_outputs(outputs, selected, model=model.name)
+    tensors, chunks = encode_outputs(
+        outputs, selected, model=model.name, regions=calls.shared_memory
+    )
     document: dict[str, Any] = {
         "model_name": model.name,
         "model_version": model.version,
@@ -250,7 +246,7 @@ async def infer_call(incoming: Incoming, calls: Calls, name: str, version: str |
         call.adopt_request_id(decoded.id)
         call.shorten_deadline(_timeout_s(decoded.parameters))
         model, outputs = await calls.infer(call, name, version, decoded.inputs, decoded.id)
-        return _infer_reply(model, decoded, outputs)
+        return _infer_reply(calls, model, decoded, outputs)
 
     reply = await run_call(incoming, calls, PROTOCOL, work, _error_reply)
     return await encoded_reply(incoming, reply)

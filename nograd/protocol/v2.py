@@ -23,6 +23,7 @@ import orjson
 from nograd.core.datatypes import NUMPY_DTYPES, datatype_of
 from nograd.core.errors import DecodeError
 from nograd.protocol import binary, classification
+from nograd.protocol import shared_memory as shm
 from nograd.protocol.limits import MAX_DIMS, checked_shape
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,8 @@ class RequestedOutput:
     binary: bool = False
     classification: int = 0
     """Classes to answer instead of the tensor (Triton's classification extension); 0: none."""
+    placement: shm.Placement | None = None
+    """Where to write it instead of the body (the system shared-memory extension)."""
 
 
 @dataclass(frozen=True)
@@ -102,15 +105,18 @@ def split_body(
     return header, None if header_length is None else data
 
 
-def decode_document(document: Any, data: memoryview | None) -> InferRequest:
-    """The request of a parsed JSON document, its binary inputs read from ``data``."""
+def decode_document(
+    document: Any, data: memoryview | None, regions: shm.Regions | None = None
+) -> InferRequest:
+    """The request of a parsed JSON document, its binary inputs read from ``data``, those in
+    shared memory from ``regions``."""
     try:
         reader = None
         if data is not None:
             # torch refuses read-only memory: a body read into a writable buffer is used as it
             # is, a bytes body copied once; every fixed-size input is then a view of it.
             reader = binary.BinaryReader(data if not data.readonly else memoryview(bytearray(data)))
-        request = decode_request(document, reader)
+        request = decode_request(document, reader, regions)
         if reader is not None:
             reader.finish()
     except binary.BinaryFormatError as exc:
@@ -140,11 +146,16 @@ def _raw_inputs(document: Any) -> list[Any]:
     return raw_inputs
 
 
-def decode_request(document: Any, reader: binary.BinaryReader | None = None) -> InferRequest:
-    """Validate the request document and decode every input tensor, JSON or binary."""
+def decode_request(
+    document: Any,
+    reader: binary.BinaryReader | None = None,
+    regions: shm.Regions | None = None,
+) -> InferRequest:
+    """Validate the request document and decode every input tensor, JSON, binary or in shared
+    memory."""
     inputs: dict[str, np.ndarray] = {}
     for index, raw in enumerate(_raw_inputs(document)):
-        name, array = decode_tensor(raw, f"inputs[{index}]", reader)
+        name, array = decode_tensor(raw, f"inputs[{index}]", reader, regions)
         if name in inputs:
             raise DecodeError(f"input {name!r} appears twice")
         inputs[name] = array
@@ -182,6 +193,7 @@ def _requested_outputs(raw: Any, parameters: Mapping[str, Any]) -> tuple[Request
                 item["name"],
                 bool(params.get("binary_data", default_binary)),
                 0 if classes is None else classification.class_count(classes, item["name"]),
+                shm.placement(params, f"output {item['name']!r}"),
             )
         )
     return tuple(requested)
@@ -198,13 +210,23 @@ def decode_shape(raw: Any, where: str) -> tuple[int, ...]:
 
 
 def decode_tensor(
-    raw: Any, where: str, reader: binary.BinaryReader | None = None
+    raw: Any,
+    where: str,
+    reader: binary.BinaryReader | None = None,
+    regions: shm.Regions | None = None,
 ) -> tuple[str, np.ndarray]:
-    """One tensor: ``{name, shape, datatype, data}`` with flat or nested row-major data, or
-    ``{name, shape, datatype, parameters: {binary_data_size}}`` with its bytes in ``reader``."""
+    """One tensor: ``{name, shape, datatype, data}`` with flat or nested row-major data,
+    ``{name, shape, datatype, parameters: {binary_data_size}}`` with its bytes in ``reader``, or
+    with ``shared_memory_*`` parameters, its bytes in one of ``regions``."""
     name, datatype, shape = _declared_tensor(raw, where)
     where = f"input {name!r}"
-    size = _parameters(raw.get("parameters"), f"{where}.parameters").get(binary.SIZE_PARAMETER)
+    parameters = _parameters(raw.get("parameters"), f"{where}.parameters")
+    place = shm.placement(parameters, where)
+    if place is not None:
+        if "data" in raw or binary.SIZE_PARAMETER in parameters:
+            raise DecodeError(f"{where}: has data besides {shm.REGION}; send one")
+        return name, shm.read_input(regions, place, name, datatype, shape)
+    size = parameters.get(binary.SIZE_PARAMETER)
     if size is not None:
         if "data" in raw:
             raise DecodeError(f"{where}: has both 'data' and {binary.SIZE_PARAMETER}")
@@ -379,8 +401,10 @@ def encode_outputs(
     selected: Sequence[RequestedOutput],
     *,
     model: str | None = None,
+    regions: shm.Regions | None = None,
 ) -> tuple[list[dict[str, Any]], list[bytes | memoryview]]:
-    """Output tensors for the response: JSON ones carry ``data``, binary ones a size and bytes.
+    """Output tensors for the response: JSON ones carry ``data``, binary ones a size and bytes,
+    those placed in shared memory (written into ``regions``) their placement only.
 
     ``model`` names the model in the (rate-limited) warning about non-finite JSON outputs.
     """
@@ -389,6 +413,12 @@ def encode_outputs(
     non_finite: list[str] = []
     for output in selected:
         array = outputs[output.name]
+        if output.placement is not None:
+            shm.write_output(regions, output.placement, output.name, array)
+            tensor: dict[str, Any] = {"name": output.name, "datatype": datatype_of(array)}
+            tensor |= {"shape": list(array.shape), "parameters": output.placement.parameters()}
+            tensors.append(tensor)
+            continue
         if not output.binary:
             tensor = encode_tensor(output.name, array)
             if NON_FINITE_PARAMETER in tensor.get("parameters", ()):

@@ -35,6 +35,7 @@ from nograd.serving.errors import (
 )
 from nograd.serving.on_demand import OnDemand
 from nograd.serving.registry import ServedModel
+from nograd.serving.shared_memory import SharedMemory
 from nograd.serving.validation import Declared
 
 logger = logging.getLogger("nograd.requests")
@@ -104,8 +105,11 @@ class Calls:
         metrics: Metrics,
         api_keys: Sequence[str],
         on_demand: OnDemand | None = None,
+        shared_memory: SharedMemory | None = None,
     ) -> None:
         self.plane = plane
+        self.shared_memory = shared_memory or SharedMemory()
+        """The system shared-memory regions inputs are read from and outputs written into."""
         self.metrics = metrics
         self._keys = tuple(key.encode() for key in api_keys)
         self._on_demand = on_demand

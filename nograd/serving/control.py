@@ -48,7 +48,7 @@ class ModelControl:
         """``shared_dir``: the folder this worker shares with its siblings (None: one process)."""
         self._plane = plane
         self._settings = plane.settings
-        self._peers = None if shared_dir is None else Peers(shared_dir, self.apply_from_peer)
+        self.peers = None if shared_dir is None else Peers(shared_dir, self.apply_from_peer)
         self._lock = asyncio.Lock()
         self._started = asyncio.Event()
         """Set once the start-up set has loaded: a sibling's sync waits for it."""
@@ -74,12 +74,12 @@ class ModelControl:
     async def open(self) -> None:
         """Join the sibling workers' control channel before reading what to load, so a call made
         while this worker starts is applied after its start-up load, not lost."""
-        if self._peers is not None:
-            await self._peers.start()
+        if self.peers is not None:
+            await self.peers.start()
 
     async def close(self) -> None:
-        if self._peers is not None:
-            await self._peers.stop()
+        if self.peers is not None:
+            await self.peers.stop()
 
     def discover(self) -> None:
         """Read the repository and register the start-up set: every model (``none``, ``poll``),
@@ -142,18 +142,18 @@ class ModelControl:
                 f"model control is not enabled ({setting}=none): every model loads at start-up "
                 f"and a restart applies changes; set {setting}=explicit for load and unload calls"
             )
-        if self._peers is None:
+        if self.peers is None:
             await self.apply(call)
             return
         if self.mode == "on_demand":
             # Each worker keeps a resident set of its own: the call itself reaches each one.
             await self.apply(call)
-            failures = await self._peers.broadcast(call)
+            failures = await self.peers.broadcast(call)
             if failures:
                 detail = "; ".join(f"{w}: {error}" for w, error in sorted(failures.items()))
                 raise LoadFailed(f"applied by this worker, but not by every worker: {detail}")
             return
-        async with self._peers.exclusive():
+        async with self.peers.exclusive():
             recorded = self._recorded()
             if recorded is None:
                 recorded = self._plane.registry.overrides()
@@ -174,8 +174,8 @@ class ModelControl:
                     recorded[touched] = served
                 else:
                     recorded.pop(touched, None)
-            self._peers.write_state(recorded)
-            failures = await self._peers.broadcast({"op": "sync"})
+            self.peers.write_state(recorded)
+            failures = await self.peers.broadcast({"op": "sync"})
         if failures:
             detail = "; ".join(f"{worker}: {error}" for worker, error in sorted(failures.items()))
             prefix = f"{failed}; " if failed is not None else ""
@@ -184,7 +184,7 @@ class ModelControl:
             raise failed
 
     def _recorded(self) -> Served | None:
-        return self._peers.read_state() if self._peers is not None else None
+        return self.peers.read_state() if self.peers is not None else None
 
     async def _sync(self) -> list[str]:
         """Serve what the shared state records: unload the models it leaves out, load the

@@ -18,6 +18,7 @@ from nograd.serving.calls import Calls
 from nograd.serving.control import ModelControl
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.on_demand import OnDemand
+from nograd.serving.shared_memory import SharedMemory
 from nograd.serving.torchserve_management import TorchServeManagement
 from nograd.settings import Settings
 
@@ -38,18 +39,22 @@ class Core:
         self.metrics = Metrics(multiprocess_dir=shared_dir)
         self.plane = DataPlane(settings, self.metrics, Statistics(shared_dir), cores=cores)
         self.control = ModelControl(self.plane, shared_dir)
+        self.shared_memory = SharedMemory(self.control.peers)
         self.on_demand = (
             OnDemand(self.control, self.plane, self.metrics)
             if settings.model_control == "on_demand"
             else None
         )
-        self.calls = Calls(self.plane, self.metrics, settings.api_key_list, self.on_demand)
+        self.calls = Calls(
+            self.plane, self.metrics, settings.api_key_list, self.on_demand, self.shared_memory
+        )
         self.torchserve = TorchServeManagement(self.control, self.plane)
         self._tasks: list[asyncio.Task[None]] = []
 
     async def open(self) -> None:
         """Read the repository's configs; a malformed one fails the start-up, naming it."""
         await self.control.open()
+        self.shared_memory.restore()
         self.control.discover()
         if self.plane.config_errors:
             await self.control.close()
@@ -84,3 +89,4 @@ class Core:
                     await task
         await self.control.close()
         await self.plane.stop(0.0 if force else self.settings.drain_timeout_s)
+        self.shared_memory.close()

@@ -4,11 +4,22 @@ the same fields), so a model is described the same way over every protocol."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 from nograd import __version__
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.registry import ServedModel
+
+EXTENSIONS: Final = (
+    "classification",
+    "cuda_shared_memory",
+    "model_configuration",
+    "model_repository",
+    "statistics",
+    "system_shared_memory",
+)
+"""The extensions every front serves (Triton lists ``cuda_shared_memory`` without a GPU too:
+its status and unregister calls answer, registering is refused)."""
 
 
 def server_metadata(name: str, extensions: list[str]) -> dict[str, Any]:

@@ -32,6 +32,8 @@ class Kind(enum.Enum):
     failed: the request was fine, the server's state refuses it."""
     UNAUTHENTICATED = ("unauthenticated", 401)
     NOT_FOUND = ("not_found", 404)
+    EXISTS = ("exists", 400)
+    """A name already taken (a shared-memory region): gRPC's ALREADY_EXISTS, Triton's 400."""
     OVER_LIMIT = ("over_limit", 422)
     """Well formed but over a configured limit (rows, text length, message size)."""
     CLIENT_GONE = ("client_gone", 499)
@@ -110,6 +112,14 @@ class ControlRefused(Exception):
     """Load and unload calls are not taken in this model control mode."""
 
 
+class RegionNotFound(Exception):
+    """No shared-memory region of that name is registered."""
+
+
+class AlreadyExists(Exception):
+    """A shared-memory region of that name is already registered."""
+
+
 class LoadFailed(Exception):
     """A version could not be loaded (or a worker could not apply the call); what served before
     still serves."""
@@ -123,6 +133,8 @@ KINDS: Final[tuple[tuple[type[Exception], Kind], ...]] = (
     (LoadFailed, Kind.REFUSED),
     (Unauthenticated, Kind.UNAUTHENTICATED),
     (ModelNotFound, Kind.NOT_FOUND),
+    (RegionNotFound, Kind.NOT_FOUND),
+    (AlreadyExists, Kind.EXISTS),
     (LimitExceeded, Kind.OVER_LIMIT),
     (ModelNotReady, Kind.UNAVAILABLE),
     (QueueFull, Kind.UNAVAILABLE),

@@ -45,6 +45,8 @@ class Peers:
     def __init__(self, shared_dir: Path, apply: Handler) -> None:
         self.directory = shared_dir / CONTROL_FOLDER
         self._apply = apply
+        self.routes: dict[str, Handler] = {}
+        """Handlers of other parts of the core, by the ``op`` of the calls they take."""
         self._server: asyncio.Server | None = None
         self._path = self.directory / f"{os.getpid()}{SOCKET_SUFFIX}"
 
@@ -65,7 +67,8 @@ class Peers:
             if not line:
                 return
             try:
-                error = await self._apply(json.loads(line))
+                call = json.loads(line)
+                error = await self.routes.get(str(call.get("op")), self._apply)(call)
             except Exception as exc:
                 logger.exception("control call from a sibling worker failed")
                 error = f"{type(exc).__name__}: {exc}"

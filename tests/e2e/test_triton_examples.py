@@ -48,7 +48,6 @@ class Example(NamedTuple):
     the repository (Triton's QA runs it against another repository)."""
 
 
-SHM = "system shared memory"
 SEQUENCES = "sequence batching"
 CUDA = "CUDA shared memory (a GPU)"
 UPLOAD_STATUS = "Triton's INTERNAL status for an uploaded model file (nograd: INVALID_ARGUMENT)"
@@ -59,7 +58,7 @@ EXAMPLE_RUNS: dict[str, Example] = {
     "http-aio-infer": Example("simple_http_aio_infer_client.py"),
     "http-async-infer": Example("simple_http_async_infer_client.py"),
     "http-string-infer": Example("simple_http_string_infer_client.py"),
-    "http-reuse-infer-objects": Example("reuse_infer_objects_client.py", missing=SHM),
+    "http-reuse-infer-objects": Example("reuse_infer_objects_client.py"),
     "http-model-control": Example("simple_http_model_control.py"),
     "http-image": Example(
         "image_client.py",
@@ -71,8 +70,8 @@ EXAMPLE_RUNS: dict[str, Example] = {
         ("-m", "densenet_onnx", "-s", "INCEPTION", "-a", "-c", "1", "-b", "1", str(IMAGE)),
         expect="VULTURE",
     ),
-    "http-shm": Example("simple_http_shm_client.py", missing=SHM),
-    "http-shm-string": Example("simple_http_shm_string_client.py", missing=SHM),
+    "http-shm": Example("simple_http_shm_client.py"),
+    "http-shm-string": Example("simple_http_shm_string_client.py"),
     "http-sequence-sync": Example("simple_http_sequence_sync_infer_client.py", missing=SEQUENCES),
     "http-cudashm": Example("simple_http_cudashm_client.py", missing=CUDA),
     "grpc-health-metadata": Example("simple_grpc_health_metadata.py", grpc=True),
@@ -116,8 +115,8 @@ EXAMPLE_RUNS: dict[str, Example] = {
         grpc=True,
         expect="VULTURE",
     ),
-    "grpc-shm": Example("simple_grpc_shm_client.py", grpc=True, missing=SHM),
-    "grpc-shm-string": Example("simple_grpc_shm_string_client.py", grpc=True, missing=SHM),
+    "grpc-shm": Example("simple_grpc_shm_client.py", grpc=True),
+    "grpc-shm-string": Example("simple_grpc_shm_string_client.py", grpc=True),
     "grpc-sequence-sync": Example(
         "simple_grpc_sequence_sync_infer_client.py", grpc=True, missing=SEQUENCES
     ),

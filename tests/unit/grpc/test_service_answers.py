@@ -212,7 +212,7 @@ async def test_unserved_rpcs_are_unimplemented_without_a_traceback(
         answer = await call.read()
         assert "Request for unknown model: 'nope' is not found" in answer.error_message
         assert await call.code() == grpc.StatusCode.OK
-        for path in (f"/{SERVICE_NAME}/CudaSharedMemoryStatus", "/no.Such/Method"):
+        for path in (f"/{SERVICE_NAME}/LogSettings", "/no.Such/Method"):
             unary = channel.unary_unary(path)
             with pytest.raises(grpc.aio.AioRpcError) as raised:
                 await unary(b"", timeout=10)
