@@ -55,7 +55,7 @@ class Call:
 
     __slots__ = (
         "bytes_held",
-        "held_model",
+        "held_models",
         "id_given",
         "model",
         "protocol",
@@ -79,8 +79,9 @@ class Call:
         self.timeout_s: float | None = None
         self.bytes_held = 0
         """Bytes of the process's budget this call holds for decoding (``Calls.hold_bytes``)."""
-        self.held_model: str | None = None
-        """The model this call keeps resident until it is answered (on-demand control)."""
+        self.held_models: tuple[str, ...] = ()
+        """The model this call keeps resident until it is answered, and an ensemble's step
+        models (on-demand control)."""
 
     def adopt_request_id(self, protocol_id: str | None) -> None:
         """Use the protocol's own id (the V2 ``id``) when the caller sent none of its own."""
@@ -140,12 +141,12 @@ class Calls:
 
     async def resident(self, call: Call, name: str) -> None:
         """Under on-demand control, load model ``name`` if it is not resident (one load for
-        every request waiting on it) and keep it resident until ``call`` is answered."""
-        if self._on_demand is None or call.held_model is not None:
+        every request waiting on it) and keep it resident until ``call`` is answered; an
+        ensemble with its step models."""
+        if self._on_demand is None or call.held_models:
             return
-        self._on_demand.hold(name)
-        call.held_model = name
-        await self._on_demand.ensure(name)
+        call.held_models = self._on_demand.hold(name)
+        await self._on_demand.ensure(call.held_models)
 
     def hold_bytes(self, call: Call, size: int) -> None:
         """Draw ``size`` bytes of the budget for decoding ``call``'s request, or refuse
@@ -235,9 +236,9 @@ class Calls:
         """The call is answered with ``status`` (its kind's, for every protocol): recorded, and
         the bytes it held given back."""
         self.metrics.inflight.dec()
-        if call.held_model is not None and self._on_demand is not None:
-            self._on_demand.release(call.held_model)
-            call.held_model = None
+        if call.held_models and self._on_demand is not None:
+            self._on_demand.release(call.held_models)
+            call.held_models = ()
         if call.bytes_held:
             self.give_bytes(call.bytes_held)
             call.bytes_held = 0

@@ -7,6 +7,9 @@ resident, else the size of its files) fit in the limit; after it, what it measur
 model a request holds is never evicted; one larger than the whole limit is refused (507); a load
 that fails answers every waiter with its error and is not tried again until its files change.
 
+A request for an ensemble holds its step models (nested ones' included) too, for its whole
+life, and loads those that are not resident, each on its own account, before the ensemble.
+
 Each worker process keeps a resident set of its own within an equal part of the limit.
 """
 
@@ -20,13 +23,15 @@ import time
 
 from nograd.host.readings import resident_bytes
 from nograd.observability.metrics import Metrics
+from nograd.runtime.config import ModelConfig
 from nograd.runtime.devices import resolve_device
 from nograd.runtime.engines.onnx import warm_onnx_runtime
 from nograd.runtime.memory import device_budget, probe_for
 from nograd.runtime.planner import warm_memory_probe
 from nograd.serving.control import ModelControl
 from nograd.serving.dataplane import DataPlane
-from nograd.serving.errors import LoadFailed, NoRoomNow
+from nograd.serving.ensembles import composing, step_models
+from nograd.serving.errors import InvalidInput, LoadFailed, ModelNotFound, NoRoomNow
 from nograd.serving.registry import LOADING_ON_DEMAND, NOT_LOADED_YET
 from nograd.serving.repository import files_bytes, find_source, holds_model
 from nograd.serving.residency import Residency, mib
@@ -87,17 +92,27 @@ class OnDemand:
         )
 
     # ------------------------------------------------------------------ requests
-    def hold(self, name: str) -> None:
-        """A request for ``name`` arrived: it is not evicted until ``release``."""
-        self.residency.hold(name)
+    def hold(self, name: str) -> tuple[str, ...]:
+        """A request for ``name`` arrived: neither it nor, for an ensemble, its step models are
+        evicted until ``release`` of the names returned (the model first, then its steps)."""
+        names = (name, *self._steps(name))
+        for each in names:
+            self.residency.hold(each)
+        return names
 
-    def release(self, name: str) -> None:
-        if self.residency.release(name):
+    def release(self, names: tuple[str, ...]) -> None:
+        freed = [self.residency.release(each) for each in names]
+        if any(freed):
             self._released.set()
 
-    async def ensure(self, name: str) -> None:
-        """Return once ``name`` is resident (at once when it is), loading it if it is a model
-        of the repository; a name the repository lacks is left to the lookup's 404."""
+    async def ensure(self, held: tuple[str, ...]) -> None:
+        """Return once the model ``hold`` returned ``held`` for is resident with its step
+        models (at once when they are), loading each one that is not, steps first; a name the
+        repository lacks is left to the lookup's 404."""
+        for name in (*held[1:], held[0]):
+            await self._ensure_one(name)
+
+    async def _ensure_one(self, name: str) -> None:
         model = self._registry.models.get(name)
         if model is not None and model.ready:
             return
@@ -112,6 +127,21 @@ class OnDemand:
             await asyncio.shield(self._loads[name])
         finally:
             self._metrics.load_wait.labels(name).observe(time.perf_counter() - started)
+
+    def _steps(self, name: str) -> list[str]:
+        """The step models of ``name``, nested ensembles' included: as served, or as its
+        config on disk says when it is not resident (none for a plain model)."""
+        if name in self._registry.versions:
+            return step_models(self._registry, name)
+        configs = self._configs_on_disk(name)
+        return composing(configs, {name}, self._configs_on_disk) if configs else []
+
+    def _configs_on_disk(self, name: str) -> list[ModelConfig] | None:
+        try:
+            source = find_source(self._root, self._store, name)
+        except (ModelNotFound, InvalidInput):
+            return None
+        return [version.config for version in source.versions.values()]
 
     def _loaded(self, task: asyncio.Task[None]) -> None:
         """A load ended: the next request for its model starts anew (its waiters have the
