@@ -28,6 +28,8 @@ from nograd.serving.errors import (
     HandlerFailed,
     InvalidInput,
     Kind,
+    LoadTooSlow,
+    ModelNotFound,
     Unauthenticated,
     is_server_fault,
     kind_of,
@@ -146,7 +148,32 @@ class Calls:
         if self._on_demand is None or call.held_models:
             return
         call.held_models = self._on_demand.hold(name)
-        await self._on_demand.ensure(call.held_models)
+        try:
+            await self._on_demand.ensure(call.held_models, self._time_left_s(call))
+        except LoadTooSlow as exc:
+            self.metrics.rejected.labels(UNKNOWN_MODEL, exc.reason).inc()
+            raise
+
+    def _time_left_s(self, call: Call) -> float | None:
+        """What is left of ``call``'s deadline (its own, else ``request_timeout_s``)."""
+        timeout = (
+            call.timeout_s if call.timeout_s is not None else self.plane.settings.request_timeout_s
+        )
+        if timeout is None:
+            return None
+        return timeout - (time.perf_counter() - call.started)
+
+    def described(self, name: str, version: str | None = None) -> ServedModel:
+        """The model (or version) ``name`` for its metadata, config or readiness: the one
+        served, or under on-demand control one of the repository that is not resident, as its
+        config describes it, without loading it; ``ModelNotFound`` else."""
+        try:
+            return self.plane.get(name, version)
+        except ModelNotFound:
+            unloaded = None if self._on_demand is None else self._on_demand.described(name, version)
+            if unloaded is None:
+                raise
+            return unloaded
 
     def hold_bytes(self, call: Call, size: int) -> None:
         """Draw ``size`` bytes of the budget for decoding ``call``'s request, or refuse
