@@ -75,6 +75,9 @@ class OnDemand:
         self._metrics = metrics
         self.residency = Residency(process_limit(settings))
         self._room_wait_s = settings.max_queue_wait_s or ROOM_WAIT_S
+        self._counts_rss = resolve_device("auto").type == "cpu"
+        """On CPU a model holds what its load added to the process's resident memory (an
+        engine session, the file read beside it) when that is more than it measured."""
         self._loads: dict[str, asyncio.Task[None]] = {}
         """The load under way of each model: every request for it waits on this one."""
         self._load_started: dict[str, float] = {}
@@ -239,6 +242,9 @@ class OnDemand:
             self._failed.pop(name, None)
             seconds = time.perf_counter() - started
             size = self._measured(name)
+            after = resident_bytes(os.getpid())
+            if self._counts_rss and before is not None and after is not None:
+                size = max(size, after - before)
             self.residency.admit(name, size, name in self._control.pinned, seconds)
             self._count()
             self._metrics.model_loads.labels(name).inc()
@@ -251,7 +257,7 @@ class OnDemand:
                 mib(size),
                 mib(expected),
                 mib(before or 0),
-                mib(resident_bytes(os.getpid()) or 0),
+                mib(after or 0),
             )
             if size > expected:
                 # Its first load held more than its files: make the room it really takes.
