@@ -59,6 +59,17 @@ def segment_model(path: Path) -> Path:
     return path
 
 
+def scale_archive(store: Path, work: Path) -> Path:
+    """``scale.mar`` (version 2.1): the function handler over ``scale_model``."""
+    return archive(
+        store,
+        "scale",
+        "--version", "2.1",
+        "--serialized-file", str(scale_model(work / "scale.pt")),
+        "--handler", str(FIXTURES / "function" / "scale_handler.py"),
+    )  # fmt: skip
+
+
 def build_store(store: Path, work: Path) -> dict[str, Path]:
     """``mnist.mar`` (custom handler, batchSize 8), ``classifier.mar`` (the default
     ``image_classifier`` handler on a TorchScript model, batchSize 4), ``scale.mar`` (function
@@ -77,13 +88,7 @@ def build_store(store: Path, work: Path) -> dict[str, Path]:
         "--extra-files", str(CLASSIFIER / "index_to_name.json"),
         "--config-file", str(CLASSIFIER / "model-config.yaml"),
     )  # fmt: skip
-    scale = archive(
-        store,
-        "scale",
-        "--version", "2.1",
-        "--serialized-file", str(scale_model(work / "scale.pt")),
-        "--handler", str(FIXTURES / "function" / "scale_handler.py"),
-    )  # fmt: skip
+    scale = scale_archive(store, work)
     lazy = archive(
         store,
         "lazy",

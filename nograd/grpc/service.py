@@ -158,7 +158,7 @@ class InferenceService:
 
     async def ModelMetadata(self, request: Any, context: CallContext) -> pb.ModelMetadataResponse:
         async def metadata() -> pb.ModelMetadataResponse:
-            model = self._plane.get(request.name, request.version or None)
+            model = self._calls.described(request.name, request.version or None)
             document = documents.model_metadata(self._plane, model)
             return _message(document, pb.ModelMetadataResponse())
 
@@ -166,7 +166,7 @@ class InferenceService:
 
     async def ModelConfig(self, request: Any, context: CallContext) -> pb.ModelConfigResponse:
         async def config() -> pb.ModelConfigResponse:
-            model = self._plane.get(request.name, request.version or None)
+            model = self._calls.described(request.name, request.version or None)
             document = model_configuration(model, self._plane.settings)
             return pb.ModelConfigResponse(config=_message(document, model_config_pb2.ModelConfig()))
 

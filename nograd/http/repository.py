@@ -9,7 +9,7 @@ import orjson
 from fastapi import APIRouter, Request, Response
 
 from nograd.http.errors import error_body
-from nograd.http.state import control_of, dataplane_of
+from nograd.http.state import calls_of, control_of, dataplane_of
 from nograd.protocol.v2 import dumps
 from nograd.protocol.v2_schemas import ERROR_RESPONSES, ErrorResponse, RepositoryIndexEntry
 from nograd.serving.control_calls import load_model, unload_parameters
@@ -36,8 +36,8 @@ def _error(message: str, status: int = 400) -> Response:
 
 
 def _configuration(request: Request, name: str, version: str | None) -> Response:
-    plane = dataplane_of(request)
-    return _json(model_configuration(plane.get(name, version), plane.settings))
+    model = calls_of(request).described(name, version)
+    return _json(model_configuration(model, dataplane_of(request).settings))
 
 
 @router.get(

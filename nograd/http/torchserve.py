@@ -84,6 +84,7 @@ async def predictions_call(
     async def work(call: Call) -> Reply:
         call.model = calls.label(name)
         try:
+            await calls.resident(call, name)
             model = calls.plane.get(name)
         except ModelNotFound:
             return _error(404, f"Model not found: {name}")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final
 
 import numpy as np
@@ -122,8 +122,8 @@ async def model_version_statistics(request: Request, name: str, version: str) ->
     responses=ERROR_RESPONSES,
 )
 async def model_metadata(request: Request, name: str) -> ModelMetadata:
-    plane = dataplane_of(request)
-    return ModelMetadata.model_validate(documents.model_metadata(plane, plane.get(name)))
+    model = calls_of(request).described(name)
+    return ModelMetadata.model_validate(documents.model_metadata(dataplane_of(request), model))
 
 
 @router.get(
@@ -133,12 +133,12 @@ async def model_metadata(request: Request, name: str) -> ModelMetadata:
     responses=ERROR_RESPONSES,
 )
 async def model_version_metadata(request: Request, name: str, version: str) -> ModelMetadata:
-    plane = dataplane_of(request)
-    return ModelMetadata.model_validate(documents.model_metadata(plane, plane.get(name, version)))
+    model = calls_of(request).described(name, version)
+    return ModelMetadata.model_validate(documents.model_metadata(dataplane_of(request), model))
 
 
 def _model_ready(request: Request, name: str, version: str | None) -> Response:
-    model = dataplane_of(request).get(name, version)
+    model = calls_of(request).described(name, version)
     if model.ready:
         return Response(status_code=200)  # as Triton: the status is the answer
     return json_response({"name": model.name, "ready": False}, 503)
@@ -168,15 +168,18 @@ async def _decode(
     incoming: Incoming,
     calls: Calls,
     call: Call,
+    resident: Callable[[Any], Awaitable[None]],
     check_for: Callable[[str | None], Callable[[Declared], None]],
 ) -> InferRequest:
     """The request, inflated if compressed (``inflated_body``), its JSON measured before it is
-    parsed (``parse_measured``) and the inputs it declares checked against the model
+    parsed (``parse_measured``), its model made ``resident`` (told the parsed document, whose
+    parameters may hold a deadline) and the inputs it declares checked against the model
     (``check_for`` the request's own id) before any tensor is built or a byte of the binary
     part read."""
     body = await inflated_body(incoming, calls, call)
     header, data = split_body(body, incoming.headers.get(binary.HEADER_LENGTH.lower()))
     document = await parse_measured(calls, call, header, parse_json)
+    await resident(document)
     given_id = document.get("id") if isinstance(document, dict) else None
     check_for(given_id if isinstance(given_id, str) else None)(declared_inputs(document))
     if len(body) > OFFLOAD_DECODE_BYTES:  # milliseconds of CPU: off the event loop
@@ -238,10 +241,21 @@ async def infer_call(incoming: Incoming, calls: Calls, name: str, version: str |
     routes."""
 
     async def work(call: Call) -> Reply:
-        await calls.resident(call, name)
+        async def resident(document: Any) -> None:
+            # Triton's ``timeout`` parameter: the request's deadline, before its model loads.
+            parameters = document.get("parameters") if isinstance(document, dict) else None
+            if isinstance(parameters, dict):
+                call.shorten_deadline(_timeout_s(parameters))
+            await calls.resident(call, name)
+            call.model = calls.label(name)
+
         call.model = calls.label(name)
         decoded = await _decode(
-            incoming, calls, call, lambda given_id: calls.input_check(call, name, version, given_id)
+            incoming,
+            calls,
+            call,
+            resident,
+            lambda given_id: calls.input_check(call, name, version, given_id),
         )
         call.adopt_request_id(decoded.id)
         call.shorten_deadline(_timeout_s(decoded.parameters))

@@ -29,6 +29,8 @@ from nograd.serving.errors import (
     HandlerFailed,
     InvalidInput,
     Kind,
+    LoadTooSlow,
+    ModelNotFound,
     Unauthenticated,
     is_server_fault,
     kind_of,
@@ -57,7 +59,7 @@ class Call:
 
     __slots__ = (
         "bytes_held",
-        "held_model",
+        "held_models",
         "id_given",
         "model",
         "protocol",
@@ -81,8 +83,9 @@ class Call:
         self.timeout_s: float | None = None
         self.bytes_held = 0
         """Bytes of the process's budget this call holds for decoding (``Calls.hold_bytes``)."""
-        self.held_model: str | None = None
-        """The model this call keeps resident until it is answered (on-demand control)."""
+        self.held_models: tuple[str, ...] = ()
+        """The model this call keeps resident until it is answered, and an ensemble's step
+        models (on-demand control)."""
 
     def adopt_request_id(self, protocol_id: str | None) -> None:
         """Use the protocol's own id (the V2 ``id``) when the caller sent none of its own."""
@@ -145,12 +148,37 @@ class Calls:
 
     async def resident(self, call: Call, name: str) -> None:
         """Under on-demand control, load model ``name`` if it is not resident (one load for
-        every request waiting on it) and keep it resident until ``call`` is answered."""
-        if self._on_demand is None or call.held_model is not None:
+        every request waiting on it) and keep it resident until ``call`` is answered; an
+        ensemble with its step models."""
+        if self._on_demand is None or call.held_models:
             return
-        self._on_demand.hold(name)
-        call.held_model = name
-        await self._on_demand.ensure(name)
+        call.held_models = self._on_demand.hold(name)
+        try:
+            await self._on_demand.ensure(call.held_models, self._time_left_s(call))
+        except LoadTooSlow as exc:
+            self.metrics.rejected.labels(UNKNOWN_MODEL, exc.reason).inc()
+            raise
+
+    def _time_left_s(self, call: Call) -> float | None:
+        """What is left of ``call``'s deadline (its own, else ``request_timeout_s``)."""
+        timeout = (
+            call.timeout_s if call.timeout_s is not None else self.plane.settings.request_timeout_s
+        )
+        if timeout is None:
+            return None
+        return timeout - (time.perf_counter() - call.started)
+
+    def described(self, name: str, version: str | None = None) -> ServedModel:
+        """The model (or version) ``name`` for its metadata, config or readiness: the one
+        served, or under on-demand control one of the repository that is not resident, as its
+        config describes it, without loading it; ``ModelNotFound`` else."""
+        try:
+            return self.plane.get(name, version)
+        except ModelNotFound:
+            unloaded = None if self._on_demand is None else self._on_demand.described(name, version)
+            if unloaded is None:
+                raise
+            return unloaded
 
     def hold_bytes(self, call: Call, size: int) -> None:
         """Draw ``size`` bytes of the budget for decoding ``call``'s request, or refuse
@@ -246,9 +274,9 @@ class Calls:
         """The call is answered with ``status`` (its kind's, for every protocol): recorded, and
         the bytes it held given back."""
         self.metrics.inflight.dec()
-        if call.held_model is not None and self._on_demand is not None:
-            self._on_demand.release(call.held_model)
-            call.held_model = None
+        if call.held_models and self._on_demand is not None:
+            self._on_demand.release(call.held_models)
+            call.held_models = ()
         if call.bytes_held:
             self.give_bytes(call.bytes_held)
             call.bytes_held = 0

@@ -33,7 +33,7 @@ def model_metadata(plane: DataPlane, model: ServedModel) -> dict[str, Any]:
         # No batch dimension (Triton's max_batch_size 0): the shapes requests carry, as listed.
         return {
             "name": config.name,
-            "versions": plane.registry.version_names(config.name),
+            "versions": plane.registry.version_names(config.name) or [config.version],
             "platform": config.platform,
             "inputs": [
                 {"name": s.name, "datatype": s.datatype, "shape": list(s.shape)}
@@ -46,7 +46,7 @@ def model_metadata(plane: DataPlane, model: ServedModel) -> dict[str, Any]:
         }
     return {
         "name": config.name,
-        "versions": plane.registry.version_names(config.name),
+        "versions": plane.registry.version_names(config.name) or [config.version],
         "platform": config.platform,
         # A scalar sample is listed as [1], as the model configuration's dims say (Triton's
         # convention); requests may send [n] or [n, 1].

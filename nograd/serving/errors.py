@@ -96,6 +96,14 @@ class LargerThanLimit(Exception):
     """A model needs more memory than the whole on-demand limit: no eviction makes it fit."""
 
 
+class LoadTooSlow(QueueFull):
+    """The request's deadline is shorter than the expected on-demand load of its model: refused
+    at once rather than left to time out, with Retry-After the expected load time (the load
+    goes on, so a request then finds the model resident)."""
+
+    reason = "load_too_slow"
+
+
 class NoRoomNow(ModelNotReady):
     """An on-demand load would fit once requests in flight on other models are answered."""
 

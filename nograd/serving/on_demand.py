@@ -7,6 +7,12 @@ resident, else the size of its files) fit in the limit; after it, what it measur
 model a request holds is never evicted; one larger than the whole limit is refused (507); a load
 that fails answers every waiter with its error and is not tried again until its files change.
 
+A request whose deadline is shorter than what its model's last load took is refused at once
+(503, Retry-After that time) while the load goes on; with no load measured yet, it waits.
+
+A request for an ensemble holds its step models (nested ones' included) too, for its whole
+life, and loads those that are not resident, each on its own account, before the ensemble.
+
 Each worker process keeps a resident set of its own within an equal part of the limit.
 """
 
@@ -20,14 +26,22 @@ import time
 
 from nograd.host.readings import resident_bytes
 from nograd.observability.metrics import Metrics
+from nograd.runtime.config import ModelConfig, version_order
 from nograd.runtime.devices import resolve_device
 from nograd.runtime.engines.onnx import warm_onnx_runtime
 from nograd.runtime.memory import device_budget, probe_for
 from nograd.runtime.planner import warm_memory_probe
 from nograd.serving.control import ModelControl
 from nograd.serving.dataplane import DataPlane
-from nograd.serving.errors import LoadFailed, NoRoomNow
-from nograd.serving.registry import LOADING_ON_DEMAND, NOT_LOADED_YET
+from nograd.serving.ensembles import composing, step_models
+from nograd.serving.errors import (
+    InvalidInput,
+    LoadFailed,
+    LoadTooSlow,
+    ModelNotFound,
+    NoRoomNow,
+)
+from nograd.serving.registry import LOADING_ON_DEMAND, NOT_LOADED_YET, ServedModel
 from nograd.serving.repository import files_bytes, find_source, holds_model
 from nograd.serving.residency import Residency, mib
 from nograd.settings import Settings
@@ -61,8 +75,13 @@ class OnDemand:
         self._metrics = metrics
         self.residency = Residency(process_limit(settings))
         self._room_wait_s = settings.max_queue_wait_s or ROOM_WAIT_S
+        self._counts_rss = resolve_device("auto").type == "cpu"
+        """On CPU a model holds what its load added to the process's resident memory (an
+        engine session, the file read beside it) when that is more than it measured."""
         self._loads: dict[str, asyncio.Task[None]] = {}
         """The load under way of each model: every request for it waits on this one."""
+        self._load_started: dict[str, float] = {}
+        """When each model's load under way began (``time.perf_counter``)."""
         self._lock = asyncio.Lock()
         """One load or eviction at a time: each decides on the resident set as it is."""
         self._released = asyncio.Event()
@@ -87,31 +106,104 @@ class OnDemand:
         )
 
     # ------------------------------------------------------------------ requests
-    def hold(self, name: str) -> None:
-        """A request for ``name`` arrived: it is not evicted until ``release``."""
-        self.residency.hold(name)
+    def hold(self, name: str) -> tuple[str, ...]:
+        """A request for ``name`` arrived: neither it nor, for an ensemble, its step models are
+        evicted until ``release`` of the names returned (the model first, then its steps)."""
+        names = (name, *self._steps(name))
+        for each in names:
+            self.residency.hold(each)
+        return names
 
-    def release(self, name: str) -> None:
-        if self.residency.release(name):
+    def release(self, names: tuple[str, ...]) -> None:
+        freed = [self.residency.release(each) for each in names]
+        if any(freed):
             self._released.set()
 
-    async def ensure(self, name: str) -> None:
-        """Return once ``name`` is resident (at once when it is), loading it if it is a model
-        of the repository; a name the repository lacks is left to the lookup's 404."""
+    async def ensure(self, held: tuple[str, ...], time_left_s: float | None = None) -> None:
+        """Return once the model ``hold`` returned ``held`` for is resident with its step
+        models (at once when they are), loading each one that is not, steps first; a name the
+        repository lacks is left to the lookup's 404. ``LoadTooSlow`` when the loads still to
+        come are expected to take longer than ``time_left_s``, the request's deadline (the
+        loads start all the same)."""
+        order = (*held[1:], held[0])
+        if time_left_s is not None:
+            expected = sum(self._expected_load_s(name) for name in order)
+            if expected > time_left_s:
+                for name in order:
+                    self._start_load(name)
+                raise LoadTooSlow(
+                    f"model {held[0]!r} is not resident and loading it is expected to take "
+                    f"{expected:.1f}s (its last load), more than the {max(time_left_s, 0):.1f}s "
+                    "left of the request's deadline; it is loading: retry after that time",
+                    retry_after_s=expected,
+                )
+        for name in order:
+            await self._ensure_one(name)
+
+    def _expected_load_s(self, name: str) -> float:
+        """What is left of the load of ``name``: its last load's time, less what a load under
+        way has run; 0 when resident or when no load of it was measured (then it is waited)."""
+        model = self._registry.models.get(name)
+        if model is not None and model.ready:
+            return 0.0
+        last = self.residency.load_seconds.get(name, 0.0)
+        started = self._load_started.get(name)
+        if started is not None and name in self._loads:
+            return max(0.0, last - (time.perf_counter() - started))
+        return last
+
+    def _start_load(self, name: str) -> None:
+        """Begin loading ``name`` unless it is resident, loading, or not in the repository."""
+        model = self._registry.models.get(name)
+        if (model is not None and model.ready) or name in self._loads:
+            return
+        if not holds_model(self._root, name, self._store):
+            return
+        task = asyncio.create_task(self._load(name), name=f"load-{name}")
+        self._loads[name] = task
+        self._load_started[name] = time.perf_counter()
+        task.add_done_callback(self._loaded)
+
+    async def _ensure_one(self, name: str) -> None:
         model = self._registry.models.get(name)
         if model is not None and model.ready:
             return
+        self._start_load(name)
         if name not in self._loads:
-            if not holds_model(self._root, name, self._store):
-                return
-            task = asyncio.create_task(self._load(name), name=f"load-{name}")
-            self._loads[name] = task
-            task.add_done_callback(self._loaded)
+            return
         started = time.perf_counter()
         try:
             await asyncio.shield(self._loads[name])
         finally:
             self._metrics.load_wait.labels(name).observe(time.perf_counter() - started)
+
+    def _steps(self, name: str) -> list[str]:
+        """The step models of ``name``, nested ensembles' included: as served, or as its
+        config on disk says when it is not resident (none for a plain model)."""
+        if name in self._registry.versions:
+            return step_models(self._registry, name)
+        configs = self._configs_on_disk(name)
+        return composing(configs, {name}, self._configs_on_disk) if configs else []
+
+    def described(self, name: str, version: str | None) -> ServedModel | None:
+        """A model of the repository that is not resident, as its config on disk describes it
+        (not ready, nothing loaded): its metadata, config and readiness are answered from it
+        without loading it. None when the repository has no such model or version."""
+        try:
+            source = find_source(self._root, self._store, name)
+        except (ModelNotFound, InvalidInput):
+            return None
+        if version is None and source.versions:
+            version = max(source.versions, key=version_order)
+        found = source.versions.get(version) if version is not None else None
+        return ServedModel.of(found) if found is not None else None
+
+    def _configs_on_disk(self, name: str) -> list[ModelConfig] | None:
+        try:
+            source = find_source(self._root, self._store, name)
+        except (ModelNotFound, InvalidInput):
+            return None
+        return [version.config for version in source.versions.values()]
 
     def _loaded(self, task: asyncio.Task[None]) -> None:
         """A load ended: the next request for its model starts anew (its waiters have the
@@ -119,6 +211,7 @@ class OnDemand:
         name = task.get_name().removeprefix("load-")
         if self._loads.get(name) is task:
             del self._loads[name]
+            self._load_started.pop(name, None)
         if not task.cancelled():
             task.exception()
 
@@ -149,6 +242,9 @@ class OnDemand:
             self._failed.pop(name, None)
             seconds = time.perf_counter() - started
             size = self._measured(name)
+            after = resident_bytes(os.getpid())
+            if self._counts_rss and before is not None and after is not None:
+                size = max(size, after - before)
             self.residency.admit(name, size, name in self._control.pinned, seconds)
             self._count()
             self._metrics.model_loads.labels(name).inc()
@@ -161,7 +257,7 @@ class OnDemand:
                 mib(size),
                 mib(expected),
                 mib(before or 0),
-                mib(resident_bytes(os.getpid()) or 0),
+                mib(after or 0),
             )
             if size > expected:
                 # Its first load held more than its files: make the room it really takes.

@@ -45,6 +45,8 @@ class Residency:
     """Requests holding each model (resident or not yet: a load waiting holds its model)."""
     measured: dict[str, int] = field(default_factory=dict)
     """The bytes each model measured when last resident: the estimate of its next load."""
+    load_seconds: dict[str, float] = field(default_factory=dict)
+    """How long each model's last load took: what a request waits for its next one."""
 
     @property
     def used(self) -> int:
@@ -74,6 +76,8 @@ class Residency:
     def admit(self, name: str, size: int, pinned: bool, load_seconds: float) -> None:
         """``name`` is resident, holding ``size`` bytes (measured at its load)."""
         self.measured[name] = size
+        if load_seconds > 0:
+            self.load_seconds[name] = load_seconds
         self.resident[name] = Resident(name, size, self.clock(), pinned, load_seconds)
 
     def evicted(self, name: str) -> None:

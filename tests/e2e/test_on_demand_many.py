@@ -29,7 +29,7 @@ MIB = 1 << 20
 ROWS = 2048
 """Each model's input width: its weights are ``ROWS x columns`` floats."""
 
-GROWTH_BOUND = 3.0
+GROWTH_BOUND = 2.5
 """Times the limit the process group may grow above its start-up memory. Issue 42 asks for 1.5:
 not met yet, because the limit counts a model's weights while an ONNX Runtime session of a small
 model holds about twice them, and a load reads the file beside the session it builds."""

@@ -104,6 +104,14 @@ def test_an_estimate_is_the_last_measured_size_else_the_files() -> None:
     assert resident.estimate("never", on_disk=5) == 5
 
 
+def test_the_last_measured_load_time_outlives_the_eviction() -> None:
+    resident = residency(30)
+    resident.admit("a", MIB, pinned=False, load_seconds=2.5)
+    resident.admit("b", MIB, pinned=False, load_seconds=0.0)  # counted, not measured
+    resident.evicted("a")
+    assert resident.load_seconds == {"a": 2.5}
+
+
 @pytest.mark.parametrize(
     ("given", "expected"),
     [("256MiB", 256 * MIB), ("1.5 GiB", 3 * (1 << 29)), ("4096", 4096), ("64kib", 64 << 10)],
