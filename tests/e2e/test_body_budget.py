@@ -167,7 +167,7 @@ def test_a_binary_body_is_checked_against_the_model_before_its_binary_part_is_re
     }
     response, took, watch = post_watched(server, body, headers)
     assert response.status_code == 400, response.text
-    assert "expects FP32" in response.json()["error"]
+    assert "but model 'digits' expects 'FP32'" in response.json()["error"]
     # Parsed first, the elements took over 200 MiB and seconds of the event loop.
     assert watch.peak_mib - watch.before_mib < 200
     assert watch.slowest_health_s < 1.0
