@@ -17,7 +17,7 @@ from google.protobuf.message import Message
 from nograd.core.responses import ResponseQueue
 from nograd.grpc.generated import grpc_service_pb2 as pb
 from nograd.grpc.rpc import CallContext, Code
-from nograd.grpc.tensors import class_counts, encode_outputs, read_inputs
+from nograd.grpc.tensors import class_counts, encode_outputs, read_inputs, sequence_parameters
 from nograd.interop.generated import model_config_pb2
 from nograd.serving import documents
 from nograd.serving.calls import Call, classified
@@ -36,6 +36,7 @@ from nograd.serving.errors import (
 )
 from nograd.serving.shared_memory import cuda_refusal
 from nograd.serving.triton_config import model_configuration, repository_index
+from nograd.serving.validation import refuse_sequences
 
 logger = logging.getLogger(__name__)
 PROTOCOL: Final = "grpc"
@@ -409,6 +410,7 @@ class InferenceService:
             parameter = request.parameters.get("timeout")
             if parameter is not None and parameter.int64_param > 0:
                 call.shorten_deadline(parameter.int64_param / 1e6)
+            refuse_sequences(request.model_name, sequence_parameters(request))
             name, version = request.model_name, request.model_version or None
             await calls.resident(call, name)
             # Checked against the model's declared inputs before any value is read.

@@ -27,7 +27,7 @@ from nograd.grpc.generated import grpc_service_pb2 as pb
 from nograd.protocol import binary, classification
 from nograd.protocol import shared_memory as shm
 from nograd.protocol.limits import OFFLOAD_DECODE_BYTES, checked_shape
-from nograd.serving.validation import Declared
+from nograd.serving.validation import SEQUENCE_PARAMETERS, Declared
 
 CONTENTS_FIELD: Final[dict[str, str]] = {
     row.name: row.grpc_contents for row in TABLE if row.grpc_contents is not None
@@ -269,3 +269,14 @@ def encode_outputs(
     contents = response.raw_output_contents
     while contents and not contents[-1] and places[len(contents) - 1] is not None:
         del contents[-1]
+
+
+def sequence_parameters(request: Any) -> dict[str, object]:
+    """A request's sequence parameters as values (an id may be a number or a string)."""
+    found: dict[str, object] = {}
+    for key in SEQUENCE_PARAMETERS:
+        parameter = request.parameters.get(key)
+        if parameter is not None:
+            choice = parameter.WhichOneof("parameter_choice") or "bool_param"
+            found[key] = getattr(parameter, choice)
+    return found

@@ -792,3 +792,23 @@ def test_model_stream_infer_answers_each_request_and_errors_in_stream(
     assert sorted(sums) == ["r0", "r1", "r2", "r3"]
     for index in range(4):
         np.testing.assert_array_equal(sums[f"r{index}"], ROWS[:1] + index + OTHER[:1])
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_sequence_request_to_a_model_without_sequences_is_refused(
+    request: pytest.FixtureRequest, protocol: str
+) -> None:
+    """``sequence_id`` and its flags are never silently dropped: no model here keeps a
+    sequence's state, so such a request is refused, naming what it asked for."""
+    client = request.getfixturevalue(f"{protocol}_client")
+    module = triton_http if protocol == "http" else triton_grpc
+    tensors = []
+    for name, value in (("INPUT0", ROWS[:1]), ("INPUT1", OTHER[:1])):
+        tensor = module.InferInput(name, list(value.shape), "INT32")
+        tensor.set_data_from_numpy(value)
+        tensors.append(tensor)
+    with pytest.raises(InferenceServerException) as refused:
+        client.infer("simple", tensors, sequence_id=5, sequence_start=True)
+    assert "model 'simple' is not a sequence model" in str(refused.value)
+    assert "sequence_id, sequence_start cannot be honoured" in str(refused.value)
+    client.infer("simple", tensors)  # the same without them is served
