@@ -54,7 +54,17 @@ import orjson
 from bench import loadgen, workloads
 from bench.common import RESULTS, machine
 from bench.peers.servers import MODELS_OF_SYSTEM, SWEEPS
-from bench.phases import archives, engines, litserve, over_grpc, paired, peers, profiling, single
+from bench.phases import (
+    archives,
+    engines,
+    litserve,
+    over_grpc,
+    paired,
+    peers,
+    profiling,
+    residency,
+    single,
+)
 from bench.plan import PAIRED_ROUNDS, Plan
 from bench.session import MODEL_OF, Bench, wait_quiet
 
@@ -77,6 +87,7 @@ ALL_PHASES = (
     "engines",
     "peers",
     "archives",
+    "residency",
     "grpc",
     "levers",
     "memory",
@@ -126,6 +137,7 @@ def count_steps(plan: Plan) -> int:
     one_sample = sum(1 for w in plan.workloads if workloads.make(w, 1).samples_per_request == 1)
     steps += 3 + one_sample + plan.paired_rounds * 2 * 5 * one_sample
     steps += int(plan.levers) + int(plan.compile) + int(plan.memory) + int(plan.profile)
+    steps += 4  # residency: build, cold and resident, a working set that fits, one that does not
     return steps
 
 
@@ -225,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         "engines": engines.phase_engines,
         "peers": peers.phase_peers,
         "archives": archives.phase_archives,
+        "residency": residency.phase_residency,
         "grpc": over_grpc.phase_grpc,
         "levers": profiling.phase_levers,
         "memory": profiling.phase_memory,

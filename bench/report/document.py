@@ -12,6 +12,7 @@ from bench.report.over_grpc import grpc_section
 from bench.report.paired import paired_section
 from bench.report.peers import peers_section
 from bench.report.profile import profile_section
+from bench.report.residency import residency_section
 from bench.report.runs import (
     closed_loop_section,
     every_run_section,
@@ -33,6 +34,7 @@ def markdown(results: dict[str, Any]) -> str:
     parts = header_section(results)
     parts += peers_section(results, tag)
     parts += archives_section(results, tag)
+    parts += residency_section(results, tag)
     parts += grpc_section(results, tag)
     parts += paired_section(results, tag)
     parts += engines_section(results, tag)

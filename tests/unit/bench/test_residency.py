@@ -1,0 +1,34 @@
+"""The residency section renders what the phase recorded (no server)."""
+
+from __future__ import annotations
+
+from bench.report.residency import residency_section
+
+
+def test_the_section_shows_cold_resident_and_both_working_sets() -> None:
+    record = {
+        "models": 8,
+        "weights_mib": 8,
+        "limit_mib": 64,
+        "clients": 4,
+        "seconds": 6.0,
+        "cold_ms": [200.0, 300.0, 250.0],
+        "resident_ms": [2.0, 3.0, 2.5],
+        "wrong": 0,
+        "fits": {"models": 3, "rps": 500.0, "p50_ms": 7.0, "p99_ms": 20.0, "loads": 0, "wrong": 0},
+        "exceeds": {
+            "models": 8,
+            "rps": 20.0,
+            "p50_ms": 150.0,
+            "p99_ms": 900.0,
+            "loads": 40,
+            "wrong": 0,
+        },
+    }
+    text = "\n".join(residency_section({"residency": record}, "2 cores"))
+    assert "NOGRAD_MEMORY_LIMIT_BYTES=64MiB" in text
+    assert "| cold (loads the model) | 250 | 300 | 300 |" in text
+    assert "| resident | 2.5 | 3.0 | 3.0 |" in text
+    assert "| 3 models (fits the limit) | 500 | 7.0 | 20.0 | 0 | 0 |" in text
+    assert "| 8 models (exceeds the limit) | 20.0 | 150 | 900 | 40 | 0 |" in text
+    assert residency_section({}, "2 cores") == []
