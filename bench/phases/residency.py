@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from bench.common import RESULTS, http_post, nograd_server, scrape_metrics
+from bench.common import RESULTS, http_post, nograd_server, percentile, scrape_metrics
 from bench.residency_models import ROWS, onnx_repository
 from bench.session import Bench
 
@@ -34,11 +34,6 @@ def _infer(url: str, model: str) -> tuple[float, bool]:
         return seconds, False
     value = orjson.loads(answer)["outputs"][0]["data"][0]
     return seconds, round(float(value)) == int(model.removeprefix("m"))
-
-
-def _percentile(values: list[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
 def _closed_loop(url: str, models: list[str], seconds: float) -> dict[str, Any]:
@@ -70,7 +65,7 @@ def _closed_loop(url: str, models: list[str], seconds: float) -> dict[str, Any]:
         "wrong": wrong,
         "rps": len(latencies) / elapsed,
         "p50_ms": 1000 * statistics.median(latencies) if latencies else None,
-        "p99_ms": 1000 * _percentile(latencies, 0.99) if latencies else None,
+        "p99_ms": 1000 * percentile(latencies, 0.99) if latencies else None,
     }
 
 

@@ -6,12 +6,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from bench.common import percentile
 from bench.report.common import table
-
-
-def _percentile(values: list[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
 def residency_section(results: dict[str, Any], tag: str) -> list[str]:
@@ -37,10 +33,10 @@ def residency_section(results: dict[str, Any], tag: str) -> list[str]:
                 (
                     "cold (loads the model)",
                     statistics.median(cold),
-                    _percentile(cold, 0.99),
+                    percentile(cold, 0.99),
                     max(cold),
                 ),
-                ("resident", statistics.median(warm), _percentile(warm, 0.99), max(warm)),
+                ("resident", statistics.median(warm), percentile(warm, 0.99), max(warm)),
             ],
         )
     )
