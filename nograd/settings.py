@@ -88,6 +88,12 @@ class Settings(BaseSettings):
     400 naming the cap, before it reads a weight. Unset: no cap beyond the repository's
     versions."""
 
+    model_uploads: bool = False
+    """With ``model_control = explicit``: load calls may carry the model's files (Triton's
+    ``file:`` load parameters, with its config as ``config``), served in place of the
+    repository's folder of that name until a load without files or an unload. Off by default:
+    an uploaded model is code the caller chose, so set ``api_keys`` with it."""
+
     repository_poll_s: float = Field(default=5.0, gt=0.0, le=3600.0)
     """With ``model_control = poll``: seconds between two looks at the repository."""
 
@@ -294,12 +300,18 @@ class Settings(BaseSettings):
     def exposure_warnings(self) -> tuple[str, ...]:
         """What the start-up log must say about settings that leave the server open to anyone
         who reaches its ports: easy to miss in a deployment, costly when missed."""
-        if self.model_control in ("explicit", "on_demand") and not self.api_key_list:
-            return (
-                f"NOGRAD_MODEL_CONTROL={self.model_control} without NOGRAD_API_KEYS: anyone who "
-                "reaches the server's ports can load and unload models; set NOGRAD_API_KEYS",
+        if self.model_control not in ("explicit", "on_demand") or self.api_key_list:
+            return ()
+        warnings: tuple[str, ...] = (
+            f"NOGRAD_MODEL_CONTROL={self.model_control} without NOGRAD_API_KEYS: anyone who "
+            "reaches the server's ports can load and unload models; set NOGRAD_API_KEYS",
+        )
+        if self.model_uploads and self.model_control == "explicit":
+            warnings += (
+                "NOGRAD_MODEL_UPLOADS without NOGRAD_API_KEYS: anyone who reaches the server's "
+                "ports can upload a model, and so run code of their choosing; set NOGRAD_API_KEYS",
             )
-        return ()
+        return warnings
 
     @property
     def engine_cache_dir(self) -> Path:

@@ -1,12 +1,16 @@
-"""A Triton model configuration message as Triton's model configuration endpoint prints it."""
+"""Triton model configurations as JSON: printed as Triton's model configuration endpoint prints
+them, and read as a load call sends one."""
 
 from __future__ import annotations
 
+import json
 from typing import Any, Final
 
-from google.protobuf import json_format
+from google.protobuf import json_format, text_format
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
+
+from nograd.interop.generated import model_config_pb2 as pb
 
 
 def config_document(message: Message) -> dict[str, Any]:
@@ -56,3 +60,19 @@ _INT64: Final = frozenset(
         FieldDescriptor.TYPE_SFIXED64,
     }
 )
+
+
+def config_text(name: str, document: str) -> str:
+    """A load call's Triton config (JSON, as Triton's clients send it) as ``config.pbtxt`` for
+    model ``name`` (its name filled in when missing); a ValueError says what is wrong."""
+    message = pb.ModelConfig()
+    try:
+        json.loads(document)
+        json_format.Parse(document, message)
+    except (ValueError, json_format.ParseError) as exc:
+        raise ValueError(f"invalid config override: {exc}") from exc
+    if message.name and message.name != name:
+        raise ValueError(f"the config's name {message.name!r} differs from the model's {name!r}")
+    message.name = name
+    text: str = text_format.MessageToString(message)
+    return text

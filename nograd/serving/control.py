@@ -37,6 +37,7 @@ from nograd.serving.repository import (
     model_names,
     scan,
 )
+from nograd.serving.uploads import UPLOADS_FOLDER, Uploads
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,8 @@ class ModelControl:
         self._plane = plane
         self._settings = plane.settings
         self.peers = None if shared_dir is None else Peers(shared_dir, self.apply_from_peer)
+        folder = None if shared_dir is None else shared_dir / UPLOADS_FOLDER
+        self.uploads = Uploads(folder, self._settings.model_uploads, self.mode)
         self._lock = asyncio.Lock()
         self._started = asyncio.Event()
         """Set once the start-up set has loaded: a sibling's sync waits for it."""
@@ -80,6 +83,7 @@ class ModelControl:
     async def close(self) -> None:
         if self.peers is not None:
             await self.peers.stop()
+        self.uploads.close()
 
     def discover(self) -> None:
         """Read the repository and register the start-up set: every model (``none``, ``poll``),
@@ -121,6 +125,7 @@ class ModelControl:
         """Unload every version of ``name`` on every worker; accepted requests finish first.
         ``dependents``: the step models it brought too (Triton's ``unload_dependents``)."""
         await self._everywhere({"op": "unload", "name": name, "dependents": dependents})
+        self.uploads.remove(name)
 
     async def _everywhere(self, call: dict[str, Any]) -> None:
         # A name no model can have is refused before it reaches the repository or a sibling.
@@ -241,7 +246,9 @@ class ModelControl:
             if override is not None and not isinstance(override, dict):
                 raise InvalidInput("the config override must be a JSON object of config fields")
             source = self._find(name, override)
-            self._check_cap(name, source)
+            self._plane.registry.check_cap(
+                name, len(source.versions), self._settings.max_loaded_models
+            )
             await self._load_steps(source)
             self._explicit.add(name)
             await self._reconcile(name, source)
@@ -284,25 +291,14 @@ class ModelControl:
             problems = await self._sync()
         return "; ".join(problems) or None
 
-    def _check_cap(self, name: str, source: ModelSource) -> None:
-        """Refuse a load that would leave more versions loaded than ``max_loaded_models``, before
-        it reads a weight."""
-        cap = self._settings.max_loaded_models
-        total = self._plane.registry.loaded_besides(name) + len(source.versions)
-        if cap is not None and total > cap:
-            raise ControlRefused(
-                f"loading model {name!r} ({len(source.versions)} version(s)) would make "
-                f"{total} model versions loaded, over the cap of {cap} "
-                "(NOGRAD_MAX_LOADED_MODELS); unload a model first"
-            )
-
     def _find(
         self,
         name: str,
         override: Override | None = None,
         wanted: dict[str, Override | None] | None = None,
     ) -> ModelSource:
-        return find_source(self.root, self._plane.archive_store, name, override, wanted)
+        root = self.uploads.folder if self.uploads.holds(name) else self.root
+        return find_source(root, self._plane.archive_store, name, override, wanted)
 
     async def _unload(self, name: str) -> None:
         registry = self._plane.registry

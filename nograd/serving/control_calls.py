@@ -5,47 +5,74 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from typing import NamedTuple
 
+from nograd.runtime.config import check_model_name
 from nograd.serving.control import ModelControl
-from nograd.serving.errors import InvalidInput, LoadFailed, ModelNotFound
+from nograd.serving.errors import InvalidInput, LoadFailed, ModelNotFound, PollFailed
 from nograd.serving.repository import Override
+from nograd.serving.uploads import FILE_PREFIX, Upload, file_content
 
 
 async def load_model(control: ModelControl, name: str, parameters: Mapping[str, object]) -> None:
     """A load call from either front; its failures begin as Triton's do, ``failed to load 'm',``
-    (Triton's clients and examples match on it), nograd's reason following."""
+    (Triton's clients and examples match on it), nograd's reason following. A call with model
+    files serves them in place of the repository's folder; one without reverts to it, as in
+    Triton."""
     try:
-        await control.load(name, load_parameters(parameters))
+        try:
+            check_model_name(name)
+        except ValueError as exc:
+            raise InvalidInput(str(exc)) from exc
+        override, upload = load_parameters(parameters)
+        if upload is None:
+            control.uploads.remove(name)
+        else:
+            control.uploads.write(name, upload)
+        await control.load(name, override)
+    except PollFailed as exc:
+        raise PollFailed(
+            f"failed to load '{name}', failed to poll from model repository: {exc}"
+        ) from exc
     except (InvalidInput, LoadFailed, ModelNotFound) as exc:
         raise type(exc)(f"failed to load '{name}', {exc}") from exc
 
 
-def load_parameters(parameters: Mapping[str, object]) -> Override | None:
-    """The config override of a load call's parameters (Triton's: ``config``, a JSON object of
-    config fields as text); a ``file:`` parameter or anything else is refused by name. Which
-    fields an override may name is ``check_override``'s rule, applied wherever one is read."""
-    override: Override | None = None
+class LoadParameters(NamedTuple):
+    override: Override | None
+    upload: Upload | None
+
+
+def load_parameters(parameters: Mapping[str, object]) -> LoadParameters:
+    """A load call's config override (Triton's ``config``: a JSON object of config fields as
+    text), or, when it carries ``file:`` parameters, the model it uploads (``config`` is then its
+    whole Triton config). Anything else is refused by name. Which fields an override may name
+    is ``check_override``'s rule, applied wherever one is read."""
+    config: object = None
+    files: dict[str, bytes] = {}
     for key, value in parameters.items():
         if key == "config":
-            if isinstance(value, str):
-                try:
-                    value = json.loads(value)
-                except ValueError as exc:
-                    raise InvalidInput(f"parameter 'config' is not JSON: {exc}") from exc
-            if not isinstance(value, dict):
-                raise InvalidInput(
-                    "parameter 'config' must be a JSON object of model config fields, such as "
-                    '{"max_batch_size": 8}'
-                )
-            override = value
-        elif key.startswith("file:"):
-            raise InvalidInput(
-                f"parameter {key!r}: model files cannot be uploaded; put them in the model "
-                "repository and load the model by name"
-            )
+            config = value
+        elif key.startswith(FILE_PREFIX):
+            files[key] = file_content(key, value)
         elif key != "unload_dependents":
-            raise InvalidInput(f"unknown load parameter {key!r} (known: config)")
-    return override
+            raise InvalidInput(f"unknown load parameter {key!r} (known: config, file:<path>)")
+    if files:
+        text = config if isinstance(config, str | None) else json.dumps(config)
+        return LoadParameters(None, Upload(text, files))
+    if config is None:
+        return LoadParameters(None, None)
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except ValueError as exc:
+            raise InvalidInput(f"parameter 'config' is not JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise InvalidInput(
+            "parameter 'config' must be a JSON object of model config fields, such as "
+            '{"max_batch_size": 8}'
+        )
+    return LoadParameters(config, None)
 
 
 def unload_parameters(parameters: Mapping[str, object]) -> bool:

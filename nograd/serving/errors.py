@@ -33,6 +33,9 @@ class Kind(enum.Enum):
     UNAUTHENTICATED = ("unauthenticated", 401)
     NOT_FOUND = ("not_found", 404)
     EXISTS = ("exists", 400)
+    POLL_FAILED = ("poll_failed", 500)
+    """A load call's model files could not be read or written as sent: Triton's answer ("failed
+    to poll from model repository", 500 and INTERNAL), which its clients and tests check for."""
     """A name already taken (a shared-memory region): gRPC's ALREADY_EXISTS, Triton's 400."""
     OVER_LIMIT = ("over_limit", 422)
     """Well formed but over a configured limit (rows, text length, message size)."""
@@ -128,6 +131,10 @@ class AlreadyExists(Exception):
     """A shared-memory region of that name is already registered."""
 
 
+class PollFailed(Exception):
+    """A load call's model (its uploaded files and config) could not be read as a model folder."""
+
+
 class LoadFailed(Exception):
     """A version could not be loaded (or a worker could not apply the call); what served before
     still serves."""
@@ -139,6 +146,7 @@ KINDS: Final[tuple[tuple[type[Exception], Kind], ...]] = (
     (InvalidInput, Kind.INVALID),
     (ControlRefused, Kind.REFUSED),
     (LoadFailed, Kind.REFUSED),
+    (PollFailed, Kind.POLL_FAILED),
     (Unauthenticated, Kind.UNAUTHENTICATED),
     (ModelNotFound, Kind.NOT_FOUND),
     (RegionNotFound, Kind.NOT_FOUND),

@@ -151,9 +151,8 @@ class ModelLoader:
         started = time.perf_counter()
         previous = sys.modules.get(module_name(config))
         try:
-            handler = build_handler(
-                self._settings.model_repository, model.directory, config, device
-            )
+            repository = repository_of(self._settings.model_repository, model.directory)
+            handler = build_handler(repository, model.directory, config, device)
         finally:
             # Kept even when the build fails, so freeing the version takes its code out too.
             imported = sys.modules.get(module_name(config))
@@ -432,3 +431,12 @@ def _model_files(model_dir: Path, config: ModelConfig) -> list[Path]:
     if config.artifact is not None:
         files.append(locate(model_dir, config.artifact))
     return files
+
+
+def repository_of(configured: Path, directory: Path) -> Path:
+    """The folder a model's files must stay in: the configured repository, or for a model read
+    from elsewhere (uploaded with its load call, ``nograd.serving.uploads``) the folder of its
+    model folder."""
+    if directory.resolve().is_relative_to(configured.resolve()):
+        return configured
+    return directory.parent.parent if directory.name.isdigit() else directory.parent

@@ -21,7 +21,7 @@ from nograd.runtime.handler import ModelHandler, Outputs, TensorPart
 from nograd.runtime.memory.fits import RangedCost
 from nograd.runtime.planner import ModelPlan
 from nograd.serving.archives import ArchiveStore
-from nograd.serving.errors import ModelNotFound
+from nograd.serving.errors import ControlRefused, ModelNotFound
 from nograd.serving.repository import ModelSource, Override, VersionSource, Wanted, scan
 
 logger = logging.getLogger(__name__)
@@ -195,6 +195,17 @@ class ModelRegistry:
             name: {version: model.override for version, model in versions.items()}
             for name, versions in self.versions.items()
         }
+
+    def check_cap(self, name: str, versions: int, cap: int | None) -> None:
+        """Refuse a load of ``versions`` of ``name`` that would leave more versions loaded than
+        ``cap`` (``max_loaded_models``), before it reads a weight."""
+        total = self.loaded_besides(name) + versions
+        if cap is not None and total > cap:
+            raise ControlRefused(
+                f"loading model {name!r} ({versions} version(s)) would make {total} model "
+                f"versions loaded, over the cap of {cap} (NOGRAD_MAX_LOADED_MODELS); unload a "
+                "model first"
+            )
 
     def loaded_besides(self, name: str) -> int:
         """Versions loaded or loading of every model but ``name`` (failed ones hold nothing)."""

@@ -74,6 +74,8 @@ def test_explicit_model_control_without_keys_is_warned_about_at_start_up() -> No
     assert Settings(model_control="explicit").exposure_warnings
     assert "NOGRAD_API_KEYS" in Settings(model_control="explicit").exposure_warnings[0]
     assert Settings(model_control="explicit", api_keys="k1").exposure_warnings == ()
+    uploads = Settings(model_control="explicit", model_uploads=True).exposure_warnings
+    assert len(uploads) == 2 and "NOGRAD_MODEL_UPLOADS" in uploads[1]
     assert Settings(model_control="none").exposure_warnings == ()
     assert Settings(model_control="poll").exposure_warnings == ()
 

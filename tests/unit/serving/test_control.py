@@ -247,7 +247,7 @@ async def test_a_load_may_override_the_config(tmp_path: Path, stop: list[DataPla
         scaler_repo(tmp_path, 1), model_control="explicit", load_models="*"
     )
     stop.append(plane)
-    await control.load("scaler", load_parameters({"config": '{"max_batch_size": 2}'}))
+    await control.load("scaler", load_parameters({"config": '{"max_batch_size": 2}'}).override)
     assert plane.models["scaler"].config.max_batch_size == 2
     with pytest.raises(InvalidInput, match="max_batch_sise"):
         await control.load("scaler", {"max_batch_sise": 2})
@@ -268,7 +268,7 @@ async def test_a_load_overrides_batching_and_queueing_only(
         {"module": "factor.txt"},
         {"weights": "factor.txt", "max_batch_size": 2},
     ):
-        parameters = load_parameters({"config": json.dumps(override)})
+        parameters = load_parameters({"config": json.dumps(override)}).override
         with pytest.raises(InvalidInput, match="cannot be overridden by a load call"):
             await control.load("scaler", parameters)
     assert plane.models["scaler"] is before
@@ -276,7 +276,7 @@ async def test_a_load_overrides_batching_and_queueing_only(
     for name in ("../scaler", ".scaler", "scaler/1"):
         with pytest.raises(InvalidInput, match="model name"):
             await control.load(name)
-    await control.load("scaler", load_parameters({"config": '{"max_queue_size": 3}'}))
+    await control.load("scaler", load_parameters({"config": '{"max_queue_size": 3}'}).override)
     assert plane.models["scaler"].config.max_queue_size == 3
     assert await answer(plane) == 1.0
 
@@ -286,7 +286,8 @@ async def test_a_load_overrides_batching_and_queueing_only(
     [
         ({"config": "{"}, "not JSON"),
         ({"config": "[1]"}, "JSON object"),
-        ({"file:1/model.pt": "AAAA"}, "cannot be uploaded"),
+        ({"file:1/model.pt": "not base64!"}, "not base64"),
+        ({"file:1/model.pt": 5}, "must be base64 text"),
         ({"colour": "red"}, "unknown load parameter 'colour'"),
     ],
 )
