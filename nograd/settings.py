@@ -267,6 +267,33 @@ class Settings(BaseSettings):
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
     """Serve /metrics on this separate port as well (e.g. one not exposed outside the pod)."""
 
+    trace_mode: Literal["triton", "opentelemetry"] = "triton"
+    """Where sampled request traces go (Triton's ``--trace-config`` mode): ``triton`` writes
+    Triton's JSON trace file (``trace_file``), ``opentelemetry`` sends OTLP/HTTP spans to
+    ``otlp_endpoint``. Fixed at start-up; the trace extension changes the rest."""
+
+    trace_file: Path | None = None
+    """Triton's trace file, for the ``triton`` mode (each worker of several adds ``.w<pid>``)."""
+
+    trace_level: Literal["OFF", "TIMESTAMPS"] = "OFF"
+    """Tracing at start-up: ``TIMESTAMPS`` records each sampled request's timestamps."""
+
+    trace_rate: int = Field(default=1000, ge=1, le=2**32 - 1)
+    """One request in this many is traced."""
+
+    trace_count: int = Field(default=-1, ge=-1, le=2**31 - 1)
+    """How many requests to trace before tracing stops (-1: no limit)."""
+
+    trace_log_frequency: int = Field(default=0, ge=0, le=2**32 - 1)
+    """Write the trace file every this many traces (``<trace_file>.<n>``); 0: when stopping."""
+
+    otlp_endpoint: str = "http://localhost:4318/v1/traces"
+    """The OTLP/HTTP collector's traces URL, for the ``opentelemetry`` trace mode."""
+
+    otlp_export_delay_ms: float = Field(default=5000.0, gt=0, le=3_600_000)
+    """Longest time a finished span waits before it is sent to the collector (spans go in
+    batches)."""
+
     @property
     def worker_count(self) -> int:
         """``workers`` as a number. ``auto`` is resolved by the ``nograd`` command before it

@@ -15,6 +15,7 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from nograd.core.responses import ResponseQueue
+from nograd.grpc.diagnostics import DiagnosticsRpcs, trace_parent
 from nograd.grpc.generated import grpc_service_pb2 as pb
 from nograd.grpc.rpc import CallContext, Code
 from nograd.grpc.tensors import class_counts, encode_outputs, read_inputs, sequence_parameters
@@ -79,7 +80,7 @@ def client_message(exc: BaseException, kind: Kind) -> str:
     return _ABSOLUTE_PATH.sub(lambda found: ".../" + found[1], str(exc))
 
 
-class InferenceService:
+class InferenceService(DiagnosticsRpcs):
     def __init__(self, core: Core, *, protect_health: bool) -> None:
         self._core = core
         self._calls = core.calls
@@ -403,6 +404,7 @@ class InferenceService:
         calls = self._calls
         self.authorize(context, request.model_name)
         calls.admit(request.model_name)
+        call.trace_parent = trace_parent(context)
         try:
             remaining = context.time_remaining()
             if remaining is not None and remaining <= 0:

@@ -14,7 +14,7 @@ from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from nograd import __version__
-from nograd.http import openai, repository, shared_memory, torchserve, v2
+from nograd.http import diagnostics, openai, repository, shared_memory, torchserve, v2
 from nograd.http.direct import DirectRoutes
 from nograd.http.errors import install_error_handlers
 from nograd.http.middleware import (
@@ -71,6 +71,7 @@ def build_app(core: Core, lifespan: Lifespan | None = None) -> FastAPI:
     app.state.control = core.control
     app.state.calls = core.calls
     app.state.torchserve = core.torchserve
+    app.state.diagnostics = core.diagnostics
     install_error_handlers(app)
     app.add_middleware(DirectRoutes, calls=core.calls)
     # Starlette wraps the last-added middleware outermost. From the outside in: auth and
@@ -96,6 +97,7 @@ def build_app(core: Core, lifespan: Lifespan | None = None) -> FastAPI:
     app.include_router(v2.router)
     app.include_router(repository.router)
     app.include_router(shared_memory.router)
+    app.include_router(diagnostics.router)
     app.include_router(openai.router)
     app.include_router(torchserve.router)
 

@@ -254,6 +254,7 @@ async def run_call(
     reply: Reply | None = None
     try:
         call.timeout_s = header_timeout_s(incoming)
+        call.trace_parent = incoming.headers.get("traceparent")
         await incoming.body()
         reply = await until_disconnect(incoming.receive, lambda: work(call))
     except ClientGone:

@@ -8,6 +8,7 @@ from nograd.observability.metrics import Metrics
 from nograd.serving.calls import Calls
 from nograd.serving.control import ModelControl
 from nograd.serving.dataplane import DataPlane
+from nograd.serving.diagnostics import Diagnostics
 from nograd.serving.torchserve_management import TorchServeManagement
 
 
@@ -39,3 +40,9 @@ def torchserve_of(request: Request) -> TorchServeManagement:
     management = request.app.state.torchserve
     assert isinstance(management, TorchServeManagement)
     return management
+
+
+def diagnostics_of(request: Request) -> Diagnostics:
+    diagnostics = request.app.state.diagnostics
+    assert isinstance(diagnostics, Diagnostics)
+    return diagnostics

@@ -48,6 +48,8 @@ class TensorPart:
     length: int = 1
     responder: Any = None
     """Where a decoupled model sends this request's responses (``nograd.core.responses``)."""
+    trace: Any = None
+    """The request's trace when it is sampled (``nograd.observability.tracing``)."""
 
     def slice(self, start: int, stop: int) -> TensorPart:
         return TensorPart(
@@ -55,6 +57,7 @@ class TensorPart:
             stop - start,
             self.length,
             self.responder,
+            self.trace,
         )
 
 

@@ -21,6 +21,9 @@ from nograd.batching import QueueFull
 from nograd.core.handler_messages import HandlerAnswer
 from nograd.core.responses import ResponseQueue
 from nograd.observability.metrics import UNKNOWN_MODEL, Metrics
+from nograd.observability.trace_file import TraceFile
+from nograd.observability.trace_settings import TraceSetting, TraceSettings
+from nograd.observability.tracing import Tracer
 from nograd.protocol import classification
 from nograd.protocol.keys import bearer_key_matches
 from nograd.runtime.handler import Outputs
@@ -67,6 +70,7 @@ class Call:
         "started",
         "target",
         "timeout_s",
+        "trace_parent",
     )
 
     def __init__(self, protocol: str, target: str, started: float, request_id: str | None) -> None:
@@ -86,6 +90,8 @@ class Call:
         self.held_models: tuple[str, ...] = ()
         """The model this call keeps resident until it is answered, and an ensemble's step
         models (on-demand control)."""
+        self.trace_parent: str | None = None
+        """The caller's W3C ``traceparent``: the parent of this call's trace, if sampled."""
 
     def adopt_request_id(self, protocol_id: str | None) -> None:
         """Use the protocol's own id (the V2 ``id``) when the caller sent none of its own."""
@@ -109,11 +115,14 @@ class Calls:
         api_keys: Sequence[str],
         on_demand: OnDemand | None = None,
         shared_memory: SharedMemory | None = None,
+        tracer: Tracer | None = None,
     ) -> None:
         self.plane = plane
         self.shared_memory = shared_memory or SharedMemory()
         """The system shared-memory regions inputs are read from and outputs written into."""
         self.metrics = metrics
+        self.tracer = tracer or Tracer(TraceSettings(TraceSetting()), TraceFile(None))
+        """Samples requests for Triton's trace extension (off unless set)."""
         self._keys = tuple(key.encode() for key in api_keys)
         self._on_demand = on_demand
 
@@ -246,15 +255,21 @@ class Calls:
         if responder is None and self.plane.registry.get(name, version).config.decoupled:
             where = "ModelInfer RPC" if call.protocol == "grpc" else "HTTP end point"
             raise InvalidInput(f"{where} doesn't support models with decoupled transaction policy")
-        model, outputs = await self.plane.infer(
-            name,
-            version,
-            inputs,
-            timeout_s=call.timeout_s,
-            request_id=protocol_id,
-            arrived=call.started,
-            responder=responder,
-        )
+        tracer = self.tracer
+        trace = tracer.begin(name, call.request_id, call.trace_parent) if tracer.active else None
+        try:
+            model, outputs = await self.plane.infer(
+                name,
+                version,
+                inputs,
+                timeout_s=call.timeout_s,
+                request_id=protocol_id,
+                arrived=call.started,
+                responder=responder,
+            )
+        finally:
+            if trace is not None:
+                tracer.end(trace)
         return model, outputs if handler_answers else answer_bodies(outputs)
 
     def failed(self, call: Call, exc: BaseException) -> Kind:

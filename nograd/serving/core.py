@@ -17,6 +17,7 @@ from nograd.observability.stats import Statistics
 from nograd.serving.calls import Calls
 from nograd.serving.control import ModelControl
 from nograd.serving.dataplane import DataPlane
+from nograd.serving.diagnostics import Diagnostics
 from nograd.serving.on_demand import OnDemand
 from nograd.serving.shared_memory import SharedMemory
 from nograd.serving.torchserve_management import TorchServeManagement
@@ -45,8 +46,14 @@ class Core:
             if settings.model_control == "on_demand"
             else None
         )
+        self.diagnostics = Diagnostics(settings, self.plane, self.control.peers)
         self.calls = Calls(
-            self.plane, self.metrics, settings.api_key_list, self.on_demand, self.shared_memory
+            self.plane,
+            self.metrics,
+            settings.api_key_list,
+            self.on_demand,
+            self.shared_memory,
+            self.diagnostics.tracer,
         )
         self.torchserve = TorchServeManagement(self.control, self.plane)
         self._tasks: list[asyncio.Task[None]] = []
@@ -90,3 +97,5 @@ class Core:
         await self.control.close()
         await self.plane.stop(0.0 if force else self.settings.drain_timeout_s)
         self.shared_memory.close()
+        # Off the event loop: the trace file's writer thread, or the last spans' export.
+        await asyncio.get_running_loop().run_in_executor(None, self.diagnostics.close)

@@ -10,7 +10,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import replace
 
 import numpy as np
 
@@ -38,6 +37,7 @@ from nograd.serving.heap_return import HeapReturn
 from nograd.serving.loading import ModelLoader
 from nograd.serving.registry import ModelRegistry, ServedModel, State
 from nograd.serving.repository import Wanted, model_names
+from nograd.serving.trace_stamps import request_part
 from nograd.serving.validation import (
     Declared,
     add_batch_dimension,
@@ -389,8 +389,7 @@ class DataPlane:
                 part = model.handler.prepare(inputs)
         except ValueError as exc:
             raise InvalidInput(str(exc)) from exc
-        if responder is not None:
-            part = replace(part, responder=responder)  # a decoupled model's responses
+        part = request_part(model, part, responder)  # a decoupled model's responses, a trace
         try:
             waited_s = 0.0 if arrived is None else max(0.0, time.perf_counter() - arrived)
             outputs = await model.batcher.submit(

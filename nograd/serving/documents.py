@@ -13,10 +13,12 @@ from nograd.serving.registry import ServedModel
 EXTENSIONS: Final = (
     "classification",
     "cuda_shared_memory",
+    "logging",
     "model_configuration",
     "model_repository",
     "statistics",
     "system_shared_memory",
+    "trace",
 )
 """The extensions every front serves (Triton lists ``cuda_shared_memory`` without a GPU too:
 its status and unregister calls answer, registering is refused)."""

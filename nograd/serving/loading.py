@@ -44,6 +44,7 @@ from nograd.runtime.warmup import warm_up
 from nograd.serving.precedence import effective_config
 from nograd.serving.registry import ServedModel, State
 from nograd.serving.speed_checks import load_accuracy_sample, recorder
+from nograd.serving.trace_stamps import TracedRunner
 from nograd.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -347,7 +348,7 @@ class ModelLoader:
         delay_ms = config.max_queue_delay_ms
         batcher: Batcher[TensorPart, Outputs] = Batcher(
             model.name,
-            TorchRunner(model.handler, self.cores),
+            TracedRunner(TorchRunner(model.handler, self.cores)),
             self.threads.executor(model.handler.device),
             limit,
             max_queue_delay_s=(self._settings.max_queue_delay_ms if delay_ms is None else delay_ms)

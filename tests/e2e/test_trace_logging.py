@@ -1,0 +1,277 @@
+"""Triton's trace and logging extensions with tritonclient's own calls over HTTP and gRPC: each
+setting read and changed, a model's setting falling back to the global one when cleared, bad
+settings refused naming them, sampled requests written to Triton's trace file with the rate and
+count honoured, log switches changing what the server logs, and traces sent as OTLP spans to a
+collector with the caller's ``traceparent`` as their parent."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as triton_grpc
+import tritonclient.http as triton_http
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from tritonclient.utils import InferenceServerException
+
+from tests.e2e.serving import Server, free_port, run_server
+from tests.triton_models import FIXTURES
+
+pytestmark = pytest.mark.e2e
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT_SPAN = "00f067aa0ba902b7"
+OFF = {"trace_level": ["OFF"], "trace_rate": "1000", "trace_count": "-1", "log_frequency": "0"}
+
+
+def _repository(root: Path) -> Path:
+    repo = root / "repo"
+    shutil.copytree(FIXTURES / "simple", repo / "simple")
+    return repo
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    root = tmp_path_factory.mktemp("trace")
+    env = {
+        "NOGRAD_MODEL_REPOSITORY": str(_repository(root)),
+        "NOGRAD_GRPC_PORT": str(free_port()),
+        "NOGRAD_TRACE_FILE": str(root / "trace.json"),
+    }
+    with run_server(root, env=env, ready_timeout_s=120) as running:
+        yield running
+
+
+def _http(server: Server) -> triton_http.InferenceServerClient:
+    return triton_http.InferenceServerClient(server.url.removeprefix("http://"))
+
+
+def _grpc(server: Server) -> triton_grpc.InferenceServerClient:
+    assert server.grpc_address is not None
+    return triton_grpc.InferenceServerClient(server.grpc_address)
+
+
+def _http_infer(client: triton_http.InferenceServerClient, headers: dict[str, str] | None = None):
+    inputs = [triton_http.InferInput(n, [1, 16], "INT32") for n in ("INPUT0", "INPUT1")]
+    for each in inputs:
+        each.set_data_from_numpy(np.ones((1, 16), dtype=np.int32))
+    return client.infer("simple", inputs, headers=headers)
+
+
+def _grpc_infer(client: triton_grpc.InferenceServerClient, headers: dict[str, str] | None = None):
+    inputs = [triton_grpc.InferInput(n, [1, 16], "INT32") for n in ("INPUT0", "INPUT1")]
+    for each in inputs:
+        each.set_data_from_numpy(np.ones((1, 16), dtype=np.int32))
+    return client.infer("simple", inputs, headers=headers)
+
+
+def test_trace_settings_over_http_with_a_model_falling_back(server: Server) -> None:
+    client = _http(server)
+    try:
+        assert client.get_trace_settings() == {
+            **OFF,
+            "trace_file": str(Path(server.log_path).parent / "trace.json"),
+            "trace_mode": "triton",
+        }
+        changed = client.update_trace_settings(settings={"trace_rate": "7", "log_frequency": "5"})
+        assert changed["trace_rate"] == "7" and changed["log_frequency"] == "5"
+        model = client.update_trace_settings("simple", {"trace_count": "4"})
+        assert model["trace_count"] == "4" and model["trace_rate"] == "7"  # the rest: global's
+        client.update_trace_settings(settings={"trace_rate": "9"})
+        assert client.get_trace_settings("simple")["trace_rate"] == "9"  # follows the global
+        cleared = client.update_trace_settings("simple", {"trace_count": None})
+        assert cleared["trace_count"] == "-1"
+    finally:
+        client.update_trace_settings(settings={name: None for name in OFF})
+    assert {k: v for k, v in client.get_trace_settings().items() if k in OFF} == OFF
+
+
+def test_trace_settings_over_grpc(server: Server) -> None:
+    client = _grpc(server)
+    try:
+        answer = client.update_trace_settings(
+            "simple", {"trace_level": ["TIMESTAMPS"], "trace_rate": "2"}, as_json=True
+        )
+        assert answer["settings"]["trace_level"]["value"] == ["TIMESTAMPS"]
+        assert answer["settings"]["trace_rate"]["value"] == ["2"]
+        assert client.get_trace_settings(as_json=True)["settings"]["trace_level"]["value"] == [
+            "OFF"
+        ]
+        cleared = client.update_trace_settings("simple", {"trace_level": None}, as_json=True)
+        assert cleared["settings"]["trace_level"]["value"] == ["OFF"]
+    finally:
+        client.update_trace_settings("simple", {"trace_rate": None, "trace_level": None})
+
+
+@pytest.mark.parametrize(
+    ("settings", "words"),
+    [
+        ({"trace_colour": "red"}, "unknown trace setting 'trace_colour'"),
+        ({"trace_level": ["LOUD"]}, "Unable to parse 'trace_level', got: LOUD"),
+        ({"trace_level": ["TENSORS"]}, "'TENSORS' is not supported"),
+        (
+            {"trace_rate": "-1"},
+            "Unable to parse 'trace_rate', value is out of range [ 0, 4294967295 ], got: -1",
+        ),
+        ({"trace_count": "x"}, "Unable to parse 'trace_count', got: x"),
+        ({"trace_file": "/tmp/x"}, "trace file location can not be updated through network"),
+    ],
+)
+def test_a_bad_trace_setting_is_refused_naming_it(server: Server, settings, words) -> None:
+    answer = httpx.post(f"{server.url}/v2/trace/setting", json=settings, timeout=10)
+    assert answer.status_code == 400
+    assert words in answer.json()["error"]
+    with pytest.raises(InferenceServerException, match=r"INVALID_ARGUMENT|FAILED_PRECONDITION"):
+        _grpc(server).update_trace_settings(settings=settings)
+    assert _http(server).get_trace_settings()["trace_level"] == ["OFF"]  # nothing changed
+
+
+def test_an_unknown_model_s_trace_setting_is_refused(server: Server) -> None:
+    answer = httpx.get(f"{server.url}/v2/models/nope/trace/setting", timeout=10)
+    assert answer.status_code == 400
+    assert answer.json()["error"] == "Request for unknown model : nope"
+
+
+def test_sampled_requests_go_to_triton_s_trace_file(server: Server) -> None:
+    http, grpc = _http(server), _grpc(server)
+    trace_file = Path(server.log_path).parent / "trace.json"
+    http.update_trace_settings(
+        settings={"trace_level": ["TIMESTAMPS"], "trace_rate": "3", "trace_count": "2"}
+    )
+    try:
+        for index in range(9):
+            _http_infer(http) if index % 2 else _grpc_infer(grpc)
+        assert http.get_trace_settings()["trace_count"] == "0"
+        written = trace_file.with_name("trace.json.0")
+        deadline = time.monotonic() + 10
+        while not written.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        entries = json.loads(written.read_text())
+    finally:
+        http.update_trace_settings(settings={name: None for name in OFF})
+    heads = [e for e in entries if "model_name" in e]
+    assert len(heads) == 2  # requests 3 and 6 of 9; the count ran out before 9
+    assert all(h["model_name"] == "simple" and h["model_version"] == 1 for h in heads)
+    for head in heads:
+        stamps = [
+            e["timestamps"][0] for e in entries if e["id"] == head["id"] and "timestamps" in e
+        ]
+        names = [s["name"] for s in stamps]
+        assert names == [
+            "REQUEST_START",
+            "QUEUE_START",
+            "COMPUTE_START",
+            "COMPUTE_END",
+            "REQUEST_END",
+        ]
+        assert [s["ns"] for s in stamps] == sorted(s["ns"] for s in stamps)
+
+
+def test_log_settings_change_what_the_server_logs(server: Server) -> None:
+    http, grpc = _http(server), _grpc(server)
+    assert http.get_log_settings() == {
+        "log_file": "",
+        "log_info": True,
+        "log_warning": True,
+        "log_error": True,
+        "log_verbose_level": 0,
+        "log_format": "json",
+    }
+    try:
+        answer = grpc.update_log_settings({"log_verbose_level": 1}, as_json=True)
+        assert answer["settings"]["log_verbose_level"] == {"uint32_param": 1}
+        _http_infer(http, headers={"X-Request-Id": "verbose-on"})
+        time.sleep(0.2)
+        assert '"request_id":"verbose-on"' in server.log()  # the per-request debug line
+        http.update_log_settings({"log_verbose_level": 0, "log_info": False})
+        _http_infer(http, headers={"X-Request-Id": "verbose-off"})
+        time.sleep(0.2)
+        assert '"request_id":"verbose-off"' not in server.log()
+        assert grpc.get_log_settings(as_json=True)["settings"]["log_info"] == {"bool_param": False}
+    finally:
+        http.update_log_settings({"log_verbose_level": 0, "log_info": True})
+    refused = httpx.post(f"{server.url}/v2/logging", json={"log_file": "/tmp/x"}, timeout=10)
+    assert refused.status_code == 400
+    assert "log file location can not be updated through network protocol" in refused.text
+    unknown = httpx.post(f"{server.url}/v2/logging", json={"log_colour": True}, timeout=10)
+    assert unknown.status_code == 400 and "unknown log setting 'log_colour'" in unknown.text
+
+
+def test_metadata_lists_trace_and_logging(server: Server) -> None:
+    extensions = httpx.get(f"{server.url}/v2", timeout=10).json()["extensions"]
+    assert "trace" in extensions and "logging" in extensions
+    assert {"trace", "logging"} <= set(_grpc(server).get_server_metadata().extensions)
+
+
+class _Collector(BaseHTTPRequestHandler):
+    """An OTLP/HTTP receiver: each POSTed ExportTraceServiceRequest's spans kept."""
+
+    spans: list = []  # noqa: RUF012 (one list for the test's one collector)
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        request = ExportTraceServiceRequest.FromString(body)
+        for resource in request.resource_spans:
+            for scope in resource.scope_spans:
+                type(self).spans.extend(scope.spans)
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def collector() -> Iterator[str]:
+    _Collector.spans = []
+    receiver = ThreadingHTTPServer(("127.0.0.1", 0), _Collector)
+    thread = threading.Thread(target=receiver.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{receiver.server_address[1]}/v1/traces"
+    finally:
+        receiver.shutdown()
+        receiver.server_close()
+
+
+def test_traces_go_to_an_otlp_collector_under_the_caller_s_parent(
+    tmp_path: Path, collector: str
+) -> None:
+    env = {
+        "NOGRAD_MODEL_REPOSITORY": str(_repository(tmp_path)),
+        "NOGRAD_GRPC_PORT": str(free_port()),
+        "NOGRAD_TRACE_MODE": "opentelemetry",
+        "NOGRAD_OTLP_ENDPOINT": collector,
+        "NOGRAD_OTLP_EXPORT_DELAY_MS": "100",
+        "NOGRAD_TRACE_LEVEL": "TIMESTAMPS",
+        "NOGRAD_TRACE_RATE": "1",
+    }
+    with run_server(tmp_path, env=env, ready_timeout_s=120) as running:
+        setting = _http(running).get_trace_settings()
+        assert setting["trace_mode"] == "opentelemetry" and setting["url"] == collector
+        assert "trace_file" not in setting
+        _http_infer(_http(running), {"traceparent": f"00-{TRACE_ID}-{PARENT_SPAN}-01"})
+        grpc_parent = f"00-{TRACE_ID}-{'1' * 16}-01"
+        _grpc_infer(_grpc(running), {"traceparent": grpc_parent})
+        deadline = time.monotonic() + 15
+        while len(_Collector.spans) < 6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    spans = _Collector.spans
+    requests = [s for s in spans if s.name == "InferRequest"]
+    assert sorted(s.parent_span_id.hex() for s in requests) == sorted([PARENT_SPAN, "1" * 16])
+    assert all(s.trace_id.hex() == TRACE_ID for s in spans)
+    models = [s for s in spans if s.name == "simple"]
+    assert {s.parent_span_id for s in models} == {s.span_id for s in requests}
+    events = [event.name for event in models[0].events]
+    assert events == ["REQUEST_START", "QUEUE_START", "COMPUTE_START", "COMPUTE_END", "REQUEST_END"]
+    assert len([s for s in spans if s.name == "compute"]) == 2

@@ -1,0 +1,137 @@
+"""Trace settings merged as Triton merges them (a model's unspecified fields follow the global
+setting, a cleared one follows it again), sampling by rate and count, the trace file's shape,
+and the log switches acting on real loggers."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from nograd.observability.log_settings import LogSettings
+from nograd.observability.trace_file import TraceFile
+from nograd.observability.trace_settings import (
+    BadSetting,
+    FixedSetting,
+    TraceSetting,
+    TraceSettings,
+    document,
+)
+from nograd.observability.tracing import ACTIVE, Tracer
+
+
+def test_a_model_setting_takes_its_unset_fields_from_the_global_one() -> None:
+    settings = TraceSettings(TraceSetting())
+    settings.update("m", {"trace_rate": "5"})
+    settings.update(None, {"trace_level": ["TIMESTAMPS"], "trace_rate": "50", "trace_count": "3"})
+    model = settings.of("m")
+    assert (model.level, model.rate, model.count) == ("TIMESTAMPS", 5, 3)
+    settings.update("m", {"trace_rate": None})
+    assert "m" not in settings.models  # nothing of its own left: the global setting
+    assert settings.of("m").rate == 50
+    settings.update(None, {"trace_rate": None})
+    assert settings.of(None).rate == 1000  # a cleared global field: its start-up value
+
+
+def test_the_document_is_triton_s_for_each_mode() -> None:
+    setting = TraceSetting(level="TIMESTAMPS", rate=2, count=-1, log_frequency=3)
+    assert document(setting, "triton", "/t.json", "u") == {
+        "trace_level": ["TIMESTAMPS"],
+        "trace_rate": "2",
+        "trace_count": "-1",
+        "log_frequency": "3",
+        "trace_file": "/t.json",
+        "trace_mode": "triton",
+    }
+    otel = document(setting, "opentelemetry", "", "http://c/v1/traces")
+    assert "trace_file" not in otel and otel["url"] == "http://c/v1/traces"
+
+
+@pytest.mark.parametrize(
+    ("changes", "error", "words"),
+    [
+        ({"trace_rate": "-1"}, BadSetting, "out of range [ 0, 4294967295 ], got: -1"),
+        ({"trace_count": "-2"}, BadSetting, "out of range [ -1, 2147483647 ]"),
+        ({"trace_level": ["OFF", "TIMESTAMPS"]}, BadSetting, "only one trace level 'OFF'"),
+        ({"trace_level": ["TENSORS"]}, BadSetting, "'TENSORS' is not supported"),
+        ({"trace_mode": "triton"}, FixedSetting, "trace mode can not be updated"),
+        ({"nope": "1"}, BadSetting, "unknown trace setting 'nope'"),
+    ],
+)
+def test_bad_changes_are_refused_whole(changes, error, words) -> None:
+    settings = TraceSettings(TraceSetting())
+    with pytest.raises(error, match=words.replace("[", r"\[").replace("]", r"\]")):
+        settings.update(None, {"trace_level": ["TIMESTAMPS"], **changes})
+    assert settings.of(None) == TraceSetting()
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.written: list[tuple[int, bool]] = []
+
+    def write(self, trace, log_frequency: int, exhausted: bool) -> None:
+        self.written.append((trace.id, exhausted))
+
+    def close(self) -> None:
+        pass
+
+
+def test_every_rate_th_request_is_sampled_until_the_count_runs_out() -> None:
+    sink = _Sink()
+    tracer = Tracer(TraceSettings(TraceSetting()), sink)
+    assert not tracer.active and tracer.begin("m", "r", None) is None
+    tracer.update(None, {"trace_level": ["TIMESTAMPS"], "trace_rate": "2", "trace_count": "2"})
+    sampled = []
+    for index in range(8):
+        trace = tracer.begin("m", f"r{index}", None)
+        if trace is not None:
+            assert ACTIVE.get() is trace
+            tracer.end(trace)
+            sampled.append(trace.request_id)
+        assert ACTIVE.get() is None
+    assert sampled == ["r1", "r3"]
+    assert sink.written == [(1, False), (2, True)]
+    assert tracer.setting(None).count == 0
+
+
+def test_the_trace_file_is_triton_s_json(tmp_path: Path) -> None:
+    sink = TraceFile(tmp_path / "t.json")
+    tracer = Tracer(TraceSettings(TraceSetting(level="TIMESTAMPS", rate=1)), sink)
+    trace = tracer.begin("m", "req-1", None)
+    assert trace is not None
+    trace.version = "3"
+    tracer.end(trace)
+    tracer.close()  # log_frequency 0: written when the server stops
+    entries = json.loads((tmp_path / "t.json").read_text())
+    assert entries[0] == {"id": 1, "model_name": "m", "model_version": 3, "request_id": "req-1"}
+    assert [e["timestamps"][0]["name"] for e in entries[1:]] == ["REQUEST_START", "REQUEST_END"]
+
+
+def test_log_switches_act_on_the_real_loggers(caplog: pytest.LogCaptureFixture) -> None:
+    root = logging.getLogger()
+    before = root.level
+    root.setLevel(logging.INFO)
+    logs = LogSettings("text")
+    root.addHandler(caplog.handler)
+    try:
+        logs.update({"log_verbose_level": 1, "log_warning": False})
+        logger = logging.getLogger("nograd.test_switches")
+        logger.debug("debug line")
+        logger.warning("warning line")
+        logger.error("error line")
+        assert [r.getMessage() for r in caplog.records if "line" in r.getMessage()] == [
+            "debug line",
+            "error line",
+        ]
+        with pytest.raises(BadSetting, match="log_verbose_level"):
+            logs.update({"log_verbose_level": True})
+        with pytest.raises(FixedSetting):
+            logs.update({"log_file": "/tmp/x"})
+        assert logs.document()["log_verbose_level"] == 1
+    finally:
+        for handler in [*root.handlers, caplog.handler]:
+            handler.removeFilter(logs.switches)
+        root.removeHandler(caplog.handler)
+        root.setLevel(before)
