@@ -51,6 +51,7 @@ CODES: Final[dict[Kind, Code]] = {
     Kind.NOT_FOUND: Code.NOT_FOUND,
     Kind.EXISTS: Code.ALREADY_EXISTS,
     Kind.POLL_FAILED: Code.INTERNAL,
+    Kind.UNSUPPORTED: Code.UNIMPLEMENTED,
     Kind.OVER_LIMIT: Code.RESOURCE_EXHAUSTED,
     Kind.CLIENT_GONE: Code.CANCELLED,
     Kind.FAILED: Code.INTERNAL,

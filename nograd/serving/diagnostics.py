@@ -26,7 +26,12 @@ from nograd.observability.trace_settings import (
 )
 from nograd.observability.tracing import Tracer, TraceSink
 from nograd.serving.dataplane import DataPlane
-from nograd.serving.errors import ControlRefused, InvalidInput, LoadFailed, ModelNotFound
+from nograd.serving.errors import (
+    InvalidInput,
+    LoadFailed,
+    ModelNotFound,
+    Unsupported,
+)
 from nograd.serving.peers import Peers
 from nograd.settings import Settings
 
@@ -136,6 +141,6 @@ def _checked(change: Callable[[], None]) -> None:
     try:
         change()
     except FixedSetting as exc:
-        raise ControlRefused(str(exc)) from None
+        raise Unsupported(str(exc)) from None
     except BadSetting as exc:
         raise InvalidInput(str(exc)) from None

@@ -39,6 +39,8 @@ class Kind(enum.Enum):
     """A name already taken (a shared-memory region): gRPC's ALREADY_EXISTS, Triton's 400."""
     OVER_LIMIT = ("over_limit", 422)
     """Well formed but over a configured limit (rows, text length, message size)."""
+    UNSUPPORTED = ("unsupported", 501)
+    """A call Triton answers 501 / UNIMPLEMENTED: a setting it keeps from network changes."""
     CLIENT_GONE = ("client_gone", 499)
     """The client left before its answer (recorded, never sent)."""
     FAILED = ("failed", 500)
@@ -135,6 +137,10 @@ class PollFailed(Exception):
     """A load call's model (its uploaded files and config) could not be read as a model folder."""
 
 
+class Unsupported(Exception):
+    """A change this server does not take over the network (a trace or log file's location)."""
+
+
 class LoadFailed(Exception):
     """A version could not be loaded (or a worker could not apply the call); what served before
     still serves."""
@@ -147,6 +153,7 @@ KINDS: Final[tuple[tuple[type[Exception], Kind], ...]] = (
     (ControlRefused, Kind.REFUSED),
     (LoadFailed, Kind.REFUSED),
     (PollFailed, Kind.POLL_FAILED),
+    (Unsupported, Kind.UNSUPPORTED),
     (Unauthenticated, Kind.UNAUTHENTICATED),
     (ModelNotFound, Kind.NOT_FOUND),
     (RegionNotFound, Kind.NOT_FOUND),
