@@ -14,7 +14,6 @@ from typing import Any, Final
 
 from nograd.observability.log_settings import LogSettings
 from nograd.observability.logs import resolve_format
-from nograd.observability.otlp import OtlpSpans
 from nograd.observability.trace_file import TraceFile
 from nograd.observability.trace_settings import (
     BadSetting,
@@ -49,6 +48,9 @@ def initial_setting(settings: Settings) -> TraceSetting:
 
 def trace_sink(settings: Settings, several_workers: bool) -> TraceSink:
     if settings.trace_mode == "opentelemetry":
+        # OpenTelemetry's SDK and exporter are imported only by a server that sends spans.
+        from nograd.observability.otlp import OtlpSpans
+
         return OtlpSpans(
             settings.otlp_endpoint, settings.server_name, settings.otlp_export_delay_ms
         )
