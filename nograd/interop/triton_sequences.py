@@ -30,11 +30,6 @@ def sequence_batching(message: Any) -> SequenceBatching:
     """The model's ``sequence_batching`` (the message completed in place: idle time and
     strategy); a ``ValueError`` names the field nograd cannot honour."""
     block = message.sequence_batching
-    if message.HasField("dynamic_batching"):
-        raise ValueError(
-            "fields 'dynamic_batching' and 'sequence_batching' are both set; a model has one "
-            "scheduler (sequence_batching's strategy sets its queue delay)"
-        )
     if block.iterative_sequence:
         raise ValueError("field 'sequence_batching.iterative_sequence' is not supported by nograd")
     if not block.max_sequence_idle_microseconds:
