@@ -251,6 +251,10 @@ class Settings(BaseSettings):
     max_text_bytes: int = Field(default=64 * 1024, ge=1)
     """Longest single text (BYTES element) accepted; longer ones get 422."""
 
+    max_sequences: int = Field(default=1024, ge=1)
+    """Most sequences under way at once per sequence model (Triton's ``sequence_batching``);
+    a request starting one more gets 503 until one ends or is released idle."""
+
     drain_timeout_s: float = Field(default=30.0, ge=0)
     """On SIGTERM, how long accepted requests may take to finish before the process exits."""
 

@@ -342,7 +342,8 @@ def triton_repository(root: Path) -> Path:
     - ``scale_shift``: TorchScript without a batch dimension;
     - ``auto``: ``simple``'s model.onnx with no config (auto-complete: batched, 4 rows);
     - ``fixed``: a fixed-shape ONNX model with no config (auto-complete: no batch dimension);
-    - ``unsupported``: ``simple`` with ``sequence_batching``: refused, naming the field;
+    - ``unsupported``: ``simple`` with an iterative ``sequence_batching``: refused, naming the
+      field;
     - ``simple_identity`` (Triton's, the Python backend, TYPE_STRING), python_backend's
       ``add_sub`` and ``pytorch`` examples, and ``guarded`` (a Python model with error
       responses and two versions);
@@ -382,7 +383,8 @@ def triton_repository(root: Path) -> Path:
     unsupported = repo / "unsupported"
     shutil.copytree(simple / "1", unsupported / "1")
     (unsupported / "config.pbtxt").write_text(
-        text.replace('"simple_specific"', '"unsupported"') + "\nsequence_batching { }\n"
+        text.replace('"simple_specific"', '"unsupported"')
+        + "\nsequence_batching { iterative_sequence: true }\n"
     )
     shutil.copytree(FIXTURES / "cpu_instance", repo / "cpu_instance")
     save_torchscript(SumDifference(), repo / "cpu_instance" / "1" / "model.pt")

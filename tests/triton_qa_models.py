@@ -21,9 +21,10 @@ QA_MODELS = (
     "simple_int8",
     "densenet_onnx",
     "repeat_int32",
+    "simple_sequence",
 )
-"""The models a server for the example clients loads (``simple_sequence`` is in the repository
-too: the HTTP model-control example counts seven)."""
+"""The models a server for the example clients loads (the HTTP model-control example counts
+seven in the repository)."""
 VULTURE = 23
 """VULTURE's line in ``densenet_labels.txt``, counted from 0."""
 
@@ -110,7 +111,7 @@ def qa_repository(root: Path, *, with_inception: bool = False) -> Path:
     example counts."""
     repo = root / ("qa_repo_8" if with_inception else "qa_repo")
     repo.mkdir(parents=True)
-    for name in (*QA_MODELS[:4], "simple_sequence"):
+    for name in (*QA_MODELS[:4], "simple_sequence"):  # Triton's own model.onnx for the last
         shutil.copytree(FIXTURES / name, repo / name)
     shutil.copytree(FIXTURES / "densenet_onnx", repo / "densenet_onnx")
     densenet_stand_in(repo / "densenet_onnx" / "1" / "model.onnx")

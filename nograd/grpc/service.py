@@ -35,9 +35,9 @@ from nograd.serving.errors import (
     kind_of,
     retry_after_s,
 )
+from nograd.serving.sequences import sequence_request
 from nograd.serving.shared_memory import cuda_refusal
 from nograd.serving.triton_config import model_configuration, repository_index
-from nograd.serving.validation import refuse_sequences
 
 logger = logging.getLogger(__name__)
 PROTOCOL: Final = "grpc"
@@ -414,7 +414,7 @@ class InferenceService(DiagnosticsRpcs):
             parameter = request.parameters.get("timeout")
             if parameter is not None and parameter.int64_param > 0:
                 call.shorten_deadline(parameter.int64_param / 1e6)
-            refuse_sequences(request.model_name, sequence_parameters(request))
+            sequence = sequence_request(sequence_parameters(request))
             name, version = request.model_name, request.model_version or None
             await calls.resident(call, name)
             # Checked against the model's declared inputs before any value is read.
@@ -422,7 +422,13 @@ class InferenceService(DiagnosticsRpcs):
             regions = calls.shared_memory
             inputs = await read_inputs(request, check, regions)
             model, outputs = await calls.infer(
-                call, name, version, inputs, request.id or None, responder=responder
+                call,
+                name,
+                version,
+                inputs,
+                request.id or None,
+                responder=responder,
+                sequence=sequence,
             )
             response = pb.ModelInferResponse(
                 model_name=model.name, model_version=model.version, id=request.id

@@ -48,7 +48,8 @@ from nograd.serving import documents
 from nograd.serving.calls import Call, Calls, classified
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.registry import ServedModel
-from nograd.serving.validation import Declared, refuse_sequences
+from nograd.serving.sequences import sequence_request
+from nograd.serving.validation import Declared
 
 logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v2", tags=["Open Inference Protocol"])
@@ -259,8 +260,10 @@ async def infer_call(incoming: Incoming, calls: Calls, name: str, version: str |
         )
         call.adopt_request_id(decoded.id)
         call.shorten_deadline(_timeout_s(decoded.parameters))
-        refuse_sequences(name, decoded.parameters)
-        model, outputs = await calls.infer(call, name, version, decoded.inputs, decoded.id)
+        sequence = sequence_request(decoded.parameters)
+        model, outputs = await calls.infer(
+            call, name, version, decoded.inputs, decoded.id, sequence=sequence
+        )
         return _infer_reply(calls, model, decoded, outputs)
 
     reply = await run_call(incoming, calls, PROTOCOL, work, _error_reply)

@@ -22,6 +22,7 @@ from nograd.core.engines import engine_choices
 from nograd.interop.ensemble import ensemble_steps
 from nograd.interop.generated import model_config_pb2 as pb
 from nograd.interop.triton_json import config_document
+from nograd.interop.triton_sequences import queue_delay_ms, sequence_batching
 from nograd.runtime.config import (
     ConfigError,
     ModelConfig,
@@ -93,6 +94,7 @@ MAPPED: Final = frozenset(
         "parameters",
         "model_warmup",
         "ensemble_scheduling",
+        "sequence_batching",
     }
 )
 _warned: set[str] = set()
@@ -185,7 +187,10 @@ def _convert(model_dir: Path, message: Any, text: str, where: str) -> ModelConfi
     else:
         # Triton's auto-complete: read from the ONNX graph when the model loads.
         fields["batch_dimension"] = None
-    if message.HasField("dynamic_batching"):
+    if message.HasField("sequence_batching"):
+        fields["sequence"] = sequence_batching(message)
+        fields["max_queue_delay_ms"] = queue_delay_ms(message)
+    elif message.HasField("dynamic_batching"):
         fields.update(_dynamic_batching(message.dynamic_batching, where))
     else:
         # Without dynamic batching Triton runs each request as it comes; nograd then waits for

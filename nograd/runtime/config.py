@@ -27,6 +27,7 @@ from nograd.core.engines import (
     signature_formats,
 )
 from nograd.runtime.ensemble_step import EnsembleStep as EnsembleStep
+from nograd.runtime.sequence_config import SequenceBatching
 from nograd.runtime.tensor_spec import TensorSpec as TensorSpec
 from nograd.runtime.versions import VersionPolicy as VersionPolicy
 from nograd.runtime.versions import check_model_name as check_model_name
@@ -92,6 +93,9 @@ class ModelConfig(BaseModel):
     outputs: tuple[TensorSpec, ...] = ()
     steps: tuple[EnsembleStep, ...] = ()
     """An ensemble's steps (format ``ensemble``), in the config's order."""
+    sequence: SequenceBatching | None = None
+    """A sequence model (Triton's ``sequence_batching``): its requests name a sequence, and
+    the server feeds it control inputs and keeps its implicit state per sequence."""
     max_batch_size: int | None = Field(default=None, ge=1, le=65536)
     max_queue_delay_ms: float | None = Field(default=None, ge=0.0, le=10_000.0)
     max_queue_size: int | None = Field(default=None, ge=1)

@@ -22,6 +22,8 @@ from nograd.core.datatypes import NUMPY_DTYPES, TABLE
 from nograd.host.ledger import CoreLedger
 from nograd.runtime.config import ModelConfig, TensorSpec
 from nograd.runtime.memory import is_out_of_memory
+from nograd.runtime.sequence_config import hidden_inputs, state_outputs
+from nograd.runtime.sequence_step import SequenceStep
 
 Outputs = dict[str, np.ndarray]
 
@@ -50,6 +52,8 @@ class TensorPart:
     """Where a decoupled model sends this request's responses (``nograd.core.responses``)."""
     trace: Any = None
     """The request's trace when it is sampled (``nograd.observability.tracing``)."""
+    sequence: SequenceStep | None = None
+    """The sequence this request belongs to, for a sequence model."""
 
     def slice(self, start: int, stop: int) -> TensorPart:
         return TensorPart(
@@ -58,6 +62,7 @@ class TensorPart:
             self.length,
             self.responder,
             self.trace,
+            self.sequence,
         )
 
 
@@ -117,7 +122,7 @@ class ModelHandler:
         self.memory_format = torch.contiguous_format
         """Layout of 4-D float inputs: channels-last once ``apply_speed`` converts the weights."""
         self._inputs: dict[str, TensorSpec] = {spec.name: spec for spec in config.inputs}
-        self._outputs: tuple[TensorSpec, ...] = config.outputs
+        self._outputs: tuple[TensorSpec, ...] = config.outputs + state_outputs(config.sequence)
         self.speed_path: SpeedPath | None = None
         """Set by ``nograd.runtime.speed.guard.apply_speed`` when a faster mode passed its accuracy
         check."""
@@ -145,7 +150,7 @@ class ModelHandler:
         """
         generator = np.random.default_rng(seed)
         tensors: dict[str, np.ndarray] = {}
-        for spec in self.config.inputs:
+        for spec in self.config.inputs + hidden_inputs(self.config.sequence):
             shape = (rows, *(length if d == -1 else d for d in spec.shape))
             tensors[spec.name] = _random_array(generator, spec.datatype, shape)
         return self.prepare(tensors)

@@ -12,7 +12,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Final
 
 import numpy as np
@@ -27,6 +27,7 @@ from nograd.observability.tracing import Tracer
 from nograd.protocol import classification
 from nograd.protocol.keys import bearer_key_matches
 from nograd.runtime.handler import Outputs
+from nograd.runtime.sequence_step import SequenceStep
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.errors import (
     HandlerFailed,
@@ -40,6 +41,7 @@ from nograd.serving.errors import (
 )
 from nograd.serving.on_demand import OnDemand
 from nograd.serving.registry import ServedModel
+from nograd.serving.sequences import SequenceRequest, Sequences, refuse_sequence
 from nograd.serving.shared_memory import SharedMemory
 from nograd.serving.validation import Declared
 
@@ -125,6 +127,8 @@ class Calls:
         """Samples requests for Triton's trace extension (off unless set)."""
         self._keys = tuple(key.encode() for key in api_keys)
         self._on_demand = on_demand
+        self.sequences = Sequences(plane.settings.max_sequences)
+        """The sequences under way of the sequence models."""
 
     @property
     def keys_required(self) -> bool:
@@ -246,19 +250,25 @@ class Calls:
         *,
         handler_answers: bool = False,
         responder: ResponseQueue | None = None,
+        sequence: SequenceRequest | None = None,
     ) -> tuple[ServedModel, Outputs]:
         """One inference; ``protocol_id`` is the request's own id (the V2 ``id``), if any. A
         TorchServe handler's answers come as their bodies, unless the caller (the TorchServe
         front) takes the answers whole (``handler_answers``). A decoupled model's responses go
-        to ``responder`` (a streaming call's); any other call to one is refused as Triton does."""
+        to ``responder`` (a streaming call's); any other call to one is refused as Triton does.
+        A sequence model's request runs as the next of its ``sequence``; any other model
+        refuses a request naming one."""
         call.model = self.label(name)
-        if responder is None and self.plane.registry.get(name, version).config.decoupled:
+        served = self.plane.registry.get(name, version)
+        if responder is None and served.config.decoupled:
             where = "ModelInfer RPC" if call.protocol == "grpc" else "HTTP end point"
             raise InvalidInput(f"{where} doesn't support models with decoupled transaction policy")
-        tracer = self.tracer
-        trace = tracer.begin(name, call.request_id, call.trace_parent) if tracer.active else None
-        try:
-            model, outputs = await self.plane.infer(
+        sequence = sequence or SequenceRequest()
+        if served.config.sequence is None:
+            refuse_sequence(name, sequence)
+
+        def run(step: SequenceStep | None = None) -> Awaitable[tuple[ServedModel, Outputs]]:
+            return self.plane.infer(
                 name,
                 version,
                 inputs,
@@ -266,7 +276,16 @@ class Calls:
                 request_id=protocol_id,
                 arrived=call.started,
                 responder=responder,
+                sequence=step,
             )
+
+        tracer = self.tracer
+        trace = tracer.begin(name, call.request_id, call.trace_parent) if tracer.active else None
+        try:
+            if served.config.sequence is None:
+                model, outputs = await run()
+            else:
+                model, outputs = await self.sequences.infer(served, sequence, inputs, run)
         finally:
             if trace is not None:
                 tracer.end(trace)

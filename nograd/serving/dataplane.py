@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -21,10 +21,11 @@ from nograd.observability.metrics import Metrics
 from nograd.observability.stats import Statistics
 from nograd.protocol.limits import decoded_too_large
 from nograd.runtime.config import EnsembleStep
-from nograd.runtime.devices import device_label, read_memory, resolve_device
 from nograd.runtime.handler import Outputs
+from nograd.runtime.sequence_step import SequenceStep
 from nograd.serving.admission import Admission
 from nograd.serving.archives import ArchiveStore
+from nograd.serving.device_memory import memory_readings
 from nograd.serving.ensembles import compose, is_ensemble, load_order, settle
 from nograd.serving.errors import (
     Draining,
@@ -89,7 +90,7 @@ class DataPlane:
             settings.max_body_bytes_in_flight,
         )
         self.heap_return = HeapReturn()
-        metrics.watch_device_memory(self._memory_readings)
+        metrics.watch_device_memory(lambda: memory_readings(self.registry))
 
     @property
     def config_errors(self) -> list[str]:
@@ -307,8 +308,10 @@ class DataPlane:
         request_id: str | None = None,
         arrived: float | None = None,
         responder: ResponseQueue | None = None,
+        sequence: SequenceStep | None = None,
     ) -> tuple[ServedModel, Outputs]:
-        """Validate, prepare and queue one request; ``timeout_s`` overrides the server default;
+        """Validate, prepare and queue one request (of ``sequence``, its control and state
+        tensors added once the client's inputs passed); ``timeout_s`` overrides the default;
         ``request_id`` is the protocol's own id, quoted by the refusals that Triton words.
         ``arrived`` (``time.perf_counter``): when its head arrived; the wait bound counts from
         there, so time spent reading, decoding, tokenising or behind a busy event loop counts."""
@@ -327,7 +330,9 @@ class DataPlane:
         # once it is answered.
         model.active += 1
         try:
-            outputs = await self._infer(model, inputs, deadline, request_id, arrived, responder)
+            outputs = await self._infer(
+                model, inputs, deadline, request_id, arrived, responder, sequence
+            )
         except BaseException as exc:
             self._failed(model, exc, time.perf_counter() - started)
             raise
@@ -362,6 +367,7 @@ class DataPlane:
         request_id: str | None,
         arrived: float | None,
         responder: ResponseQueue | None = None,
+        sequence: SequenceStep | None = None,
     ) -> Outputs:
         name = model.name
         if self._draining:
@@ -379,6 +385,8 @@ class DataPlane:
         if model.waiting_for is not None:
             return await self._compose(model, inputs, deadline, request_id)
         assert model.handler is not None and model.batcher is not None
+        if sequence is not None:
+            inputs = {**inputs, **sequence.tensors}
         inputs = add_batch_dimension(model, inputs)
         try:
             if prepare_in_thread(model.handler, inputs):
@@ -389,7 +397,8 @@ class DataPlane:
                 part = model.handler.prepare(inputs)
         except ValueError as exc:
             raise InvalidInput(str(exc)) from exc
-        part = request_part(model, part, responder)  # a decoupled model's responses, a trace
+        # A decoupled model's responses, a sequence's step, a trace.
+        part = request_part(model, part, responder, sequence)
         try:
             waited_s = 0.0 if arrived is None else max(0.0, time.perf_counter() - arrived)
             outputs = await model.batcher.submit(
@@ -434,16 +443,3 @@ class DataPlane:
         rows = len(next(iter(inputs.values()))) if model.config.batch_dimension else 1
         self.statistics.of(model.name).batch_finished(rows, time.perf_counter() - started, True)
         return outputs
-
-    # ------------------------------------------------------------------ metrics
-    def _memory_readings(self) -> Iterable[tuple[str, int, int, int, int]]:
-        devices = {
-            device_label(m.handler.device): m.handler.device
-            for m in self.registry.served()
-            if m.handler is not None
-        }
-        if not devices:
-            devices = {"cpu": resolve_device("cpu")}
-        for label, device in devices.items():
-            reading = read_memory(device)
-            yield label, reading.allocated, reading.reserved, reading.peak, reading.total

@@ -23,7 +23,7 @@ from nograd.host.heap import release_free_memory
 from nograd.host.ledger import CoreLedger, CoreShare
 from nograd.observability.metrics import Metrics
 from nograd.observability.stats import FanOutObserver, Statistics
-from nograd.runtime.config import ModelConfig
+from nograd.runtime.config import ConfigError, ModelConfig
 from nograd.runtime.devices import DeviceThreads, configure_threads, device_label, resolve_device
 from nograd.runtime.engines.choice import prepare_engine
 from nograd.runtime.engines.paths import engine_weights_bytes, serving_ranges, share_cores
@@ -147,6 +147,13 @@ class ModelLoader:
         )
 
     def _load(self, model: ServedModel, device: torch.device) -> None:
+        workers = self._settings.worker_count
+        if model.config.sequence is not None and workers > 1:
+            raise ConfigError(
+                f"model '{model.name}' declares sequence_batching, which nograd serves with one "
+                f"worker only (NOGRAD_WORKERS=1; it is {workers}): each worker keeps its own "
+                "sequences, and a sequence's requests may reach any worker"
+            )
         # The loaded handler's config (``model.config`` below) holds the values served with.
         config = effective_config(model.config, self._settings)
         started = time.perf_counter()

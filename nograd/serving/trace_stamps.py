@@ -15,15 +15,20 @@ from nograd.runtime.handler import Outputs, TensorPart
 from nograd.serving.registry import ServedModel
 
 
-def request_part(model: ServedModel, part: TensorPart, responder: Any) -> TensorPart:
-    """The part a request queues: with the responder of a decoupled model's call, and with the
-    request's trace (stamped QUEUE_START) when it is sampled."""
+def request_part(
+    model: ServedModel, part: TensorPart, responder: Any, sequence: Any = None
+) -> TensorPart:
+    """The part a request queues: with the responder of a decoupled model's call, the step of a
+    sequence model's request, and the request's trace (stamped QUEUE_START) when it is
+    sampled."""
     trace = ACTIVE.get()
     if trace is None:
-        return part if responder is None else replace(part, responder=responder)
+        if responder is None and sequence is None:
+            return part
+        return replace(part, responder=responder, sequence=sequence)
     trace.version = model.version
     trace.stamp("QUEUE_START", first=True)
-    return replace(part, responder=responder, trace=trace)
+    return replace(part, responder=responder, sequence=sequence, trace=trace)
 
 
 class TracedRunner:

@@ -19,21 +19,6 @@ INLINE_PREPARE_BYTES = 4096
 the hand-off to a thread and back costs in a busy server (measured in docs/architecture.md)."""
 
 
-SEQUENCE_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end")
-
-
-def refuse_sequences(model: str, parameters: Mapping[str, object]) -> None:
-    """No model here batches sequences (Triton's ``sequence_batching``): a request that names
-    one (a non-zero ``sequence_id``, ``sequence_start`` or ``sequence_end``) is refused rather
-    than answered as if it had not, which would lose the state the client counts on."""
-    named = [key for key in SEQUENCE_PARAMETERS if parameters.get(key) not in (None, 0, "", False)]
-    if named:
-        raise InvalidInput(
-            f"model '{model}' is not a sequence model (its configuration has no "
-            f"sequence_batching): the request's {', '.join(named)} cannot be honoured"
-        )
-
-
 def add_batch_dimension(
     model: ServedModel, inputs: Mapping[str, np.ndarray]
 ) -> Mapping[str, np.ndarray]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import re
+from pathlib import Path
 
 from nograd.host.readings import gpu_visible, usable_cores
 from nograd.settings import Settings
@@ -47,8 +49,29 @@ def resolve_workers(settings: Settings) -> tuple[Settings, bool]:
     if settings.workers != "auto":
         return settings, False
     count, reason = auto_plan(settings.torch_threads)
+    sequences = sequence_models(settings.model_repository)
+    if sequences and count > 1:
+        # Each worker keeps its own sequences, and a sequence's connections may reach any.
+        count, reason = 1, f"sequence model {sequences[0]!r} (sequence_batching) in the repository"
     logger.info("workers: auto, %d (%s)", count, reason)
     return settings.model_copy(update={"workers": count}), True
+
+
+SEQUENCE_BATCHING = re.compile(r"^\s*sequence_batching\b", re.MULTILINE)
+
+
+def sequence_models(repository: Path) -> list[str]:
+    """The Triton models of ``repository`` whose ``config.pbtxt`` declares
+    ``sequence_batching``, by name; an unreadable file counts as none."""
+    found = []
+    for config in sorted(repository.glob("*/config.pbtxt")):
+        try:
+            text = config.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+        if SEQUENCE_BATCHING.search(text):
+            found.append(config.parent.name)
+    return found
 
 
 def another_fits(footprint: int | None, available: int, started: int = 1) -> bool:

@@ -48,7 +48,6 @@ class Example(NamedTuple):
     the repository (Triton's QA runs it against another repository)."""
 
 
-SEQUENCES = "sequence batching"
 CUDA = "CUDA shared memory (a GPU)"
 
 EXAMPLE_RUNS: dict[str, Example] = {
@@ -71,7 +70,7 @@ EXAMPLE_RUNS: dict[str, Example] = {
     ),
     "http-shm": Example("simple_http_shm_client.py"),
     "http-shm-string": Example("simple_http_shm_string_client.py"),
-    "http-sequence-sync": Example("simple_http_sequence_sync_infer_client.py", missing=SEQUENCES),
+    "http-sequence-sync": Example("simple_http_sequence_sync_infer_client.py"),
     "http-cudashm": Example("simple_http_cudashm_client.py", missing=CUDA),
     "grpc-health-metadata": Example("simple_grpc_health_metadata.py", grpc=True),
     "grpc-infer": Example("simple_grpc_infer_client.py", grpc=True),
@@ -112,14 +111,10 @@ EXAMPLE_RUNS: dict[str, Example] = {
     ),
     "grpc-shm": Example("simple_grpc_shm_client.py", grpc=True),
     "grpc-shm-string": Example("simple_grpc_shm_string_client.py", grpc=True),
-    "grpc-sequence-sync": Example(
-        "simple_grpc_sequence_sync_infer_client.py", grpc=True, missing=SEQUENCES
-    ),
-    "grpc-sequence-stream": Example(
-        "simple_grpc_sequence_stream_infer_client.py", grpc=True, missing=SEQUENCES
-    ),
+    "grpc-sequence-sync": Example("simple_grpc_sequence_sync_infer_client.py", grpc=True),
+    "grpc-sequence-stream": Example("simple_grpc_sequence_stream_infer_client.py", grpc=True),
     "grpc-aio-sequence-stream": Example(
-        "simple_grpc_aio_sequence_stream_infer_client.py", grpc=True, missing=SEQUENCES
+        "simple_grpc_aio_sequence_stream_infer_client.py", grpc=True
     ),
     "grpc-custom-repeat": Example(
         "simple_grpc_custom_repeat.py", grpc=True, expect="PASS: Decoupled API"

@@ -317,7 +317,7 @@ def test_version_policy_specific(http_client: triton_http.InferenceServerClient)
 
 
 def test_unsupported_fields_refused_by_name(triton_server: Server) -> None:
-    for model, named in (("unsupported", "'sequence_batching'"),):
+    for model, named in (("unsupported", "'sequence_batching.iterative_sequence'"),):
         response = httpx.post(f"{triton_server.url}/v2/repository/models/{model}/load", timeout=30)
         assert response.status_code == 400, response.text
         assert named in response.json()["error"]

@@ -120,7 +120,7 @@ class PythonBackendHandler(ModelHandler):
         """One ``execute`` over every part, each part one request; an error response, or
         ``execute`` raising, fails those requests with the model's own message."""
         unbatched = self.config.batch_dimension is False
-        outputs = [spec.name for spec in self.config.outputs]
+        outputs = [spec.name for spec in self._outputs]
         version = int(self.config.version) if self.config.version.isdigit() else -1
         requests = [
             utils.InferenceRequest(
@@ -132,6 +132,8 @@ class PythonBackendHandler(ModelHandler):
                 model_name=self.config.name,
                 model_version=version,
                 sender=self._sender(part.responder) if self.config.decoupled else None,
+                correlation_id=0 if part.sequence is None else part.sequence.correlation_id,
+                flags=0 if part.sequence is None else part.sequence.flags,
             )
             for part in parts
         ]

@@ -179,8 +179,12 @@ class InferenceRequest:
         model_version: int = -1,
         parameters: str = "{}",
         sender: InferenceResponseSender | None = None,
+        correlation_id: int | str = 0,
+        flags: int = 0,
     ) -> None:
         self._sender = sender
+        self._correlation_id = correlation_id
+        self._flags = flags
         self._inputs = list(inputs)
         self._requested = list(requested_output_names)
         self._id = request_id
@@ -207,10 +211,12 @@ class InferenceRequest:
         return self._parameters
 
     def flags(self) -> int:
-        return 0
+        """The sequence flags: ``TRITONSERVER_REQUEST_FLAG_SEQUENCE_START`` (1) and ``_END`` (2)."""
+        return self._flags
 
-    def correlation_id(self) -> int:
-        return 0
+    def correlation_id(self) -> int | str:
+        """The sequence's id (a number or a string); 0 outside a sequence."""
+        return self._correlation_id
 
     def is_cancelled(self) -> bool:
         return False

@@ -91,7 +91,10 @@ def test_onnx_without_config_is_auto_completed_at_load(tmp_path: Path) -> None:
     ("edit", "named"),
     [
         (lambda t: t.replace('name: "simple"', 'name: "other"'), "field 'name'"),
-        (lambda t: t + "\nsequence_batching { }\n", "'sequence_batching'"),
+        (
+            lambda t: t + "\nsequence_batching { iterative_sequence: true }\n",
+            "'sequence_batching.iterative_sequence'",
+        ),
         (lambda t: t + "\nensemble_scheduling { }\n", "cannot be set for model 'simple'"),
         (lambda t: t.replace("onnxruntime_onnx", "tensorrt_plan"), "'tensorrt_plan'"),
         (lambda t: t.replace("TYPE_INT32", "TYPE_BF16", 1), "TYPE_BF16"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from nograd.settings import Settings
@@ -11,6 +13,7 @@ from nograd.supervisor.plan import (
     another_fits,
     auto_workers,
     resolve_workers,
+    sequence_models,
 )
 
 
@@ -48,3 +51,19 @@ def test_another_worker_fits_only_within_the_share_of_available_memory() -> None
     assert another_fits(800, 1000) is (AUTO_MEMORY_SHARE * 1000 >= 800)
     assert another_fits(801, 1000) is False
     assert another_fits(None, 0)  # an unreadable footprint does not stop a start
+
+
+def test_auto_plans_one_worker_for_a_repository_with_a_sequence_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each worker keeps its own sequences, and a sequence's requests may reach any worker."""
+    monkeypatch.setattr("nograd.supervisor.plan.auto_plan", lambda threads: (2, "2 cores"))
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "config.pbtxt").write_text('name: "plain"\n# sequence_batching\n')
+    settings, _ = resolve_workers(Settings(workers="auto", model_repository=tmp_path))
+    assert settings.workers == 2 and sequence_models(tmp_path) == []
+    (tmp_path / "seq").mkdir()
+    (tmp_path / "seq" / "config.pbtxt").write_text("max_batch_size: 8\nsequence_batching {\n}\n")
+    settings, planned = resolve_workers(Settings(workers="auto", model_repository=tmp_path))
+    assert (settings.workers, planned) == (1, True)
+    assert sequence_models(tmp_path) == ["seq"]

@@ -1,0 +1,168 @@
+"""Requests of a sequence model (Triton's ``sequence_batching``), whatever front they came by:
+the request's ``sequence_id``, ``sequence_start`` and ``sequence_end`` checked as Triton checks
+them, the request run as its sequence's next (``nograd.batching.sequences``), fed the control
+inputs its model declares (START, END, READY, CORRID) and its sequence's implicit state, whose new
+value is kept for the next request and never answered to the client.
+
+A model without ``sequence_batching`` refuses a request that names a sequence: answering it as if
+it had not would lose the state its client counts on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Final
+
+import numpy as np
+
+from nograd.batching.sequences import Sequence, SequenceBook, UnknownSequence
+from nograd.core.datatypes import NUMPY_DTYPES
+from nograd.runtime.handler import Outputs
+from nograd.runtime.sequence_config import SequenceBatching, SequenceControl
+from nograd.runtime.sequence_step import FLAG_END, FLAG_START, SequenceStep
+from nograd.serving.errors import InvalidInput
+from nograd.serving.registry import ServedModel
+
+SEQUENCE_PARAMETERS: Final = ("sequence_id", "sequence_start", "sequence_end")
+SequenceId = int | str
+Run = Callable[[SequenceStep], Awaitable[tuple[ServedModel, Outputs]]]
+"""One inference of the request with its sequence's tensors added."""
+
+
+@dataclass(frozen=True)
+class SequenceRequest:
+    """What a request says of its sequence: its id (0 or "" for none) and flags."""
+
+    id: SequenceId = 0
+    start: bool = False
+    end: bool = False
+
+    @property
+    def named(self) -> list[str]:
+        """The sequence parameters the request set."""
+        values = (self.id, self.start, self.end)
+        return [key for key, value in zip(SEQUENCE_PARAMETERS, values, strict=True) if value]
+
+
+def sequence_request(parameters: Mapping[str, object]) -> SequenceRequest:
+    """The sequence parameters among a request's ``parameters``; an id must be a non-negative
+    integer or a string, the flags booleans."""
+    given_id = parameters.get("sequence_id", 0)
+    if isinstance(given_id, bool) or not isinstance(given_id, int | str):
+        raise InvalidInput(
+            f"parameter 'sequence_id' must be an integer or a string, got {given_id!r}"
+        )
+    if isinstance(given_id, int) and given_id < 0:
+        raise InvalidInput(f"parameter 'sequence_id' must not be negative, got {given_id}")
+    flags = []
+    for key in SEQUENCE_PARAMETERS[1:]:
+        value = parameters.get(key, False)
+        if not isinstance(value, bool):
+            raise InvalidInput(f"parameter {key!r} must be a boolean, got {value!r}")
+        flags.append(value)
+    return SequenceRequest(given_id, flags[0], flags[1])
+
+
+def refuse_sequence(model: str, request: SequenceRequest) -> None:
+    """A request naming a sequence to a model that declares none: a 400 naming what it asked."""
+    if request.named:
+        raise InvalidInput(
+            f"model '{model}' is not a sequence model (its configuration has no "
+            f"sequence_batching): the request's {', '.join(request.named)} cannot be honoured"
+        )
+
+
+class Sequences:
+    """The sequences under way of every sequence model, one book per model version."""
+
+    def __init__(self, max_sequences: int) -> None:
+        self.max_sequences = max_sequences
+        self._books: dict[tuple[str, str], SequenceBook] = {}
+
+    def book(self, model: ServedModel) -> SequenceBook:
+        sequence = model.config.sequence
+        assert sequence is not None
+        key = (model.name, model.version)
+        book = self._books.get(key)
+        if book is None or book.idle_s != sequence.idle_s:
+            book = self._books[key] = SequenceBook(sequence.idle_s, self.max_sequences)
+        return book
+
+    async def infer(
+        self,
+        model: ServedModel,
+        request: SequenceRequest,
+        inputs: Mapping[str, np.ndarray],
+        run: Run,
+    ) -> tuple[ServedModel, Outputs]:
+        """``run`` the request as its sequence's next; Triton's refusals, word for word, of a
+        request with no sequence id and of one continuing a sequence not under way."""
+        sequence = model.config.sequence
+        assert sequence is not None
+        if not request.id:
+            raise InvalidInput(
+                f"inference request to model '{model.name}' must specify a non-zero or "
+                "non-empty correlation ID"
+            )
+
+        async def step(under_way: Sequence) -> tuple[ServedModel, Outputs]:
+            tensors = _tensors(model, sequence, request, inputs, under_way)
+            flags = (FLAG_START if request.start else 0) | (FLAG_END if request.end else 0)
+            served, outputs = await run(SequenceStep(request.id, flags, tensors))
+            kept = {state.output_name for state in sequence.states}
+            for state in sequence.states:
+                under_way.state[state.input_name] = outputs[state.output_name]
+            return served, {name: array for name, array in outputs.items() if name not in kept}
+
+        try:
+            return await self.book(model).run(request.id, request.start, request.end, step)
+        except UnknownSequence:
+            raise InvalidInput(
+                f"inference request for sequence {request.id} to model '{model.name}' must "
+                "specify the START flag on the first request of the sequence"
+            ) from None
+
+
+def _tensors(
+    model: ServedModel,
+    sequence: SequenceBatching,
+    request: SequenceRequest,
+    inputs: Mapping[str, np.ndarray],
+    under_way: Sequence,
+) -> dict[str, np.ndarray]:
+    """The controls and states of one request, one row each per row of the request (a model
+    without a batch dimension: one value)."""
+    batched = model.config.batch_dimension is not False
+    rows = len(next(iter(inputs.values()))) if batched and inputs else 1
+    lead = (rows,) if batched else ()
+    tensors = {
+        control.name: _control(control, request, (*lead, 1)) for control in sequence.controls
+    }
+    for state in sequence.states:
+        kept = under_way.state.get(state.input_name)
+        if kept is None:
+            kept = np.zeros((*lead, *state.shape), NUMPY_DTYPES[state.datatype])
+        elif batched and len(kept) != rows:
+            raise InvalidInput(
+                f"sequence {request.id} of model '{model.name}' holds state for {len(kept)} "
+                f"row(s); this request has {rows} (a sequence keeps its number of rows)"
+            )
+        tensors[state.input_name] = kept
+    return tensors
+
+
+def _control(
+    control: SequenceControl, request: SequenceRequest, shape: tuple[int, ...]
+) -> np.ndarray:
+    if control.kind == "corrid":
+        if control.datatype == "BYTES":
+            return np.full(shape, str(request.id).encode(), dtype=np.object_)
+        if not isinstance(request.id, int):
+            raise InvalidInput(
+                f"the model's CORRID control {control.name!r} is {control.datatype}: "
+                f"parameter 'sequence_id' must be an integer, got {request.id!r}"
+            )
+        return np.full(shape, request.id, NUMPY_DTYPES[control.datatype])
+    on = {"start": request.start, "end": request.end, "ready": True}[control.kind]
+    return np.full(shape, control.true if on else control.false, NUMPY_DTYPES[control.datatype])

@@ -1,0 +1,134 @@
+"""The sequence book on its own: order within a sequence, concurrency across sequences, start,
+end, idle release and its bound, on a clock the tests move."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from nograd.batching.sequences import Sequence, SequenceBook, TooManySequences, UnknownSequence
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def adder(value: int) -> object:
+    async def work(sequence: Sequence) -> int:
+        sequence.state["sum"] = sequence.state.get("sum", 0) + value
+        return int(sequence.state["sum"])
+
+    return work
+
+
+async def test_each_sequence_keeps_its_own_state() -> None:
+    book = SequenceBook(idle_s=5.0, max_sequences=4)
+    assert await book.run(1, True, False, adder(10)) == 10
+    assert await book.run("a", True, False, adder(100)) == 100
+    assert await book.run(1, False, False, adder(5)) == 15
+    assert await book.run("a", False, True, adder(1)) == 101
+    assert "a" not in book and 1 in book
+
+
+async def test_a_sequence_must_start_and_its_end_releases_it() -> None:
+    book = SequenceBook(idle_s=5.0, max_sequences=4)
+    with pytest.raises(UnknownSequence):
+        await book.run(7, False, False, adder(1))
+    await book.run(7, True, True, adder(1))
+    with pytest.raises(UnknownSequence):
+        await book.run(7, False, False, adder(1))
+    assert await book.run(7, True, False, adder(3)) == 3  # the id starts afresh
+
+
+async def test_start_again_begins_a_fresh_state() -> None:
+    book = SequenceBook(idle_s=5.0, max_sequences=4)
+    await book.run(1, True, False, adder(10))
+    assert await book.run(1, True, False, adder(2)) == 2
+
+
+async def test_an_int_and_a_string_id_are_different_sequences() -> None:
+    book = SequenceBook(idle_s=5.0, max_sequences=4)
+    await book.run(1000, True, False, adder(1))
+    with pytest.raises(UnknownSequence):
+        await book.run("1000", False, False, adder(1))
+
+
+async def test_idle_sequences_are_released_but_not_busy_ones() -> None:
+    clock = Clock()
+    book = SequenceBook(idle_s=1.0, max_sequences=4, clock=clock)
+    await book.run(1, True, False, adder(1))
+    gate = asyncio.Event()
+
+    async def slow(sequence: Sequence) -> int:
+        await gate.wait()
+        return 0
+
+    await book.run(2, True, False, adder(1))
+    running = asyncio.create_task(book.run(2, False, False, slow))
+    await asyncio.sleep(0)
+    clock.now = 2.0
+    assert book.release_idle() == 1  # sequence 1; sequence 2 waits on its model
+    assert 1 not in book and 2 in book
+    gate.set()
+    await running
+    clock.now = 2.5
+    assert 2 in book
+    clock.now = 3.6
+    assert 2 not in book
+    with pytest.raises(UnknownSequence):
+        await book.run(2, False, False, adder(1))
+
+
+async def test_requests_of_one_sequence_run_in_order_others_alongside() -> None:
+    book = SequenceBook(idle_s=5.0, max_sequences=4)
+    log: list[str] = []
+    release = asyncio.Event()
+
+    def step(name: str, wait: bool) -> object:
+        async def work(sequence: Sequence) -> None:
+            log.append(f"{name} begins")
+            if wait:
+                await release.wait()
+            log.append(f"{name} ends")
+
+        return work
+
+    await book.run(1, True, False, step("start", False))
+    first = asyncio.create_task(book.run(1, False, False, step("a1", True)))
+    second = asyncio.create_task(book.run(1, False, False, step("a2", False)))
+    await asyncio.sleep(0.01)
+    await book.run(2, True, False, step("b", False))  # another sequence is not held up
+    assert log[2:] == ["a1 begins", "b begins", "b ends"]
+    release.set()
+    await asyncio.gather(first, second)
+    assert log[5:] == ["a1 ends", "a2 begins", "a2 ends"]
+
+
+async def test_sequences_beyond_the_bound_are_shed_until_one_is_released() -> None:
+    clock = Clock()
+    book = SequenceBook(idle_s=1.0, max_sequences=2, clock=clock)
+    await book.run(1, True, False, adder(1))
+    await book.run(2, True, False, adder(1))
+    with pytest.raises(TooManySequences) as shed:
+        await book.run(3, True, False, adder(1))
+    assert shed.value.retry_after_s == 1.0
+    await book.run(1, True, False, adder(1))  # restarting one under way takes no new place
+    clock.now = 1.5
+    assert await book.run(3, True, False, adder(4)) == 4
+
+
+async def test_a_failed_request_keeps_its_sequence() -> None:
+    book = SequenceBook(idle_s=5.0, max_sequences=4)
+    await book.run(1, True, False, adder(1))
+
+    async def boom(sequence: Sequence) -> int:
+        raise RuntimeError("model failed")
+
+    with pytest.raises(RuntimeError):
+        await book.run(1, False, False, boom)
+    assert await book.run(1, False, False, adder(2)) == 3
