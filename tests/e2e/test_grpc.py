@@ -106,6 +106,16 @@ def test_infer_digits_matches_http(
     assert only.as_numpy("logits") is None and only.as_numpy("label") is not None
 
 
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_compressed_requests_get_the_same_answer(
+    client: triton.InferenceServerClient, algorithm: str
+) -> None:
+    """tritonclient's ``compression_algorithm`` (Triton's QA runs every client with each)."""
+    plain = client.infer("digits", [_images(True)]).as_numpy("logits")
+    packed = client.infer("digits", [_images(True)], compression_algorithm=algorithm)
+    assert plain is not None and np.array_equal(packed.as_numpy("logits"), plain)
+
+
 def test_infer_texts_on_minilm(client: triton.InferenceServerClient) -> None:
     texts = np.array([b"A man is eating food.", "Ünïcödé 🙂".encode(), b""], dtype=np.object_)
     tensor = triton.InferInput("text", [3], "BYTES")
