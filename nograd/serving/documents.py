@@ -16,6 +16,8 @@ EXTENSIONS: Final = (
     "logging",
     "model_configuration",
     "model_repository",
+    "model_repository(unload_dependents)",
+    "sequence",
     "statistics",
     "system_shared_memory",
     "trace",

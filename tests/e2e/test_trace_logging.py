@@ -209,10 +209,10 @@ def test_log_settings_change_what_the_server_logs(server: Server) -> None:
     assert unknown.status_code == 400 and "unknown log setting 'log_colour'" in unknown.text
 
 
-def test_metadata_lists_trace_and_logging(server: Server) -> None:
-    extensions = httpx.get(f"{server.url}/v2", timeout=10).json()["extensions"]
-    assert "trace" in extensions and "logging" in extensions
-    assert {"trace", "logging"} <= set(_grpc(server).get_server_metadata().extensions)
+def test_metadata_lists_trace_logging_and_sequences(server: Server) -> None:
+    listed = {"trace", "logging", "sequence", "model_repository(unload_dependents)"}
+    assert listed <= set(httpx.get(f"{server.url}/v2", timeout=10).json()["extensions"])
+    assert listed <= set(_grpc(server).get_server_metadata().extensions)
 
 
 class _Collector(BaseHTTPRequestHandler):
