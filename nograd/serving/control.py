@@ -99,6 +99,8 @@ class ModelControl:
             # A worker started after control calls (a restart) serves what its siblings serve:
             # the same versions, with the same overrides.
             self._plane.discover(recorded.__contains__, recorded)
+            for version in self.uploads.recorded(recorded, self._find):
+                self._plane.registry.add(ServedModel.of(version))
         else:
             names = self._settings.load_model_names
             self._plane.discover(None if names is None else names.__contains__)

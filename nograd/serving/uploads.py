@@ -11,16 +11,24 @@ from __future__ import annotations
 
 import base64
 import binascii
+import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Final
 
 from nograd.interop.triton import CONFIG_FILE
 from nograd.interop.triton_json import config_text
-from nograd.serving.errors import InvalidInput, PollFailed
+from nograd.serving.errors import InvalidInput, ModelNotFound, PollFailed
+from nograd.serving.repository import ModelSource, Override, VersionSource, Wanted
+
+logger = logging.getLogger(__name__)
+
+Finder = Callable[[str, Override | None, dict[str, Override | None] | None], ModelSource]
+"""How model control reads a model (``ModelControl._find``): name, override, wanted versions."""
 
 FILE_PREFIX: Final = "file:"
 NAME_MAX: Final = 255
@@ -108,6 +116,18 @@ class Uploads:
             raise PollFailed(f"the model's files could not be written: {exc.strerror}") from exc
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+
+    def recorded(self, served: Wanted, find: Finder) -> list[VersionSource]:
+        """The uploaded versions of ``served`` (what the workers serve, as the last control call
+        recorded it), read again by a worker that starts after the upload; one that cannot be
+        read is logged and left out."""
+        versions: list[VersionSource] = []
+        for name in filter(self.holds, served):
+            try:
+                versions.extend(find(name, None, dict(served[name])).versions.values())
+            except (InvalidInput, ModelNotFound) as exc:
+                logger.error("uploaded model %s not served by this worker: %s", name, exc)
+        return versions
 
     def remove(self, name: str) -> None:
         """Forget model ``name``'s upload: its next load reads the repository's folder."""

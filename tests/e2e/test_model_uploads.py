@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +19,7 @@ import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton_http
 from tritonclient.utils import InferenceServerException
 
-from tests.e2e.serving import Server, free_port, run_server
+from tests.e2e.serving import Server, free_port, run_server, wait_for_log, worker_pids
 from tests.triton_models import FIXTURES
 
 pytestmark = pytest.mark.e2e
@@ -132,6 +134,16 @@ def test_an_upload_replaces_a_repository_model_until_a_load_without_files(
     assert uploading.outputs("addsub") == [SCALED] * 12
     uploading.grpc.load_model("addsub")
     assert uploading.outputs("addsub") == [ADDED] * 12
+
+
+def test_a_restarted_worker_serves_the_upload_too(uploading: Uploading) -> None:
+    uploading.http.load_model("kept", config=CONFIG, files={"file:1/model.py": SCALE})
+    pids = worker_pids(uploading.server)
+    os.kill(pids[0], signal.SIGKILL)
+    wait_for_log(uploading.server, "worker 0 ready after", times=2)
+    assert worker_pids(uploading.server)[0] != pids[0]
+    assert uploading.outputs("kept") == [SCALED] * 12
+    uploading.http.unload_model("kept")
 
 
 @pytest.mark.parametrize(
