@@ -97,8 +97,9 @@ def test_a_collector_down_or_hung_costs_no_request_and_no_stop_time(
         traced_again = asyncio.run(_burst(server.url, BURST))
         assert max(traced, traced_again) < 3 * untraced + 1.0, (untraced, traced, traced_again)
         log = server.log()
-        # Spans over the bound are dropped, and said so a bounded number of times.
-        assert log.count("Queue full") <= 5, log[-3000:]
+        # Spans over the bound are dropped (memory stays bounded), and said so a bounded number
+        # of times, not once per span.
+        assert 1 <= log.count("Queue full") <= 5, log[-3000:]
 
         # Stopping while spans wait for a collector that will not take them.
         _set_level(server.url, "TIMESTAMPS")
