@@ -298,6 +298,14 @@ class Settings(BaseSettings):
     """Longest time a finished span waits before it is sent to the collector (spans go in
     batches)."""
 
+    otlp_max_queue_size: int = Field(default=2048, ge=1, le=1_000_000)
+    """Most finished spans held for the collector (Triton's ``bsp_max_queue_size``); past it,
+    while the collector is down or slow, the oldest are dropped."""
+
+    otlp_timeout_s: float = Field(default=5.0, gt=0, le=300)
+    """Longest one export to the collector takes, its retries included; also how long the
+    server's stop waits for the last spans."""
+
     @property
     def worker_count(self) -> int:
         """``workers`` as a number. ``auto`` is resolved by the ``nograd`` command before it

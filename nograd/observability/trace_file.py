@@ -1,5 +1,6 @@
 """Triton's trace file: a JSON array where each trace is an object naming its model (``id``,
-``model_name``, ``model_version``, ``request_id``), then one object per timestamp
+``model_name``, ``model_version``, ``request_id`` when the request has one, ``parent_id`` for an
+ensemble step's trace), then one object per timestamp
 (``{"id": n, "timestamps": [{"name": ..., "ns": ...}]}``), so Triton's trace summary tools read
 nograd's traces.
 
@@ -25,7 +26,8 @@ logger = logging.getLogger(__name__)
 
 
 def entries(trace: Trace) -> list[dict[str, Any]]:
-    """One trace's objects in Triton's trace file."""
+    """One trace's objects in Triton's trace file, then those of its child traces (an
+    ensemble's steps, each naming the ensemble's trace as its ``parent_id``)."""
     head: dict[str, Any] = {
         "id": trace.id,
         "model_name": trace.model,
@@ -33,10 +35,15 @@ def entries(trace: Trace) -> list[dict[str, Any]]:
     }
     if trace.request_id:
         head["request_id"] = trace.request_id
+    if trace.parent_id:
+        head["parent_id"] = trace.parent_id
     stamps = sorted(trace.stamps.items(), key=lambda item: item[1])
-    return [head] + [
+    found = [head] + [
         {"id": trace.id, "timestamps": [{"name": name, "ns": ns}]} for name, ns in stamps
     ]
+    for child in trace.children:
+        found.extend(entries(child))
+    return found
 
 
 class TraceFile:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from contextvars import ContextVar, Token
 from dataclasses import replace
 from typing import Protocol
@@ -21,6 +22,8 @@ from nograd.observability.trace_settings import TraceSetting, TraceSettings, Val
 
 ACTIVE: ContextVar[Trace | None] = ContextVar("nograd_trace", default=None)
 """The trace of the request the current task serves, when it is sampled."""
+_IDS = itertools.count(1)
+"""Trace ids, one sequence for every trace and child trace of the process (0: no parent)."""
 
 
 def epoch_offset_ns() -> int:
@@ -31,15 +34,31 @@ def epoch_offset_ns() -> int:
 class Trace:
     """One sampled request: who it is, and its timestamps by Triton's names, in order taken."""
 
-    __slots__ = ("id", "model", "parent", "request_id", "stamps", "token", "version")
+    __slots__ = (
+        "children",
+        "id",
+        "model",
+        "parent",
+        "parent_id",
+        "request_id",
+        "stamps",
+        "token",
+        "version",
+    )
 
-    def __init__(self, trace_id: int, model: str, request_id: str, parent: str | None) -> None:
+    def __init__(
+        self, trace_id: int, model: str, request_id: str, parent: str | None, parent_id: int = 0
+    ) -> None:
         self.id = trace_id
         self.model = model
         self.version = ""
         self.request_id = request_id
         self.parent = parent
         """The caller's W3C ``traceparent``, if it sent one."""
+        self.parent_id = parent_id
+        """The id of the ensemble's trace this step's trace belongs to (0: none)."""
+        self.children: list[Trace] = []
+        """The traces of an ensemble's steps, in the order they started."""
         self.stamps: dict[str, int] = {}
         self.token: Token[Trace | None] | None = None
 
@@ -49,6 +68,31 @@ class Trace:
         if first and name in self.stamps:
             return
         self.stamps[name] = time.perf_counter_ns() if ns is None else ns
+
+    def spawn(self, model: str) -> Trace:
+        """A child trace for one of this ensemble's steps (Triton's ``SpawnChildTrace``), stamped
+        REQUEST_START."""
+        child = Trace(next(_IDS), model, self.request_id, None, parent_id=self.id)
+        child.stamp("REQUEST_START")
+        self.children.append(child)
+        return child
+
+
+@contextmanager
+def step_trace(model: str) -> Iterator[None]:
+    """Within an ensemble's sampled request, the step on ``model`` runs under a child trace of
+    its own (the active one while it runs), stamped REQUEST_END when the step ends."""
+    parent = ACTIVE.get()
+    if parent is None:
+        yield
+        return
+    child = parent.spawn(model)
+    token = ACTIVE.set(child)
+    try:
+        yield
+    finally:
+        child.stamp("REQUEST_END")
+        ACTIVE.reset(token)
 
 
 class TraceSink(Protocol):
@@ -65,7 +109,6 @@ class Tracer:
     def __init__(self, settings: TraceSettings, sink: TraceSink) -> None:
         self.settings = settings
         self._sink = sink
-        self._ids = itertools.count(1)
         self._seen: dict[str | None, int] = {}
         self._left: dict[str | None, int] = {}
         self.active = False
@@ -106,7 +149,7 @@ class Tracer:
             return None
         if left > 0:
             self._left[key] = left - 1
-        trace = Trace(next(self._ids), model, request_id, parent)
+        trace = Trace(next(_IDS), model, request_id, parent)
         trace.stamp("REQUEST_START")
         trace.token = ACTIVE.set(trace)
         return trace

@@ -19,6 +19,7 @@ from nograd.core.responses import ResponseQueue
 from nograd.host.ledger import CoreLedger, CoreShare
 from nograd.observability.metrics import Metrics
 from nograd.observability.stats import Statistics
+from nograd.observability.tracing import step_trace
 from nograd.protocol.limits import decoded_too_large
 from nograd.runtime.config import EnsembleStep
 from nograd.runtime.handler import Outputs
@@ -38,7 +39,7 @@ from nograd.serving.heap_return import HeapReturn
 from nograd.serving.loading import ModelLoader
 from nograd.serving.registry import ModelRegistry, ServedModel, State
 from nograd.serving.repository import Wanted, model_names
-from nograd.serving.trace_stamps import request_part
+from nograd.serving.trace_stamps import ensemble_queued, request_part
 from nograd.serving.validation import (
     Declared,
     add_batch_dimension,
@@ -432,11 +433,13 @@ class DataPlane:
 
         async def run_step(step: EnsembleStep, given: dict[str, np.ndarray]) -> Outputs:
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-            _, outputs = await self.infer(
-                step.model, step.version, given, timeout_s=timeout, request_id=request_id
-            )
+            with step_trace(step.model):
+                _, outputs = await self.infer(
+                    step.model, step.version, given, timeout_s=timeout, request_id=request_id
+                )
             return outputs
 
+        ensemble_queued(model)
         started = time.perf_counter()
         outputs = await compose(model.config, inputs, run_step)
         # Triton counts one execution of the ensemble per request it answers.

@@ -52,7 +52,11 @@ def trace_sink(settings: Settings, several_workers: bool) -> TraceSink:
         from nograd.observability.otlp import OtlpSpans
 
         return OtlpSpans(
-            settings.otlp_endpoint, settings.server_name, settings.otlp_export_delay_ms
+            settings.otlp_endpoint,
+            settings.server_name,
+            settings.otlp_export_delay_ms,
+            max_queue_size=settings.otlp_max_queue_size,
+            timeout_s=settings.otlp_timeout_s,
         )
     path = settings.trace_file
     if path is not None and several_workers:

@@ -1,6 +1,9 @@
 """Where a sampled request's trace is stamped inside the serving core: QUEUE_START as its part
-goes to the model's batcher, COMPUTE_START and COMPUTE_END around the forward that computes
-it. The part carries its trace to the device thread; the batcher never knows of traces.
+goes to the model's batcher (or as an ensemble's request starts its steps), COMPUTE_START and
+COMPUTE_END around the forward that computes it. The part carries its trace to the device
+thread; the batcher never knows of traces. An ensemble's steps trace under child traces
+(``nograd.observability.tracing.step_trace``), so the ensemble's own trace has no compute, as
+in Triton.
 """
 
 from __future__ import annotations
@@ -29,6 +32,15 @@ def request_part(
     trace.version = model.version
     trace.stamp("QUEUE_START", first=True)
     return replace(part, responder=responder, sequence=sequence, trace=trace)
+
+
+def ensemble_queued(model: ServedModel) -> None:
+    """An ensemble's sampled request starts its steps: its trace stamped QUEUE_START (Triton's
+    ensemble scheduler stamps it as the request enters)."""
+    trace = ACTIVE.get()
+    if trace is not None:
+        trace.version = model.version
+        trace.stamp("QUEUE_START", first=True)
 
 
 class TracedRunner:

@@ -29,12 +29,51 @@ pytestmark = pytest.mark.e2e
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_SPAN = "00f067aa0ba902b7"
+CHAIN_TRACE_ID = "2" * 32
 OFF = {"trace_level": ["OFF"], "trace_rate": "1000", "trace_count": "-1", "log_frequency": "0"}
+
+
+CHAIN = """
+name: "simple_chain"
+platform: "ensemble"
+max_batch_size: 8
+input [
+  { name: "INPUT0", data_type: TYPE_INT32, dims: [ 16 ] },
+  { name: "INPUT1", data_type: TYPE_INT32, dims: [ 16 ] }
+]
+output [
+  { name: "OUTPUT0", data_type: TYPE_INT32, dims: [ 16 ] },
+  { name: "OUTPUT1", data_type: TYPE_INT32, dims: [ 16 ] }
+]
+ensemble_scheduling {
+  step [
+    {
+      model_name: "simple"
+      model_version: -1
+      input_map { key: "INPUT0" value: "INPUT0" }
+      input_map { key: "INPUT1" value: "INPUT1" }
+      output_map { key: "OUTPUT0" value: "sum" }
+      output_map { key: "OUTPUT1" value: "difference" }
+    },
+    {
+      model_name: "simple"
+      model_version: -1
+      input_map { key: "INPUT0" value: "sum" }
+      input_map { key: "INPUT1" value: "difference" }
+      output_map { key: "OUTPUT0" value: "OUTPUT0" }
+      output_map { key: "OUTPUT1" value: "OUTPUT1" }
+    }
+  ]
+}
+"""
+"""Triton's ``simple`` twice in a row: (a + b) + (a - b) and (a + b) - (a - b)."""
 
 
 def _repository(root: Path) -> Path:
     repo = root / "repo"
     shutil.copytree(FIXTURES / "simple", repo / "simple")
+    (repo / "simple_chain" / "1").mkdir(parents=True)
+    (repo / "simple_chain" / "config.pbtxt").write_text(CHAIN)
     return repo
 
 
@@ -59,11 +98,16 @@ def _grpc(server: Server) -> triton_grpc.InferenceServerClient:
     return triton_grpc.InferenceServerClient(server.grpc_address)
 
 
-def _http_infer(client: triton_http.InferenceServerClient, headers: dict[str, str] | None = None):
+def _http_infer(
+    client: triton_http.InferenceServerClient,
+    headers: dict[str, str] | None = None,
+    model: str = "simple",
+    request_id: str = "",
+):
     inputs = [triton_http.InferInput(n, [1, 16], "INT32") for n in ("INPUT0", "INPUT1")]
     for each in inputs:
         each.set_data_from_numpy(np.ones((1, 16), dtype=np.int32))
-    return client.infer("simple", inputs, headers=headers)
+    return client.infer(model, inputs, headers=headers, request_id=request_id)
 
 
 def _grpc_infer(client: triton_grpc.InferenceServerClient, headers: dict[str, str] | None = None):
@@ -179,6 +223,59 @@ def test_sampled_requests_go_to_triton_s_trace_file(server: Server) -> None:
         assert [s["ns"] for s in stamps] == sorted(s["ns"] for s in stamps)
 
 
+def _stamps(entries: list[dict], trace_id: int) -> dict[str, int]:
+    return {
+        e["timestamps"][0]["name"]: e["timestamps"][0]["ns"]
+        for e in entries
+        if e["id"] == trace_id and "timestamps" in e
+    }
+
+
+def test_an_ensemble_traces_each_step_as_a_child_trace(server: Server) -> None:
+    http = _http(server)
+    folder = Path(server.log_path).parent
+    before = set(folder.glob("trace.json.*"))
+    http.update_trace_settings(
+        "simple_chain", {"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_count": "1"}
+    )
+    try:
+        answer = _http_infer(http, model="simple_chain", request_id="chained")
+        assert (answer.as_numpy("OUTPUT0") == 2).all() and (answer.as_numpy("OUTPUT1") == 2).all()
+        deadline = time.monotonic() + 10
+        while not (set(folder.glob("trace.json.*")) - before) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (written,) = set(folder.glob("trace.json.*")) - before
+        entries = json.loads(written.read_text())
+    finally:
+        http.update_trace_settings("simple_chain", {name: None for name in OFF})
+    heads = [e for e in entries if "model_name" in e]
+    ensemble, *steps = heads
+    # Triton's: the ensemble's own trace, then one per step naming it as parent_id.
+    assert ensemble == {
+        "id": ensemble["id"],
+        "model_name": "simple_chain",
+        "model_version": 1,
+        "request_id": "chained",
+    }
+    assert [s["model_name"] for s in steps] == ["simple", "simple"]
+    assert all(s["parent_id"] == ensemble["id"] and s["request_id"] == "chained" for s in steps)
+    assert len({ensemble["id"], *(s["id"] for s in steps)}) == 3
+    outer = _stamps(entries, ensemble["id"])
+    assert list(outer) == ["REQUEST_START", "QUEUE_START", "REQUEST_END"]  # no compute of its own
+    first, second = (_stamps(entries, s["id"]) for s in steps)
+    for inner in (first, second):
+        assert list(inner) == [
+            "REQUEST_START",
+            "QUEUE_START",
+            "COMPUTE_START",
+            "COMPUTE_END",
+            "REQUEST_END",
+        ]
+        assert outer["QUEUE_START"] <= inner["REQUEST_START"]
+        assert inner["REQUEST_END"] <= outer["REQUEST_END"]
+    assert first["COMPUTE_END"] <= second["COMPUTE_START"]  # the second step takes the first's
+
+
 def test_log_settings_change_what_the_server_logs(server: Server) -> None:
     http, grpc = _http(server), _grpc(server)
     assert http.get_log_settings() == {
@@ -267,15 +364,41 @@ def test_traces_go_to_an_otlp_collector_under_the_caller_s_parent(
         _http_infer(_http(running), {"traceparent": f"00-{TRACE_ID}-{PARENT_SPAN}-01"})
         grpc_parent = f"00-{TRACE_ID}-{'1' * 16}-01"
         _grpc_infer(_grpc(running), {"traceparent": grpc_parent})
+        chain_parent = f"00-{CHAIN_TRACE_ID}-{PARENT_SPAN}-01"
+        _http_infer(_http(running), {"traceparent": chain_parent}, model="simple_chain")
         deadline = time.monotonic() + 15
-        while len(_Collector.spans) < 6 and time.monotonic() < deadline:
+        while len(_Collector.spans) < 12 and time.monotonic() < deadline:
             time.sleep(0.05)
-    spans = _Collector.spans
+    spans = [s for s in _Collector.spans if s.trace_id.hex() == TRACE_ID]
     requests = [s for s in spans if s.name == "InferRequest"]
     assert sorted(s.parent_span_id.hex() for s in requests) == sorted([PARENT_SPAN, "1" * 16])
-    assert all(s.trace_id.hex() == TRACE_ID for s in spans)
     models = [s for s in spans if s.name == "simple"]
     assert {s.parent_span_id for s in models} == {s.span_id for s in requests}
-    events = [event.name for event in models[0].events]
-    assert events == ["REQUEST_START", "QUEUE_START", "COMPUTE_START", "COMPUTE_END", "REQUEST_END"]
-    assert len([s for s in spans if s.name == "compute"]) == 2
+    # Triton's events: the request's on the model's span, the compute's on its compute span.
+    assert [e.name for e in models[0].events] == ["REQUEST_START", "QUEUE_START", "REQUEST_END"]
+    computes = [s for s in spans if s.name == "compute"]
+    assert {s.parent_span_id for s in computes} == {s.span_id for s in models}
+    assert [e.name for e in computes[0].events] == ["COMPUTE_START", "COMPUTE_END"]
+    assert len(spans) == 6
+
+    # An ensemble: its span inside the request's, a span per step inside it, each computing.
+    chain = [s for s in _Collector.spans if s.trace_id.hex() == CHAIN_TRACE_ID]
+    names = {s.span_id: s.name for s in chain}
+    nesting = sorted((names.get(s.parent_span_id, "-"), s.name) for s in chain)
+    assert nesting == [
+        ("-", "InferRequest"),
+        ("InferRequest", "simple_chain"),
+        ("simple", "compute"),
+        ("simple", "compute"),
+        ("simple_chain", "simple"),
+        ("simple_chain", "simple"),
+    ]
+    (ensemble,) = [s for s in chain if s.name == "simple_chain"]
+    assert [e.name for e in ensemble.events] == ["REQUEST_START", "QUEUE_START", "REQUEST_END"]
+    attributes = {a.key: a.value for a in ensemble.attributes}
+    assert attributes["triton.trace_parent_id"].int_value == 0
+    for step in (s for s in chain if s.name == "simple"):
+        step_attributes = {a.key: a.value for a in step.attributes}
+        parent_id = step_attributes["triton.trace_parent_id"].int_value
+        assert parent_id == attributes["triton.trace_id"].int_value
+        assert step_attributes["triton.model_version"].int_value == 1

@@ -4,6 +4,7 @@ and the log switches acting on real loggers."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from pathlib import Path
@@ -19,7 +20,7 @@ from nograd.observability.trace_settings import (
     TraceSettings,
     document,
 )
-from nograd.observability.tracing import ACTIVE, Tracer
+from nograd.observability.tracing import ACTIVE, Tracer, step_trace
 
 
 def test_a_model_setting_takes_its_unset_fields_from_the_global_one() -> None:
@@ -105,8 +106,45 @@ def test_the_trace_file_is_triton_s_json(tmp_path: Path) -> None:
     tracer.end(trace)
     tracer.close()  # log_frequency 0: written when the server stops
     entries = json.loads((tmp_path / "t.json").read_text())
-    assert entries[0] == {"id": 1, "model_name": "m", "model_version": 3, "request_id": "req-1"}
+    head = {"id": trace.id, "model_name": "m", "model_version": 3, "request_id": "req-1"}
+    assert entries[0] == head
     assert [e["timestamps"][0]["name"] for e in entries[1:]] == ["REQUEST_START", "REQUEST_END"]
+
+
+async def _step(model: str, nested: tuple[str, ...] = ()) -> None:
+    with step_trace(model):
+        trace = ACTIVE.get()
+        assert trace is not None and trace.model == model
+        for inner in nested:
+            await _step(inner)
+
+
+def test_an_ensemble_s_steps_are_child_traces_naming_their_parent(tmp_path: Path) -> None:
+    sink = TraceFile(tmp_path / "t.json")
+    tracer = Tracer(TraceSettings(TraceSetting(level="TIMESTAMPS", rate=1)), sink)
+    trace = tracer.begin("outer", "req-2", None)
+    assert trace is not None
+
+    async def steps() -> None:
+        # Steps run as tasks of their own, as the ensemble runs them; one is an ensemble too.
+        await asyncio.gather(
+            asyncio.ensure_future(_step("a")), asyncio.ensure_future(_step("inner", ("b",)))
+        )
+
+    asyncio.run(steps())
+    assert ACTIVE.get() is trace
+    tracer.end(trace)
+    tracer.close()
+    entries = json.loads((tmp_path / "t.json").read_text())
+    heads = {e["model_name"]: e for e in entries if "model_name" in e}
+    assert "parent_id" not in heads["outer"]
+    assert heads["a"]["parent_id"] == heads["inner"]["parent_id"] == trace.id
+    assert heads["b"]["parent_id"] == heads["inner"]["id"]
+    assert len({h["id"] for h in heads.values()}) == 4
+    for head in heads.values():
+        mine = [e for e in entries if e["id"] == head["id"] and "timestamps" in e]
+        names = [e["timestamps"][0]["name"] for e in mine]
+        assert names == ["REQUEST_START", "REQUEST_END"], (head, names)
 
 
 def test_log_switches_act_on_the_real_loggers(caplog: pytest.LogCaptureFixture) -> None:
