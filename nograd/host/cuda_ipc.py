@@ -131,8 +131,7 @@ class CudaRuntime:
             raise CudaError(f"an IPC handle is {IPC_HANDLE_SIZE} bytes, got {len(handle)}")
         self._check(self._lib.cudaSetDevice(device), "cudaSetDevice")
         pointer = ctypes.c_void_p()
-        raw = _IpcMemHandle()
-        ctypes.memmove(ctypes.byref(raw), handle, IPC_HANDLE_SIZE)
+        raw = _IpcMemHandle.from_buffer_copy(handle)
         status = self._lib.cudaIpcOpenMemHandle(
             ctypes.byref(pointer), raw, _LAZY_ENABLE_PEER_ACCESS
         )

@@ -104,7 +104,7 @@ async def cuda_region_status(request: Request, name: str) -> Response:
 )
 async def cuda_register(request: Request, name: str) -> Response:
     regions = _regions(request)
-    regions.require_cuda(name)  # without a GPU, Triton's refusal whatever the body holds
+    await regions.require_cuda(name)  # without a GPU, Triton's refusal whatever the body holds
     document = parse_json(await request.body())
     if not isinstance(document, dict) or "raw_handle" not in document:
         raise InvalidInput("Shared memory register request has no 'raw_handle' field")

@@ -18,6 +18,7 @@ region of either kind, and the status and unregister calls of one kind leave the
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import logging
@@ -174,10 +175,11 @@ class SharedMemory:
             )
         return [region.status()]
 
-    def require_cuda(self, name: str) -> None:
-        """Refuse, as Triton without GPU support does, unless this server sees a GPU."""
+    async def require_cuda(self, name: str) -> None:
+        """Refuse, as Triton without GPU support does, unless this server sees a GPU (the first
+        probe initialises CUDA: off the event loop)."""
         try:
-            self._cuda_opener()
+            await asyncio.to_thread(self._cuda_opener)
         except CudaUnavailable as exc:
             raise InvalidInput(cuda.cuda_refusal(name)) from exc
 
@@ -192,7 +194,7 @@ class SharedMemory:
         self, name: str, raw_handle: bytes, device_id: Any, byte_size: Any
     ) -> None:
         """Register a CUDA region (a client's IPC handle) in every worker, or in none."""
-        self.require_cuda(name)
+        await self.require_cuda(name)
         handle = base64.b64encode(raw_handle).decode()
         await self._register(
             {
@@ -207,10 +209,10 @@ class SharedMemory:
     async def _register(self, record: dict[str, Any]) -> None:
         name = record["name"]
         if self._peers is None:
-            self._add(record)
+            await self._add_off_loop(record)
             return
         async with self._peers.exclusive():
-            self._add(record)
+            await self._add_off_loop(record)
             failures = await self._peers.broadcast({"op": PEER_OP, "action": "register"} | record)
             if failures:
                 self._drop(name, None)
@@ -236,19 +238,36 @@ class SharedMemory:
                 f"Failed to unregister the following {_TITLES[kind]} shared memory: {detail}"
             )
 
-    def _add(self, record: dict[str, Any]) -> None:
-        name = str(record["name"])
+    def _taken(self, name: str) -> None:
         if name in self._regions:
             raise AlreadyExists(f"shared memory region '{name}' already in manager")
+
+    def _open(self, record: dict[str, Any]) -> StoredRegion:
+        """Map or open the region ``record`` describes, leaving the table alone."""
+        name = str(record["name"])
         if record.get("kind", SYSTEM) == cuda.KIND:
             handle = cuda.decode_handle(name, record.get("raw_handle"))
-            region: StoredRegion = cuda.open_region(
+            return cuda.open_region(
                 self._cuda_opener, name, handle, record.get("device_id"), record.get("byte_size")
             )
-        else:
-            key, offset = record.get("key"), record.get("offset", 0)
-            region = map_region(name, key, offset, record.get("byte_size"))
-        self._regions[name] = region
+        key, offset = record.get("key"), record.get("offset", 0)
+        return map_region(name, key, offset, record.get("byte_size"))
+
+    def _insert(self, region: StoredRegion) -> None:
+        if region.name in self._regions:
+            region.close()  # registered meanwhile under the same name
+            self._taken(region.name)
+        self._regions[region.name] = region
+
+    def _add(self, record: dict[str, Any]) -> None:
+        self._taken(str(record["name"]))
+        self._insert(self._open(record))
+
+    async def _add_off_loop(self, record: dict[str, Any]) -> None:
+        """``_add`` with the opening in a thread: a CUDA handle's first opening creates the
+        device's context, which takes long."""
+        self._taken(str(record["name"]))
+        self._insert(await asyncio.to_thread(self._open, record))
 
     def _drop(self, name: str | None, kind: Kind | None) -> None:
         """Close the region named (None: every one) when of ``kind`` (None: either)."""
@@ -268,7 +287,7 @@ class SharedMemory:
         try:
             if call.get("action") == "register":
                 self._drop(str(call["name"]), None)  # the calling worker holds the name
-                self._add(call)
+                await self._add_off_loop(call)
             else:
                 name, kind = call.get("name"), call.get("kind")
                 self._drop(None if name is None else str(name), kind)
