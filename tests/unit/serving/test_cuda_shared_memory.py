@@ -6,6 +6,7 @@ registration itself."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import re
 from pathlib import Path
@@ -14,66 +15,16 @@ import numpy as np
 import pytest
 
 from nograd.core.errors import DecodeError
-from nograd.host.cuda_ipc import IPC_HANDLE_SIZE, CudaError, CudaUnavailable
+from nograd.host.cuda_ipc import IPC_HANDLE_SIZE
 from nograd.protocol import shared_memory as shm
 from nograd.serving.cuda_shared_memory import decode_handle
 from nograd.serving.errors import AlreadyExists, InvalidInput, LoadFailed, RegionNotFound
 from nograd.serving.peers import Peers
 from nograd.serving.shared_memory import SharedMemory
+from tests.unit.fake_cuda import FakeDevice, no_gpu
 
 HANDLE = b"h" * IPC_HANDLE_SIZE
 ROWS = np.arange(16, dtype=np.int32).reshape(1, 16)
-
-
-class FakeDevice:
-    """Device memory of one client, by IPC handle, as every process that opens it sees it."""
-
-    def __init__(self, devices: int = 1) -> None:
-        self.devices = devices
-        self.allocations: dict[bytes, bytearray] = {}
-        self.opened: dict[int, bytes] = {}
-        self.closed: list[int] = []
-        self._next = 0x1000_0000
-
-    def allocate(self, handle: bytes, size: int) -> bytearray:
-        self.allocations[handle] = bytearray(size)
-        return self.allocations[handle]
-
-    def device_count(self) -> int:
-        return self.devices
-
-    def open_handle(self, handle: bytes, device: int) -> int:
-        if handle not in self.allocations:
-            raise CudaError("cudaIpcOpenMemHandle failed: invalid argument (1)")
-        self._next += 0x100_0000
-        self.opened[self._next] = handle
-        return self._next
-
-    def _at(self, pointer: int) -> tuple[bytearray, int]:
-        base = max(p for p in self.opened if p <= pointer)
-        return self.allocations[self.opened[base]], pointer - base
-
-    def allocation_size(self, pointer: int) -> int | None:
-        memory, offset = self._at(pointer)
-        return len(memory) - offset
-
-    def close_handle(self, pointer: int, device: int) -> None:
-        del self.opened[pointer]
-        self.closed.append(pointer)
-
-    def to_host(self, pointer: int, device: int, byte_size: int) -> bytearray:
-        memory, offset = self._at(pointer)
-        assert offset + byte_size <= len(memory), "read outside the allocation"
-        return bytearray(memory[offset : offset + byte_size])
-
-    def from_host(self, pointer: int, device: int, data: bytes | memoryview) -> None:
-        memory, offset = self._at(pointer)
-        assert offset + len(data) <= len(memory), "write outside the allocation"
-        memory[offset : offset + len(data)] = data
-
-
-def no_gpu() -> FakeDevice:
-    raise CudaUnavailable("cudaGetDeviceCount failed: no CUDA-capable device is detected (100)")
 
 
 @pytest.fixture
@@ -152,6 +103,20 @@ async def test_registrations_refused_with_triton_errors(device) -> None:
     with pytest.raises(InvalidInput, match="device_id must be a non-negative integer"):
         await regions.register_cuda("c", HANDLE, -1, 64)
     assert regions.status(None, "cuda") == []
+
+
+async def test_one_of_two_registrations_of_a_name_at_once_wins(device) -> None:
+    """Handles open off the event loop; the name is taken again once one is open."""
+    device.allocate(HANDLE, 64)
+    regions = SharedMemory(cuda_opener=lambda: device)
+    results = await asyncio.gather(
+        regions.register_cuda("c", HANDLE, 0, 64),
+        regions.register_cuda("c", HANDLE, 0, 32),
+        return_exceptions=True,
+    )
+    assert sum(isinstance(r, AlreadyExists) for r in results) == 1
+    assert len(regions.status(None, "cuda")) == 1 and len(device.opened) == 1
+    regions.close()
 
 
 async def test_names_are_shared_with_system_regions(device, tmp_path: Path) -> None:
