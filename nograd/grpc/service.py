@@ -18,6 +18,7 @@ from nograd.core.responses import ResponseQueue
 from nograd.grpc.diagnostics import DiagnosticsRpcs, trace_parent
 from nograd.grpc.generated import grpc_service_pb2 as pb
 from nograd.grpc.rpc import CallContext, Code
+from nograd.grpc.shared_memory import SharedMemoryRpcs
 from nograd.grpc.tensors import class_counts, encode_outputs, read_inputs, sequence_parameters
 from nograd.interop.generated import model_config_pb2
 from nograd.serving import documents
@@ -31,12 +32,10 @@ from nograd.serving.errors import (
     InvalidInput,
     Kind,
     ModelNotFound,
-    RegionNotFound,
     kind_of,
     retry_after_s,
 )
 from nograd.serving.sequences import sequence_request
-from nograd.serving.shared_memory import cuda_refusal
 from nograd.serving.triton_config import model_configuration, repository_index
 
 logger = logging.getLogger(__name__)
@@ -81,7 +80,7 @@ def client_message(exc: BaseException, kind: Kind) -> str:
     return _ABSOLUTE_PATH.sub(lambda found: ".../" + found[1], str(exc))
 
 
-class InferenceService(DiagnosticsRpcs):
+class InferenceService(DiagnosticsRpcs, SharedMemoryRpcs):
     def __init__(self, core: Core, *, protect_health: bool) -> None:
         self._core = core
         self._calls = core.calls
@@ -222,65 +221,6 @@ class InferenceService(DiagnosticsRpcs):
             return pb.RepositoryModelUnloadResponse()
 
         return await self._answer(context, unload)
-
-    # ------------------------------------------------------------------ shared memory
-    async def SystemSharedMemoryStatus(
-        self, request: Any, context: CallContext
-    ) -> pb.SystemSharedMemoryStatusResponse:
-        async def status() -> pb.SystemSharedMemoryStatusResponse:
-            regions = self._calls.shared_memory.status(request.name or None)
-            status = pb.SystemSharedMemoryStatusResponse.RegionStatus
-            return pb.SystemSharedMemoryStatusResponse(
-                regions={r["name"]: status(**r) for r in regions}
-            )
-
-        return await self._answer(context, status)
-
-    async def SystemSharedMemoryRegister(
-        self, request: Any, context: CallContext
-    ) -> pb.SystemSharedMemoryRegisterResponse:
-        async def register() -> pb.SystemSharedMemoryRegisterResponse:
-            await self._calls.shared_memory.register(
-                request.name, request.key, request.offset, request.byte_size
-            )
-            return pb.SystemSharedMemoryRegisterResponse()
-
-        return await self._answer(context, register)
-
-    async def SystemSharedMemoryUnregister(
-        self, request: Any, context: CallContext
-    ) -> pb.SystemSharedMemoryUnregisterResponse:
-        async def unregister() -> pb.SystemSharedMemoryUnregisterResponse:
-            await self._calls.shared_memory.unregister(request.name or None)
-            return pb.SystemSharedMemoryUnregisterResponse()
-
-        return await self._answer(context, unregister)
-
-    async def CudaSharedMemoryStatus(
-        self, request: Any, context: CallContext
-    ) -> pb.CudaSharedMemoryStatusResponse:
-        async def status() -> pb.CudaSharedMemoryStatusResponse:
-            if request.name:
-                raise RegionNotFound(f"Unable to find cuda shared memory region: '{request.name}'")
-            return pb.CudaSharedMemoryStatusResponse()
-
-        return await self._answer(context, status)
-
-    async def CudaSharedMemoryRegister(
-        self, request: Any, context: CallContext
-    ) -> pb.CudaSharedMemoryRegisterResponse:
-        async def register() -> pb.CudaSharedMemoryRegisterResponse:
-            raise InvalidInput(cuda_refusal(request.name))
-
-        return await self._answer(context, register)
-
-    async def CudaSharedMemoryUnregister(
-        self, request: Any, context: CallContext
-    ) -> pb.CudaSharedMemoryUnregisterResponse:
-        async def unregister() -> pb.CudaSharedMemoryUnregisterResponse:
-            return pb.CudaSharedMemoryUnregisterResponse()
-
-        return await self._answer(context, unregister)
 
     # ------------------------------------------------------------------ inference
     async def ModelInfer(self, request: Any, context: CallContext) -> pb.ModelInferResponse:

@@ -1,6 +1,7 @@
 """Triton's shared-memory extension routes: register, unregister and status of system
-shared-memory regions (``/v2/systemsharedmemory``), and the CUDA ones answered as Triton answers
-them on a server without a GPU (nothing registered; registering refused)."""
+shared-memory regions (``/v2/systemsharedmemory``) and of CUDA ones (``/v2/cudasharedmemory``:
+a client's IPC handle, opened on a server that sees a GPU; elsewhere registering is refused as
+Triton refuses it without GPU support, and status and unregister answer as it does)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from fastapi import APIRouter, Request, Response
 from nograd.http.state import calls_of
 from nograd.protocol.v2 import dumps, parse_json
 from nograd.protocol.v2_schemas import ERROR_RESPONSES
-from nograd.serving.errors import InvalidInput, RegionNotFound
-from nograd.serving.shared_memory import SharedMemory, cuda_refusal
+from nograd.serving.cuda_shared_memory import KIND as CUDA
+from nograd.serving.cuda_shared_memory import decode_handle
+from nograd.serving.errors import InvalidInput
+from nograd.serving.shared_memory import SharedMemory
 
 router = APIRouter(prefix="/v2", tags=["Shared memory"])
 
@@ -79,28 +82,62 @@ async def system_unregister_all(request: Request) -> Response:
     return Response(status_code=200)
 
 
-@router.get("/cudasharedmemory/status", summary="CUDA shared-memory regions: none")
-async def cuda_status() -> Response:
-    return _json([])
+@router.get("/cudasharedmemory/status", summary="Every registered CUDA shared-memory region")
+async def cuda_status(request: Request) -> Response:
+    return _json(_regions(request).status(None, CUDA))
 
 
-@router.get("/cudasharedmemory/region/{name}/status", responses=ERROR_RESPONSES)
-async def cuda_region_status(name: str) -> Response:
-    raise RegionNotFound(f"Unable to find cuda shared memory region: '{name}'")
+@router.get(
+    "/cudasharedmemory/region/{name}/status",
+    summary="One CUDA shared-memory region",
+    responses=ERROR_RESPONSES,
+)
+async def cuda_region_status(request: Request, name: str) -> Response:
+    return _json(_regions(request).status(name, CUDA))
 
 
 @router.post(
-    "/cudasharedmemory/region/{name}/register", response_class=Response, responses=ERROR_RESPONSES
+    "/cudasharedmemory/region/{name}/register",
+    response_class=Response,
+    summary="Register a CUDA shared-memory region: JSON {raw_handle: {b64}, device_id, byte_size}",
+    responses=ERROR_RESPONSES,
 )
-async def cuda_register(name: str) -> Response:
-    raise InvalidInput(cuda_refusal(name))
-
-
-@router.post("/cudasharedmemory/region/{name}/unregister", response_class=Response)
-async def cuda_unregister(name: str) -> Response:
+async def cuda_register(request: Request, name: str) -> Response:
+    regions = _regions(request)
+    await regions.require_cuda(name)  # without a GPU, Triton's refusal whatever the body holds
+    document = parse_json(await request.body())
+    if not isinstance(document, dict) or "raw_handle" not in document:
+        raise InvalidInput("Shared memory register request has no 'raw_handle' field")
+    raw_handle = document["raw_handle"]
+    if not isinstance(raw_handle, dict) or "b64" not in raw_handle:
+        raise InvalidInput("'raw_handle' must be a JSON object {\"b64\": <base64 handle>}")
+    if "byte_size" not in document or "device_id" not in document:
+        raise InvalidInput(
+            f"failed to register CUDA shared memory region '{name}': the body must give "
+            "'raw_handle', 'device_id' and 'byte_size'"
+        )
+    handle = decode_handle(name, raw_handle["b64"])
+    await regions.register_cuda(name, handle, document["device_id"], document["byte_size"])
     return Response(status_code=200)
 
 
-@router.post("/cudasharedmemory/unregister", response_class=Response)
-async def cuda_unregister_all() -> Response:
+@router.post(
+    "/cudasharedmemory/region/{name}/unregister",
+    response_class=Response,
+    summary="Unregister a CUDA shared-memory region",
+    responses=ERROR_RESPONSES,
+)
+async def cuda_unregister(request: Request, name: str) -> Response:
+    await _regions(request).unregister(name, CUDA)
+    return Response(status_code=200)
+
+
+@router.post(
+    "/cudasharedmemory/unregister",
+    response_class=Response,
+    summary="Unregister every CUDA region",
+    responses=ERROR_RESPONSES,
+)
+async def cuda_unregister_all(request: Request) -> Response:
+    await _regions(request).unregister(None, CUDA)
     return Response(status_code=200)

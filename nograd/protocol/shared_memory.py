@@ -1,7 +1,8 @@
-"""Tensors placed in a system shared-memory region (Triton's extension), for every front: the
-``shared_memory_region`` / ``shared_memory_offset`` / ``shared_memory_byte_size`` parameters of
-an input or a requested output, an input's bytes read from the region and decoded as binary
-tensor data is (BYTES elements with 4-byte length prefixes), an output's bytes written into it.
+"""Tensors placed in a shared-memory region (Triton's extension: a system or a CUDA region), for
+every front: the ``shared_memory_region`` / ``shared_memory_offset`` / ``shared_memory_byte_size``
+parameters of an input or a requested output, an input's bytes read from the region and decoded
+as binary tensor data is (BYTES elements with 4-byte length prefixes), an output's bytes written
+into it.
 
 The regions themselves live in the serving core (``nograd.serving.shared_memory``); a front hands
 them in as ``Regions``.

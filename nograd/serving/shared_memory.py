@@ -10,10 +10,16 @@ before it serves. A sibling that cannot map a region undoes the whole registrati
 
 A client may shrink its object after registering (``ftruncate``); touching mapped pages past the
 end would kill the process (SIGBUS), so every access first checks the object's current size.
+
+CUDA regions (``nograd.serving.cuda_shared_memory``) share the table and its names with system
+regions, as in Triton: a name is registered as one kind or the other, an input or output names a
+region of either kind, and the status and unregister calls of one kind leave the other alone.
 """
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import json
 import logging
 import mmap
@@ -21,8 +27,10 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, ClassVar, Final, Literal
 
+from nograd.host.cuda_ipc import CudaUnavailable, cuda_runtime
+from nograd.serving import cuda_shared_memory as cuda
 from nograd.serving.errors import AlreadyExists, InvalidInput, LoadFailed, RegionNotFound
 from nograd.serving.peers import Peers
 
@@ -31,15 +39,15 @@ logger = logging.getLogger(__name__)
 SHM_ROOT: Final = Path("/dev/shm")
 STATE_FILE: Final = "shared_memory.json"
 PEER_OP: Final = "shared_memory"
-
-
-def cuda_refusal(name: str) -> str:
-    """Triton's answer to registering a CUDA region on a server without GPU support."""
-    return f"failed to register CUDA shared memory region: '{name}', GPUs not supported"
+SYSTEM: Final = "system"
+Kind = Literal["system", "cuda"]
+_TITLES: Final = {SYSTEM: "system", cuda.KIND: "CUDA"}
 
 
 @dataclass
 class Region:
+    """A system shared-memory region."""
+
     name: str
     key: str
     offset: int
@@ -55,6 +63,28 @@ class Region:
             "offset": self.offset,
             "byte_size": self.byte_size,
         }
+
+    kind: ClassVar[Kind] = SYSTEM
+
+    def record(self) -> dict[str, Any]:
+        """What another worker needs to map the same region."""
+        return {"kind": SYSTEM} | self.status()
+
+    def still_holds(self, offset: int, byte_size: int) -> None:
+        if os.fstat(self.fd).st_size < self.offset + offset + byte_size:
+            raise InvalidInput(
+                f"shared memory region '{self.name}': its object '{self.key}' shrank below the "
+                "registered size; register it again"
+            )
+
+    def read(self, offset: int, byte_size: int) -> bytearray:
+        start = self.offset + offset
+        with memoryview(self.mapped) as whole, whole[start : start + byte_size] as part:
+            return bytearray(part)
+
+    def write(self, offset: int, data: bytes | memoryview) -> None:
+        start = self.offset + offset
+        self.mapped[start : start + len(data)] = data
 
     def close(self) -> None:
         try:
@@ -112,82 +142,155 @@ def map_region(name: str, key: Any, offset: Any, byte_size: Any) -> Region:
     return Region(name, key, offset, byte_size, fd, mapped)
 
 
-class SharedMemory:
-    """This worker's registered system shared-memory regions, kept alike in every worker."""
+StoredRegion = Region | cuda.CudaRegion
 
-    def __init__(self, peers: Peers | None = None) -> None:
-        self._regions: dict[str, Region] = {}
+
+class SharedMemory:
+    """This worker's registered shared-memory regions (system and CUDA), kept alike in every
+    worker."""
+
+    def __init__(
+        self, peers: Peers | None = None, cuda_opener: cuda.CudaOpener = cuda_runtime
+    ) -> None:
+        self._regions: dict[str, StoredRegion] = {}
         self._peers = peers
+        self._cuda_opener = cuda_opener
         if peers is not None:
             peers.routes[PEER_OP] = self._from_peer
 
     # ------------------------------------------------------------------ registry
-    def status(self, name: str | None = None) -> list[dict[str, Any]]:
+    def status(self, name: str | None = None, kind: Kind = SYSTEM) -> list[dict[str, Any]]:
+        """The regions of one kind, or the one named (Triton's errors for an unknown name, or
+        one of the other kind)."""
         if name is None:
-            return [region.status() for region in self._regions.values()]
+            return [r.status() for r in self._regions.values() if r.kind == kind]
         region = self._regions.get(name)
         if region is None:
-            raise RegionNotFound(f"Unable to find system shared memory region: '{name}'")
+            what = "cuda" if kind == cuda.KIND else "system"
+            raise RegionNotFound(f"Unable to find {what} shared memory region: '{name}'")
+        if region.kind != kind:
+            raise RegionNotFound(
+                f"The region named '{name}' is registered as {_TITLES[region.kind]} shared "
+                f"memory, not {_TITLES[kind]} shared memory"
+            )
         return [region.status()]
 
+    async def require_cuda(self, name: str) -> None:
+        """Refuse, as Triton without GPU support does, unless this server sees a GPU (the first
+        probe initialises CUDA: off the event loop)."""
+        try:
+            await asyncio.to_thread(self._cuda_opener)
+        except CudaUnavailable as exc:
+            raise InvalidInput(cuda.cuda_refusal(name)) from exc
+
     async def register(self, name: str, key: Any, offset: Any, byte_size: Any) -> None:
-        """Register a region in every worker, or in none (the error says which worker failed)."""
-        call = {"op": PEER_OP, "action": "register", "name": name, "key": key}
-        call |= {"offset": offset, "byte_size": byte_size}
+        """Register a system region in every worker, or in none (the error says which worker
+        failed)."""
+        await self._register(
+            {"kind": SYSTEM, "name": name, "key": key, "offset": offset, "byte_size": byte_size}
+        )
+
+    async def register_cuda(
+        self, name: str, raw_handle: bytes, device_id: Any, byte_size: Any
+    ) -> None:
+        """Register a CUDA region (a client's IPC handle) in every worker, or in none."""
+        await self.require_cuda(name)
+        handle = base64.b64encode(raw_handle).decode()
+        await self._register(
+            {
+                "kind": cuda.KIND,
+                "name": name,
+                "raw_handle": handle,
+                "device_id": device_id,
+                "byte_size": byte_size,
+            }
+        )
+
+    async def _register(self, record: dict[str, Any]) -> None:
+        name = record["name"]
         if self._peers is None:
-            self._add(name, key, offset, byte_size)
+            await self._add_off_loop(record)
             return
         async with self._peers.exclusive():
-            self._add(name, key, offset, byte_size)
-            failures = await self._peers.broadcast(call)
+            await self._add_off_loop(record)
+            failures = await self._peers.broadcast({"op": PEER_OP, "action": "register"} | record)
             if failures:
-                self._drop(name)
+                self._drop(name, None)
                 await self._peers.broadcast({"op": PEER_OP, "action": "unregister", "name": name})
                 detail = "; ".join(f"{w}: {error}" for w, error in sorted(failures.items()))
                 raise LoadFailed(f"shared memory region '{name}' not registered: {detail}")
             self._record()
 
-    async def unregister(self, name: str | None = None) -> None:
-        """Unregister one region (None: every one) in every worker; an unknown name is no error,
-        as in Triton."""
-        self._drop(name)
+    async def unregister(self, name: str | None = None, kind: Kind = SYSTEM) -> None:
+        """Unregister one region of ``kind`` (None: every one) in every worker; an unknown name,
+        or one of the other kind, is no error, as in Triton."""
+        self._drop(name, kind)
         if self._peers is None:
             return
         async with self._peers.exclusive():
             failures = await self._peers.broadcast(
-                {"op": PEER_OP, "action": "unregister", "name": name}
+                {"op": PEER_OP, "action": "unregister", "name": name, "kind": kind}
             )
             self._record()
         if failures:
             detail = "; ".join(f"{w}: {error}" for w, error in sorted(failures.items()))
-            raise LoadFailed(f"Failed to unregister the following system shared memory: {detail}")
+            raise LoadFailed(
+                f"Failed to unregister the following {_TITLES[kind]} shared memory: {detail}"
+            )
 
-    def _add(self, name: str, key: Any, offset: Any, byte_size: Any) -> None:
+    def _taken(self, name: str) -> None:
         if name in self._regions:
             raise AlreadyExists(f"shared memory region '{name}' already in manager")
-        self._regions[name] = map_region(name, key, offset, byte_size)
 
-    def _drop(self, name: str | None) -> None:
+    def _open(self, record: dict[str, Any]) -> StoredRegion:
+        """Map or open the region ``record`` describes, leaving the table alone."""
+        name = str(record["name"])
+        if record.get("kind", SYSTEM) == cuda.KIND:
+            handle = cuda.decode_handle(name, record.get("raw_handle"))
+            return cuda.open_region(
+                self._cuda_opener, name, handle, record.get("device_id"), record.get("byte_size")
+            )
+        key, offset = record.get("key"), record.get("offset", 0)
+        return map_region(name, key, offset, record.get("byte_size"))
+
+    def _insert(self, region: StoredRegion) -> None:
+        if region.name in self._regions:
+            region.close()  # registered meanwhile under the same name
+            self._taken(region.name)
+        self._regions[region.name] = region
+
+    def _add(self, record: dict[str, Any]) -> None:
+        self._taken(str(record["name"]))
+        self._insert(self._open(record))
+
+    async def _add_off_loop(self, record: dict[str, Any]) -> None:
+        """``_add`` with the opening in a thread: a CUDA handle's first opening creates the
+        device's context, which takes long."""
+        self._taken(str(record["name"]))
+        self._insert(await asyncio.to_thread(self._open, record))
+
+    def _drop(self, name: str | None, kind: Kind | None) -> None:
+        """Close the region named (None: every one) when of ``kind`` (None: either)."""
         names = list(self._regions) if name is None else [name]
         for each in names:
-            region = self._regions.pop(each, None)
-            if region is not None:
+            region = self._regions.get(each)
+            if region is not None and kind in (None, region.kind):
+                del self._regions[each]
                 region.close()
 
     def close(self) -> None:
-        """Unmap every region (the server stops)."""
-        self._drop(None)
+        """Unmap and close every region (the server stops)."""
+        self._drop(None, None)
 
     # ------------------------------------------------------------------ workers
     async def _from_peer(self, call: dict[str, Any]) -> str | None:
         try:
             if call.get("action") == "register":
-                name = str(call["name"])
-                self._drop(name)  # the calling worker holds the name: a stale one here goes
-                self._add(name, call.get("key"), call.get("offset"), call.get("byte_size"))
+                self._drop(str(call["name"]), None)  # the calling worker holds the name
+                await self._add_off_loop(call)
             else:
-                name_or_all = call.get("name")
-                self._drop(None if name_or_all is None else str(name_or_all))
+                name, kind = call.get("name"), call.get("kind")
+                self._drop(None if name is None else str(name), kind)
         except (InvalidInput, AlreadyExists) as exc:
             return str(exc)
         return None
@@ -196,12 +299,12 @@ class SharedMemory:
         assert self._peers is not None
         path = self._peers.directory / STATE_FILE
         temporary = path.with_suffix(".tmp")
-        temporary.write_text(json.dumps([r.status() for r in self._regions.values()]))
+        temporary.write_text(json.dumps([r.record() for r in self._regions.values()]))
         temporary.replace(path)
 
     def restore(self) -> None:
-        """Map what the workers share (a worker started after registrations); a region that no
-        longer maps is logged and left out."""
+        """Map and open what the workers share (a worker started after registrations); a region
+        that no longer opens is logged and left out."""
         if self._peers is None:
             return
         try:
@@ -213,15 +316,14 @@ class SharedMemory:
             return
         for entry in recorded if isinstance(recorded, list) else []:
             try:
-                name = str(entry["name"])
-                self._add(name, entry["key"], entry["offset"], entry["byte_size"])
+                self._add(entry)
             except (KeyError, TypeError, InvalidInput, AlreadyExists) as exc:
                 logger.error("shared memory region not restored in this worker: %s", exc)
 
     # ------------------------------------------------------------------ data
-    def _within(self, name: str, offset: int, byte_size: int) -> Region:
-        """The region, once ``offset`` and ``byte_size`` lie within it and its object still
-        holds them (Triton's errors)."""
+    def _within(self, name: str, offset: int, byte_size: int) -> StoredRegion:
+        """The region, once ``offset`` and ``byte_size`` lie within it and (system regions) its
+        object still holds them (Triton's errors)."""
         region = self._regions.get(name)
         if region is None:
             raise RegionNotFound(f"Unable to find shared memory region: '{name}'")
@@ -229,20 +331,13 @@ class SharedMemory:
             raise InvalidInput(f"Invalid offset for shared memory region: '{name}'")
         if offset + byte_size > region.byte_size:
             raise InvalidInput(f"Invalid offset + byte size for shared memory region: '{name}'")
-        if os.fstat(region.fd).st_size < region.offset + offset + byte_size:
-            raise InvalidInput(
-                f"shared memory region '{name}': its object '{region.key}' shrank below the "
-                "registered size; register it again"
-            )
+        region.still_holds(offset, byte_size)
         return region
 
     def read(self, name: str, offset: int, byte_size: int) -> bytearray:
         """A copy of ``byte_size`` bytes at ``offset`` in region ``name`` (writable: torch takes
         the tensors built on it as they are)."""
-        region = self._within(name, offset, byte_size)
-        start = region.offset + offset
-        with memoryview(region.mapped) as whole, whole[start : start + byte_size] as part:
-            return bytearray(part)
+        return self._within(name, offset, byte_size).read(offset, byte_size)
 
     def write(
         self, name: str, offset: int, byte_size: int, data: bytes | memoryview, what: str
@@ -254,6 +349,4 @@ class SharedMemory:
                 f"shared memory size specified with the request for output '{what}' "
                 f"({byte_size} bytes) should be at least {len(data)} bytes to hold the results"
             )
-        region = self._within(name, offset, byte_size)
-        start = region.offset + offset
-        region.mapped[start : start + len(data)] = data
+        self._within(name, offset, byte_size).write(offset, data)

@@ -5,7 +5,6 @@ registration made through one is used through every connection."""
 
 from __future__ import annotations
 
-import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,8 +22,9 @@ from tritonclient.utils import (
     serialized_byte_size,
 )
 
-from tests.e2e.serving import Server, free_port, run_server
-from tests.triton_models import FIXTURES
+from tests.e2e.cuda import gpu_missing
+from tests.e2e.serving import Server
+from tests.e2e.shared_memory import assert_outside_offsets_refused, simple_server
 
 pytestmark = pytest.mark.e2e
 
@@ -33,18 +33,9 @@ ONES = np.ones((1, 16), dtype=np.int32)
 SIZE = ROWS.nbytes
 
 
-def _repository(root: Path) -> Path:
-    repo = root / "repo"
-    for name in ("simple", "simple_string"):
-        shutil.copytree(FIXTURES / name, repo / name)
-    return repo
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    root = tmp_path_factory.mktemp("shm")
-    env = {"NOGRAD_MODEL_REPOSITORY": str(_repository(root)), "NOGRAD_GRPC_PORT": str(free_port())}
-    with run_server(root, env=env, ready_timeout_s=120) as running:
+    with simple_server(tmp_path_factory.mktemp("shm")) as running:
         yield running
 
 
@@ -95,6 +86,13 @@ def test_http_fixed_size_inputs_and_outputs_in_shared_memory(server: Server, reg
         np.testing.assert_array_equal(difference, ROWS - ONES)
         with pytest.raises(InferenceServerException, match="already in manager"):
             client.register_system_shared_memory(f"in_{tag}", f"/nograd_in_{tag}", SIZE)
+        # System and CUDA regions share their names, as in Triton; each kind's calls keep to it.
+        other_kind = "registered as system shared memory, not CUDA shared memory"
+        with pytest.raises(InferenceServerException, match=other_kind):
+            client.get_cuda_shared_memory_status(f"in_{tag}")
+        client.unregister_cuda_shared_memory(f"in_{tag}")
+        client.unregister_cuda_shared_memory()
+        assert len(client.get_system_shared_memory_status()) == 2
     finally:
         client.unregister_system_shared_memory()
     assert client.get_system_shared_memory_status() == []
@@ -121,24 +119,7 @@ def test_bounds_outside_a_region_are_refused(server: Server, regions) -> None:
     registered = httpx.post(f"{url}/v2/systemsharedmemory/region/in_{tag}/register", json=ok)
     assert registered.status_code == 200, registered.text
     try:
-        for offset, size, error in (
-            (SIZE, SIZE, "Invalid offset for shared memory region"),
-            (4, SIZE, "Invalid offset + byte size for shared memory region"),
-        ):
-            parameters = {
-                "shared_memory_region": f"in_{tag}",
-                "shared_memory_offset": offset,
-                "shared_memory_byte_size": size,
-            }
-            request = {
-                "inputs": [
-                    {"name": n, "datatype": "INT32", "shape": [1, 16], "parameters": parameters}
-                    for n in ("INPUT0", "INPUT1")
-                ]
-            }
-            answer = httpx.post(f"{url}/v2/models/simple/infer", json=request)
-            assert answer.status_code == 400, answer.text
-            assert error in answer.json()["error"]
+        assert_outside_offsets_refused(url, f"in_{tag}", SIZE)
         half = {"shared_memory_region": f"in_{tag}", "shared_memory_byte_size": SIZE // 2}
         request = {
             "inputs": [
@@ -152,7 +133,8 @@ def test_bounds_outside_a_region_are_refused(server: Server, regions) -> None:
     finally:
         httpx.post(f"{url}/v2/systemsharedmemory/region/in_{tag}/unregister")
     cuda = httpx.post(f"{url}/v2/cudasharedmemory/region/c/register", json={})
-    assert cuda.status_code == 400 and "GPUs not supported" in cuda.text
+    refusal = "has no 'raw_handle' field" if not gpu_missing() else "GPUs not supported"
+    assert cuda.status_code == 400 and refusal in cuda.text
 
 
 def test_grpc_bytes_in_shared_memory(server: Server) -> None:
@@ -197,8 +179,7 @@ def test_grpc_bytes_in_shared_memory(server: Server) -> None:
 
 def test_every_worker_sees_a_registration(tmp_path: Path, regions) -> None:
     tag, _, outputs = regions
-    env = {"NOGRAD_MODEL_REPOSITORY": str(_repository(tmp_path)), "NOGRAD_WORKERS": "2"}
-    with run_server(tmp_path, env=env, ready_timeout_s=120) as server:
+    with simple_server(tmp_path, workers=2) as server:
         address = server.url.removeprefix("http://")
         first = triton_http.InferenceServerClient(address)
         first.register_system_shared_memory(f"in_{tag}", f"/nograd_in_{tag}", 2 * SIZE)

@@ -4,7 +4,8 @@ models, with the flags Triton's QA runs them with (``qa/L0_http``, ``qa/L0_grpc`
 
 Each example exits 0 when every answer is what it checks for. Those that need what nograd does
 not serve yet are expected to fail (strictly: one that starts passing fails this test until its
-mark is removed), with the missing piece named; those that need a GPU are skipped without one.
+mark is removed), with the missing piece named; the CUDA shared-memory ones run wherever a GPU
+and cuda-python are, and are skipped elsewhere.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton_http
 from tritonclient.utils import InferenceServerException
 
+from tests.e2e.cuda import cuda_shared_memory_missing
 from tests.e2e.serving import Server, free_port, run_server
 from tests.triton_models import FIXTURES
 from tests.triton_qa_models import QA_MODELS, qa_repository
@@ -43,12 +45,14 @@ class Example(NamedTuple):
     """What nograd lacks for it (expected to fail), or empty."""
     expect: str = ""
     """Text its output must hold besides exiting 0 (Triton's QA greps for it)."""
+    cuda: bool = False
+    """It keeps tensors in CUDA shared memory: run wherever a GPU and cuda-python are."""
     own_server: bool = False
     """Run against a server of its own: it loads and unloads models, and counts eight of them in
     the repository (Triton's QA runs it against another repository)."""
 
 
-CUDA = "CUDA shared memory (a GPU)"
+CUDA_MISSING = cuda_shared_memory_missing()
 
 EXAMPLE_RUNS: dict[str, Example] = {
     "http-health-metadata": Example("simple_http_health_metadata.py"),
@@ -71,7 +75,7 @@ EXAMPLE_RUNS: dict[str, Example] = {
     "http-shm": Example("simple_http_shm_client.py"),
     "http-shm-string": Example("simple_http_shm_string_client.py"),
     "http-sequence-sync": Example("simple_http_sequence_sync_infer_client.py"),
-    "http-cudashm": Example("simple_http_cudashm_client.py", missing=CUDA),
+    "http-cudashm": Example("simple_http_cudashm_client.py", cuda=True),
     "grpc-health-metadata": Example("simple_grpc_health_metadata.py", grpc=True),
     "grpc-infer": Example("simple_grpc_infer_client.py", grpc=True),
     "grpc-aio-infer": Example("simple_grpc_aio_infer_client.py", grpc=True),
@@ -119,7 +123,7 @@ EXAMPLE_RUNS: dict[str, Example] = {
     "grpc-custom-repeat": Example(
         "simple_grpc_custom_repeat.py", grpc=True, expect="PASS: Decoupled API"
     ),
-    "grpc-cudashm": Example("simple_grpc_cudashm_client.py", grpc=True, missing=CUDA),
+    "grpc-cudashm": Example("simple_grpc_cudashm_client.py", grpc=True, cuda=True),
 }
 
 
@@ -149,8 +153,8 @@ def qa_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 def _marks(example: Example) -> list[pytest.MarkDecorator]:
-    if example.missing == CUDA:
-        return [pytest.mark.skip(reason=f"needs {CUDA}")]
+    if example.cuda:
+        return [pytest.mark.skipif(bool(CUDA_MISSING), reason=CUDA_MISSING)]
     if example.missing:
         return [pytest.mark.xfail(reason=f"nograd lacks {example.missing}", strict=True)]
     return []

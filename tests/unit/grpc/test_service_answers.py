@@ -47,6 +47,13 @@ async def serving(tmp_path: Path, **settings: Any) -> AsyncIterator[str]:
     repo = tmp_path / "repo"
     shutil.copytree(FIXTURES / "poison", repo / "poison")
     core = Core(Settings(model_repository=repo, warmup=False, api_keys=KEY, **settings))
+    async with front(core) as address:
+        yield address
+
+
+@contextlib.asynccontextmanager
+async def front(core: Core) -> AsyncIterator[str]:
+    """The gRPC front over ``core``, opened and loaded here; the address to call."""
     await core.open()
     await asyncio.wait_for(core.load(), 30)
     server = GrpcServer(core)
