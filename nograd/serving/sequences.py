@@ -97,7 +97,8 @@ class Sequences:
         run: Run,
     ) -> tuple[ServedModel, Outputs]:
         """``run`` the request as its sequence's next; Triton's refusals, word for word, of a
-        request with no sequence id and of one continuing a sequence not under way."""
+        request with no sequence id, of one of more than one row, and of one continuing a
+        sequence not under way."""
         sequence = model.config.sequence
         assert sequence is not None
         if not request.id:
@@ -106,8 +107,15 @@ class Sequences:
                 "non-empty correlation ID"
             )
 
+        batched = model.config.batch_dimension is not False
+        if batched and inputs and len(next(iter(inputs.values()))) != 1:
+            raise InvalidInput(
+                f"inference request to model '{model.name}' must specify batch-size 1 due to "
+                "requirements of sequence batcher"
+            )
+
         async def step(under_way: Sequence) -> tuple[ServedModel, Outputs]:
-            tensors = _tensors(model, sequence, request, inputs, under_way)
+            tensors = _tensors(model, sequence, request, under_way)
             flags = (FLAG_START if request.start else 0) | (FLAG_END if request.end else 0)
             served, outputs = await run(SequenceStep(request.id, flags, tensors))
             kept = {state.output_name for state in sequence.states}
@@ -125,17 +133,11 @@ class Sequences:
 
 
 def _tensors(
-    model: ServedModel,
-    sequence: SequenceBatching,
-    request: SequenceRequest,
-    inputs: Mapping[str, np.ndarray],
-    under_way: Sequence,
+    model: ServedModel, sequence: SequenceBatching, request: SequenceRequest, under_way: Sequence
 ) -> dict[str, np.ndarray]:
-    """The controls and states of one request, one row each per row of the request (a model
-    without a batch dimension: one value)."""
-    batched = model.config.batch_dimension is not False
-    rows = len(next(iter(inputs.values()))) if batched and inputs else 1
-    lead = (rows,) if batched else ()
+    """The controls and states of one request: one row (a model without a batch dimension: one
+    value)."""
+    lead = (1,) if model.config.batch_dimension is not False else ()
     tensors = {
         control.name: _control(control, request, (*lead, 1)) for control in sequence.controls
     }
@@ -143,11 +145,6 @@ def _tensors(
         kept = under_way.state.get(state.input_name)
         if kept is None:
             kept = np.zeros((*lead, *state.shape), NUMPY_DTYPES[state.datatype])
-        elif batched and len(kept) != rows:
-            raise InvalidInput(
-                f"sequence {request.id} of model '{model.name}' holds state for {len(kept)} "
-                f"row(s); this request has {rows} (a sequence keeps its number of rows)"
-            )
         tensors[state.input_name] = kept
     return tensors
 

@@ -92,6 +92,20 @@ async def test_requests_without_an_id_or_with_a_string_id_for_an_integer_corrid(
         await sequences.infer(model, SequenceRequest("abc", True), _rows(1), run)  # type: ignore[arg-type]
 
 
+async def test_a_request_of_more_than_one_row_is_refused_as_triton_refuses_it(
+    model: ServedModel,
+) -> None:
+    sequences = Sequences(max_sequences=8)
+    inputs = {"INPUT": np.array([[1], [2]], np.int32)}
+    with pytest.raises(InvalidInput) as refused:
+        await sequences.infer(model, SequenceRequest(7, True), inputs, Accumulator(model)(inputs))  # type: ignore[arg-type]
+    assert str(refused.value) == (
+        "inference request to model 'acc' must specify batch-size 1 due to requirements of "
+        "sequence batcher"
+    )
+    assert 7 not in sequences.book(model)  # refused before it started a sequence
+
+
 def test_sequence_parameters_are_checked() -> None:
     assert sequence_request({}) == SequenceRequest()
     given = {"sequence_id": "u-1", "sequence_start": True, "sequence_end": False}
