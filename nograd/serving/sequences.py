@@ -16,6 +16,7 @@ from typing import Final
 
 import numpy as np
 
+from nograd.batching.sequences import Place as Place  # the fronts take it from here
 from nograd.batching.sequences import Sequence, SequenceBook, UnknownSequence
 from nograd.core.datatypes import NUMPY_DTYPES
 from nograd.runtime.handler import Outputs
@@ -89,12 +90,21 @@ class Sequences:
             book = self._books[key] = SequenceBook(sequence.idle_s, self.max_sequences)
         return book
 
+    def take_place(self, model: ServedModel, request: SequenceRequest) -> Place | None:
+        """A place for ``request`` among its sequence's requests, in the order it arrived, for
+        a front that reads requests before serving them side by side (a gRPC stream); None
+        where the model or the request has no sequence. Given up with ``Place.leave``."""
+        if model.config.sequence is None or not request.id:
+            return None
+        return self.book(model).take_place(request.id)
+
     async def infer(
         self,
         model: ServedModel,
         request: SequenceRequest,
         inputs: Mapping[str, np.ndarray],
         run: Run,
+        place: Place | None = None,
     ) -> tuple[ServedModel, Outputs]:
         """``run`` the request as its sequence's next; Triton's refusals, word for word, of a
         request with no sequence id, of one of more than one row, and of one continuing a
@@ -124,7 +134,8 @@ class Sequences:
             return served, {name: array for name, array in outputs.items() if name not in kept}
 
         try:
-            return await self.book(model).run(request.id, request.start, request.end, step)
+            book = self.book(model)
+            return await book.run(request.id, request.start, request.end, step, place)
         except UnknownSequence:
             raise InvalidInput(
                 f"inference request for sequence {request.id} to model '{model.name}' must "
