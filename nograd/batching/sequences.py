@@ -63,6 +63,10 @@ class Place:
         one may go on. Idempotent."""
         self.book._leave(self)
 
+    def left_with(self, _: object) -> None:
+        """``leave`` as a done callback of the task serving the request."""
+        self.leave()
+
 
 class SequenceBook:
     """The sequences of one model by id (an int and a string id are different sequences)."""

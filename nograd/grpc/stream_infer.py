@@ -55,21 +55,20 @@ class StreamInferRpcs:
         serving: set[asyncio.Task[None]] = set()
 
         async def serve(request: Any, place: Place | None) -> None:
-            try:
-                if not self._decoupled(request):
-                    await answers.put(await self._stream_one(request, context, place))
-                    return
-                async for answer in self._stream_decoupled(request, context, place):
-                    await answers.put(answer)
-            finally:
-                if place is not None:
-                    place.leave()
+            if not self._decoupled(request):
+                await answers.put(await self._stream_one(request, context, place))
+                return
+            async for answer in self._stream_decoupled(request, context, place):
+                await answers.put(answer)
 
         async def take() -> None:
             async for request in requests:
-                task = asyncio.create_task(serve(request, self._place(request)))
+                place = self._place(request)
+                task = asyncio.create_task(serve(request, place))
                 serving.add(task)
                 task.add_done_callback(serving.discard)
+                if place is not None:  # given up however the task ends, even cancelled unstarted
+                    task.add_done_callback(place.left_with)
             await asyncio.gather(*serving)
             await answers.put(None)
 

@@ -161,3 +161,15 @@ async def test_a_place_given_up_lets_the_next_one_go_on() -> None:
     failed.leave()  # idempotent
     assert await waiting == 3
     assert not book._places  # every place given back
+
+
+async def test_a_place_whose_task_is_cancelled_before_it_ran_is_given_back() -> None:
+    """A stream ending cancels requests it has not started: their places must not hold the
+    sequence's later requests forever."""
+    book = SequenceBook(idle_s=5.0, max_sequences=4)
+    cancelled, after = book.take_place(5), book.take_place(5)
+    task = asyncio.create_task(book.run(5, True, False, adder(1), cancelled))
+    task.add_done_callback(cancelled.left_with)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert await asyncio.wait_for(book.run(5, True, False, adder(2), after), 5) == 2
