@@ -93,6 +93,16 @@ class SequenceBook:
         self.release_idle()
         return key in self._sequences
 
+    @property
+    def held(self) -> int:
+        """Sequences held now, idle ones not yet released included."""
+        return len(self._sequences)
+
+    @property
+    def empty(self) -> bool:
+        """No sequence held and no request on its way to one."""
+        return not self._sequences and not self._places
+
     def release_idle(self) -> int:
         """Release every sequence idle for longer than ``idle_s``; how many were."""
         now = self._clock()

@@ -10,6 +10,7 @@ it had not would lose the state its client counts on.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Final
@@ -26,6 +27,10 @@ from nograd.serving.errors import InvalidInput
 from nograd.serving.registry import ServedModel
 
 SEQUENCE_PARAMETERS: Final = ("sequence_id", "sequence_start", "sequence_end")
+CHECK_IDLE_S: Final = 1.0
+"""The longest wait between two looks for idle sequences; a model with a shorter idle time is
+looked at every idle time."""
+SHORTEST_CHECK_S: Final = 0.05
 SequenceId = int | str
 Run = Callable[[SequenceStep], Awaitable[tuple[ServedModel, Outputs]]]
 """One inference of the request with its sequence's tensors added."""
@@ -89,6 +94,30 @@ class Sequences:
         if book is None or book.idle_s != sequence.idle_s:
             book = self._books[key] = SequenceBook(sequence.idle_s, self.max_sequences)
         return book
+
+    @property
+    def held(self) -> int:
+        """Sequences held now, of every model, idle ones not yet released included."""
+        return sum(book.held for book in self._books.values())
+
+    def release_idle(self) -> int:
+        """Release every sequence idle for longer than its model's idle time, and forget the
+        books left empty (an unloaded model's included); how many sequences were released."""
+        released = 0
+        for key, book in list(self._books.items()):
+            released += book.release_idle()
+            if book.empty:
+                del self._books[key]
+        return released
+
+    async def release_idle_forever(self) -> None:
+        """``release_idle`` on a timer, so a model that receives no more requests does not keep
+        its idle sequences' state until its next one: a sequence is released within about
+        twice its idle time (for a model's first sequence, at most ``CHECK_IDLE_S`` later)."""
+        while True:
+            idle = min((book.idle_s for book in self._books.values()), default=CHECK_IDLE_S)
+            await asyncio.sleep(max(SHORTEST_CHECK_S, min(idle, CHECK_IDLE_S)))
+            self.release_idle()
 
     def take_place(self, model: ServedModel, request: SequenceRequest) -> Place | None:
         """A place for ``request`` among its sequence's requests, in the order it arrived, for
