@@ -10,6 +10,7 @@ gRPC; the e2e tests send nograd the same calls and compare.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -17,6 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import tritonclient.grpc as triton_grpc
@@ -112,7 +114,7 @@ def record(python: Path, out: Path) -> int:
             "tritonserver": "2.51 (nvidia-pytriton " + _version(python) + ")",
             "command": "python scripts/record_triton_answers.py",
         }
-        write_answers(out, recorded_with, answers)
+        write_answers(out, recorded_with, _kept_where_equal(out, answers))
         return len(answers)
     except BaseException:
         print_log_tail(log_path)
@@ -120,6 +122,18 @@ def record(python: Path, out: Path) -> int:
     finally:
         stop_group(process)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _kept_where_equal(out: Path, answers: dict[str, Any]) -> dict[str, Any]:
+    """The answers, each equal to the one recorded before kept as it was written (Triton lists
+    some maps in no fixed order), so a re-recording's diff shows only what changed."""
+    if not out.exists():
+        return answers
+    before = json.loads(out.read_text("utf-8")).get("answers", {})
+    kept = {name: before.get(name) for name in answers}
+    return {
+        name: kept[name] if kept[name] == answer else answer for name, answer in answers.items()
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

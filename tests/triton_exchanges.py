@@ -15,7 +15,7 @@ import httpx
 import numpy as np
 import tritonclient.grpc as triton_grpc
 from google.protobuf.json_format import MessageToDict
-from tritonclient.utils import InferenceServerException
+from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
 from tests.torchserve_exchanges import close
 from tests.triton_models import FIXTURES
@@ -30,6 +30,9 @@ COMPARED = (
     "chain",
     "warmed",
     "optional_sum",
+    "tally",
+    "tally_named",
+    "tally_string_corrid",
 )
 """The models both servers load: Python-backend models and ensembles of them (the Triton build
 that records runs the Python backend only)."""
@@ -48,6 +51,9 @@ class Exchange:
     body: Any = None
     model: str = ""
     inputs: tuple[tuple[str, str, tuple[Any, ...]], ...] = ()
+    sequence: tuple[tuple[str, Any], ...] = ()
+    """A gRPC call's sequence arguments (tritonclient's ``sequence_id``, ``sequence_start``,
+    ``sequence_end``)."""
 
 
 def _tensor(name: str, datatype: str, rows: list[Any]) -> dict[str, Any]:
@@ -58,6 +64,73 @@ def _tensor(name: str, datatype: str, rows: list[Any]) -> dict[str, Any]:
 def _infer(model: str, version: str = "") -> str:
     return f"/v2/models/{model}{f'/versions/{version}' if version else ''}/infer"
 
+
+def _step(
+    name: str,
+    api: Api,
+    model: str,
+    rows: tuple[int, ...],
+    sequence_id: int | str | None,
+    start: bool = False,
+    end: bool = False,
+) -> Exchange:
+    """One request of a sequence: ``INPUT`` holds ``rows`` (one value each); ``sequence_id``
+    None sends no sequence parameters at all."""
+    sequence: dict[str, Any] = {}
+    if sequence_id is not None:
+        sequence["sequence_id"] = sequence_id
+        sequence.update({"sequence_start": True} if start else {})
+        sequence.update({"sequence_end": True} if end else {})
+    values = tuple((value,) for value in rows)
+    if api == "grpc":
+        inputs = (("INPUT", "INT32", values),)
+        return Exchange(
+            name, api, "infer", model=model, inputs=inputs, sequence=(*sequence.items(),)
+        )
+    body = {"inputs": [_tensor("INPUT", "INT32", [list(row) for row in values])]}
+    return Exchange(name, api, "POST", _infer(model), {**body, "parameters": sequence})
+
+
+SEQUENCE_EXCHANGES: tuple[Exchange, ...] = tuple(
+    exchange
+    for api, (first, second), (named_first, named_second) in (
+        ("http", (101, 102), ("alpha", "beta")),
+        ("grpc", (201, 202), ("gamma", "delta")),
+    )
+    for exchange in (
+        # Two sequences interleaved, each ended; its id continued after its end.
+        _step(f"{api}-sequence-start", api, "tally", (5,), first, start=True),
+        _step(f"{api}-sequence-start-other", api, "tally", (100,), second, start=True),
+        _step(f"{api}-sequence-continue", api, "tally", (2,), first),
+        _step(f"{api}-sequence-end-other", api, "tally", (1,), second, end=True),
+        _step(f"{api}-sequence-end", api, "tally", (3,), first, end=True),
+        _step(f"{api}-sequence-after-end", api, "tally", (1,), first),
+        _step(f"{api}-sequence-start-and-end", api, "tally", (9,), first, start=True, end=True),
+        # String ids (a model without a CORRID control keys its sums by correlation_id()).
+        _step(f"{api}-sequence-named-start", api, "tally_named", (4,), named_first, start=True),
+        _step(f"{api}-sequence-named-other", api, "tally_named", (1,), named_second, start=True),
+        _step(f"{api}-sequence-named-number", api, "tally_named", (8,), first, start=True),
+        _step(f"{api}-sequence-named-end", api, "tally_named", (6,), named_first, end=True),
+        _step(f"{api}-sequence-named-end-other", api, "tally_named", (2,), named_second, end=True),
+        _step(f"{api}-sequence-named-after-end", api, "tally_named", (1,), named_first),
+        _step(f"{api}-sequence-named-number-end", api, "tally_named", (1,), first, end=True),
+        # Refused: no START first, no id, two rows.
+        _step(f"{api}-sequence-unknown", api, "tally", (1,), 999),
+        _step(f"{api}-sequence-no-id", api, "tally", (1,), None),
+        _step(f"{api}-sequence-zero-id", api, "tally", (1,), 0, start=True),
+        _step(f"{api}-sequence-empty-id", api, "tally_named", (1,), "", start=True),
+        _step(f"{api}-sequence-two-rows", api, "tally", (1, 2), first + 10, start=True),
+    )
+)
+"""Sequences over HTTP and gRPC, in the order they are sent (each depends on the ones before).
+
+Left out, where nograd answers otherwise on purpose: a sequence id sent to a model without
+``sequence_batching`` (Triton 2.51 serves the request as if no id were sent, 200; nograd never
+silently ignores a field a client sent, so it refuses, 400), and a string id to a model whose
+CORRID control is a number (Triton feeds the model the string's serialized bytes read as that
+number; nograd refuses, 400, naming the CORRID's type). Requests to a model whose CORRID is a
+string are left out too: Triton 2.51 refuses them all ('unexpected number of string elements 2
+for inference input 'CORRID', expecting 1'), where nograd feeds the id as the string it is."""
 
 EXCHANGES: tuple[Exchange, ...] = (
     *(Exchange(f"http-metadata-{m}", "http", "GET", f"/v2/models/{m}") for m in COMPARED),
@@ -245,6 +318,7 @@ EXCHANGES: tuple[Exchange, ...] = (
         model="nope",
         inputs=(("X", "FP32", ((1.0, 2.0),)),),
     ),
+    *SEQUENCE_EXCHANGES,
 )
 
 
@@ -269,11 +343,11 @@ def send_grpc(client: triton_grpc.InferenceServerClient, exchange: Exchange) -> 
             return {"body": MessageToDict(client.get_model_config(exchange.model))}
         inputs = []
         for name, datatype, rows in exchange.inputs:
-            array = np.array(rows, dtype=np.object_ if datatype == "BYTES" else np.float32)
+            array = np.array(rows, dtype=triton_to_np_dtype(datatype))
             tensor = triton_grpc.InferInput(name, list(array.shape), datatype)
             tensor.set_data_from_numpy(array)
             inputs.append(tensor)
-        result = client.infer(exchange.model, inputs)
+        result = client.infer(exchange.model, inputs, **dict(exchange.sequence))
         response = result.get_response()
         outputs = {}
         for output in response.outputs:

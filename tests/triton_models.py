@@ -328,6 +328,85 @@ A alone), ``Y[:, 1]`` the number of requests its execute took, negative when the
 and without B together."""
 
 
+TALLY_CONFIG = """
+name: "{name}"
+backend: "python"
+max_batch_size: 8
+sequence_batching {{
+{strategy}
+  control_input [
+    {{ name: "START" control [ {{ kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] }} ] }},
+    {{ name: "END" control [ {{ kind: CONTROL_SEQUENCE_END int32_false_true: [ 0, 1 ] }} ] }},
+    {{ name: "READY" control [ {{ kind: CONTROL_SEQUENCE_READY int32_false_true: [ 0, 1 ] }} ] }}
+    {corrid}
+  ]
+}}
+input [ {{ name: "INPUT", data_type: TYPE_INT32, dims: [ 1 ] }} ]
+output [
+  {{ name: "OUTPUT", data_type: TYPE_INT32, dims: [ 1 ] }},
+  {{ name: "CONTROLS", data_type: TYPE_INT32, dims: [ 5 ] }}
+]
+"""
+CORRID_CONTROL = (
+    ', {{ name: "CORRID" control [ {{ kind: CONTROL_SEQUENCE_CORRID data_type: {} }} ] }}'
+)
+TALLY_STRATEGIES = {
+    "tally": (
+        "  max_sequence_idle_microseconds: 60000000\n"
+        "  oldest { max_candidate_sequences: 4 max_queue_delay_microseconds: 1000 }",
+        CORRID_CONTROL.format("TYPE_UINT64"),
+    ),
+    "tally_named": ("", ""),
+    "tally_string_corrid": ("", CORRID_CONTROL.format("TYPE_STRING")),
+}
+"""``tally``: the oldest strategy, a CORRID control of numbers; ``tally_named``: everything
+Triton completes left out (the strategy, the idle time) and no CORRID control, for string ids;
+``tally_string_corrid``: a CORRID of strings, whose configuration only is compared (Triton 2.51
+refuses every request to it: 'unexpected number of string elements 2 for inference input
+'CORRID', expecting 1')."""
+TALLY_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+SHAPES = (("OUTPUT", 1), ("CONTROLS", 5))
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.sums = {}
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            def read(name):
+                return pb_utils.get_input_tensor_by_name(request, name).as_numpy()
+
+            x = read("INPUT")
+            start, end, ready = (int(read(name)[0, 0]) for name in ("START", "END", "READY"))
+            if not ready:  # the direct strategy fills a batch's idle slots with such requests
+                outputs = [pb_utils.Tensor(n, np.zeros((1, d), np.int32)) for n, d in SHAPES]
+                responses.append(pb_utils.InferenceResponse(outputs))
+                continue
+            corrid = pb_utils.get_input_tensor_by_name(request, "CORRID")
+            key = request.correlation_id() if corrid is None else int(corrid.as_numpy()[0, 0])
+            total = x if start else self.sums[key] + x
+            self.sums[key] = total
+            if end:
+                del self.sums[key]
+            # The controls the server fed, the request's flags, and whether CORRID is its id.
+            same = int(key == request.correlation_id())
+            controls = np.array([[start, end, ready, request.flags(), same]], np.int32)
+            outputs = [pb_utils.Tensor("OUTPUT", total), pb_utils.Tensor("CONTROLS", controls)]
+            responses.append(pb_utils.InferenceResponse(outputs))
+        return responses
+"""
+"""A Python sequence model keeping each sequence's running sum itself, keyed by the CORRID
+control or else ``request.correlation_id()`` (a number or a string): ``OUTPUT`` is the sum so
+far (START: the input alone); ``CONTROLS`` holds the START, END and READY controls,
+``request.flags()`` and 1 where the key is the request's correlation id."""
+
+
 def triton_repository(root: Path) -> Path:
     """Triton folders and a nograd one side by side:
 
@@ -357,6 +436,8 @@ def triton_repository(root: Path) -> Path:
       ``simple_warm_short`` (``simple`` with a warmup file too short), the last two not loaded
       at start-up;
     - ``optional_sum`` (Python, an optional input);
+    - ``tally``, ``tally_named`` and ``tally_string_corrid`` (Python sequence models: the oldest
+      strategy with a numeric CORRID, direct with string ids, a string CORRID);
     - ``digits``: nograd's own folder.
     """
     torch.manual_seed(0)
@@ -412,6 +493,11 @@ def triton_repository(root: Path) -> Path:
     (repo / "optional_sum" / "1").mkdir(parents=True)
     (repo / "optional_sum" / "config.pbtxt").write_text(OPTIONAL_CONFIG)
     (repo / "optional_sum" / "1" / "model.py").write_text(OPTIONAL_MODEL)
+    for name, (strategy, corrid) in TALLY_STRATEGIES.items():
+        (repo / name / "1").mkdir(parents=True)
+        config = TALLY_CONFIG.format(name=name, strategy=strategy, corrid=corrid)
+        (repo / name / "config.pbtxt").write_text(config)
+        (repo / name / "1" / "model.py").write_text(TALLY_MODEL)
     shutil.copytree(ROOT / "models" / "digits", repo / "digits")
     digits = repo / "digits" / "config.toml"  # eager: no engine built at every start
     digits.write_text(digits.read_text().replace('engine = "auto"', 'engine = "eager"'))
@@ -506,5 +592,8 @@ SERVED = (
     "guarded_twice",
     "warmed",
     "optional_sum",
+    "tally",
+    "tally_named",
+    "tally_string_corrid",
 )
 """The Triton models the e2e server loads at start-up (with ``fixed`` and ``digits``)."""

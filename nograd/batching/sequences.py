@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Hashable
 from typing import Any, TypeVar
 
@@ -44,6 +44,30 @@ class Sequence:
         """Requests of this sequence admitted and not answered yet."""
 
 
+class Place:
+    """A request's place among the requests of its sequence, taken as it arrives: it reaches
+    its sequence only after those that took a place before it (a stream's requests are decoded
+    concurrently, and a large one would otherwise be overtaken)."""
+
+    __slots__ = ("book", "key", "left", "reached")
+
+    def __init__(self, book: SequenceBook, key: Hashable) -> None:
+        self.book = book
+        self.key = key
+        self.reached = asyncio.Event()
+        """Set once every place taken before this one has left."""
+        self.left = False
+
+    def leave(self) -> None:
+        """Give the place up (the request reached its sequence, or failed before): the next
+        one may go on. Idempotent."""
+        self.book._leave(self)
+
+    def left_with(self, _: object) -> None:
+        """``leave`` as a done callback of the task serving the request."""
+        self.leave()
+
+
 class SequenceBook:
     """The sequences of one model by id (an int and a string id are different sequences)."""
 
@@ -58,6 +82,8 @@ class SequenceBook:
         self._clock = clock
         self._sequences: OrderedDict[Hashable, Sequence] = OrderedDict()
         """Least recently used first, so the idle ones are found at the front."""
+        self._places: dict[Hashable, deque[Place]] = {}
+        """The places taken by requests on their way to each sequence, in arrival order."""
 
     def __len__(self) -> int:
         self.release_idle()
@@ -66,6 +92,16 @@ class SequenceBook:
     def __contains__(self, key: Hashable) -> bool:
         self.release_idle()
         return key in self._sequences
+
+    @property
+    def held(self) -> int:
+        """Sequences held now, idle ones not yet released included."""
+        return len(self._sequences)
+
+    @property
+    def empty(self) -> bool:
+        """No sequence held and no request on its way to one."""
+        return not self._sequences and not self._places
 
     def release_idle(self) -> int:
         """Release every sequence idle for longer than ``idle_s``; how many were."""
@@ -82,18 +118,48 @@ class SequenceBook:
             released += 1
         return released
 
+    def take_place(self, key: Hashable) -> Place:
+        """A place for a request of sequence ``key``, behind the places taken before it."""
+        place = Place(self, key)
+        waiting = self._places.setdefault(key, deque())
+        waiting.append(place)
+        if len(waiting) == 1:
+            place.reached.set()
+        return place
+
+    def _leave(self, place: Place) -> None:
+        if place.left:
+            return
+        place.left = True
+        waiting = self._places[place.key]
+        first = waiting[0] is place
+        waiting.remove(place)
+        if not waiting:
+            del self._places[place.key]
+        elif first:
+            waiting[0].reached.set()
+
     async def run(
         self,
         key: Hashable,
         start: bool,
         end: bool,
         work: Callable[[Sequence], Awaitable[T]],
+        place: Place | None = None,
     ) -> T:
         """Run ``work`` as the next request of sequence ``key``, after the requests of it that
-        came before. ``start`` begins the sequence afresh (one under way with that id is
-        released); without it the sequence must be under way (``UnknownSequence``). ``end``
-        releases it once answered, so its id may start a new one."""
-        sequence = self._enter(key, start)
+        came before (with a ``place``: after those that took one before it). ``start`` begins
+        the sequence afresh (one under way with that id is released); without it the sequence
+        must be under way (``UnknownSequence``). ``end`` releases it once answered, so its id
+        may start a new one."""
+        if place is not None and place.book is self and place.key == key and not place.left:
+            try:
+                await place.reached.wait()
+                sequence = self._enter(key, start)
+            finally:
+                place.leave()
+        else:
+            sequence = self._enter(key, start)
         try:
             async with sequence.turn:
                 return await work(sequence)

@@ -5,10 +5,9 @@ through the same serving core, so one batch may mix HTTP and gRPC requests. Serv
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Final, TypeVar
 
 from google.protobuf import json_format
@@ -16,9 +15,11 @@ from google.protobuf.message import Message
 
 from nograd.core.responses import ResponseQueue
 from nograd.grpc.diagnostics import DiagnosticsRpcs, trace_parent
+from nograd.grpc.failures import CODES, client_message
 from nograd.grpc.generated import grpc_service_pb2 as pb
-from nograd.grpc.rpc import CallContext, Code
+from nograd.grpc.rpc import CallContext
 from nograd.grpc.shared_memory import SharedMemoryRpcs
+from nograd.grpc.stream_infer import StreamInferRpcs
 from nograd.grpc.tensors import class_counts, encode_outputs, read_inputs, sequence_parameters
 from nograd.interop.generated import model_config_pb2
 from nograd.serving import documents
@@ -27,15 +28,13 @@ from nograd.serving.control_calls import load_model, unload_parameters
 from nograd.serving.core import Core
 from nograd.serving.errors import (
     DeadlineExceeded,
-    HandlerFailed,
-    InferenceFailed,
     InvalidInput,
     Kind,
     ModelNotFound,
     kind_of,
     retry_after_s,
 )
-from nograd.serving.sequences import sequence_request
+from nograd.serving.sequences import Place, sequence_request
 from nograd.serving.triton_config import model_configuration, repository_index
 
 logger = logging.getLogger(__name__)
@@ -43,44 +42,12 @@ PROTOCOL: Final = "grpc"
 EXTENSIONS: Final = list(documents.EXTENSIONS)
 METHOD_PREFIX: Final = "/inference.GRPCInferenceService/"
 
-CODES: Final[dict[Kind, Code]] = {
-    Kind.INVALID: Code.INVALID_ARGUMENT,
-    Kind.REFUSED: Code.FAILED_PRECONDITION,
-    Kind.UNAUTHENTICATED: Code.UNAUTHENTICATED,
-    Kind.NOT_FOUND: Code.NOT_FOUND,
-    Kind.EXISTS: Code.ALREADY_EXISTS,
-    Kind.POLL_FAILED: Code.INTERNAL,
-    Kind.UNSUPPORTED: Code.UNIMPLEMENTED,
-    Kind.OVER_LIMIT: Code.RESOURCE_EXHAUSTED,
-    Kind.CLIENT_GONE: Code.CANCELLED,
-    Kind.FAILED: Code.INTERNAL,
-    Kind.UNAVAILABLE: Code.UNAVAILABLE,
-    Kind.DEADLINE: Code.DEADLINE_EXCEEDED,
-    Kind.TOO_LARGE_FOR_MEMORY: Code.RESOURCE_EXHAUSTED,
-}
-"""Each kind of failure as a gRPC status code."""
-
-_ABSOLUTE_PATH: Final = re.compile(r"(?<![\w.:/~-])/(?:[^\s'\"/]+/)+([^\s'\"/]*)")
-"""A path from the server's file system (two parts at least: ``/srv/models/x``), not a URL's."""
 _VERSION: Final = re.compile(r"[0-9]{1,18}")
 
 Reply = TypeVar("Reply", bound=Message)
 
 
-def client_message(exc: BaseException, kind: Kind) -> str:
-    """What a client is told of a failure. nograd's own messages say what was wrong, but one may
-    carry a detail from below (a load error's file): absolute server paths are cut to their
-    last part. A failure of the model or of nograd itself says only that; its exception and
-    traceback are in the log. A TorchServe handler's failure answer is the model's message to
-    its client, passed on as HTTP does."""
-    if kind is Kind.FAILED and not isinstance(exc, HandlerFailed):
-        if isinstance(exc, InferenceFailed):
-            return "the model failed on this request (the server's log has the detail)"
-        return "internal error (the server's log has the detail)"
-    return _ABSOLUTE_PATH.sub(lambda found: ".../" + found[1], str(exc))
-
-
-class InferenceService(DiagnosticsRpcs, SharedMemoryRpcs):
+class InferenceService(DiagnosticsRpcs, SharedMemoryRpcs, StreamInferRpcs):
     def __init__(self, core: Core, *, protect_health: bool) -> None:
         self._core = core
         self._calls = core.calls
@@ -239,109 +206,16 @@ class InferenceService(DiagnosticsRpcs, SharedMemoryRpcs):
         finally:
             calls.close(call, 200 if kind is None else kind.status)
 
-    async def ModelStreamInfer(
-        self, requests: AsyncIterator[Any], context: CallContext
-    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
-        """Triton's streaming inference: each request of the stream served as ModelInfer serves
-        it, side by side, its answer (or its error, in ``error_message`` as Triton sends it, the
-        stream going on) sent as soon as it is ready."""
-        try:
-            self.authorize(context)
-        except Exception as exc:
-            await self._abort(context, exc, kind_of(exc))
-        answers: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
-        serving: set[asyncio.Task[None]] = set()
-
-        async def serve(request: Any) -> None:
-            if not self._decoupled(request):
-                await answers.put(await self._stream_one(request, context))
-                return
-            async for answer in self._stream_decoupled(request, context):
-                await answers.put(answer)
-
-        async def take() -> None:
-            async for request in requests:
-                task = asyncio.create_task(serve(request))
-                serving.add(task)
-                task.add_done_callback(serving.discard)
-            await asyncio.gather(*serving)
-            await answers.put(None)
-
-        taking = asyncio.create_task(take())
-        try:
-            while (answer := await answers.get()) is not None:
-                yield answer
-        finally:
-            taking.cancel()
-            for task in list(serving):
-                task.cancel()
-
-    def _decoupled(self, request: Any) -> bool:
-        try:
-            model = self._plane.registry.get(request.model_name, request.model_version or None)
-        except Exception:
-            return False  # refused as ModelInfer refuses it
-        return model.config.decoupled
-
-    async def _stream_decoupled(
-        self, request: Any, context: CallContext
-    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
-        """A decoupled model's 0..n responses to one request, each sent as it comes; with
-        Triton's ``triton_enable_empty_final_response``, each says whether it is the last and
-        the final flag without a response is sent too."""
-        calls = self._calls
-        call = calls.open(PROTOCOL, METHOD_PREFIX + "ModelStreamInfer")
-        call.model = calls.label(request.model_name)
-        flagged = request.parameters.get("triton_enable_empty_final_response")
-        mark_final = flagged is not None and flagged.bool_param
-        responder = ResponseQueue(asyncio.get_running_loop())
-        kind: Kind | None = Kind.CLIENT_GONE
-        try:
-            head = await self._infer(call, request, context, responder)
-            async for response in responder.responses():
-                if response.error is not None:
-                    yield pb.ModelStreamInferResponse(
-                        error_message=client_message(response.error, kind_of(response.error))
-                    )
-                    continue
-                if response.outputs is None and not mark_final:
-                    continue
-                answer = pb.ModelInferResponse()
-                answer.CopyFrom(head)
-                if response.outputs is not None:
-                    encode_outputs(answer, dict(response.outputs), request.outputs)
-                if mark_final:
-                    answer.parameters["triton_final_response"].bool_param = response.final
-                yield pb.ModelStreamInferResponse(infer_response=answer)
-            kind = None
-        except Exception as exc:
-            kind = calls.failed(call, exc)
-            yield pb.ModelStreamInferResponse(error_message=client_message(exc, kind))
-        finally:
-            calls.close(call, 200 if kind is None else kind.status)
-
-    async def _stream_one(self, request: Any, context: CallContext) -> pb.ModelStreamInferResponse:
-        calls = self._calls
-        call = calls.open(PROTOCOL, METHOD_PREFIX + "ModelStreamInfer")
-        call.model = calls.label(request.model_name)
-        kind: Kind | None = Kind.CLIENT_GONE
-        try:
-            response = await self._infer(call, request, context)
-            kind = None
-            return pb.ModelStreamInferResponse(infer_response=response)
-        except Exception as exc:
-            kind = calls.failed(call, exc)
-            return pb.ModelStreamInferResponse(error_message=client_message(exc, kind))
-        finally:
-            calls.close(call, 200 if kind is None else kind.status)
-
     async def _infer(
         self,
         call: Call,
         request: Any,
         context: CallContext,
         responder: ResponseQueue | None = None,
+        place: Place | None = None,
     ) -> pb.ModelInferResponse:
+        """One inference request, ModelInfer's or a stream's (whose sequence ``place`` it
+        keeps)."""
         calls = self._calls
         self.authorize(context, request.model_name)
         calls.admit(request.model_name)
@@ -369,6 +243,7 @@ class InferenceService(DiagnosticsRpcs, SharedMemoryRpcs):
                 request.id or None,
                 responder=responder,
                 sequence=sequence,
+                place=place,
             )
             response = pb.ModelInferResponse(
                 model_name=model.name, model_version=model.version, id=request.id

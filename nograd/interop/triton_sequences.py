@@ -27,15 +27,18 @@ DATATYPES: Final[dict[str, str]] = {row.triton: row.name for row in TABLE}
 
 
 def sequence_batching(message: Any) -> SequenceBatching:
-    """The model's ``sequence_batching`` (the message completed in place: idle time and
-    strategy); a ``ValueError`` names the field nograd cannot honour."""
+    """The model's ``sequence_batching`` (the message completed in place as Triton 2.51 completes
+    it: the idle time, and the oldest strategy's preferred batch size; a block naming no strategy
+    is reported without one, and served as direct); a ``ValueError`` names the field nograd
+    cannot honour."""
     block = message.sequence_batching
     if block.iterative_sequence:
         raise ValueError("field 'sequence_batching.iterative_sequence' is not supported by nograd")
     if not block.max_sequence_idle_microseconds:
         block.max_sequence_idle_microseconds = IDLE_DEFAULT_US
-    if not block.HasField("oldest"):
-        block.direct.SetInParent()
+    oldest = block.HasField("oldest") and not block.oldest.preferred_batch_size
+    if oldest and message.max_batch_size > 0:
+        block.oldest.preferred_batch_size.append(message.max_batch_size)
     controls = tuple(
         _control(entry.name, control) for entry in block.control_input for control in entry.control
     )

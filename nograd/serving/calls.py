@@ -41,7 +41,7 @@ from nograd.serving.errors import (
 )
 from nograd.serving.on_demand import OnDemand
 from nograd.serving.registry import ServedModel
-from nograd.serving.sequences import SequenceRequest, Sequences, refuse_sequence
+from nograd.serving.sequences import Place, SequenceRequest, Sequences, refuse_sequence
 from nograd.serving.shared_memory import SharedMemory
 from nograd.serving.validation import Declared
 
@@ -251,13 +251,15 @@ class Calls:
         handler_answers: bool = False,
         responder: ResponseQueue | None = None,
         sequence: SequenceRequest | None = None,
+        place: Place | None = None,
     ) -> tuple[ServedModel, Outputs]:
         """One inference; ``protocol_id`` is the request's own id (the V2 ``id``), if any. A
         TorchServe handler's answers come as their bodies, unless the caller (the TorchServe
         front) takes the answers whole (``handler_answers``). A decoupled model's responses go
         to ``responder`` (a streaming call's); any other call to one is refused as Triton does.
-        A sequence model's request runs as the next of its ``sequence``; any other model
-        refuses a request naming one."""
+        A sequence model's request runs as the next of its ``sequence`` (behind the requests
+        that took a ``place`` before it, ``Sequences.take_place``); any other model refuses a
+        request naming one."""
         call.model = self.label(name)
         served = self.plane.registry.get(name, version)
         if responder is None and served.config.decoupled:
@@ -285,7 +287,7 @@ class Calls:
             if served.config.sequence is None:
                 model, outputs = await run()
             else:
-                model, outputs = await self.sequences.infer(served, sequence, inputs, run)
+                model, outputs = await self.sequences.infer(served, sequence, inputs, run, place)
         finally:
             if trace is not None:
                 tracer.end(trace)

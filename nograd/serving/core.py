@@ -79,8 +79,14 @@ class Core:
         self._tasks.append(asyncio.create_task(self.load(), name="load-models"))
 
     def watch(self) -> None:
-        """Restart batch loops that die, and follow the repository when model control polls."""
+        """Restart batch loops that die, release idle sequences, and follow the repository when
+        model control polls."""
         self._tasks.append(asyncio.create_task(self.plane.watch_batchers(), name="watch-batchers"))
+        self._tasks.append(
+            asyncio.create_task(
+                self.calls.sequences.release_idle_forever(), name="release-idle-sequences"
+            )
+        )
         if self.settings.model_control == "poll":
             self._tasks.append(
                 asyncio.create_task(self.control.poll_forever(), name="poll-repository")

@@ -10,12 +10,14 @@ it had not would lose the state its client counts on.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Final
 
 import numpy as np
 
+from nograd.batching.sequences import Place as Place  # the fronts take it from here
 from nograd.batching.sequences import Sequence, SequenceBook, UnknownSequence
 from nograd.core.datatypes import NUMPY_DTYPES
 from nograd.runtime.handler import Outputs
@@ -25,6 +27,10 @@ from nograd.serving.errors import InvalidInput
 from nograd.serving.registry import ServedModel
 
 SEQUENCE_PARAMETERS: Final = ("sequence_id", "sequence_start", "sequence_end")
+CHECK_IDLE_S: Final = 1.0
+"""The longest wait between two looks for idle sequences; a model with a shorter idle time is
+looked at every idle time."""
+SHORTEST_CHECK_S: Final = 0.05
 SequenceId = int | str
 Run = Callable[[SequenceStep], Awaitable[tuple[ServedModel, Outputs]]]
 """One inference of the request with its sequence's tensors added."""
@@ -89,15 +95,49 @@ class Sequences:
             book = self._books[key] = SequenceBook(sequence.idle_s, self.max_sequences)
         return book
 
+    @property
+    def held(self) -> int:
+        """Sequences held now, of every model, idle ones not yet released included."""
+        return sum(book.held for book in self._books.values())
+
+    def release_idle(self) -> int:
+        """Release every sequence idle for longer than its model's idle time, and forget the
+        books left empty (an unloaded model's included); how many sequences were released."""
+        released = 0
+        for key, book in list(self._books.items()):
+            released += book.release_idle()
+            if book.empty:
+                del self._books[key]
+        return released
+
+    async def release_idle_forever(self) -> None:
+        """``release_idle`` on a timer, so a model that receives no more requests does not keep
+        its idle sequences' state until its next one: a sequence is released within about
+        twice its idle time (for a model's first sequence, at most ``CHECK_IDLE_S`` later)."""
+        while True:
+            idle = min((book.idle_s for book in self._books.values()), default=CHECK_IDLE_S)
+            await asyncio.sleep(max(SHORTEST_CHECK_S, min(idle, CHECK_IDLE_S)))
+            self.release_idle()
+
+    def take_place(self, model: ServedModel, request: SequenceRequest) -> Place | None:
+        """A place for ``request`` among its sequence's requests, in the order it arrived, for
+        a front that reads requests before serving them side by side (a gRPC stream); None
+        where the model or the request has no sequence. Given up with ``Place.leave``."""
+        if model.config.sequence is None or not request.id:
+            return None
+        return self.book(model).take_place(request.id)
+
     async def infer(
         self,
         model: ServedModel,
         request: SequenceRequest,
         inputs: Mapping[str, np.ndarray],
         run: Run,
+        place: Place | None = None,
     ) -> tuple[ServedModel, Outputs]:
         """``run`` the request as its sequence's next; Triton's refusals, word for word, of a
-        request with no sequence id and of one continuing a sequence not under way."""
+        request with no sequence id, of one of more than one row, and of one continuing a
+        sequence not under way."""
         sequence = model.config.sequence
         assert sequence is not None
         if not request.id:
@@ -106,8 +146,15 @@ class Sequences:
                 "non-empty correlation ID"
             )
 
+        batched = model.config.batch_dimension is not False
+        if batched and inputs and len(next(iter(inputs.values()))) != 1:
+            raise InvalidInput(
+                f"inference request to model '{model.name}' must specify batch-size 1 due to "
+                "requirements of sequence batcher"
+            )
+
         async def step(under_way: Sequence) -> tuple[ServedModel, Outputs]:
-            tensors = _tensors(model, sequence, request, inputs, under_way)
+            tensors = _tensors(model, sequence, request, under_way)
             flags = (FLAG_START if request.start else 0) | (FLAG_END if request.end else 0)
             served, outputs = await run(SequenceStep(request.id, flags, tensors))
             kept = {state.output_name for state in sequence.states}
@@ -116,7 +163,8 @@ class Sequences:
             return served, {name: array for name, array in outputs.items() if name not in kept}
 
         try:
-            return await self.book(model).run(request.id, request.start, request.end, step)
+            book = self.book(model)
+            return await book.run(request.id, request.start, request.end, step, place)
         except UnknownSequence:
             raise InvalidInput(
                 f"inference request for sequence {request.id} to model '{model.name}' must "
@@ -125,17 +173,11 @@ class Sequences:
 
 
 def _tensors(
-    model: ServedModel,
-    sequence: SequenceBatching,
-    request: SequenceRequest,
-    inputs: Mapping[str, np.ndarray],
-    under_way: Sequence,
+    model: ServedModel, sequence: SequenceBatching, request: SequenceRequest, under_way: Sequence
 ) -> dict[str, np.ndarray]:
-    """The controls and states of one request, one row each per row of the request (a model
-    without a batch dimension: one value)."""
-    batched = model.config.batch_dimension is not False
-    rows = len(next(iter(inputs.values()))) if batched and inputs else 1
-    lead = (rows,) if batched else ()
+    """The controls and states of one request: one row (a model without a batch dimension: one
+    value)."""
+    lead = (1,) if model.config.batch_dimension is not False else ()
     tensors = {
         control.name: _control(control, request, (*lead, 1)) for control in sequence.controls
     }
@@ -143,11 +185,6 @@ def _tensors(
         kept = under_way.state.get(state.input_name)
         if kept is None:
             kept = np.zeros((*lead, *state.shape), NUMPY_DTYPES[state.datatype])
-        elif batched and len(kept) != rows:
-            raise InvalidInput(
-                f"sequence {request.id} of model '{model.name}' holds state for {len(kept)} "
-                f"row(s); this request has {rows} (a sequence keeps its number of rows)"
-            )
         tensors[state.input_name] = kept
     return tensors
 

@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from queue import Queue
 from typing import Any
 
 import numpy as np
@@ -46,6 +47,42 @@ output [
 """
 IDLE_S = 0.3
 """``accumulator_idle``'s idle time: short, so a test waits it out."""
+LENGTHS_CONFIG = """
+name: "lengths"
+backend: "python"
+max_batch_size: 8
+sequence_batching {
+  control_input [
+    { name: "START" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] }
+  ]
+}
+input [ { name: "INPUT", data_type: TYPE_INT32, dims: [ -1 ] } ]
+output [ { name: "SEEN", data_type: TYPE_INT64, dims: [ 1 ] } ]
+"""
+LENGTHS_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.seen = {}
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "INPUT").as_numpy()
+            start = pb_utils.get_input_tensor_by_name(request, "START").as_numpy()
+            key = request.correlation_id()
+            seen = x.size + (0 if start[0, 0] else self.seen[key])
+            self.seen[key] = seen
+            answer = pb_utils.Tensor("SEEN", np.array([[seen]], np.int64))
+            responses.append(pb_utils.InferenceResponse([answer]))
+        return responses
+"""
+"""A Python sequence model of variable length: ``SEEN`` counts the values its sequence sent so
+far, so a request that overtook the one before it answers another count (or, overtaking the
+START, is refused)."""
 
 
 def accumulator(path: Path) -> None:
@@ -92,6 +129,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         config = CONFIG.format(name=name, idle_us=idle_us, delay_us=delay_us)
         (repo / name / "config.pbtxt").write_text(config)
     shutil.copytree(FIXTURES / "simple", repo / "simple")
+    (repo / "lengths" / "1").mkdir(parents=True)
+    (repo / "lengths" / "config.pbtxt").write_text(LENGTHS_CONFIG)
+    (repo / "lengths" / "1" / "model.py").write_text(LENGTHS_MODEL)
     env = {
         "NOGRAD_MODEL_REPOSITORY": str(repo),
         "NOGRAD_GRPC_PORT": str(free_port()),
@@ -221,3 +261,41 @@ def test_requests_of_different_sequences_batch_together(server: Server) -> None:
     rows = metric_value(server.url, "nograd_batch_size_sum", model="accumulator")
     assert rows - before["sum"] == sequences * steps
     assert batches - before["count"] < sequences * steps
+
+
+def test_a_stream_keeps_a_sequence_s_order_when_its_first_request_is_decoded_in_a_thread(
+    server: Server,
+) -> None:
+    """On one ModelStreamInfer stream, a large START request (its values decoded off the event
+    loop) then a small one of the same sequence: the small one waits for its turn rather than
+    reaching the sequence first (where it would find no sequence started)."""
+    assert server.grpc_address is not None
+    client = triton_grpc.InferenceServerClient(server.grpc_address)
+    answers: Queue[tuple[Any, Any]] = Queue()
+    large = np.arange(200_000, dtype=np.int32)[np.newaxis]  # 800 kB: decoded in a thread
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        for rounds in range(3):
+            sequence_id = 4000 + rounds
+            for index, values in enumerate((large, np.ones((1, 1), np.int32), large[:, :2])):
+                tensor = triton_grpc.InferInput("INPUT", list(values.shape), "INT32")
+                tensor.set_data_from_numpy(values)
+                client.async_stream_infer(
+                    "lengths",
+                    [tensor],
+                    request_id=f"{sequence_id}-{index}",
+                    sequence_id=sequence_id,
+                    sequence_start=index == 0,
+                    sequence_end=index == 2,
+                )
+        got = [answers.get(timeout=60) for _ in range(9)]
+    finally:
+        client.stop_stream()
+        client.close()
+    assert [str(error) for _, error in got if error is not None] == []
+    seen = {}
+    for result, _ in got:
+        seen[result.get_response().id] = int(result.as_numpy("SEEN")[0, 0])
+    for rounds in range(3):
+        first = 4000 + rounds
+        assert [seen[f"{first}-{index}"] for index in range(3)] == [200_000, 200_001, 200_003]

@@ -132,3 +132,44 @@ async def test_a_failed_request_keeps_its_sequence() -> None:
     with pytest.raises(RuntimeError):
         await book.run(1, False, False, boom)
     assert await book.run(1, False, False, adder(2)) == 3
+
+
+async def test_places_taken_on_arrival_fix_the_order_of_a_sequence_s_requests() -> None:
+    """The START's place is taken first: the request after it, though it reaches ``run``
+    first, waits for the START to reach its sequence rather than finding none started."""
+    book = SequenceBook(idle_s=5.0, max_sequences=4)
+    first, second = book.take_place(9), book.take_place(9)
+    later = asyncio.create_task(book.run(9, False, False, adder(2), second))
+    await asyncio.sleep(0)
+    assert not later.done()  # waits behind the START's place
+    assert await book.run(9, True, False, adder(5), first) == 5
+    assert await later == 7
+
+
+async def test_a_place_given_up_lets_the_next_one_go_on() -> None:
+    """A request that fails before it reaches its sequence (a decoding error) leaves its place;
+    the next goes on, and a place of another sequence never waits."""
+    book = SequenceBook(idle_s=5.0, max_sequences=4)
+    await book.run(3, True, False, adder(1))
+    failed, after = book.take_place(3), book.take_place(3)
+    other = book.take_place(4)
+    assert await book.run(4, True, True, adder(8), other) == 8
+    waiting = asyncio.create_task(book.run(3, False, False, adder(2), after))
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    failed.leave()
+    failed.leave()  # idempotent
+    assert await waiting == 3
+    assert not book._places  # every place given back
+
+
+async def test_a_place_whose_task_is_cancelled_before_it_ran_is_given_back() -> None:
+    """A stream ending cancels requests it has not started: their places must not hold the
+    sequence's later requests forever."""
+    book = SequenceBook(idle_s=5.0, max_sequences=4)
+    cancelled, after = book.take_place(5), book.take_place(5)
+    task = asyncio.create_task(book.run(5, True, False, adder(1), cancelled))
+    task.add_done_callback(cancelled.left_with)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert await asyncio.wait_for(book.run(5, True, False, adder(2), after), 5) == 2

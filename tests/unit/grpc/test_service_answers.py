@@ -21,9 +21,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nograd.grpc import frames as h2
+from nograd.grpc.failures import client_message
 from nograd.grpc.generated import grpc_service_pb2 as pb
 from nograd.grpc.server import SERVICE_NAME, GrpcServer
-from nograd.grpc.service import client_message
 from nograd.serving.core import Core
 from nograd.serving.errors import (
     HandlerFailed,

@@ -54,10 +54,11 @@ def test_triton_s_simple_sequence_declares_start_and_ready(tmp_path: Path) -> No
     assert config.sequence.strategy == "direct" and config.sequence.idle_s == 1.0
     assert config.max_queue_delay_ms == 0.0
     assert [spec.name for spec in hidden_inputs(config.sequence)] == ["START", "READY"]
-    # Reported as Triton completes it: its default idle time and the direct strategy.
+    # Reported as Triton 2.51 completes it: its default idle time, and no strategy added.
     reported = json.loads(config.triton_config or "{}")["sequence_batching"]
     assert reported["max_sequence_idle_microseconds"] == 1000000
-    assert "direct" in reported and reported["control_input"][0]["name"] == "START"
+    assert "direct" not in reported and "oldest" not in reported
+    assert reported["control_input"][0]["name"] == "START"
 
 
 def test_controls_state_and_the_oldest_strategy(tmp_path: Path) -> None:
@@ -76,6 +77,9 @@ def test_controls_state_and_the_oldest_strategy(tmp_path: Path) -> None:
     assert [(s.name, s.datatype) for s in state_outputs(sequence)] == [("OUTPUT_STATE", "INT32")]
     # Clients see the declared tensors only.
     assert [s.name for s in config.inputs] == ["INPUT"]
+    # Reported as Triton completes it: the oldest strategy prefers batches of max_batch_size.
+    reported = json.loads(config.triton_config or "{}")["sequence_batching"]
+    assert reported["oldest"]["preferred_batch_size"] == [8]
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ from nograd.interop.triton import read_triton
 from nograd.runtime.handler import TensorPart, TorchRunner
 from nograd.runtime.loader import build_handler
 from nograd.runtime.python_backend import utils
-from tests.triton_models import FIXTURES
+from tests.triton_models import FIXTURES, TALLY_CONFIG, TALLY_MODEL
 
 
 def test_bytes_round_trip_and_type_tables() -> None:
@@ -144,58 +144,30 @@ def test_examples_load_as_separate_modules(tmp_path: Path) -> None:
     assert type(handlers[0].model).__module__ != type(handlers[1].model).__module__  # type: ignore[attr-defined]
 
 
-KEYED = """
-import numpy as np
-import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def initialize(self, args):
-        self.sums = {}
-
-    def execute(self, requests):
-        responses = []
-        for request in requests:
-            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
-            start = pb_utils.get_input_tensor_by_name(request, "START").as_numpy()
-            key = request.correlation_id()
-            total = x if start[0, 0] else self.sums[key] + x
-            self.sums[key] = total
-            if request.flags() & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END:
-                del self.sums[key]
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", total)]))
-        return responses
-"""
-KEYED_CONFIG = """
-backend: "python"
-max_batch_size: 4
-sequence_batching {
-  control_input [
-    { name: "START" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] }
-  ]
-}
-input [ { name: "X", data_type: TYPE_INT32, dims: [ 1 ] } ]
-output [ { name: "Y", data_type: TYPE_INT32, dims: [ 1 ] } ]
-"""
-
-
 def test_a_python_model_keys_its_state_by_the_sequence_s_correlation_id(tmp_path: Path) -> None:
+    """``tally_named`` (no CORRID control) keys its sums by ``request.correlation_id()``, a
+    number or a string, and reads the sequence's flags from ``request.flags()``."""
     from nograd.runtime.sequence_step import FLAG_END, FLAG_START, SequenceStep
 
     folder = tmp_path / "repo" / "keyed"
     (folder / "1").mkdir(parents=True)
-    (folder / "config.pbtxt").write_text(KEYED_CONFIG)
-    (folder / "1" / "model.py").write_text(KEYED)
+    config_text = TALLY_CONFIG.format(name="keyed", strategy="", corrid="")
+    (folder / "config.pbtxt").write_text(config_text)
+    (folder / "1" / "model.py").write_text(TALLY_MODEL)
     config = read_triton(folder).model_copy(update={"version": "1"})
     runner = TorchRunner(
         build_handler(tmp_path / "repo", folder / "1", config, torch.device("cpu"))
     )
 
-    def part(value: int, sequence_id: int | str, start: bool, flags: int = 0) -> TensorPart:
-        tensors = {"X": np.array([[value]], np.int32), "START": np.array([[int(start)]], np.int32)}
+    def part(value: int, sequence_id: int | str, flags: int = 0) -> TensorPart:
+        controls = {"START": flags & FLAG_START, "END": flags & FLAG_END, "READY": 1}
+        tensors = {name: np.array([[int(bool(on))]], np.int32) for name, on in controls.items()}
+        tensors["INPUT"] = np.array([[value]], np.int32)
         return TensorPart(tensors, 1, sequence=SequenceStep(sequence_id, flags, {}))
 
-    runner.run_batch([part(5, 7, True, FLAG_START), part(1, "u", True, FLAG_START)])
-    answers = runner.run_batch([part(3, 7, False), part(2, "u", False, FLAG_END)])
-    assert [int(answer["Y"][0, 0]) for answer in answers] == [8, 3]  # type: ignore[index]
+    runner.run_batch([part(5, 7, FLAG_START), part(1, "u", FLAG_START)])
+    answers = runner.run_batch([part(3, 7), part(2, "u", FLAG_END)])
+    assert [int(answer["OUTPUT"][0, 0]) for answer in answers] == [8, 3]  # type: ignore[index]
+    # START, END, READY, flags(), and the key being the correlation id.
+    assert answers[1]["CONTROLS"].tolist() == [[0, 1, 1, FLAG_END, 1]]  # type: ignore[index]
     assert set(runner.handler.model.sums) == {7}  # type: ignore[attr-defined]

@@ -9,8 +9,8 @@ import pytest
 
 from nograd.batching import BatcherClosed, DeadlineExceeded, QueueFull, SampleTooLarge
 from nograd.core.errors import DecodeError
+from nograd.grpc.failures import CODES
 from nograd.grpc.rpc import Code
-from nograd.grpc.service import CODES
 from nograd.http.errors import status_of
 from nograd.observability.metrics import UNKNOWN_MODEL, Metrics
 from nograd.serving.calls import Calls

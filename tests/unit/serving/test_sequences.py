@@ -4,6 +4,7 @@ refusals word for word."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import numpy as np
@@ -90,6 +91,44 @@ async def test_requests_without_an_id_or_with_a_string_id_for_an_integer_corrid(
     )
     with pytest.raises(InvalidInput, match="CORRID control 'CORRID' is UINT64"):
         await sequences.infer(model, SequenceRequest("abc", True), _rows(1), run)  # type: ignore[arg-type]
+
+
+async def test_a_request_of_more_than_one_row_is_refused_as_triton_refuses_it(
+    model: ServedModel,
+) -> None:
+    sequences = Sequences(max_sequences=8)
+    inputs = {"INPUT": np.array([[1], [2]], np.int32)}
+    with pytest.raises(InvalidInput) as refused:
+        await sequences.infer(model, SequenceRequest(7, True), inputs, Accumulator(model)(inputs))  # type: ignore[arg-type]
+    assert str(refused.value) == (
+        "inference request to model 'acc' must specify batch-size 1 due to requirements of "
+        "sequence batcher"
+    )
+    assert 7 not in sequences.book(model)  # refused before it started a sequence
+
+
+async def test_an_idle_sequence_is_released_on_a_timer_without_another_request(
+    model: ServedModel,
+) -> None:
+    """The model (idle time 0.25 s) gets no further request: its sequence's state is still
+    released, and its empty book forgotten, by the periodic look rather than held until a next
+    request comes."""
+    sequences = Sequences(max_sequences=8)
+    await sequences.infer(model, SequenceRequest(42, True), _rows(5), Accumulator(model)(_rows(5)))  # type: ignore[arg-type]
+    sweeper = asyncio.create_task(sequences.release_idle_forever())
+    try:
+        await asyncio.sleep(0.1)
+        assert sequences.held == 1  # not idle long enough yet
+        for _ in range(200):  # 10 s at most
+            if not sequences.held:
+                break
+            await asyncio.sleep(0.05)
+        assert sequences.held == 0
+        assert sequences.release_idle() == 0  # nothing left to release, no book kept
+    finally:
+        sweeper.cancel()
+    with pytest.raises(InvalidInput, match="must specify the START flag"):
+        await sequences.infer(model, SequenceRequest(42), _rows(1), Accumulator(model)(_rows(1)))  # type: ignore[arg-type]
 
 
 def test_sequence_parameters_are_checked() -> None:

@@ -1,0 +1,153 @@
+"""Triton's streaming inference RPC (``ModelStreamInfer``): the requests of one stream served side
+by side, each answered (or its error sent in the stream) as soon as it is ready, a decoupled
+model's 0..n responses each as it comes. ``InferenceService`` takes it from here.
+
+A sequence's requests keep the order they came in on the stream: each takes its place among its
+sequence's requests as the stream reads it, before anything is awaited, so a large request
+decoded in a thread is not overtaken by a small one of the same sequence sent after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from nograd.core.responses import ResponseQueue
+from nograd.grpc.failures import client_message
+from nograd.grpc.generated import grpc_service_pb2 as pb
+from nograd.grpc.rpc import CallContext
+from nograd.grpc.tensors import encode_outputs, sequence_parameters
+from nograd.serving.calls import Calls
+from nograd.serving.dataplane import DataPlane
+from nograd.serving.errors import Kind, kind_of
+from nograd.serving.sequences import Place, sequence_request
+
+PROTOCOL = "grpc"
+TARGET = "/inference.GRPCInferenceService/ModelStreamInfer"
+
+
+class StreamInferRpcs:
+    """``ModelStreamInfer``, over the service's own authorization, abort and inference."""
+
+    _calls: Calls
+    _plane: DataPlane
+    _infer: Callable[..., Awaitable[pb.ModelInferResponse]]
+    """One inference request (call, request, context, responder, place)."""
+
+    def authorize(self, context: CallContext, model: str | None = None) -> None:
+        raise NotImplementedError
+
+    async def _abort(self, context: CallContext, exc: BaseException, kind: Kind) -> None:
+        raise NotImplementedError
+
+    async def ModelStreamInfer(
+        self, requests: AsyncIterator[Any], context: CallContext
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        """Each request of the stream served as ModelInfer serves it, side by side, its answer
+        (or its error, in ``error_message`` as Triton sends it, the stream going on) sent as
+        soon as it is ready."""
+        try:
+            self.authorize(context)
+        except Exception as exc:
+            await self._abort(context, exc, kind_of(exc))
+        answers: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        serving: set[asyncio.Task[None]] = set()
+
+        async def serve(request: Any, place: Place | None) -> None:
+            if not self._decoupled(request):
+                await answers.put(await self._stream_one(request, context, place))
+                return
+            async for answer in self._stream_decoupled(request, context, place):
+                await answers.put(answer)
+
+        async def take() -> None:
+            async for request in requests:
+                place = self._place(request)
+                task = asyncio.create_task(serve(request, place))
+                serving.add(task)
+                task.add_done_callback(serving.discard)
+                if place is not None:  # given up however the task ends, even cancelled unstarted
+                    task.add_done_callback(place.left_with)
+            await asyncio.gather(*serving)
+            await answers.put(None)
+
+        taking = asyncio.create_task(take())
+        try:
+            while (answer := await answers.get()) is not None:
+                yield answer
+        finally:
+            taking.cancel()
+            for task in list(serving):
+                task.cancel()
+
+    def _place(self, request: Any) -> Place | None:
+        """The request's place among its sequence's requests, taken as the stream reads it;
+        None when it names none (a request refused here is refused again when served)."""
+        try:
+            model = self._plane.registry.get(request.model_name, request.model_version or None)
+            sequence = sequence_request(sequence_parameters(request))
+        except Exception:
+            return None
+        return self._calls.sequences.take_place(model, sequence)
+
+    def _decoupled(self, request: Any) -> bool:
+        try:
+            model = self._plane.registry.get(request.model_name, request.model_version or None)
+        except Exception:
+            return False  # refused as ModelInfer refuses it
+        return model.config.decoupled
+
+    async def _stream_decoupled(
+        self, request: Any, context: CallContext, place: Place | None
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        """A decoupled model's 0..n responses to one request, each sent as it comes; with
+        Triton's ``triton_enable_empty_final_response``, each says whether it is the last and
+        the final flag without a response is sent too."""
+        calls = self._calls
+        call = calls.open(PROTOCOL, TARGET)
+        call.model = calls.label(request.model_name)
+        flagged = request.parameters.get("triton_enable_empty_final_response")
+        mark_final = flagged is not None and flagged.bool_param
+        responder = ResponseQueue(asyncio.get_running_loop())
+        kind: Kind | None = Kind.CLIENT_GONE
+        try:
+            head = await self._infer(call, request, context, responder, place)
+            async for response in responder.responses():
+                if response.error is not None:
+                    yield pb.ModelStreamInferResponse(
+                        error_message=client_message(response.error, kind_of(response.error))
+                    )
+                    continue
+                if response.outputs is None and not mark_final:
+                    continue
+                answer = pb.ModelInferResponse()
+                answer.CopyFrom(head)
+                if response.outputs is not None:
+                    encode_outputs(answer, dict(response.outputs), request.outputs)
+                if mark_final:
+                    answer.parameters["triton_final_response"].bool_param = response.final
+                yield pb.ModelStreamInferResponse(infer_response=answer)
+            kind = None
+        except Exception as exc:
+            kind = calls.failed(call, exc)
+            yield pb.ModelStreamInferResponse(error_message=client_message(exc, kind))
+        finally:
+            calls.close(call, 200 if kind is None else kind.status)
+
+    async def _stream_one(
+        self, request: Any, context: CallContext, place: Place | None
+    ) -> pb.ModelStreamInferResponse:
+        calls = self._calls
+        call = calls.open(PROTOCOL, TARGET)
+        call.model = calls.label(request.model_name)
+        kind: Kind | None = Kind.CLIENT_GONE
+        try:
+            response = await self._infer(call, request, context, place=place)
+            kind = None
+            return pb.ModelStreamInferResponse(infer_response=response)
+        except Exception as exc:
+            kind = calls.failed(call, exc)
+            return pb.ModelStreamInferResponse(error_message=client_message(exc, kind))
+        finally:
+            calls.close(call, 200 if kind is None else kind.status)
