@@ -47,6 +47,8 @@ def triton_server(triton_repo: Path) -> Iterator[Server]:
         "NOGRAD_LOAD_MODELS": ",".join([*SERVED, "fixed", "digits"]),
         # Unset (the harness sets eager): each model's own choice, sum_chosen's opt-in included.
         "NOGRAD_ENGINE": "",
+        # A cache of its own: a choice remembered by an earlier run is not measured again.
+        "NOGRAD_ENGINE_CACHE": str(root / "engines"),
     }
     with run_server(root, env=env, ready_timeout_s=120) as server:
         yield server
