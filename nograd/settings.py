@@ -77,8 +77,9 @@ class Settings(BaseSettings):
     start-up, never evicted), as a config's ``resident = "always"``."""
 
     memory_limit_bytes: ByteSize | None = Field(default=None, gt=0)
-    """With ``model_control = on_demand``: bytes the resident models' weights and smallest
-    batches may hold, all workers together (each worker keeps its own resident set within an
+    """With ``model_control = on_demand``: bytes the resident models may hold (what each one's
+    load added to the process, its largest planned batch; room for a load's passing peak is
+    made from idle models), all workers together (each worker keeps its own resident set within an
     equal part); ``256MiB`` style accepted. Unset: what the memory plan measures as usable
     (``memory_fraction`` of the device's free memory at start-up)."""
 
@@ -155,7 +156,8 @@ class Settings(BaseSettings):
     share_cores: bool = True
     """With several workers and ``torch_threads`` unset: each CPU batch runs on every core the
     other workers' batches leave free (all of them when those are idle), never more in total.
-    Off: a fixed share each, cores divided by workers."""
+    Off: a fixed share each, cores divided by workers. Always off with ``model_control =
+    on_demand``, where an ONNX model would hold a session (its weights included) per width."""
 
     warmup: bool = True
     """Run warmup forwards before a model reports ready."""

@@ -24,13 +24,14 @@ import logging
 import os
 import time
 
+from nograd.host.peak import SampledPeak
 from nograd.host.readings import resident_bytes
 from nograd.observability.metrics import Metrics
 from nograd.runtime.config import ModelConfig, version_order
 from nograd.runtime.devices import resolve_device
 from nograd.runtime.engines.onnx import warm_onnx_runtime
 from nograd.runtime.memory import device_budget, probe_for
-from nograd.runtime.planner import warm_memory_probe
+from nograd.runtime.planner import ModelPlan, warm_memory_probe
 from nograd.serving.control import ModelControl
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.ensembles import composing, step_models
@@ -48,9 +49,19 @@ from nograd.settings import Settings
 
 logger = logging.getLogger(__name__)
 
+LOAD_SAMPLE_INTERVAL_S = 0.005
+"""How often the resident memory is read while a load runs, for the load's peak."""
 ROOM_WAIT_S = 2.0
 """How long a load waits for requests on the models it must evict, when the server sets no
 queue-wait bound; then the request is refused with 503 and Retry-After."""
+
+
+def largest_batch_bytes(plan: ModelPlan | None) -> int:
+    """The memory of the largest batch ``plan`` allows (its limit), at least its smallest's."""
+    if plan is None:
+        return 0
+    largest = int(plan.predict_bytes(plan.limit_rows, plan.limit)) if plan.fits_one else 0
+    return max(plan.minimum_bytes, largest)
 
 
 def process_limit(settings: Settings) -> int:
@@ -227,13 +238,20 @@ class OnDemand:
             failed = self._failed.get(name)
             if failed is not None and failed[0] == prints:
                 raise LoadFailed(failed[1])
-            expected = self.residency.estimate(name, files_bytes(source))
+            files = files_bytes(source)
+            expected, peak_expected = self.residency.estimate(name, files)
             await self._make_room(name, expected)
+            if self._counts_rss:
+                # The load reads the files and builds sessions beside what the model keeps:
+                # idle models make room for that passing peak too.
+                for victim in self.residency.idle_victims(name, peak_expected):
+                    await self._evict(victim, "memory")
             before = resident_bytes(os.getpid())
             self._registry.unloaded[name] = LOADING_ON_DEMAND
             started = time.perf_counter()
             try:
-                await self._control.apply({"op": "load", "name": name})
+                with self._sampled() as sampled:
+                    await self._control.apply({"op": "load", "name": name})
             except Exception as exc:
                 self._failed[name] = (prints, str(exc))
                 if self._registry.unloaded.get(name) == LOADING_ON_DEMAND:
@@ -243,18 +261,21 @@ class OnDemand:
             seconds = time.perf_counter() - started
             size = self._measured(name)
             after = resident_bytes(os.getpid())
+            peak = 0
             if self._counts_rss and before is not None and after is not None:
-                size = max(size, after - before)
-            self.residency.admit(name, size, name in self._control.pinned, seconds)
+                size = max(size, after - before + self._batch_growth(name))
+                peak = max(sampled.highest, after) - before
+            self.residency.admit(name, size, name in self._control.pinned, seconds, peak, files)
             self._count()
             self._metrics.model_loads.labels(name).inc()
             self._metrics.load_duration.labels(name).observe(seconds)
             logger.info(
-                "model %s loaded on demand in %.2fs: holds %s (expected %s); process resident "
-                "memory %s -> %s",
+                "model %s loaded on demand in %.2fs: holds %s, its load rose %s (expected %s); "
+                "process resident memory %s -> %s",
                 name,
                 seconds,
                 mib(size),
+                mib(peak),
                 mib(expected),
                 mib(before or 0),
                 mib(after or 0),
@@ -313,11 +334,26 @@ class OnDemand:
 
     # ------------------------------------------------------------------ accounting
     def _measured(self, name: str) -> int:
-        """What ``name`` holds against the limit: each version's weights and smallest batch."""
+        """What ``name`` holds against the limit: each version's weights and the largest batch
+        its plan allows."""
         return sum(
-            model.weights_bytes + (model.plan.minimum_bytes if model.plan is not None else 0)
+            model.weights_bytes + largest_batch_bytes(model.plan)
             for model in self._registry.versions.get(name, {}).values()
         )
+
+    def _batch_growth(self, name: str) -> int:
+        """What the largest batch each version's plan allows takes beyond its smallest (which
+        its load ran): memory the process holds while it serves such a batch."""
+        return sum(
+            largest_batch_bytes(model.plan) - model.plan.minimum_bytes
+            for model in self._registry.versions.get(name, {}).values()
+            if model.plan is not None
+        )
+
+    def _sampled(self) -> contextlib.AbstractContextManager[SampledPeak]:
+        """The process's resident memory sampled while a load runs (on CPU)."""
+        pid = os.getpid()
+        return SampledPeak(lambda: resident_bytes(pid) or 0, LOAD_SAMPLE_INTERVAL_S)
 
     def _follow_registry(self) -> None:
         """Count what load and unload calls changed: a model they loaded is resident, one they
