@@ -23,7 +23,9 @@ import contextlib
 import logging
 import os
 import time
+from pathlib import Path
 
+from nograd.host.page_cache import keep_warm, model_files
 from nograd.host.peak import SampledPeak
 from nograd.host.readings import resident_bytes
 from nograd.observability.metrics import Metrics
@@ -99,6 +101,9 @@ class OnDemand:
         """Set when the last request holding a model is answered (a load waiting for room)."""
         self._failed: dict[str, tuple[tuple[str, ...], str]] = {}
         """Per model, the fingerprints of the files that failed to load and the error."""
+        self._warm_bytes = settings.warm_evicted_bytes
+        self._warm: dict[str, list[tuple[Path, int]]] = {}
+        """The files of the models evicted last (oldest first) kept in the page cache."""
 
     def opened(self) -> None:
         """The start-up set (the pinned models) has loaded: count it, say how the others load,
@@ -258,6 +263,7 @@ class OnDemand:
                     self._registry.unloaded[name] = f"failed to load: {exc}"
                 raise
             self._failed.pop(name, None)
+            self._warm.pop(name, None)
             seconds = time.perf_counter() - started
             size = self._measured(name)
             after = resident_bytes(os.getpid())
@@ -317,6 +323,7 @@ class OnDemand:
             return False
         self.residency.evicted(name)
         self._registry.unloaded[name] = why
+        await self._keep_files_warm(name)
         self._metrics.model_evictions.labels(name, reason).inc()
         self._metrics.resident_bytes.labels(name).set(0)
         self._count()
@@ -328,6 +335,22 @@ class OnDemand:
             mib(resident_bytes(os.getpid()) or 0),
         )
         return True
+
+    async def _keep_files_warm(self, evicted: str) -> None:
+        """Keep the files of the models evicted last, ``evicted`` the newest, in the page cache
+        (up to ``warm_evicted_bytes`` together): a model asked for again soon loads from memory."""
+        if self._warm_bytes <= 0:
+            return
+        try:
+            source = find_source(self._root, self._store, evicted)
+        except (ModelNotFound, InvalidInput):
+            return
+        self._warm.pop(evicted, None)
+        self._warm[evicted] = model_files(v.directory for v in source.versions.values())
+        while sum(size for files in self._warm.values() for _, size in files) > self._warm_bytes:
+            del self._warm[next(iter(self._warm))]
+        paths = [path for files in self._warm.values() for path, _ in files]
+        await asyncio.get_running_loop().run_in_executor(None, keep_warm, paths)
 
     def _idle(self, name: str) -> bool:
         return not self.residency.held(name)
