@@ -77,11 +77,11 @@ class Settings(BaseSettings):
     start-up, never evicted), as a config's ``resident = "always"``."""
 
     memory_limit_bytes: ByteSize | None = Field(default=None, gt=0)
-    """With ``model_control = on_demand``: bytes the resident models may hold (what each one's
-    load added to the process, its largest planned batch; room for a load's passing peak is
-    made from idle models), all workers together (each worker keeps its own resident set within an
-    equal part); ``256MiB`` style accepted. Unset: what the memory plan measures as usable
-    (``memory_fraction`` of the device's free memory at start-up)."""
+    """With ``model_control = on_demand``: bytes the resident models and their batches may hold
+    (each model as measured at its load; batches share what they leave; room for a load's
+    passing peak is made from idle models), all workers together (each worker keeps its own
+    resident set within an equal part); ``256MiB`` style accepted. Unset: what the memory plan
+    measures as usable (``memory_fraction`` of the device's free memory at start-up)."""
 
     warm_evicted_bytes: ByteSize = Field(default=512 << 20, ge=0)
     """With ``model_control = on_demand``: the files of the models evicted last, up to this

@@ -33,7 +33,7 @@ from nograd.runtime.config import ModelConfig, version_order
 from nograd.runtime.devices import resolve_device
 from nograd.runtime.engines.onnx import warm_onnx_runtime
 from nograd.runtime.memory import device_budget, probe_for
-from nograd.runtime.planner import ModelPlan, warm_memory_probe
+from nograd.runtime.planner import warm_memory_probe
 from nograd.serving.control import ModelControl
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.ensembles import composing, step_models
@@ -58,14 +58,6 @@ ROOM_WAIT_S = 2.0
 queue-wait bound; then the request is refused with 503 and Retry-After."""
 
 
-def largest_batch_bytes(plan: ModelPlan | None) -> int:
-    """The memory of the largest batch ``plan`` allows (its limit), at least its smallest's."""
-    if plan is None:
-        return 0
-    largest = int(plan.predict_bytes(plan.limit_rows, plan.limit)) if plan.fits_one else 0
-    return max(plan.minimum_bytes, largest)
-
-
 def process_limit(settings: Settings) -> int:
     """This worker's part of the memory limit: the operator's, or the share of free device
     memory the memory plan would budget (``memory_fraction``), split among the workers."""
@@ -85,6 +77,7 @@ class OnDemand:
         self._root = settings.model_repository
         self._store = plane.archive_store
         self._registry = plane.registry
+        self._plane = plane
         self._metrics = metrics
         self.residency = Residency(process_limit(settings))
         self._room_wait_s = settings.max_queue_wait_s or ROOM_WAIT_S
@@ -269,7 +262,7 @@ class OnDemand:
             after = resident_bytes(os.getpid())
             peak = 0
             if self._counts_rss and before is not None and after is not None:
-                size = max(size, after - before + self._batch_growth(name))
+                size = self._held_outside_batches(name, after - before) + self._minimums(name)
                 peak = max(sampled.highest, after) - before
             self.residency.admit(name, size, name in self._control.pinned, seconds, peak, files)
             self._count()
@@ -357,21 +350,30 @@ class OnDemand:
 
     # ------------------------------------------------------------------ accounting
     def _measured(self, name: str) -> int:
-        """What ``name`` holds against the limit: each version's weights and the largest batch
-        its plan allows."""
-        return sum(
-            model.weights_bytes + largest_batch_bytes(model.plan)
-            for model in self._registry.versions.get(name, {}).values()
-        )
+        """What ``name`` holds against the limit: each version's weights and smallest batch
+        (its larger batches share what the resident models leave of the limit)."""
+        versions = self._registry.versions.get(name, {}).values()
+        return sum(model.weights_bytes for model in versions) + self._minimums(name)
 
-    def _batch_growth(self, name: str) -> int:
-        """What the largest batch each version's plan allows takes beyond its smallest (which
-        its load ran): memory the process holds while it serves such a batch."""
+    def _minimums(self, name: str) -> int:
         return sum(
-            largest_batch_bytes(model.plan) - model.plan.minimum_bytes
+            model.plan.minimum_bytes
             for model in self._registry.versions.get(name, {}).values()
             if model.plan is not None
         )
+
+    def _held_outside_batches(self, name: str, added: int) -> int:
+        """What ``name`` holds outside its batches: its weights, or what its load added to the
+        process when more (engine sessions hold copies no weight counter sees). Recorded on
+        its versions and the memory planned again, so batches share only what is left."""
+        versions = list(self._registry.versions.get(name, {}).values())
+        weights = sum(model.weights_bytes for model in versions)
+        held = max(weights, added)
+        for model in versions:
+            model.resident_bytes = held // max(1, len(versions))
+        if held > weights:
+            self._plane.replan()
+        return held
 
     def _sampled(self) -> contextlib.AbstractContextManager[SampledPeak]:
         """The process's resident memory sampled while a load runs (on CPU)."""
