@@ -78,8 +78,8 @@ class Settings(BaseSettings):
 
     memory_limit_bytes: ByteSize | None = Field(default=None, gt=0)
     """With ``model_control = on_demand``: bytes the resident models and their batches may hold
-    (each model as measured at its load; batches share what they leave; room for a load's
-    passing peak is made from idle models), all workers together (each worker keeps its own
+    (each model as measured at its load; batches share what they leave; resident models make
+    room for a load's passing peak too), all workers together (each worker keeps its own
     resident set within an equal part); ``256MiB`` style accepted. Unset: what the memory plan
     measures as usable (``memory_fraction`` of the device's free memory at start-up)."""
 

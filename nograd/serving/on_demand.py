@@ -240,10 +240,7 @@ class OnDemand:
             expected, peak_expected = self.residency.estimate(name, files)
             await self._make_room(name, expected)
             if self._counts_rss:
-                # The load reads the files and builds sessions beside what the model keeps:
-                # idle models make room for that passing peak too.
-                for victim in self.residency.idle_victims(name, peak_expected):
-                    await self._evict(victim, "memory")
+                await self._room_for_height(name, peak_expected)
             before = resident_bytes(os.getpid())
             self._registry.unloaded[name] = LOADING_ON_DEMAND
             started = time.perf_counter()
@@ -305,6 +302,22 @@ class OnDemand:
             evicted = [await self._evict(victim, "memory") for victim in victims]
             if all(evicted):
                 return
+
+    async def _room_for_height(self, name: str, height: int) -> None:
+        """Make room for the height a load of ``name`` rises to (it reads the files and builds
+        sessions beside what the model keeps): idle models are evicted, and models requests
+        hold are waited for (within the wait bound) until they are idle too; then the load
+        goes on whatever is left, since only what it keeps must fit."""
+        deadline = time.monotonic() + self._room_wait_s
+        while True:
+            for victim in self.residency.idle_victims(name, height):
+                await self._evict(victim, "memory")
+            remaining = deadline - time.monotonic()
+            if not self.residency.short_of(name, height) or remaining <= 0:
+                return
+            self._released.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._released.wait(), remaining)
 
     async def _evict(self, name: str, reason: str) -> bool:
         """Unload ``name`` unless a request took hold of it meanwhile; its memory is returned

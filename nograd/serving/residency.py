@@ -118,6 +118,14 @@ class Residency:
         the models that would have to go."""
         return choose_victims(self.resident.values(), name, needed, self.limit, self.held)
 
+    def short_of(self, name: str, needed: int) -> bool:
+        """Whether ``needed`` bytes (at most the limit) do not fit beside the other resident
+        models while some of them could still be evicted once the requests holding them are
+        answered (pinned ones never are)."""
+        others = [r for r in self.resident.values() if r.name != name]
+        free = self.limit - sum(r.bytes for r in others)
+        return free < min(needed, self.limit) and any(not r.pinned for r in others)
+
     def idle_victims(self, name: str, needed: int) -> list[str]:
         """Like ``victims``, as far as idle models that are not pinned go: room for a load's
         passing peak, made where it can be without waiting (up to the whole limit)."""

@@ -121,6 +121,13 @@ def test_room_for_a_load_peak_comes_from_idle_models_only() -> None:
     # 25 MiB resident, 20 to make: b, then c (a is held); what cannot be freed is not waited for.
     assert resident.idle_victims("d", 20 * MIB) == ["b", "c"]
     assert resident.idle_victims("d", 40 * MIB) == ["b", "c"]
+    assert resident.short_of("d", 20 * MIB)  # until a, held now, can go too
+    for name in ("b", "c"):
+        resident.evicted(name)
+    assert not resident.short_of("d", 20 * MIB)
+    resident.admit("p", 20 * MIB, pinned=True, load_seconds=1.0)
+    resident.evicted("a")
+    assert not resident.short_of("d", 20 * MIB)  # pinned: never evicted, nothing to wait for
 
 
 def test_the_last_measured_load_time_outlives_the_eviction() -> None:
