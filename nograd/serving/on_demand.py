@@ -3,12 +3,16 @@
 A request for a model of the repository that is not resident holds it, waits for its one load
 (however many requests wait, they share it), then is served. Before a load, resident models are
 evicted least recently used first until the model's expected bytes (what it measured when last
-resident, else the size of its files) fit in the limit; after it, what it measured counts. A
-model a request holds is never evicted; one larger than the whole limit is refused (507); a load
+resident, else the size of its files) fit in the limit, and then the height its load is
+expected to rise to, as far as evicting models (waiting for requests on them) allows; after it,
+what it measured counts. On CPU what a load adds to the process's resident memory is measured,
+and batches share what the resident models leave of the limit. A model a request holds is never
+evicted; one larger than the whole limit is refused (507); a load
 that fails answers every waiter with its error and is not tried again until its files change.
 
 A request whose deadline is shorter than what its model's last load took is refused at once
-(503, Retry-After that time) while the load goes on; with no load measured yet, it waits.
+(503, Retry-After that time) while the load goes on; with no load measured yet, it waits, its
+deadline still counting from its arrival.
 
 A request for an ensemble holds its step models (nested ones' included) too, for its whole
 life, and loads those that are not resident, each on its own account, before the ensemble.
