@@ -84,9 +84,9 @@ class Settings(BaseSettings):
     measures as usable (``memory_fraction`` of the device's free memory at start-up)."""
 
     warm_evicted_bytes: ByteSize = Field(default=512 << 20, ge=0)
-    """With ``model_control = on_demand``: the files of the models evicted last, up to this
-    many bytes together, are kept in the page cache (the kernel is asked to read back what it
-    dropped), so loading one again reads memory rather than the disk; ``0`` keeps none."""
+    """With ``model_control = on_demand``: the files of the models each worker evicted last, up
+    to this many bytes together, are kept in the page cache (the kernel is asked to read back
+    what it dropped), so loading one again reads memory rather than the disk; ``0``: none."""
 
     max_loaded_models: int | None = Field(default=None, ge=1)
     """With ``model_control = explicit``: most model versions loaded at once (each version of a
