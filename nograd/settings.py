@@ -77,10 +77,16 @@ class Settings(BaseSettings):
     start-up, never evicted), as a config's ``resident = "always"``."""
 
     memory_limit_bytes: ByteSize | None = Field(default=None, gt=0)
-    """With ``model_control = on_demand``: bytes the resident models' weights and smallest
-    batches may hold, all workers together (each worker keeps its own resident set within an
-    equal part); ``256MiB`` style accepted. Unset: what the memory plan measures as usable
-    (``memory_fraction`` of the device's free memory at start-up)."""
+    """With ``model_control = on_demand``: bytes the resident models and their batches may hold
+    (each model as measured at its load; batches share what they leave; resident models make
+    room for a load's passing peak too), all workers together (each worker keeps its own
+    resident set within an equal part); ``256MiB`` style accepted. Unset: what the memory plan
+    measures as usable (``memory_fraction`` of the device's free memory at start-up)."""
+
+    warm_evicted_bytes: ByteSize = Field(default=512 << 20, ge=0)
+    """With ``model_control = on_demand``: the files of the models each worker evicted last, up
+    to this many bytes together, are kept in the page cache (the kernel is asked to read back
+    what it dropped), so loading one again reads memory rather than the disk; ``0``: none."""
 
     max_loaded_models: int | None = Field(default=None, ge=1)
     """With ``model_control = explicit``: most model versions loaded at once (each version of a
@@ -161,7 +167,8 @@ class Settings(BaseSettings):
     share_cores: bool = True
     """With several workers and ``torch_threads`` unset: each CPU batch runs on every core the
     other workers' batches leave free (all of them when those are idle), never more in total.
-    Off: a fixed share each, cores divided by workers."""
+    Off: a fixed share each, cores divided by workers. Always off with ``model_control =
+    on_demand``, where an ONNX model would hold a session (its weights included) per width."""
 
     warmup: bool = True
     """Run warmup forwards before a model reports ready."""

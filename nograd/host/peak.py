@@ -91,26 +91,44 @@ class ResidentPeak:
 
     def _sampled(self, work: Callable[[], T]) -> tuple[T, Peak]:
         start = self.resident_bytes()
-        highest = start
-        done = threading.Event()
-
-        def sample() -> None:
-            nonlocal highest
-            while not done.wait(SAMPLE_INTERVAL_S):
-                highest = max(highest, self.resident_bytes())
-
-        sampler = threading.Thread(target=sample, name="nograd-peak-sampler", daemon=True)
-        sampler.start()
-        try:
+        with SampledPeak(self.resident_bytes, SAMPLE_INTERVAL_S) as sampled:
             result = work()
-        finally:
-            done.set()
-            sampler.join()
-        highest = max(highest, self.resident_bytes())
-        return result, Peak(max(0, highest - start), exact=False)
+        return result, Peak(max(0, sampled.highest - start), exact=False)
 
     def _status(self, field: str) -> int:
         value = status_bytes(self._process / "status", field)
         if value is None:
             raise PeakUnavailable(f"{self._process / 'status'} shows no {field}")
         return value
+
+
+class SampledPeak:
+    """The highest of ``read()`` (resident bytes) sampled from a thread while the ``with``
+    block runs: for work whose peak cannot be read from the high-water mark because other
+    measurements inside it reset the mark. A peak shorter than ``interval_s`` can be missed."""
+
+    def __init__(self, read: Callable[[], int], interval_s: float) -> None:
+        self._read = read
+        self._interval = interval_s
+        self._done = threading.Event()
+        self._sampler: threading.Thread | None = None
+        self.highest = 0
+
+    def _sample(self) -> None:
+        self.highest = max(self.highest, self._read())
+
+    def _run(self) -> None:
+        while not self._done.wait(self._interval):
+            self._sample()
+
+    def __enter__(self) -> SampledPeak:
+        self._sample()
+        self._sampler = threading.Thread(target=self._run, name="nograd-peak-sampler", daemon=True)
+        self._sampler.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._done.set()
+        if self._sampler is not None:
+            self._sampler.join()
+        self._sample()

@@ -231,8 +231,8 @@ class Metrics:
         )
         self.load_wait = Histogram(
             "nograd_model_load_wait_seconds",
-            "Time a request waited for its model to be loaded on demand (requests that found "
-            "it resident are not counted).",
+            "Time a request waited for its model to be loaded on demand: a stage of its latency "
+            "beside its queue and its batch (requests that found it resident are not counted).",
             ["model"],
             buckets=LOAD_BUCKETS,
             registry=r,

@@ -305,8 +305,9 @@ class ModelLoader:
         weights = sum(m.weights_bytes for m in group)
         limit = self._settings.memory_limit_bytes
         if limit and self._settings.model_control == "on_demand":
-            # On demand, batches share what the resident models' weights leave of the limit.
-            return max(0, limit // self._settings.worker_count - weights)
+            # On demand, batches share what the resident models leave of the limit.
+            held = sum(max(m.weights_bytes, m.resident_bytes) for m in group)
+            return max(0, limit // self._settings.worker_count - held)
         pool = self._pools.get(label)
         if pool is None:
             assert group[0].handler is not None

@@ -3,12 +3,16 @@
 A request for a model of the repository that is not resident holds it, waits for its one load
 (however many requests wait, they share it), then is served. Before a load, resident models are
 evicted least recently used first until the model's expected bytes (what it measured when last
-resident, else the size of its files) fit in the limit; after it, what it measured counts. A
-model a request holds is never evicted; one larger than the whole limit is refused (507); a load
+resident, else the size of its files) fit in the limit, and then the height its load is
+expected to rise to, as far as evicting models (waiting for requests on them) allows; after it,
+what it measured counts. On CPU what a load adds to the process's resident memory is measured,
+and batches share what the resident models leave of the limit. A model a request holds is never
+evicted; one larger than the whole limit is refused (507); a load
 that fails answers every waiter with its error and is not tried again until its files change.
 
 A request whose deadline is shorter than what its model's last load took is refused at once
-(503, Retry-After that time) while the load goes on; with no load measured yet, it waits.
+(503, Retry-After that time) while the load goes on; with no load measured yet, it waits, its
+deadline still counting from its arrival.
 
 A request for an ensemble holds its step models (nested ones' included) too, for its whole
 life, and loads those that are not resident, each on its own account, before the ensemble.
@@ -23,7 +27,10 @@ import contextlib
 import logging
 import os
 import time
+from pathlib import Path
 
+from nograd.host.page_cache import keep_warm, model_files
+from nograd.host.peak import SampledPeak
 from nograd.host.readings import resident_bytes
 from nograd.observability.metrics import Metrics
 from nograd.runtime.config import ModelConfig, version_order
@@ -48,6 +55,8 @@ from nograd.settings import Settings
 
 logger = logging.getLogger(__name__)
 
+LOAD_SAMPLE_INTERVAL_S = 0.005
+"""How often the resident memory is read while a load runs, for the load's peak."""
 ROOM_WAIT_S = 2.0
 """How long a load waits for requests on the models it must evict, when the server sets no
 queue-wait bound; then the request is refused with 503 and Retry-After."""
@@ -72,6 +81,7 @@ class OnDemand:
         self._root = settings.model_repository
         self._store = plane.archive_store
         self._registry = plane.registry
+        self._plane = plane
         self._metrics = metrics
         self.residency = Residency(process_limit(settings))
         self._room_wait_s = settings.max_queue_wait_s or ROOM_WAIT_S
@@ -88,6 +98,9 @@ class OnDemand:
         """Set when the last request holding a model is answered (a load waiting for room)."""
         self._failed: dict[str, tuple[tuple[str, ...], str]] = {}
         """Per model, the fingerprints of the files that failed to load and the error."""
+        self._warm_bytes = settings.warm_evicted_bytes
+        self._warm: dict[str, list[tuple[Path, int]]] = {}
+        """The files of the models evicted last (oldest first) kept in the page cache."""
 
     def opened(self) -> None:
         """The start-up set (the pinned models) has loaded: count it, say how the others load,
@@ -227,34 +240,42 @@ class OnDemand:
             failed = self._failed.get(name)
             if failed is not None and failed[0] == prints:
                 raise LoadFailed(failed[1])
-            expected = self.residency.estimate(name, files_bytes(source))
+            files = files_bytes(source)
+            expected, peak_expected = self.residency.estimate(name, files)
             await self._make_room(name, expected)
+            if self._counts_rss:
+                await self._room_for_height(name, peak_expected)
             before = resident_bytes(os.getpid())
             self._registry.unloaded[name] = LOADING_ON_DEMAND
             started = time.perf_counter()
             try:
-                await self._control.apply({"op": "load", "name": name})
+                with self._sampled() as sampled:
+                    await self._control.apply({"op": "load", "name": name})
             except Exception as exc:
                 self._failed[name] = (prints, str(exc))
                 if self._registry.unloaded.get(name) == LOADING_ON_DEMAND:
                     self._registry.unloaded[name] = f"failed to load: {exc}"
                 raise
             self._failed.pop(name, None)
+            self._warm.pop(name, None)
             seconds = time.perf_counter() - started
             size = self._measured(name)
             after = resident_bytes(os.getpid())
+            peak = 0
             if self._counts_rss and before is not None and after is not None:
-                size = max(size, after - before)
-            self.residency.admit(name, size, name in self._control.pinned, seconds)
+                size = self._held_outside_batches(name, after - before) + self._minimums(name)
+                peak = max(sampled.highest, after) - before
+            self.residency.admit(name, size, name in self._control.pinned, seconds, peak, files)
             self._count()
             self._metrics.model_loads.labels(name).inc()
             self._metrics.load_duration.labels(name).observe(seconds)
             logger.info(
-                "model %s loaded on demand in %.2fs: holds %s (expected %s); process resident "
-                "memory %s -> %s",
+                "model %s loaded on demand in %.2fs: holds %s, its load rose %s (expected %s); "
+                "process resident memory %s -> %s",
                 name,
                 seconds,
                 mib(size),
+                mib(peak),
                 mib(expected),
                 mib(before or 0),
                 mib(after or 0),
@@ -286,6 +307,22 @@ class OnDemand:
             if all(evicted):
                 return
 
+    async def _room_for_height(self, name: str, height: int) -> None:
+        """Make room for the height a load of ``name`` rises to (it reads the files and builds
+        sessions beside what the model keeps): idle models are evicted, and models requests
+        hold are waited for (within the wait bound) until they are idle too; then the load
+        goes on whatever is left, since only what it keeps must fit."""
+        deadline = time.monotonic() + self._room_wait_s
+        while True:
+            for victim in self.residency.idle_victims(name, height):
+                await self._evict(victim, "memory")
+            remaining = deadline - time.monotonic()
+            if not self.residency.short_of(name, height) or remaining <= 0:
+                return
+            self._released.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._released.wait(), remaining)
+
     async def _evict(self, name: str, reason: str) -> bool:
         """Unload ``name`` unless a request took hold of it meanwhile; its memory is returned
         (``ModelLoader.free``) and its measured size kept for its next load."""
@@ -296,6 +333,7 @@ class OnDemand:
             return False
         self.residency.evicted(name)
         self._registry.unloaded[name] = why
+        await self._keep_files_warm(name)
         self._metrics.model_evictions.labels(name, reason).inc()
         self._metrics.resident_bytes.labels(name).set(0)
         self._count()
@@ -308,16 +346,56 @@ class OnDemand:
         )
         return True
 
+    async def _keep_files_warm(self, evicted: str) -> None:
+        """Keep the files of the models evicted last, ``evicted`` the newest, in the page cache
+        (up to ``warm_evicted_bytes`` together): a model asked for again soon loads from memory."""
+        if self._warm_bytes <= 0:
+            return
+        try:
+            source = find_source(self._root, self._store, evicted)
+        except (ModelNotFound, InvalidInput):
+            return
+        self._warm.pop(evicted, None)
+        self._warm[evicted] = model_files(v.directory for v in source.versions.values())
+        while sum(size for files in self._warm.values() for _, size in files) > self._warm_bytes:
+            del self._warm[next(iter(self._warm))]
+        paths = [path for files in self._warm.values() for path, _ in files]
+        await asyncio.get_running_loop().run_in_executor(None, keep_warm, paths)
+
     def _idle(self, name: str) -> bool:
         return not self.residency.held(name)
 
     # ------------------------------------------------------------------ accounting
     def _measured(self, name: str) -> int:
-        """What ``name`` holds against the limit: each version's weights and smallest batch."""
+        """What ``name`` holds against the limit: each version's weights and smallest batch
+        (its larger batches share what the resident models leave of the limit)."""
+        versions = self._registry.versions.get(name, {}).values()
+        return sum(model.weights_bytes for model in versions) + self._minimums(name)
+
+    def _minimums(self, name: str) -> int:
         return sum(
-            model.weights_bytes + (model.plan.minimum_bytes if model.plan is not None else 0)
+            model.plan.minimum_bytes
             for model in self._registry.versions.get(name, {}).values()
+            if model.plan is not None
         )
+
+    def _held_outside_batches(self, name: str, added: int) -> int:
+        """What ``name`` holds outside its batches: its weights, or what its load added to the
+        process when more (engine sessions hold copies no weight counter sees). Recorded on
+        its versions and the memory planned again, so batches share only what is left."""
+        versions = list(self._registry.versions.get(name, {}).values())
+        weights = sum(model.weights_bytes for model in versions)
+        held = max(weights, added)
+        for model in versions:
+            model.resident_bytes = held // max(1, len(versions))
+        if held > weights:
+            self._plane.replan()
+        return held
+
+    def _sampled(self) -> contextlib.AbstractContextManager[SampledPeak]:
+        """The process's resident memory sampled while a load runs (on CPU)."""
+        pid = os.getpid()
+        return SampledPeak(lambda: resident_bytes(pid) or 0, LOAD_SAMPLE_INTERVAL_S)
 
     def _follow_registry(self) -> None:
         """Count what load and unload calls changed: a model they loaded is resident, one they

@@ -53,6 +53,10 @@ class ServedModel:
     load_seconds: float = 0.0
     warmup_seconds: float = 0.0
     weights_bytes: int = 0
+    resident_bytes: int = 0
+    """Under on-demand control on CPU, what this version holds outside its batches as its load
+    measured it (weights and engine sessions); the batches share what these leave of the
+    limit. 0: not measured (its weights count)."""
     plan: ModelPlan | None = None
     profile: RangedCost | None = None
     """The measured activation cost, kept so memory can be planned again when models change."""

@@ -27,7 +27,7 @@ class Resident:
 
     name: str
     bytes: int
-    """Its weights and the memory of its smallest batch, as measured at its load."""
+    """What it holds while resident, as measured at its load (see ``Residency.admit``)."""
     last_used: float = 0.0
     pinned: bool = False
     load_seconds: float = 0.0
@@ -47,6 +47,12 @@ class Residency:
     """The bytes each model measured when last resident: the estimate of its next load."""
     load_seconds: dict[str, float] = field(default_factory=dict)
     """How long each model's last load took: what a request waits for its next one."""
+    load_peaks: dict[str, int] = field(default_factory=dict)
+    """The most each model's load held at once, above the memory before it: a load reads its
+    files and builds engine sessions beside what the model keeps once loaded."""
+    peak_per_file_byte: float = 1.0
+    """The largest ratio seen of a load's peak to the size of the model's files: what a first
+    load of a model is expected to take per byte of its files."""
 
     @property
     def used(self) -> int:
@@ -73,20 +79,37 @@ class Residency:
     def held(self, name: str) -> bool:
         return self.holds.get(name, 0) > 0
 
-    def admit(self, name: str, size: int, pinned: bool, load_seconds: float) -> None:
-        """``name`` is resident, holding ``size`` bytes (measured at its load)."""
+    def admit(
+        self,
+        name: str,
+        size: int,
+        pinned: bool,
+        load_seconds: float,
+        load_peak: int = 0,
+        files: int = 0,
+    ) -> None:
+        """``name`` is resident, holding ``size`` bytes (measured at its load); its load rose
+        ``load_peak`` bytes at most, from ``files`` bytes of files (0: not measured)."""
         self.measured[name] = size
         if load_seconds > 0:
             self.load_seconds[name] = load_seconds
+        if load_peak > 0:
+            self.load_peaks[name] = load_peak
+            if files > 0:
+                self.peak_per_file_byte = max(self.peak_per_file_byte, load_peak / files)
         self.resident[name] = Resident(name, size, self.clock(), pinned, load_seconds)
 
     def evicted(self, name: str) -> None:
         self.resident.pop(name, None)
 
-    def estimate(self, name: str, on_disk: int) -> int:
-        """What loading ``name`` will take: its measured size if it was resident before, else
-        the size of its files."""
-        return self.measured.get(name, on_disk)
+    def estimate(self, name: str, on_disk: int) -> tuple[int, int]:
+        """What loading ``name`` will take: what it holds once loaded (as measured when it was
+        last resident, else its files' size) and the most its load holds at once (its last
+        load's peak, else its files' size times the largest peak per file byte seen here)."""
+        if name in self.measured:
+            held = self.measured[name]
+            return held, max(held, self.load_peaks.get(name, held))
+        return on_disk, max(on_disk, int(on_disk * self.peak_per_file_byte))
 
     def victims(self, name: str, needed: int) -> list[str]:
         """The resident models to evict so that ``needed`` more bytes fit for ``name``, least
@@ -94,6 +117,28 @@ class Residency:
         an empty set of evictable models leaves too little, ``NoRoomNow`` when requests hold
         the models that would have to go."""
         return choose_victims(self.resident.values(), name, needed, self.limit, self.held)
+
+    def short_of(self, name: str, needed: int) -> bool:
+        """Whether ``needed`` bytes (at most the limit) do not fit beside the other resident
+        models while some of them could still be evicted once the requests holding them are
+        answered (pinned ones never are)."""
+        others = [r for r in self.resident.values() if r.name != name]
+        free = self.limit - sum(r.bytes for r in others)
+        return free < min(needed, self.limit) and any(not r.pinned for r in others)
+
+    def idle_victims(self, name: str, needed: int) -> list[str]:
+        """Like ``victims``, as far as idle models that are not pinned go: room for a load's
+        passing peak, made where it can be without waiting (up to the whole limit)."""
+        evictable = [r for r in self.resident.values() if not r.pinned and not self.held(r.name)]
+        free = self.limit - sum(r.bytes for r in self.resident.values() if r.name != name)
+        chosen: list[str] = []
+        for entry in sorted(evictable, key=lambda r: (r.last_used, r.load_seconds)):
+            if free >= min(needed, self.limit):
+                break
+            if entry.name != name:
+                chosen.append(entry.name)
+                free += entry.bytes
+        return chosen
 
 
 def choose_victims(

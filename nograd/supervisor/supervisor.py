@@ -120,7 +120,13 @@ class Supervisor:
         self._accept_resume_at = 0.0
         self._cores: Path | None = None
         """The ledger of shared CPU cores, created when the workers start (``share_cores``)."""
-        if settings.share_cores and settings.torch_threads is None:
+        # Not under on-demand residency: an ONNX model there would hold a session, weights
+        # included, per width a batch may get, where memory is what limits how many models fit.
+        if (
+            settings.share_cores
+            and settings.torch_threads is None
+            and settings.model_control != "on_demand"
+        ):
             self._cores = shared_dir / CORES_FILE
 
     def run(self) -> int:

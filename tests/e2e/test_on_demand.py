@@ -2,17 +2,23 @@
 weights each under a limit that holds three. Every request is answered 200 by the model it
 asked for, loading it on its first request (once, however many requests wait), evicting the
 least recently used; a model larger than the limit gets 507 naming the sizes; a model that fails
-to load answers its error, without a load per request; the worker's memory stays bounded."""
+to load answers its error, without a load per request; the worker's memory stays bounded; the
+files of an evicted model are kept in the page cache."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
+import mmap
+import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from nograd.host.page_cache import drop_cached
 from tests.e2e.serving import Server, free_port, metric_value, run_server, worker_pids
 
 pytestmark = pytest.mark.e2e
@@ -71,14 +77,19 @@ def write_model(repo: Path, name: str, mib: int, value: int, broken: bool = Fals
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     repo = tmp_path_factory.mktemp("repository")
     for index in range(MODELS):
         write_model(repo, f"m{index}", MODEL_MIB, index)
     write_model(repo, "huge", HUGE_MIB, 7)
     write_model(repo, "broken", 1, 0, broken=True)
+    return repo
+
+
+@pytest.fixture(scope="module")
+def server(repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     env = {
-        "NOGRAD_MODEL_REPOSITORY": str(repo),
+        "NOGRAD_MODEL_REPOSITORY": str(repository),
         "NOGRAD_MODEL_CONTROL": "on_demand",
         "NOGRAD_MEMORY_LIMIT_BYTES": f"{LIMIT_MIB}MiB",
         "NOGRAD_GRPC_PORT": str(free_port()),
@@ -153,6 +164,42 @@ def test_models_load_on_first_request_and_evict_by_memory(server: Server) -> Non
     # again for the heap), and no growth with the number of loads after the first rounds.
     assert end_mib - first_mib <= 1.5 * LIMIT_MIB, (first_mib, after_rounds_mib, end_mib)
     assert end_mib - after_rounds_mib <= MODEL_MIB, (after_rounds_mib, end_mib)
+
+
+def cached_fraction(path: Path) -> float:
+    """The share of ``path``'s pages in the page cache (``mincore`` on a mapping of it)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    size = path.stat().st_size
+    with path.open("rb") as file:
+        mapping = mmap.mmap(file.fileno(), size, access=mmap.ACCESS_COPY)
+    pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    vector = (ctypes.c_ubyte * pages)()
+    start = ctypes.c_char.from_buffer(mapping)
+    address = ctypes.c_void_p(ctypes.addressof(start))
+    failed = libc.mincore(address, ctypes.c_size_t(size), vector)
+    del start
+    mapping.close()
+    assert failed == 0, os.strerror(ctypes.get_errno())
+    return sum(page & 1 for page in vector) / pages
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise here")
+def test_an_evicted_models_files_are_kept_in_the_page_cache(
+    server: Server, repository: Path
+) -> None:
+    files = [path for path in (repository / "m0").rglob("*") if path.is_file()]
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        answer_of(client, 0)  # resident, and the most recently used
+        drop_cached(files)
+        assert min(cached_fraction(path) for path in files) < 1.0
+        evictions = metric_value(server.url, "nograd_model_evictions_total", model="m0")
+        for index in range(1, MODELS):  # more than the limit holds: m0 goes first
+            answer_of(client, index)
+        assert metric_value(server.url, "nograd_model_evictions_total", model="m0") > evictions
+    deadline = time.monotonic() + 10  # the kernel reads them back asynchronously
+    while min(cached_fraction(path) for path in files) < 1.0:
+        assert time.monotonic() < deadline, [(path, cached_fraction(path)) for path in files]
+        time.sleep(0.1)
 
 
 def test_a_model_larger_than_the_limit_is_refused_with_507(server: Server) -> None:

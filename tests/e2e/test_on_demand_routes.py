@@ -1,7 +1,8 @@
 """On-demand control beside inference over V2: TorchServe's predictions load an archive on
 demand; V2 and gRPC metadata, config and readiness answer a model that is not resident from its
 config, without loading it; a request whose deadline is shorter than its model's last load is
-refused at once with 503 and Retry-After while the load goes on."""
+refused at once with 503 and Retry-After while the load goes on; one that waited for a first
+load (its time unknown) has only what is left of its deadline for its batch."""
 
 from __future__ import annotations
 
@@ -26,10 +27,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     repo = tmp_path_factory.mktemp("repository")
     scale_archive(repo, tmp_path_factory.mktemp("work"))
     write_model(repo, "cold", 1, 3)
-    write_model(repo, "sluggish", 1, 5)
-    code = repo / "sluggish" / "model.py"
     slow_build = f"def build(model_dir):\n    __import__('time').sleep({LOAD_S})"
-    code.write_text(code.read_text().replace("def build(model_dir):", slow_build))
+    for name in ("sluggish", "unmeasured"):
+        write_model(repo, name, 1, 5)
+        code = repo / name / "model.py"
+        code.write_text(code.read_text().replace("def build(model_dir):", slow_build))
     env = {
         "NOGRAD_MODEL_REPOSITORY": str(repo),
         "NOGRAD_MODEL_CONTROL": "on_demand",
@@ -114,3 +116,17 @@ def test_a_deadline_shorter_than_the_load_is_refused_at_once(server: Server) -> 
             time.sleep(0.5)
         assert answer.status_code == 200, answer.text
         assert metric_value(url, "nograd_model_loads_total", model="sluggish") == 2
+
+
+def test_a_request_that_waited_for_a_first_load_keeps_its_deadline(server: Server) -> None:
+    """No load of the model measured yet: the request waits for it, and its deadline still
+    counts from its arrival, so a load longer than the deadline leaves its batch no time."""
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        started = time.perf_counter()
+        late = timed_infer(client, "unmeasured", 500_000)
+        waited = time.perf_counter() - started
+        assert late.status_code == 504, late.text
+        assert "deadline passed" in late.json()["error"]
+        assert waited >= LOAD_S, waited
+        # The load completed: the model answers within the same deadline now.
+        assert timed_infer(client, "unmeasured", 500_000).status_code == 200

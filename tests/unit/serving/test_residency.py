@@ -100,8 +100,34 @@ def test_an_estimate_is_the_last_measured_size_else_the_files() -> None:
     resident = residency(30, ("a", 12))
     resident.evicted("a")
     assert resident.used == 0
-    assert resident.estimate("a", on_disk=1) == 12 * MIB
-    assert resident.estimate("never", on_disk=5) == 5
+    assert resident.estimate("a", on_disk=1) == (12 * MIB, 12 * MIB)
+    assert resident.estimate("never", on_disk=5) == (5, 5)
+
+
+def test_a_load_peak_counts_for_the_next_load_and_scales_first_loads_by_their_files() -> None:
+    resident = residency(100)
+    # 8 MiB of files held 9 MiB once loaded, 28 MiB at the height of the load.
+    resident.admit("a", 9 * MIB, pinned=False, load_seconds=1.0, load_peak=28 * MIB, files=8 * MIB)
+    resident.evicted("a")
+    assert resident.estimate("a", on_disk=8 * MIB) == (9 * MIB, 28 * MIB)
+    # A model never loaded: its files' size, and the peak per file byte seen (3.5).
+    assert resident.estimate("new", on_disk=4 * MIB) == (4 * MIB, 14 * MIB)
+
+
+def test_room_for_a_load_peak_comes_from_idle_models_only() -> None:
+    resident = residency(30, ("a", 10), ("b", 10), ("c", 5))
+    assert resident.idle_victims("d", 5 * MIB) == []
+    resident.hold("a")
+    # 25 MiB resident, 20 to make: b, then c (a is held); what cannot be freed is not waited for.
+    assert resident.idle_victims("d", 20 * MIB) == ["b", "c"]
+    assert resident.idle_victims("d", 40 * MIB) == ["b", "c"]
+    assert resident.short_of("d", 20 * MIB)  # until a, held now, can go too
+    for name in ("b", "c"):
+        resident.evicted(name)
+    assert not resident.short_of("d", 20 * MIB)
+    resident.admit("p", 20 * MIB, pinned=True, load_seconds=1.0)
+    resident.evicted("a")
+    assert not resident.short_of("d", 20 * MIB)  # pinned: never evicted, nothing to wait for
 
 
 def test_the_last_measured_load_time_outlives_the_eviction() -> None:

@@ -41,7 +41,7 @@ def test_a_worker_that_keeps_dying_waits_longer_each_time_up_to_a_cap() -> None:
     assert failures == 8
 
 
-def test_cores_are_shared_unless_turned_off_or_fixed_by_a_thread_count() -> None:
+def test_cores_are_shared_unless_turned_off_fixed_or_under_on_demand_control() -> None:
     def ledger(**settings: object) -> Path | None:
         sock = bind_socket("127.0.0.1", 0)
         try:
@@ -55,6 +55,8 @@ def test_cores_are_shared_unless_turned_off_or_fixed_by_a_thread_count() -> None
     assert ledger() == Path("/tmp/m/cores.i64")
     assert ledger(share_cores=False) is None
     assert ledger(torch_threads=1) is None
+    # An ONNX model would hold a session per width where memory limits how many models fit.
+    assert ledger(model_control="on_demand") is None
 
 
 class Workers:
