@@ -343,6 +343,13 @@ class Settings(BaseSettings):
         return None if "*" in names else names
 
     @property
+    def cores_shared(self) -> bool:
+        """Whether workers share CPU cores batch by batch (``share_cores``): not with
+        ``torch_threads`` set, nor under on-demand residency, where an ONNX model would hold a
+        session, weights included, per width a batch may get, and memory limits how many fit."""
+        return self.share_cores and self.torch_threads is None and self.model_control != "on_demand"
+
+    @property
     def exposure_warnings(self) -> tuple[str, ...]:
         """What the start-up log must say about settings that leave the server open to anyone
         who reaches its ports: easy to miss in a deployment, costly when missed."""

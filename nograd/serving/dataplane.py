@@ -318,8 +318,7 @@ class DataPlane:
         there, so time spent reading, decoding, tokenising or behind a busy event loop counts."""
         model = self.registry.get(name, version)
         timeout = timeout_s if timeout_s is not None else self.settings.request_timeout_s
-        # From its arrival: the time it waited for its model's load (on-demand control) and
-        # spent reading its body is part of it.
+        # From its arrival: its wait for an on-demand load and its body's reading count.
         spent = 0.0 if arrived is None else max(0.0, time.perf_counter() - arrived)
         deadline = None if timeout is None else time.monotonic() + timeout - spent
         # Statistics extension: every request that names a served model counts, failed or not.

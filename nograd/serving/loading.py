@@ -45,6 +45,7 @@ from nograd.serving.precedence import effective_config
 from nograd.serving.registry import ServedModel, State
 from nograd.serving.speed_checks import load_accuracy_sample, recorder
 from nograd.serving.trace_stamps import TracedRunner
+from nograd.serving.uploads import repository_of
 from nograd.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -440,12 +441,3 @@ def _model_files(model_dir: Path, config: ModelConfig) -> list[Path]:
     if config.artifact is not None:
         files.append(locate(model_dir, config.artifact))
     return files
-
-
-def repository_of(configured: Path, directory: Path) -> Path:
-    """The folder a model's files must stay in: the configured repository, or for a model read
-    from elsewhere (uploaded with its load call, ``nograd.serving.uploads``) the folder of its
-    model folder."""
-    if directory.resolve().is_relative_to(configured.resolve()):
-        return configured
-    return directory.parent.parent if directory.name.isdigit() else directory.parent

@@ -156,3 +156,12 @@ def _inside(key: str) -> PurePosixPath:
     if path == PurePosixPath(CONFIG_FILE):
         raise PollFailed(f"invalid file parameter {key!r}: the config is sent as 'config'")
     return path
+
+
+def repository_of(configured: Path, directory: Path) -> Path:
+    """The folder a model's files must stay in: the configured repository, or for a model read
+    from elsewhere (uploaded with its load call, ``nograd.serving.uploads``) the folder of its
+    model folder."""
+    if directory.resolve().is_relative_to(configured.resolve()):
+        return configured
+    return directory.parent.parent if directory.name.isdigit() else directory.parent

@@ -120,13 +120,7 @@ class Supervisor:
         self._accept_resume_at = 0.0
         self._cores: Path | None = None
         """The ledger of shared CPU cores, created when the workers start (``share_cores``)."""
-        # Not under on-demand residency: an ONNX model there would hold a session, weights
-        # included, per width a batch may get, where memory is what limits how many models fit.
-        if (
-            settings.share_cores
-            and settings.torch_threads is None
-            and settings.model_control != "on_demand"
-        ):
+        if settings.cores_shared:
             self._cores = shared_dir / CORES_FILE
 
     def run(self) -> int:
