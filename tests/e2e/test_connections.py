@@ -133,9 +133,10 @@ async def test_slowloris_heads_get_408_while_a_normal_client_is_served(guarded: 
 
 
 async def test_a_body_at_one_byte_a_second_gets_408(guarded: Guarded) -> None:
+    # Connection: close, so the answer ends the exchange rather than the keep-alive timeout.
     head = (
         f"POST {INFER} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(ONE_ROW)}\r\n\r\n"
+        f"Content-Length: {len(ONE_ROW)}\r\nConnection: close\r\n\r\n"
     ).encode()
     answer, seconds = await trickle(guarded, head, ONE_ROW, every_s=1.0, limit_s=5.0)
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]

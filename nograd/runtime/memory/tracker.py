@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import Self
+from typing import Any, Self, cast
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -33,6 +34,21 @@ class LiveTensorTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
     and frees internally (oneDNN/BLAS workspaces) are invisible, as are ops run on other
     threads, since dispatch modes are thread-local.
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Self:
+        # Once dynamo is loaded (something may compile), the variant whose dispatch dynamo never
+        # traces, as torch makes every dispatch mode by default.
+        chosen: type[LiveTensorTracker] = cls
+        if cls is LiveTensorTracker and "torch._dynamo" in sys.modules:
+            chosen = _OutsideDynamoTracker
+        return cast(Self, super().__new__(chosen))
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """Not here: torch would wrap ``__torch_dispatch__`` in ``torch._disable_dynamo``, whose
+        first call loads torch's compiler stack (seconds at every server start) in a process
+        that may never compile; ``_OutsideDynamoTracker`` keeps that wrapping."""
+        return False
 
     def __init__(self, device_type: str = "cpu") -> None:
         super().__init__()  # type: ignore[no-untyped-call]
@@ -123,3 +139,15 @@ class LiveTensorTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def _release(self, key: int) -> None:
         with self._lock:
             self.current_bytes -= self._live.pop(key, 0)
+
+
+class _OutsideDynamoTracker(LiveTensorTracker):  # type: ignore[no-untyped-call]
+    """The tracker once dynamo is loaded: torch wraps this class's ``__torch_dispatch__`` so that
+    dynamo never traces it (``TorchDispatchMode.__init_subclass__``)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return True
+
+    def __torch_dispatch__(self, *call: Any, **named: Any) -> object:
+        return super().__torch_dispatch__(*call, **named)

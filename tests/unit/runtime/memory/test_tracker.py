@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import torch
 
@@ -13,6 +16,7 @@ from nograd.runtime.memory import (
 from tests.unit.runtime.memory.conftest import mlp
 
 FLOAT32 = 4
+ROOT = Path(__file__).resolve().parents[4]
 
 
 def test_tracker_counts_views_once_and_frees() -> None:
@@ -91,3 +95,34 @@ def test_forward_outputs_dropped_return_to_baseline() -> None:
         assert tracker.live_storages == 1
         assert tracker.peak_bytes > baseline
     del kept
+
+
+def test_tracking_leaves_torchs_compiler_unloaded() -> None:
+    """Every server start measures memory through the tracker: loading dynamo (torch's compiler
+    stack) for it would cost each start seconds, in a process that may never compile."""
+    script = (
+        "import sys, torch\n"
+        "from nograd.runtime.memory import LiveTensorTracker\n"
+        "with LiveTensorTracker() as tracker:\n"
+        "    kept = torch.ones(100) * 2\n"
+        "assert tracker.peak_bytes == 2 * 100 * 4, tracker.peak_bytes\n"
+        "assert 'torch._dynamo' not in sys.modules, 'the tracker loaded torch._dynamo'\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_tracker_counts_a_compiled_forward() -> None:
+    """Once dynamo is loaded (a speed mode compiles), the tracker keeps counting, and dynamo
+    never traces into it."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    doubled = torch.compile(lambda x: x * 2 + 1, backend="eager")
+    inputs = torch.ones(256)
+    with LiveTensorTracker() as tracker:
+        out = doubled(inputs)
+    assert torch.equal(out, torch.full((256,), 3.0))
+    assert tracker.peak_bytes >= 256 * FLOAT32
