@@ -35,6 +35,8 @@ NAME_MAX: Final = 255
 """The longest file or folder name the file system takes (Linux's NAME_MAX, in bytes)."""
 SETTING: Final = "NOGRAD_MODEL_UPLOADS"
 UPLOADS_FOLDER: Final = "uploads"
+UPLOAD_ROOTS: set[Path] = set()
+"""The upload folders of this process: a model read from one is bounded by it."""
 """The uploaded models' folder, in the folder the workers share."""
 
 
@@ -66,6 +68,8 @@ class Uploads:
         """``folder``: shared with the sibling workers (None: a private one, made when needed)."""
         self._folder = folder
         self._owned = folder is None
+        if folder is not None:
+            UPLOAD_ROOTS.add(folder)
         self._enabled = enabled
         self._mode = mode
 
@@ -73,6 +77,7 @@ class Uploads:
     def folder(self) -> Path:
         if self._folder is None:
             self._folder = Path(tempfile.mkdtemp(prefix="nograd-uploads-"))
+            UPLOAD_ROOTS.add(self._folder)
         return self._folder
 
     def holds(self, name: str) -> bool:
@@ -159,9 +164,11 @@ def _inside(key: str) -> PurePosixPath:
 
 
 def repository_of(configured: Path, directory: Path) -> Path:
-    """The folder a model's files must stay in: the configured repository, or for a model read
-    from elsewhere (uploaded with its load call, ``nograd.serving.uploads``) the folder of its
-    model folder."""
-    if directory.resolve().is_relative_to(configured.resolve()):
-        return configured
-    return directory.parent.parent if directory.name.isdigit() else directory.parent
+    """The folder a model's files must stay in: the upload folder for a model uploaded with its
+    load call, else the configured repository (an archive's sample request is looked for there
+    too)."""
+    resolved = directory.resolve()
+    for root in UPLOAD_ROOTS:
+        if resolved.is_relative_to(root.resolve()):
+            return root
+    return configured
