@@ -38,7 +38,7 @@ class Verdict(StrEnum):
     BOUNDED = "bounded"
     """Off twice: planned on the bound of every point measured, checked once more at a batch it
     was not fitted on (where it may promise more than is used, never less beyond the
-    tolerance)."""
+    tolerance, or than the measure's noise)."""
     REFUSED = "refused"
     """Off twice, and the bound too: the engine serves no batch of its range."""
 
@@ -90,7 +90,13 @@ def verified_profile(
     last = CheckPoint(
         further_rows, further_length, used, bound.predict(further_rows, further_length)
     )
-    verdict = Verdict.BOUNDED if last.signed_error >= -tolerance else Verdict.REFUSED
+    # A shortfall within the measure's noise cannot judge the bound either: it is raised to
+    # cover that point too, as the first check's noise rule does.
+    noise = last.measured_bytes - last.predicted_bytes < NOISE_BYTES
+    verdict = Verdict.BOUNDED if last.signed_error >= -tolerance or noise else Verdict.REFUSED
+    if noise:
+        measured = (*measured, _as_point(last))
+        bound = covering(measured, quadratic)
     checked = Profile(measured, bound, last)
     return VerifiedFit(checked, verdict, (*errors, last.signed_error), bound)
 

@@ -84,6 +84,21 @@ def test_a_bound_that_still_falls_short_is_refused() -> None:
     assert fit.errors[-1] < -0.25
 
 
+def test_a_bound_short_by_less_than_the_noise_is_raised_not_refused() -> None:
+    """A small model's further check, under its bound by a third but by fewer bytes than a
+    process peak moves on its own: the model serves, planned on a bound covering that point."""
+    small = CostModel(fixed=100 * KIB, per_unit=10 * KIB)
+    points = tuple((rows, 1, int(small.predict(rows))) for rows in (1, 2, 4, 8))
+    over = int(small.predict(12)) + 1024 * KIB  # off twice by more than the noise
+    off = Profile(points, small, CheckPoint(12, 1, over, small.predict(12)))
+    further = 1536 * KIB  # the bound says about 1093 KiB at 10 rows
+    fit = verified_profile(scripted(off, off), lambda rows, length: further, quadratic=False)
+    assert fit.errors[-1] < -0.25
+    assert further - 1093 * KIB < NOISE_BYTES
+    assert fit.verdict is Verdict.BOUNDED and not fit.refused
+    assert fit.model.predict(10) >= further
+
+
 def test_a_miss_within_the_noise_of_the_measure_is_taken_as_measured() -> None:
     """Off by half at the check, but by fewer bytes than a process peak moves on its own (pages,
     what the heap keeps): no second profile, and the plan still covers what was measured."""
