@@ -27,6 +27,7 @@ import contextlib
 import logging
 import os
 import time
+from collections import Counter
 from pathlib import Path
 
 from nograd.host.page_cache import keep_warm, model_files
@@ -98,6 +99,8 @@ class OnDemand:
         """Set when the last request holding a model is answered (a load waiting for room)."""
         self._failed: dict[str, tuple[tuple[str, ...], str]] = {}
         """Per model, the fingerprints of the files that failed to load and the error."""
+        self._waiting: Counter[str] = Counter()
+        """Holds of the requests waiting for a load (``ensure``), per model."""
         self._warm_bytes = settings.warm_evicted_bytes
         self._warm: dict[str, list[tuple[Path, int]]] = {}
         """The files of the models evicted last (oldest first) kept in the page cache."""
@@ -150,8 +153,13 @@ class OnDemand:
                     "left of the request's deadline; it is loading: retry after that time",
                     retry_after_s=expected,
                 )
-        for name in order:
-            await self._ensure_one(name)
+        # While it waits, what it holds cannot be released: no load waits for it (below).
+        self._waiting.update(held)
+        try:
+            for name in order:
+                await self._ensure_one(name)
+        finally:
+            self._waiting.subtract(held)
 
     def _expected_load_s(self, name: str) -> float:
         """What is left of the load of ``name``: its last load's time, less what a load under
@@ -319,9 +327,21 @@ class OnDemand:
             remaining = deadline - time.monotonic()
             if not self.residency.short_of(name, height) or remaining <= 0:
                 return
+            if not self._releasable(name):
+                return
             self._released.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._released.wait(), remaining)
+
+    def _releasable(self, name: str) -> bool:
+        """Whether a resident model besides ``name`` is held by a request that can finish
+        without a load: an ensemble's request waiting for its next step holds its other steps
+        until that load is done, so a load never waits for them."""
+        return any(
+            self.residency.holds.get(r.name, 0) > self._waiting[r.name]
+            for r in self.residency.resident.values()
+            if r.name != name and not r.pinned
+        )
 
     async def _evict(self, name: str, reason: str) -> bool:
         """Unload ``name`` unless a request took hold of it meanwhile; its memory is returned

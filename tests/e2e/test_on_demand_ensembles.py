@@ -89,7 +89,13 @@ def test_an_ensemble_request_holds_its_steps_and_loads_them(server: Server) -> N
         concurrent.futures.ThreadPoolExecutor(2) as pool,
     ):
         answer_of(client, 1)  # measured: its next load makes its room before it starts
+        started = time.monotonic()
         chain_answer(client)  # loads both steps (evicting m1), then the ensemble
+        # Its second step's load does not wait for the first step, which this very request
+        # holds (it could only wait out the room wait, NOGRAD_MAX_QUEUE_WAIT_S).
+        assert metric_value(url, "nograd_model_load_wait_seconds_count", model="slow") >= 1
+        assert metric_value(url, "nograd_model_load_wait_seconds_sum", model="slow") < 10
+        assert time.monotonic() - started < 20
         assert metric_value(url, "nograd_model_loads_total", model="fast") == 1
         assert metric_value(url, "nograd_model_loads_total", model="slow") == 1
 
