@@ -262,6 +262,26 @@ class Settings(BaseSettings):
     """Most sequences under way at once per sequence model (Triton's ``sequence_batching``);
     a request starting one more gets 503 until one ends or is released idle."""
 
+    shared_memory: bool = True
+    """Serve Triton's shared-memory extensions (system and CUDA regions). Off: their routes and
+    RPCs, and any input or output placed in shared memory, answer 501 / UNIMPLEMENTED, and the
+    server's metadata no longer lists them. Turn it off where clients do not share this
+    machine: a region is a file of the server's machine the client names."""
+
+    max_shared_memory_regions: int = Field(default=256, ge=1, le=65536)
+    """Most shared-memory regions (system and CUDA, every caller together) the server holds;
+    one more gets 422 / RESOURCE_EXHAUSTED until one is unregistered. Each region holds one file
+    descriptor (a system region) or device handle (a CUDA one) in every worker; the default
+    covers a client registering an input and an output region for each of 100 models with
+    room to spare, and the process's open-file limit is raised by as much, so regions never
+    take the descriptors connections need."""
+
+    shared_memory_key_prefix: str = Field(default="", max_length=255, pattern=r"^/?[^/\x00]*$")
+    """The start every system region's object name must have (``/dev/shm/<prefix>…``; a
+    leading ``/`` is ignored), so clients can register only objects made for the server
+    (``nograd_`` for instance); empty: any object in /dev/shm the server may open. A key
+    outside it gets the same answer as a missing object."""
+
     drain_timeout_s: float = Field(default=30.0, ge=0)
     """On SIGTERM, how long accepted requests may take to finish before the process exits."""
 

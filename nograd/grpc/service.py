@@ -62,6 +62,11 @@ class InferenceService(DiagnosticsRpcs, SharedMemoryRpcs, StreamInferRpcs):
         values = [v for k, v in context.invocation_metadata() if k == "authorization"]
         self._calls.authorize(values, PROTOCOL, model)
 
+    def _caller(self, context: CallContext) -> str:
+        """Whose call this is (``Calls.caller``: the id of the API key it carries)."""
+        values = [v for k, v in context.invocation_metadata() if k == "authorization"]
+        return self._calls.caller(values)
+
     async def _abort(self, context: CallContext, exc: BaseException, kind: Kind) -> None:
         """End the call with the kind's code and a message fit for the client; a transient
         refusal says when to retry (trailing metadata ``retry-after``)."""
@@ -233,7 +238,7 @@ class InferenceService(DiagnosticsRpcs, SharedMemoryRpcs, StreamInferRpcs):
             await calls.resident(call, name)
             # Checked against the model's declared inputs before any value is read.
             check = calls.input_check(call, name, version, request.id or None)
-            regions = calls.shared_memory
+            regions = calls.regions(call, self._caller(context))
             inputs = await read_inputs(request, check, regions)
             model, outputs = await calls.infer(
                 call,

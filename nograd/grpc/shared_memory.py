@@ -1,6 +1,7 @@
 """The shared-memory extensions' RPCs of Triton's GRPCInferenceService (``SystemSharedMemory*``
 and ``CudaSharedMemory*``), as tritonclient's ``register/unregister/get_*_shared_memory*`` call
-them; ``InferenceService`` takes them from here. The regions live in the serving core."""
+them; ``InferenceService`` takes them from here. The regions live in the serving core; each call
+acts on its caller's regions only (the API key it carries)."""
 
 from __future__ import annotations
 
@@ -28,11 +29,16 @@ class SharedMemoryRpcs:
     ) -> Reply:
         raise NotImplementedError
 
+    def _caller(self, context: CallContext) -> str:
+        raise NotImplementedError
+
     async def SystemSharedMemoryStatus(
         self, request: Any, context: CallContext
     ) -> pb.SystemSharedMemoryStatusResponse:
         async def status() -> pb.SystemSharedMemoryStatusResponse:
-            regions = self._core.calls.shared_memory.status(request.name or None)
+            regions = self._core.calls.shared_memory.status(
+                request.name or None, caller=self._caller(context)
+            )
             status = pb.SystemSharedMemoryStatusResponse.RegionStatus
             return pb.SystemSharedMemoryStatusResponse(
                 regions={r["name"]: status(**r) for r in regions}
@@ -45,7 +51,7 @@ class SharedMemoryRpcs:
     ) -> pb.SystemSharedMemoryRegisterResponse:
         async def register() -> pb.SystemSharedMemoryRegisterResponse:
             await self._core.calls.shared_memory.register(
-                request.name, request.key, request.offset, request.byte_size
+                request.name, request.key, request.offset, request.byte_size, self._caller(context)
             )
             return pb.SystemSharedMemoryRegisterResponse()
 
@@ -55,7 +61,9 @@ class SharedMemoryRpcs:
         self, request: Any, context: CallContext
     ) -> pb.SystemSharedMemoryUnregisterResponse:
         async def unregister() -> pb.SystemSharedMemoryUnregisterResponse:
-            await self._core.calls.shared_memory.unregister(request.name or None)
+            await self._core.calls.shared_memory.unregister(
+                request.name or None, caller=self._caller(context)
+            )
             return pb.SystemSharedMemoryUnregisterResponse()
 
         return await self._answer(context, unregister)
@@ -64,7 +72,9 @@ class SharedMemoryRpcs:
         self, request: Any, context: CallContext
     ) -> pb.CudaSharedMemoryStatusResponse:
         async def status() -> pb.CudaSharedMemoryStatusResponse:
-            regions = self._core.calls.shared_memory.status(request.name or None, CUDA)
+            regions = self._core.calls.shared_memory.status(
+                request.name or None, CUDA, self._caller(context)
+            )
             status = pb.CudaSharedMemoryStatusResponse.RegionStatus
             return pb.CudaSharedMemoryStatusResponse(
                 regions={r["name"]: status(**r) for r in regions}
@@ -77,7 +87,11 @@ class SharedMemoryRpcs:
     ) -> pb.CudaSharedMemoryRegisterResponse:
         async def register() -> pb.CudaSharedMemoryRegisterResponse:
             await self._core.calls.shared_memory.register_cuda(
-                request.name, request.raw_handle, request.device_id, request.byte_size
+                request.name,
+                request.raw_handle,
+                request.device_id,
+                request.byte_size,
+                self._caller(context),
             )
             return pb.CudaSharedMemoryRegisterResponse()
 
@@ -87,7 +101,9 @@ class SharedMemoryRpcs:
         self, request: Any, context: CallContext
     ) -> pb.CudaSharedMemoryUnregisterResponse:
         async def unregister() -> pb.CudaSharedMemoryUnregisterResponse:
-            await self._core.calls.shared_memory.unregister(request.name or None, CUDA)
+            await self._core.calls.shared_memory.unregister(
+                request.name or None, CUDA, self._caller(context)
+            )
             return pb.CudaSharedMemoryUnregisterResponse()
 
         return await self._answer(context, unregister)

@@ -158,12 +158,12 @@ async def read_inputs(
 
 
 def _payload_bytes(request: pb.ModelInferRequest, declared: Declared) -> int:
-    """About how many bytes the tensors hold, from lengths alone (no value read); those in
-    shared memory are read on the event loop (one copy, no conversion)."""
+    """About how many bytes the tensors hold, from lengths alone (no value read), those in
+    shared memory by their placements' byte sizes (a copy)."""
     raw = request.raw_input_contents
+    total = shm.placed_bytes(plain(t.parameters) for t in request.inputs)
     if raw:
-        return sum(len(chunk) for chunk in raw)
-    total = 0
+        return total + sum(len(chunk) for chunk in raw)
     for (datatype, _), tensor in zip(declared.values(), request.inputs, strict=True):
         field = CONTENTS_FIELD.get(datatype)
         if field is None:  # only in shared memory

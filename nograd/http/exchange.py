@@ -92,6 +92,12 @@ class Incoming:
         return message
 
 
+def caller_of(calls: Calls, scope: Scope) -> str:
+    """Whose call this is (``Calls.caller``: the id of the API key it carries), for the state a
+    caller owns (shared-memory regions)."""
+    return calls.caller([v for k, v in scope["headers"] if k == b"authorization"])
+
+
 @dataclass
 class Reply:
     """A whole answer; sent as two ASGI messages, or as a Starlette ``Response`` by a route."""

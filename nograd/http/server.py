@@ -38,7 +38,8 @@ class HttpFront:
         # Slow and oversized requests are cut off and connections capped, on a port of its own
         # or on connections handed over alike.
         self._guard = ConnectionGuard(ConnectionLimits.from_settings(settings), count_refusal)
-        fit_file_limit(settings.max_connections)
+        # Each shared-memory region holds a descriptor: room for them besides the connections.
+        fit_file_limit(settings.max_connections + settings.max_shared_memory_regions)
         protocol = guarded_protocol(self._guard)
         config = uvicorn.Config(
             build_app(core),

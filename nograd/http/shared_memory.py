@@ -1,7 +1,8 @@
 """Triton's shared-memory extension routes: register, unregister and status of system
 shared-memory regions (``/v2/systemsharedmemory``) and of CUDA ones (``/v2/cudasharedmemory``:
 a client's IPC handle, opened on a server that sees a GPU; elsewhere registering is refused as
-Triton refuses it without GPU support, and status and unregister answer as it does)."""
+Triton refuses it without GPU support, and status and unregister answer as it does). Each call
+acts on its caller's regions only (the API key it carries)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
+from nograd.http.exchange import caller_of
 from nograd.http.state import calls_of
 from nograd.protocol.v2 import dumps, parse_json
 from nograd.protocol.v2_schemas import ERROR_RESPONSES
@@ -24,13 +26,18 @@ def _regions(request: Request) -> SharedMemory:
     return calls_of(request).shared_memory
 
 
+def _caller(request: Request) -> str:
+    """The caller whose regions the call acts on."""
+    return caller_of(calls_of(request), request.scope)
+
+
 def _json(document: Any) -> Response:
     return Response(content=dumps(document), media_type="application/json")
 
 
 @router.get("/systemsharedmemory/status", summary="Every registered system shared-memory region")
 async def system_status(request: Request) -> Response:
-    return _json(_regions(request).status())
+    return _json(_regions(request).status(None, caller=_caller(request)))
 
 
 @router.get(
@@ -39,7 +46,7 @@ async def system_status(request: Request) -> Response:
     responses=ERROR_RESPONSES,
 )
 async def system_region_status(request: Request, name: str) -> Response:
-    return _json(_regions(request).status(name))
+    return _json(_regions(request).status(name, caller=_caller(request)))
 
 
 @router.post(
@@ -49,6 +56,7 @@ async def system_region_status(request: Request, name: str) -> Response:
     responses=ERROR_RESPONSES,
 )
 async def system_register(request: Request, name: str) -> Response:
+    _regions(request).check_served()
     document = parse_json(await request.body())
     if not isinstance(document, dict) or "key" not in document or "byte_size" not in document:
         raise InvalidInput(
@@ -56,7 +64,8 @@ async def system_register(request: Request, name: str) -> Response:
             "with 'key', 'byte_size' and optionally 'offset'"
         )
     offset = document.get("offset", 0)
-    await _regions(request).register(name, document["key"], offset, document["byte_size"])
+    caller = _caller(request)
+    await _regions(request).register(name, document["key"], offset, document["byte_size"], caller)
     return Response(status_code=200)
 
 
@@ -67,7 +76,7 @@ async def system_register(request: Request, name: str) -> Response:
     responses=ERROR_RESPONSES,
 )
 async def system_unregister(request: Request, name: str) -> Response:
-    await _regions(request).unregister(name)
+    await _regions(request).unregister(name, caller=_caller(request))
     return Response(status_code=200)
 
 
@@ -78,13 +87,13 @@ async def system_unregister(request: Request, name: str) -> Response:
     responses=ERROR_RESPONSES,
 )
 async def system_unregister_all(request: Request) -> Response:
-    await _regions(request).unregister(None)
+    await _regions(request).unregister(None, caller=_caller(request))
     return Response(status_code=200)
 
 
 @router.get("/cudasharedmemory/status", summary="Every registered CUDA shared-memory region")
 async def cuda_status(request: Request) -> Response:
-    return _json(_regions(request).status(None, CUDA))
+    return _json(_regions(request).status(None, CUDA, _caller(request)))
 
 
 @router.get(
@@ -93,7 +102,7 @@ async def cuda_status(request: Request) -> Response:
     responses=ERROR_RESPONSES,
 )
 async def cuda_region_status(request: Request, name: str) -> Response:
-    return _json(_regions(request).status(name, CUDA))
+    return _json(_regions(request).status(name, CUDA, _caller(request)))
 
 
 @router.post(
@@ -117,7 +126,8 @@ async def cuda_register(request: Request, name: str) -> Response:
             "'raw_handle', 'device_id' and 'byte_size'"
         )
     handle = decode_handle(name, raw_handle["b64"])
-    await regions.register_cuda(name, handle, document["device_id"], document["byte_size"])
+    device_id, byte_size = document["device_id"], document["byte_size"]
+    await regions.register_cuda(name, handle, device_id, byte_size, _caller(request))
     return Response(status_code=200)
 
 
@@ -128,7 +138,7 @@ async def cuda_register(request: Request, name: str) -> Response:
     responses=ERROR_RESPONSES,
 )
 async def cuda_unregister(request: Request, name: str) -> Response:
-    await _regions(request).unregister(name, CUDA)
+    await _regions(request).unregister(name, CUDA, _caller(request))
     return Response(status_code=200)
 
 
@@ -139,5 +149,5 @@ async def cuda_unregister(request: Request, name: str) -> Response:
     responses=ERROR_RESPONSES,
 )
 async def cuda_unregister_all(request: Request) -> Response:
-    await _regions(request).unregister(None, CUDA)
+    await _regions(request).unregister(None, CUDA, _caller(request))
     return Response(status_code=200)

@@ -15,6 +15,7 @@ from nograd.http.errors import error_body, error_headers
 from nograd.http.exchange import (
     Incoming,
     Reply,
+    caller_of,
     encoded_reply,
     inflated_body,
     parse_measured,
@@ -22,6 +23,7 @@ from nograd.http.exchange import (
 )
 from nograd.http.state import calls_of, dataplane_of
 from nograd.protocol import binary
+from nograd.protocol import shared_memory as shm
 from nograd.protocol.limits import OFFLOAD_DECODE_BYTES
 from nograd.protocol.v2 import (
     InferRequest,
@@ -171,21 +173,33 @@ async def _decode(
     call: Call,
     resident: Callable[[Any], Awaitable[None]],
     check_for: Callable[[str | None], Callable[[Declared], None]],
+    regions: shm.Regions,
 ) -> InferRequest:
     """The request, inflated if compressed (``inflated_body``), its JSON measured before it is
     parsed (``parse_measured``), its model made ``resident`` (told the parsed document, whose
     parameters may hold a deadline) and the inputs it declares checked against the model
     (``check_for`` the request's own id) before any tensor is built or a byte of the binary
-    part read."""
+    part read; inputs in shared memory are read from ``regions``."""
     body = await inflated_body(incoming, calls, call)
     header, data = split_body(body, incoming.headers.get(binary.HEADER_LENGTH.lower()))
     document = await parse_measured(calls, call, header, parse_json)
     await resident(document)
     given_id = document.get("id") if isinstance(document, dict) else None
     check_for(given_id if isinstance(given_id, str) else None)(declared_inputs(document))
-    if len(body) > OFFLOAD_DECODE_BYTES:  # milliseconds of CPU: off the event loop
-        return await run_in_threadpool(decode_document, document, data, calls.shared_memory)
-    return decode_document(document, data, calls.shared_memory)
+    # Milliseconds of CPU, or a large copy out of shared memory: off the event loop.
+    if len(body) + shm.placed_bytes(_input_parameters(document)) > OFFLOAD_DECODE_BYTES:
+        return await run_in_threadpool(decode_document, document, data, regions)
+    return decode_document(document, data, regions)
+
+
+def _input_parameters(document: Any) -> list[Mapping[str, Any]]:
+    """The parameters of each input of a request document, as sent (no check: decoding checks
+    them)."""
+    inputs = document.get("inputs") if isinstance(document, dict) else None
+    if not isinstance(inputs, list):
+        return []
+    each = (item.get("parameters") if isinstance(item, dict) else None for item in inputs)
+    return [parameters for parameters in each if isinstance(parameters, dict)]
 
 
 def _timeout_s(parameters: Mapping[str, Any]) -> float | None:
@@ -202,16 +216,17 @@ ENSEMBLE_PARAMETERS: Final = {"sequence_id": 0, "sequence_start": False, "sequen
 
 
 def _infer_reply(
-    calls: Calls, model: ServedModel, decoded: InferRequest, outputs: Mapping[str, np.ndarray]
+    regions: shm.Regions,
+    model: ServedModel,
+    decoded: InferRequest,
+    outputs: Mapping[str, np.ndarray],
 ) -> Reply:
     """JSON, or with any binary output JSON + raw bytes and ``Inference-Header-Content-Length``;
     an output asked for by classification answers its top classes."""
     selected = select_outputs(list(outputs), decoded.outputs, decoded.parameters)
     counts = {output.name: output.classification for output in selected if output.classification}
     outputs = classified(model, outputs, counts)
-    tensors, chunks = encode_outputs(
-        outputs, selected, model=model.name, regions=calls.shared_memory
-    )
+    tensors, chunks = encode_outputs(outputs, selected, model=model.name, regions=regions)
     document: dict[str, Any] = {
         "model_name": model.name,
         "model_version": model.version,
@@ -251,12 +266,14 @@ async def infer_call(incoming: Incoming, calls: Calls, name: str, version: str |
             call.model = calls.label(name)
 
         call.model = calls.label(name)
+        regions = calls.regions(call, caller_of(calls, incoming.scope))
         decoded = await _decode(
             incoming,
             calls,
             call,
             resident,
             lambda given_id: calls.input_check(call, name, version, given_id),
+            regions,
         )
         call.adopt_request_id(decoded.id)
         call.shorten_deadline(_timeout_s(decoded.parameters))
@@ -264,7 +281,7 @@ async def infer_call(incoming: Incoming, calls: Calls, name: str, version: str |
         model, outputs = await calls.infer(
             call, name, version, decoded.inputs, decoded.id, sequence=sequence
         )
-        return _infer_reply(calls, model, decoded, outputs)
+        return _infer_reply(regions, model, decoded, outputs)
 
     reply = await run_call(incoming, calls, PROTOCOL, work, _error_reply)
     return await encoded_reply(incoming, reply)

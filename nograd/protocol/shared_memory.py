@@ -11,7 +11,7 @@ them in as ``Regions``.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
@@ -27,7 +27,11 @@ BYTE_SIZE: Final = "shared_memory_byte_size"
 
 
 class Regions(Protocol):
-    """The registered regions (``nograd.serving.shared_memory.SharedMemory``)."""
+    """The regions one call may use (``nograd.serving.shared_memory.CallerRegions``)."""
+
+    def hold(self, byte_size: int, what: str) -> None:
+        """Take ``byte_size`` bytes about to be copied out that no declared size counted, or
+        refuse (past the request's decoded-size limit, or the process's byte budget)."""
 
     def read(self, name: str, offset: int, byte_size: int) -> bytearray: ...
 
@@ -78,7 +82,8 @@ def read_input(
     shape: tuple[int, ...],
 ) -> np.ndarray:
     """An input's tensor copied out of its region: a fixed-size datatype's byte size must be
-    exactly what its shape needs (checked before a byte is read), BYTES must hold its elements."""
+    exactly what its shape needs (checked before a byte is read), BYTES must hold its elements
+    and is held within the request's limits (``Regions.hold``) before a byte is read."""
     if regions is None:
         raise DecodeError(f"input '{name}': shared memory is not served on this route")
     if datatype != "BYTES":
@@ -88,11 +93,25 @@ def read_input(
                 f"input byte size mismatch for input '{name}'. Expected {expected}, "
                 f"got {place.byte_size}"
             )
+    else:  # its elements' count is declared, not their length: the copy is bounded here
+        regions.hold(place.byte_size, name)
     data = regions.read(place.region, place.offset, place.byte_size)
     try:
         return binary.decode_tensor(memoryview(data), datatype, shape, f"input '{name}'")
     except binary.BinaryFormatError as exc:
         raise DecodeError(str(exc)) from exc
+
+
+def placed_bytes(parameters: Iterable[Mapping[str, Any]]) -> int:
+    """Bytes the tensors with these ``parameters`` (plain values) place in shared memory, read
+    from the parameters alone (a malformed one counts nothing: decoding refuses it): a front
+    copies large ones off the event loop."""
+    total = 0
+    for each in parameters:
+        size = each.get(BYTE_SIZE) if each.get(REGION) is not None else None
+        if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+            total += size
+    return total
 
 
 def write_output(regions: Regions | None, place: Placement, name: str, array: np.ndarray) -> None:

@@ -25,11 +25,12 @@ from nograd.observability.trace_file import TraceFile
 from nograd.observability.trace_settings import TraceSetting, TraceSettings
 from nograd.observability.tracing import Tracer
 from nograd.protocol import classification
-from nograd.protocol.keys import bearer_key_matches
+from nograd.protocol.keys import bearer_key_matches, key_id
 from nograd.runtime.handler import Outputs
 from nograd.runtime.sequence_step import SequenceStep
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.errors import (
+    DecodedTooLarge,
     HandlerFailed,
     InvalidInput,
     Kind,
@@ -42,7 +43,7 @@ from nograd.serving.errors import (
 from nograd.serving.on_demand import OnDemand
 from nograd.serving.registry import ServedModel
 from nograd.serving.sequences import Place, SequenceRequest, Sequences, refuse_sequence
-from nograd.serving.shared_memory import SharedMemory
+from nograd.serving.shared_memory import SHARED, CallerRegions, SharedMemory
 from nograd.serving.validation import Declared
 
 logger = logging.getLogger("nograd.requests")
@@ -144,6 +145,33 @@ class Calls:
         self.metrics.rejected.labels(self.label(model), "unauthorized").inc()
         why = "missing" if not values else "invalid"
         raise Unauthenticated(f"{why} API key: {KEY_HINT.get(protocol, KEY_HINT['http'])}")
+
+    def caller(self, values: Sequence[str | bytes]) -> str:
+        """Whose call this is, for state a caller owns (shared-memory regions): the id of the
+        API key it carries (``key_id``: a digest, never the key), or ``SHARED`` on a server
+        without keys, where every client is the same caller."""
+        return key_id(values) if self._keys else SHARED
+
+    def regions(self, call: Call, caller: str) -> CallerRegions:
+        """The shared-memory regions ``call`` may use: its caller's. A BYTES input's bytes,
+        which its declared shape does not size, are held before they are copied: their sum
+        within ``max_decoded_bytes`` (else 422) and in the process's byte budget (else 503)."""
+        limit = self.plane.settings.max_decoded_bytes
+        copied = 0
+
+        def hold(byte_size: int, what: str) -> None:
+            nonlocal copied
+            if copied + byte_size > limit:
+                self.metrics.rejected.labels(call.model, "too_large").inc()
+                raise DecodedTooLarge(
+                    f"input '{what}': the request's BYTES in shared memory would take "
+                    f"{copied + byte_size} bytes, more than the limit of {limit} bytes per "
+                    "request (NOGRAD_MAX_DECODED_BYTES)"
+                )
+            self.hold_bytes(call, byte_size)
+            copied += byte_size
+
+        return self.shared_memory.of_caller(caller, hold)
 
     def admit(self, name: str | None, arrived: float | None = None) -> None:
         """Take in one inference call for model ``name`` (None: not known yet) before its body is

@@ -19,7 +19,7 @@ from nograd.serving.control import ModelControl
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.diagnostics import Diagnostics
 from nograd.serving.on_demand import OnDemand
-from nograd.serving.shared_memory import SharedMemory
+from nograd.serving.shared_memory import SharedMemory, SharedMemoryLimits
 from nograd.serving.torchserve_management import TorchServeManagement
 from nograd.settings import Settings
 
@@ -40,7 +40,14 @@ class Core:
         self.metrics = Metrics(multiprocess_dir=shared_dir)
         self.plane = DataPlane(settings, self.metrics, Statistics(shared_dir), cores=cores)
         self.control = ModelControl(self.plane, shared_dir)
-        self.shared_memory = SharedMemory(self.control.peers)
+        self.shared_memory = SharedMemory(
+            self.control.peers,
+            limits=SharedMemoryLimits(
+                settings.shared_memory,
+                settings.max_shared_memory_regions,
+                settings.shared_memory_key_prefix,
+            ),
+        )
         self.on_demand = (
             OnDemand(self.control, self.plane, self.metrics)
             if settings.model_control == "on_demand"

@@ -103,9 +103,6 @@ class CudaRegion:
         handle = base64.b64encode(self.raw_handle).decode()
         return {"kind": KIND, "raw_handle": handle} | self.status()
 
-    def still_holds(self, offset: int, byte_size: int) -> None:
-        """Device memory does not shrink under an open handle."""
-
     def read(self, offset: int, byte_size: int) -> bytearray:
         with self._lock:
             self._require_open()

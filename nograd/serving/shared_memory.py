@@ -1,15 +1,18 @@
 """Triton's system shared-memory extension in the serving core: the regions clients registered
-(a POSIX shared-memory object, ``/dev/shm/<key>``, mapped with its offset and byte size), read
-for inputs and written for outputs by either front, with every bound checked before a byte moves.
+(a POSIX shared-memory object, ``/dev/shm/<key>``, with its offset and byte size), read for
+inputs and written for outputs by either front, with every bound checked before a byte moves.
 
 With several workers a registration must hold in every worker (a client's next request may land
 on any): the worker that takes a call applies it, then has its siblings apply it over the model
 control channel (``nograd.serving.peers``) under the server-wide control lock, and records the
-registrations in the shared state, which a worker started later (a restart after a crash) maps
-before it serves. A sibling that cannot map a region undoes the whole registration.
+registrations in the shared state, which a worker started later (a restart after a crash) opens
+before it serves. A sibling that cannot open a region undoes the whole registration.
 
-A client may shrink its object after registering (``ftruncate``); touching mapped pages past the
-end would kill the process (SIGBUS), so every access first checks the object's current size.
+Regions belong to their caller (``SharedMemoryLimits``): the id of the API key that registered
+one (a digest, never the key), or one shared namespace without keys; a caller sees, uses and
+unregisters only its own. A client may shrink its object after registering (``ftruncate``):
+nothing is mapped, every copy is a ``pread``/``pwrite`` on the region's one file descriptor, so
+a shrunk object is a short read answered 400, never a SIGBUS.
 
 CUDA regions (``nograd.serving.cuda_shared_memory``) share the table and its names with system
 regions, as in Triton: a name is registered as one kind or the other, an input or output names a
@@ -22,16 +25,23 @@ import asyncio
 import base64
 import json
 import logging
-import mmap
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Final, Literal
 
 from nograd.host.cuda_ipc import CudaUnavailable, cuda_runtime
 from nograd.serving import cuda_shared_memory as cuda
-from nograd.serving.errors import AlreadyExists, InvalidInput, LoadFailed, RegionNotFound
+from nograd.serving.errors import (
+    AlreadyExists,
+    InvalidInput,
+    LimitExceeded,
+    LoadFailed,
+    RegionNotFound,
+    Unsupported,
+)
 from nograd.serving.peers import Peers
 
 logger = logging.getLogger(__name__)
@@ -42,19 +52,39 @@ PEER_OP: Final = "shared_memory"
 SYSTEM: Final = "system"
 Kind = Literal["system", "cuda"]
 _TITLES: Final = {SYSTEM: "system", cuda.KIND: "CUDA"}
+SHARED: Final = ""
+"""The caller of every call on a server without API keys: one namespace for all clients."""
+DEFAULT_MAX_REGIONS: Final = 256
+
+
+@dataclass(frozen=True)
+class SharedMemoryLimits:
+    """What the extension lets clients do (``NOGRAD_SHARED_MEMORY*`` settings)."""
+
+    enabled: bool = True
+    max_regions: int = DEFAULT_MAX_REGIONS
+    """Regions (both kinds, every caller) one server holds; each holds a file descriptor or a
+    device handle in every worker."""
+    key_prefix: str = ""
+    """The start every system region's object name must have (``/`` aside); empty: any."""
+
+
+def _unable_to_open(key: str) -> InvalidInput:
+    """Triton's refusal of an object it cannot open: the one answer for an object missing, not
+    a plain file, outside ``key_prefix`` or not readable, so no answer tells which."""
+    return InvalidInput(f"Unable to open shared memory region: '{key}'")
 
 
 @dataclass
 class Region:
-    """A system shared-memory region."""
+    """A system shared-memory region: its object's file descriptor, read and written with
+    ``pread``/``pwrite`` (never mapped: a mapping's pages past a shrunk end raise SIGBUS)."""
 
     name: str
     key: str
     offset: int
     byte_size: int
     fd: int
-    mapped: mmap.mmap
-    """The object from its start to ``offset + byte_size`` (mmap offsets must be page-aligned)."""
 
     def status(self) -> dict[str, Any]:
         return {
@@ -67,37 +97,49 @@ class Region:
     kind: ClassVar[Kind] = SYSTEM
 
     def record(self) -> dict[str, Any]:
-        """What another worker needs to map the same region."""
+        """What another worker needs to open the same region."""
         return {"kind": SYSTEM} | self.status()
 
-    def still_holds(self, offset: int, byte_size: int) -> None:
-        if os.fstat(self.fd).st_size < self.offset + offset + byte_size:
-            raise InvalidInput(
-                f"shared memory region '{self.name}': its object '{self.key}' shrank below the "
-                "registered size; register it again"
-            )
+    def _shrank(self) -> InvalidInput:
+        return InvalidInput(
+            f"shared memory region '{self.name}': its object '{self.key}' shrank below the "
+            "registered size; register it again"
+        )
 
     def read(self, offset: int, byte_size: int) -> bytearray:
+        """``byte_size`` bytes at ``offset`` read into a new buffer; an object that ends before
+        them (shrunk since registered) is a 400 naming the region."""
+        data = bytearray(byte_size)
         start = self.offset + offset
-        with memoryview(self.mapped) as whole, whole[start : start + byte_size] as part:
-            return bytearray(part)
+        done = 0
+        with memoryview(data) as whole:
+            while done < byte_size:
+                got = os.preadv(self.fd, [whole[done:]], start + done)
+                if got == 0:
+                    raise self._shrank()
+                done += got
+        return data
 
     def write(self, offset: int, data: bytes | memoryview) -> None:
+        """``data`` written at ``offset``, once the object still holds it (a shrunk object is
+        refused, not grown back)."""
         start = self.offset + offset
-        self.mapped[start : start + len(data)] = data
+        if os.fstat(self.fd).st_size < start + len(data):
+            raise self._shrank()
+        with memoryview(data) as whole, whole.cast("B") as flat:
+            done = 0
+            while done < len(flat):
+                done += os.pwrite(self.fd, flat[done:], start + done)
 
     def close(self) -> None:
-        try:
-            self.mapped.close()
-        finally:
-            os.close(self.fd)
+        os.close(self.fd)
 
 
-def _object_path(key: str) -> Path | None:
+def _object_path(key: str, prefix: str) -> Path | None:
     """The file of a POSIX shm key (``/name`` or ``name``); None for one that names no object
-    directly in /dev/shm (a path, ``..``)."""
+    directly in /dev/shm (a path, ``..``) or whose name does not start with ``prefix``."""
     name = key.removeprefix("/")
-    if not name or "/" in name or name in (".", ".."):
+    if not name or "/" in name or name in (".", "..") or not name.startswith(prefix):
         return None
     return SHM_ROOT / name
 
@@ -111,60 +153,75 @@ def _whole(value: Any, field: str, name: str) -> int:
     return value
 
 
-def map_region(name: str, key: Any, offset: Any, byte_size: Any) -> Region:
-    """Open and map one region, its bounds checked against the object's size (Triton's errors)."""
+def open_region(name: str, key: Any, offset: Any, byte_size: Any, prefix: str = "") -> Region:
+    """Open one region, its bounds checked against the object's size (Triton's errors); an
+    object that cannot be opened, whatever the reason, gets the same answer."""
     if not isinstance(key, str):
         raise InvalidInput(
             f"failed to register shared memory region '{name}': key must be a string"
         )
     offset = _whole(offset, "offset", name)
     byte_size = _whole(byte_size, "byte_size", name)
-    path = _object_path(key)
+    path = _object_path(key, prefix.removeprefix("/"))
     try:
         if path is None:
             raise FileNotFoundError(key)
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # Non-blocking: a FIFO placed in /dev/shm must not hold the thread opening it.
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except (OSError, ValueError) as exc:  # ValueError: a NUL in the key
-        raise InvalidInput(f"Unable to open shared memory region: '{key}'") from exc
+        raise _unable_to_open(key) from exc
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise InvalidInput(f"Invalid shared memory region: '{key}'")
+            raise _unable_to_open(key)
         if byte_size == 0 or offset + byte_size > info.st_size:
             raise InvalidInput(f"failed to register shared memory region '{name}': invalid args")
-        mapped = mmap.mmap(fd, offset + byte_size, mmap.MAP_SHARED)
-    except (OSError, OverflowError, ValueError) as exc:
-        os.close(fd)
-        raise InvalidInput(f"failed to register shared memory region '{name}': {exc}") from exc
     except BaseException:
         os.close(fd)
         raise
-    return Region(name, key, offset, byte_size, fd, mapped)
+    return Region(name, key, offset, byte_size, fd)
 
 
 StoredRegion = Region | cuda.CudaRegion
+Slot = tuple[str, str]
+"""A region's place in the table: its caller, its name."""
 
 
 class SharedMemory:
     """This worker's registered shared-memory regions (system and CUDA), kept alike in every
-    worker."""
+    worker, each its caller's own."""
 
     def __init__(
-        self, peers: Peers | None = None, cuda_opener: cuda.CudaOpener = cuda_runtime
+        self,
+        peers: Peers | None = None,
+        cuda_opener: cuda.CudaOpener = cuda_runtime,
+        limits: SharedMemoryLimits | None = None,
     ) -> None:
-        self._regions: dict[str, StoredRegion] = {}
+        self._regions: dict[Slot, StoredRegion] = {}
         self._peers = peers
         self._cuda_opener = cuda_opener
+        self.limits = limits or SharedMemoryLimits()
         if peers is not None:
             peers.routes[PEER_OP] = self._from_peer
 
+    def check_served(self, kind: Kind = SYSTEM) -> None:
+        if not self.limits.enabled:
+            raise Unsupported(
+                f"{_TITLES[kind]} shared memory is turned off on this server "
+                "(NOGRAD_SHARED_MEMORY=off)"
+            )
+
     # ------------------------------------------------------------------ registry
-    def status(self, name: str | None = None, kind: Kind = SYSTEM) -> list[dict[str, Any]]:
-        """The regions of one kind, or the one named (Triton's errors for an unknown name, or
-        one of the other kind)."""
+    def status(
+        self, name: str | None = None, kind: Kind = SYSTEM, caller: str = SHARED
+    ) -> list[dict[str, Any]]:
+        """The caller's regions of one kind, or the one named (Triton's errors for an unknown
+        name, or one of the other kind)."""
+        self.check_served(kind)
         if name is None:
-            return [r.status() for r in self._regions.values() if r.kind == kind]
-        region = self._regions.get(name)
+            owned = ((owner, r) for (owner, _), r in self._regions.items())
+            return [r.status() for owner, r in owned if owner == caller and r.kind == kind]
+        region = self._regions.get((caller, name))
         if region is None:
             what = "cuda" if kind == cuda.KIND else "system"
             raise RegionNotFound(f"Unable to find {what} shared memory region: '{name}'")
@@ -178,27 +235,40 @@ class SharedMemory:
     async def require_cuda(self, name: str) -> None:
         """Refuse, as Triton without GPU support does, unless this server sees a GPU (the first
         probe initialises CUDA: off the event loop)."""
+        self.check_served(cuda.KIND)
         try:
             await asyncio.to_thread(self._cuda_opener)
         except CudaUnavailable as exc:
             raise InvalidInput(cuda.cuda_refusal(name)) from exc
 
-    async def register(self, name: str, key: Any, offset: Any, byte_size: Any) -> None:
-        """Register a system region in every worker, or in none (the error says which worker
-        failed)."""
+    async def register(
+        self, name: str, key: Any, offset: Any, byte_size: Any, caller: str = SHARED
+    ) -> None:
+        """Register a system region for ``caller`` in every worker, or in none (the error says
+        which worker failed)."""
+        self.check_served()
         await self._register(
-            {"kind": SYSTEM, "name": name, "key": key, "offset": offset, "byte_size": byte_size}
+            {
+                "kind": SYSTEM,
+                "caller": caller,
+                "name": name,
+                "key": key,
+                "offset": offset,
+                "byte_size": byte_size,
+            }
         )
 
     async def register_cuda(
-        self, name: str, raw_handle: bytes, device_id: Any, byte_size: Any
+        self, name: str, raw_handle: bytes, device_id: Any, byte_size: Any, caller: str = SHARED
     ) -> None:
-        """Register a CUDA region (a client's IPC handle) in every worker, or in none."""
+        """Register a CUDA region (a client's IPC handle) for ``caller`` in every worker, or in
+        none."""
         await self.require_cuda(name)
         handle = base64.b64encode(raw_handle).decode()
         await self._register(
             {
                 "kind": cuda.KIND,
+                "caller": caller,
                 "name": name,
                 "raw_handle": handle,
                 "device_id": device_id,
@@ -207,30 +277,34 @@ class SharedMemory:
         )
 
     async def _register(self, record: dict[str, Any]) -> None:
-        name = record["name"]
+        slot = (str(record["caller"]), str(record["name"]))
         if self._peers is None:
-            await self._add_off_loop(record)
+            await self._add_off_loop(record, capped=True)
             return
         async with self._peers.exclusive():
-            await self._add_off_loop(record)
+            await self._add_off_loop(record, capped=True)
             failures = await self._peers.broadcast({"op": PEER_OP, "action": "register"} | record)
             if failures:
-                self._drop(name, None)
-                await self._peers.broadcast({"op": PEER_OP, "action": "unregister", "name": name})
+                self._drop(slot[1], None, slot[0])
+                await self._peers.broadcast(
+                    {"op": PEER_OP, "action": "unregister", "name": slot[1], "caller": slot[0]}
+                )
                 detail = "; ".join(f"{w}: {error}" for w, error in sorted(failures.items()))
-                raise LoadFailed(f"shared memory region '{name}' not registered: {detail}")
+                raise LoadFailed(f"shared memory region '{slot[1]}' not registered: {detail}")
             self._record()
 
-    async def unregister(self, name: str | None = None, kind: Kind = SYSTEM) -> None:
-        """Unregister one region of ``kind`` (None: every one) in every worker; an unknown name,
-        or one of the other kind, is no error, as in Triton."""
-        self._drop(name, kind)
+    async def unregister(
+        self, name: str | None = None, kind: Kind = SYSTEM, caller: str = SHARED
+    ) -> None:
+        """Unregister one of the caller's regions of ``kind`` (None: every one) in every
+        worker; an unknown name, or one of the other kind, is no error, as in Triton."""
+        self.check_served(kind)
+        self._drop(name, kind, caller)
         if self._peers is None:
             return
         async with self._peers.exclusive():
-            failures = await self._peers.broadcast(
-                {"op": PEER_OP, "action": "unregister", "name": name, "kind": kind}
-            )
+            call = {"op": PEER_OP, "action": "unregister", "name": name, "kind": kind}
+            failures = await self._peers.broadcast(call | {"caller": caller})
             self._record()
         if failures:
             detail = "; ".join(f"{w}: {error}" for w, error in sorted(failures.items()))
@@ -238,12 +312,19 @@ class SharedMemory:
                 f"Failed to unregister the following {_TITLES[kind]} shared memory: {detail}"
             )
 
-    def _taken(self, name: str) -> None:
-        if name in self._regions:
-            raise AlreadyExists(f"shared memory region '{name}' already in manager")
+    def _taken(self, slot: Slot, capped: bool) -> None:
+        if slot in self._regions:
+            raise AlreadyExists(f"shared memory region '{slot[1]}' already in manager")
+        cap = self.limits.max_regions
+        if capped and len(self._regions) >= cap:
+            raise LimitExceeded(
+                f"failed to register shared memory region '{slot[1]}': this server holds at "
+                f"most {cap} shared memory regions (NOGRAD_MAX_SHARED_MEMORY_REGIONS); "
+                "unregister one first"
+            )
 
     def _open(self, record: dict[str, Any]) -> StoredRegion:
-        """Map or open the region ``record`` describes, leaving the table alone."""
+        """Open the region ``record`` describes, leaving the table alone."""
         name = str(record["name"])
         if record.get("kind", SYSTEM) == cuda.KIND:
             handle = cuda.decode_handle(name, record.get("raw_handle"))
@@ -251,46 +332,55 @@ class SharedMemory:
                 self._cuda_opener, name, handle, record.get("device_id"), record.get("byte_size")
             )
         key, offset = record.get("key"), record.get("offset", 0)
-        return map_region(name, key, offset, record.get("byte_size"))
+        return open_region(name, key, offset, record.get("byte_size"), self.limits.key_prefix)
 
-    def _insert(self, region: StoredRegion) -> None:
-        if region.name in self._regions:
-            region.close()  # registered meanwhile under the same name
-            self._taken(region.name)
-        self._regions[region.name] = region
+    def _insert(self, slot: Slot, region: StoredRegion, capped: bool) -> None:
+        try:
+            self._taken(slot, capped)  # again: registered meanwhile under the same name
+        except BaseException:
+            region.close()
+            raise
+        self._regions[slot] = region
 
     def _add(self, record: dict[str, Any]) -> None:
-        self._taken(str(record["name"]))
-        self._insert(self._open(record))
+        slot = (str(record.get("caller", SHARED)), str(record["name"]))
+        self._taken(slot, capped=False)
+        self._insert(slot, self._open(record), capped=False)
 
-    async def _add_off_loop(self, record: dict[str, Any]) -> None:
+    async def _add_off_loop(self, record: dict[str, Any], capped: bool) -> None:
         """``_add`` with the opening in a thread: a CUDA handle's first opening creates the
-        device's context, which takes long."""
-        self._taken(str(record["name"]))
-        self._insert(await asyncio.to_thread(self._open, record))
+        device's context, which takes long. ``capped``: the worker that took the call refuses
+        past ``max_regions`` (its siblings hold the same table)."""
+        slot = (str(record.get("caller", SHARED)), str(record["name"]))
+        self._taken(slot, capped)
+        self._insert(slot, await asyncio.to_thread(self._open, record), capped)
 
-    def _drop(self, name: str | None, kind: Kind | None) -> None:
-        """Close the region named (None: every one) when of ``kind`` (None: either)."""
-        names = list(self._regions) if name is None else [name]
-        for each in names:
-            region = self._regions.get(each)
-            if region is not None and kind in (None, region.kind):
-                del self._regions[each]
+    def _drop(self, name: str | None, kind: Kind | None, caller: str | None) -> None:
+        """Close the caller's (None: anyone's) region named (None: every one) when of ``kind``
+        (None: either)."""
+        for slot in list(self._regions):
+            owner, each = slot
+            if caller not in (None, owner) or name not in (None, each):
+                continue
+            region = self._regions[slot]
+            if kind in (None, region.kind):
+                del self._regions[slot]
                 region.close()
 
     def close(self) -> None:
-        """Unmap and close every region (the server stops)."""
-        self._drop(None, None)
+        """Close every region (the server stops)."""
+        self._drop(None, None, None)
 
     # ------------------------------------------------------------------ workers
     async def _from_peer(self, call: dict[str, Any]) -> str | None:
         try:
+            caller = str(call.get("caller", SHARED))
             if call.get("action") == "register":
-                self._drop(str(call["name"]), None)  # the calling worker holds the name
-                await self._add_off_loop(call)
+                self._drop(str(call["name"]), None, caller)  # the calling worker holds the name
+                await self._add_off_loop(call, capped=False)
             else:
                 name, kind = call.get("name"), call.get("kind")
-                self._drop(None if name is None else str(name), kind)
+                self._drop(None if name is None else str(name), kind, caller)
         except (InvalidInput, AlreadyExists) as exc:
             return str(exc)
         return None
@@ -299,13 +389,14 @@ class SharedMemory:
         assert self._peers is not None
         path = self._peers.directory / STATE_FILE
         temporary = path.with_suffix(".tmp")
-        temporary.write_text(json.dumps([r.record() for r in self._regions.values()]))
+        recorded = [r.record() | {"caller": owner} for (owner, _), r in self._regions.items()]
+        temporary.write_text(json.dumps(recorded))
         temporary.replace(path)
 
     def restore(self) -> None:
-        """Map and open what the workers share (a worker started after registrations); a region
-        that no longer opens is logged and left out."""
-        if self._peers is None:
+        """Open what the workers share (a worker started after registrations); a region that no
+        longer opens is logged and left out."""
+        if self._peers is None or not self.limits.enabled:
             return
         try:
             recorded = json.loads((self._peers.directory / STATE_FILE).read_text())
@@ -321,32 +412,63 @@ class SharedMemory:
                 logger.error("shared memory region not restored in this worker: %s", exc)
 
     # ------------------------------------------------------------------ data
-    def _within(self, name: str, offset: int, byte_size: int) -> StoredRegion:
-        """The region, once ``offset`` and ``byte_size`` lie within it and (system regions) its
-        object still holds them (Triton's errors)."""
-        region = self._regions.get(name)
+    def _within(self, caller: str, name: str, offset: int, byte_size: int) -> StoredRegion:
+        """The caller's region, once ``offset`` and ``byte_size`` lie within it (Triton's
+        errors; another caller's region is as unknown as one never registered)."""
+        self.check_served()
+        region = self._regions.get((caller, name))
         if region is None:
             raise RegionNotFound(f"Unable to find shared memory region: '{name}'")
         if offset >= region.byte_size:
             raise InvalidInput(f"Invalid offset for shared memory region: '{name}'")
         if offset + byte_size > region.byte_size:
             raise InvalidInput(f"Invalid offset + byte size for shared memory region: '{name}'")
-        region.still_holds(offset, byte_size)
         return region
 
-    def read(self, name: str, offset: int, byte_size: int) -> bytearray:
-        """A copy of ``byte_size`` bytes at ``offset`` in region ``name`` (writable: torch takes
-        the tensors built on it as they are)."""
-        return self._within(name, offset, byte_size).read(offset, byte_size)
+    def read(self, name: str, offset: int, byte_size: int, caller: str = SHARED) -> bytearray:
+        """A copy of ``byte_size`` bytes at ``offset`` in the caller's region ``name``
+        (writable: torch takes the tensors built on it as they are)."""
+        return self._within(caller, name, offset, byte_size).read(offset, byte_size)
 
     def write(
-        self, name: str, offset: int, byte_size: int, data: bytes | memoryview, what: str
+        self,
+        name: str,
+        offset: int,
+        byte_size: int,
+        data: bytes | memoryview,
+        what: str,
+        caller: str = SHARED,
     ) -> None:
-        """Write an output's ``data`` at ``offset`` in region ``name``, within the ``byte_size``
-        the request gave it (Triton's error when it holds less)."""
+        """Write an output's ``data`` at ``offset`` in the caller's region ``name``, within the
+        ``byte_size`` the request gave it (Triton's error when it holds less)."""
         if len(data) > byte_size:
             raise InvalidInput(
                 f"shared memory size specified with the request for output '{what}' "
                 f"({byte_size} bytes) should be at least {len(data)} bytes to hold the results"
             )
-        self._within(name, offset, byte_size).write(offset, data)
+        self._within(caller, name, offset, byte_size).write(offset, data)
+
+    def of_caller(self, caller: str, hold: Callable[[int, str], None]) -> CallerRegions:
+        """One call's view of its caller's regions (``nograd.protocol.shared_memory.Regions``)."""
+        return CallerRegions(self, caller, hold)
+
+
+class CallerRegions:
+    """The regions one call may use: its caller's only; the bytes it copies out that no declared
+    size counted (a BYTES input's elements) are drawn first by ``hold``, which refuses past the
+    request's limits."""
+
+    def __init__(self, regions: SharedMemory, caller: str, hold: Callable[[int, str], None]):
+        self._regions, self._caller, self._hold = regions, caller, hold
+
+    def hold(self, byte_size: int, what: str) -> None:
+        self._regions.check_served()
+        self._hold(byte_size, what)
+
+    def read(self, name: str, offset: int, byte_size: int) -> bytearray:
+        return self._regions.read(name, offset, byte_size, self._caller)
+
+    def write(
+        self, name: str, offset: int, byte_size: int, data: bytes | memoryview, what: str
+    ) -> None:
+        self._regions.write(name, offset, byte_size, data, what, self._caller)
