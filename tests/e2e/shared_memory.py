@@ -1,5 +1,6 @@
-"""What the system and CUDA shared-memory e2e tests share: a server of Triton's ``simple`` and
-``simple_string`` models, and the check that offsets outside a region are refused."""
+"""What the system and CUDA shared-memory e2e tests share: a server of Triton's ``simple``,
+``simple_string`` and ``simple_identity`` models, and the check that offsets outside a region are
+refused."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from tests.triton_models import FIXTURES
 
 def simple_repository(root: Path) -> Path:
     repo = root / "repo"
-    for name in ("simple", "simple_string"):
+    for name in ("simple", "simple_string", "simple_identity"):
         shutil.copytree(FIXTURES / name, repo / name)
     return repo
 

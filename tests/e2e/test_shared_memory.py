@@ -5,6 +5,8 @@ registration made through one is used through every connection."""
 
 from __future__ import annotations
 
+import os
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -198,3 +200,192 @@ def test_every_worker_sees_a_registration(tmp_path: Path, regions) -> None:
             client = triton_http.InferenceServerClient(address)
             assert [r["name"] for r in client.get_system_shared_memory_status()] == [f"out_{tag}"]
             client.close()
+
+
+def _identity_request(region: str, byte_size: int, out_region: str, shape: list[int]) -> dict:
+    """``simple_identity`` (BYTES in, the same BYTES out) with its input and output in regions."""
+    return {
+        "inputs": [
+            {
+                "name": "INPUT0",
+                "datatype": "BYTES",
+                "shape": shape,
+                "parameters": {
+                    "shared_memory_region": region,
+                    "shared_memory_byte_size": byte_size,
+                },
+            }
+        ],
+        "outputs": [
+            {
+                "name": "OUTPUT0",
+                "parameters": {
+                    "shared_memory_region": out_region,
+                    "shared_memory_byte_size": byte_size,
+                },
+            }
+        ],
+    }
+
+
+def test_an_object_shrunk_while_requests_copy_it_is_a_400_and_the_server_lives(
+    server: Server,
+) -> None:
+    """A client truncates its object while the server copies out of it: every answer is 200
+    or 400 (never a dead worker: SIGBUS), a request after it succeeds, and one reading or
+    writing a shrunk object is a 400 naming the region."""
+    tag = uuid.uuid4().hex[:8]
+    strings = np.array([[b"7" * 60_000] * 64], dtype=np.object_)
+    serialized = serialize_byte_tensor(strings)
+    size = serialized_byte_size(serialized)
+    key_in, key_out = f"/nograd_shrink_in_{tag}", f"/nograd_shrink_out_{tag}"
+    region_in = shm.create_shared_memory_region(f"shrink_in_{tag}", key_in, size)
+    region_out = shm.create_shared_memory_region(f"shrink_out_{tag}", key_out, size)
+    client = httpx.Client(base_url=server.url, timeout=60)
+    request = _identity_request(f"shrink_in_{tag}", size, f"shrink_out_{tag}", [1, 64])
+    fd = os.open(f"/dev/shm/{key_in.removeprefix('/')}", os.O_RDWR)
+    stop = threading.Event()
+
+    def shrink_and_grow() -> None:
+        while not stop.is_set():
+            os.ftruncate(fd, 4096)
+            os.ftruncate(fd, size)
+
+    try:
+        shm.set_shared_memory_region(region_in, [serialized])
+        for name, key in ((f"shrink_in_{tag}", key_in), (f"shrink_out_{tag}", key_out)):
+            body = {"key": key, "offset": 0, "byte_size": size}
+            registered = client.post(f"/v2/systemsharedmemory/region/{name}/register", json=body)
+            assert registered.status_code == 200, registered.text
+        truncating = threading.Thread(target=shrink_and_grow, daemon=True)
+        truncating.start()
+        try:
+            statuses = [
+                client.post("/v2/models/simple_identity/infer", json=request).status_code
+                for _ in range(12)
+            ]
+        finally:
+            stop.set()
+            truncating.join(timeout=10)
+        assert set(statuses) <= {200, 400}, statuses
+        assert server.process.poll() is None, "the server died copying a shrunk object"
+        os.ftruncate(fd, size)
+        shm.set_shared_memory_region(region_in, [serialized])
+        answer = client.post("/v2/models/simple_identity/infer", json=request)
+        assert answer.status_code == 200, answer.text
+        out = shm.get_contents_as_numpy(region_out, np.uint8, [size]).tobytes()
+        assert list(deserialize_bytes_tensor(out)) == list(strings.ravel())
+        # Shrunk, then read (the input) or written (the output): a 400 naming the region.
+        os.ftruncate(fd, 4096)
+        shrunk = client.post("/v2/models/simple_identity/infer", json=request)
+        assert shrunk.status_code == 400
+        assert f"shared memory region 'shrink_in_{tag}'" in shrunk.json()["error"]
+        assert "shrank below the registered size" in shrunk.json()["error"]
+        os.ftruncate(fd, size)
+        shm.set_shared_memory_region(region_in, [serialized])
+        out_fd = os.open(f"/dev/shm/{key_out.removeprefix('/')}", os.O_RDWR)
+        try:
+            os.ftruncate(out_fd, 4096)
+        finally:
+            os.close(out_fd)
+        unwritten = client.post("/v2/models/simple_identity/infer", json=request)
+        assert unwritten.status_code == 400
+        assert f"shared memory region 'shrink_out_{tag}'" in unwritten.json()["error"]
+        assert server.process.poll() is None
+    finally:
+        os.close(fd)
+        for name in (f"shrink_in_{tag}", f"shrink_out_{tag}"):
+            client.post(f"/v2/systemsharedmemory/region/{name}/unregister")
+        client.close()
+        shm.destroy_shared_memory_region(region_in)
+        shm.destroy_shared_memory_region(region_out)
+
+
+def _open_files(server: Server) -> int:
+    return len(os.listdir(f"/proc/{server.process.pid}/fd"))
+
+
+def test_registrations_past_the_cap_are_refused_and_hold_one_descriptor_each(
+    server: Server, regions
+) -> None:
+    """Registering past ``NOGRAD_MAX_SHARED_MEMORY_REGIONS`` (256 by default) is a clear 422
+    over HTTP and RESOURCE_EXHAUSTED over gRPC; each region holds one descriptor, and health
+    and new connections still answer."""
+    tag, _, _ = regions
+    key = f"/nograd_in_{tag}"
+    opened_before = _open_files(server)
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        try:
+            for index in range(256):
+                body = {"key": key, "offset": 0, "byte_size": SIZE}
+                answer = client.post(
+                    f"/v2/systemsharedmemory/region/cap_{index}_{tag}/register", json=body
+                )
+                assert answer.status_code == 200, answer.text
+            assert _open_files(server) - opened_before <= 256 + 8
+            past = client.post(
+                f"/v2/systemsharedmemory/region/cap_past_{tag}/register",
+                json={"key": key, "offset": 0, "byte_size": SIZE},
+            )
+            assert past.status_code == 422
+            assert "at most 256 shared memory regions" in past.json()["error"]
+            assert "NOGRAD_MAX_SHARED_MEMORY_REGIONS" in past.json()["error"]
+            assert server.grpc_address is not None
+            grpc_client = triton_grpc.InferenceServerClient(server.grpc_address)
+            with pytest.raises(InferenceServerException, match="at most 256") as refused:
+                grpc_client.register_system_shared_memory(f"cap_grpc_{tag}", key, SIZE)
+            assert refused.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
+            grpc_client.close()
+            # A fresh connection still gets its answer.
+            assert httpx.get(f"{server.url}/v2/health/ready", timeout=10).status_code == 200
+        finally:
+            client.post("/v2/systemsharedmemory/unregister")
+    assert _open_files(server) - opened_before <= 8
+
+
+def test_bytes_in_shared_memory_past_the_decoded_limit_are_refused_before_the_copy(
+    server: Server,
+) -> None:
+    """A BYTES input whose byte size passes ``NOGRAD_MAX_DECODED_BYTES`` (64 MiB by default) is
+    refused with 422 / RESOURCE_EXHAUSTED before a byte of it is copied."""
+    tag = uuid.uuid4().hex[:8]
+    size = 64 * 1024 * 1024 + 4096
+    key = f"/nograd_big_{tag}"
+    path = f"/dev/shm/{key.removeprefix('/')}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, size)  # sparse: the test's object costs no memory
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            body = {"key": key, "offset": 0, "byte_size": size}
+            registered = client.post(f"/v2/systemsharedmemory/region/big_{tag}/register", json=body)
+            assert registered.status_code == 200, registered.text
+            try:
+                parameters = {"shared_memory_region": f"big_{tag}", "shared_memory_byte_size": size}
+                request = {
+                    "inputs": [
+                        {
+                            "name": "INPUT0",
+                            "datatype": "BYTES",
+                            "shape": [1, 1],
+                            "parameters": parameters,
+                        }
+                    ]
+                }
+                answer = client.post("/v2/models/simple_identity/infer", json=request)
+                assert answer.status_code == 422, answer.text
+                assert "NOGRAD_MAX_DECODED_BYTES" in answer.json()["error"]
+                assert server.grpc_address is not None
+                grpc_client = triton_grpc.InferenceServerClient(server.grpc_address)
+                placed = triton_grpc.InferInput("INPUT0", [1, 1], "BYTES")
+                placed.set_shared_memory(f"big_{tag}", size)
+                with pytest.raises(
+                    InferenceServerException, match="NOGRAD_MAX_DECODED_BYTES"
+                ) as refused:
+                    grpc_client.infer("simple_identity", [placed])
+                assert refused.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
+                grpc_client.close()
+            finally:
+                client.post(f"/v2/systemsharedmemory/region/big_{tag}/unregister")
+    finally:
+        os.close(fd)
+        os.unlink(path)
