@@ -126,7 +126,10 @@ class InferenceService(DiagnosticsRpcs, SharedMemoryRpcs, StreamInferRpcs):
 
     async def ServerMetadata(self, request: Any, context: CallContext) -> pb.ServerMetadataResponse:
         async def metadata() -> pb.ServerMetadataResponse:
-            document = documents.server_metadata(self._plane.settings.server_name, EXTENSIONS)
+            settings = self._plane.settings
+            document = documents.server_metadata(
+                settings.server_name, EXTENSIONS, shared_memory=settings.shared_memory
+            )
             return _message(document, pb.ServerMetadataResponse())
 
         return await self._answer(context, metadata)

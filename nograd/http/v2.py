@@ -65,8 +65,11 @@ def json_response(document: Any, status: int = 200) -> Response:
 
 @router.get("", response_model=ServerMetadata, summary="Server metadata")
 async def server_metadata(request: Request) -> ServerMetadata:
-    name = dataplane_of(request).settings.server_name
-    return ServerMetadata.model_validate(documents.server_metadata(name, EXTENSIONS))
+    settings = dataplane_of(request).settings
+    document = documents.server_metadata(
+        settings.server_name, EXTENSIONS, shared_memory=settings.shared_memory
+    )
+    return ServerMetadata.model_validate(document)
 
 
 @router.get("/health/live", response_model=LiveResponse, summary="Liveness")

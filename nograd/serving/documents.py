@@ -26,8 +26,17 @@ EXTENSIONS: Final = (
 its status and unregister calls answer, registering is refused)."""
 
 
-def server_metadata(name: str, extensions: list[str]) -> dict[str, Any]:
-    """The server's metadata; ``name`` is ``NOGRAD_SERVER_NAME``."""
+SHARED_MEMORY_EXTENSIONS: Final = ("cuda_shared_memory", "system_shared_memory")
+"""The extensions ``NOGRAD_SHARED_MEMORY=off`` turns off."""
+
+
+def server_metadata(
+    name: str, extensions: list[str], *, shared_memory: bool = True
+) -> dict[str, Any]:
+    """The server's metadata; ``name`` is ``NOGRAD_SERVER_NAME``; without ``shared_memory``
+    (``NOGRAD_SHARED_MEMORY``) its extensions are not listed."""
+    if not shared_memory:
+        extensions = [e for e in extensions if e not in SHARED_MEMORY_EXTENSIONS]
     return {"name": name, "version": __version__, "extensions": extensions}
 
 
