@@ -55,6 +55,11 @@ def shm_object() -> Iterator[tuple[str, Path]]:
         path.unlink(missing_ok=True)
 
 
+def _output_bytes(path: Path) -> bytes:
+    """What the object holds after the input: where the outputs are written."""
+    return path.read_bytes()[8:]
+
+
 def _request(region: str) -> dict[str, Any]:
     placed = {"shared_memory_region": region, "shared_memory_byte_size": 8}
     output = {"shared_memory_region": region, "shared_memory_offset": 8}
@@ -83,7 +88,7 @@ async def test_a_region_is_its_callers_own(tmp_path: Path, shm_object: tuple[str
         used = await client.post("/v2/models/poison/infer", json=_request("r"), headers=BOB)
         assert used.status_code == 404, used.text
         assert used.json()["error"] == "Unable to find shared memory region: 'r'"
-        assert path.read_bytes()[8:] == bytes(8)  # nothing written through Bob's request
+        assert _output_bytes(path) == bytes(8)  # nothing written through Bob's request
         for route in ("region/r/unregister", "unregister"):
             gone = await client.post(f"/v2/systemsharedmemory/{route}", headers=BOB)
             assert gone.status_code == 200
@@ -96,7 +101,7 @@ async def test_a_region_is_its_callers_own(tmp_path: Path, shm_object: tuple[str
         # Alice's inference uses her region: her output is written after her input.
         served = await client.post("/v2/models/poison/infer", json=_request("r"), headers=ALICE)
         assert served.status_code == 200, served.text
-        np.testing.assert_array_equal(np.frombuffer(path.read_bytes()[8:], np.float32), X[0] * 2)
+        np.testing.assert_array_equal(np.frombuffer(_output_bytes(path), np.float32), X[0] * 2)
         await client.post("/v2/systemsharedmemory/unregister", headers=ALICE)
         assert (await client.get("/v2/systemsharedmemory/status", headers=ALICE)).json() == []
         assert len((await client.get("/v2/systemsharedmemory/status", headers=BOB)).json()) == 1
