@@ -18,9 +18,15 @@ from nograd.core.errors import DecodeError
 from nograd.host.cuda_ipc import IPC_HANDLE_SIZE
 from nograd.protocol import shared_memory as shm
 from nograd.serving.cuda_shared_memory import decode_handle
-from nograd.serving.errors import AlreadyExists, InvalidInput, LoadFailed, RegionNotFound
+from nograd.serving.errors import (
+    AlreadyExists,
+    InvalidInput,
+    LimitExceeded,
+    LoadFailed,
+    RegionNotFound,
+)
 from nograd.serving.peers import Peers
-from nograd.serving.shared_memory import SharedMemory
+from nograd.serving.shared_memory import SharedMemory, SharedMemoryLimits
 from tests.unit.fake_cuda import FakeDevice, no_gpu
 
 HANDLE = b"h" * IPC_HANDLE_SIZE
@@ -171,6 +177,44 @@ async def test_every_worker_opens_a_registration_itself(device, tmp_path: Path) 
             await with_gpu.register_cuda("d", HANDLE, 0, ROWS.nbytes)
         assert with_gpu.status(None, "cuda") == [] and not device.opened
         assert without.status(None, "cuda") == []
+    finally:
+        for peers in workers:
+            await peers.stop()
+
+
+async def test_cuda_regions_are_capped_and_their_callers_own(device, tmp_path: Path) -> None:
+    """The cap counts both kinds and every caller; a caller sees and unregisters its own, in
+    every worker (the caller travels with the registration and the shared state)."""
+    device.allocate(HANDLE, 64)
+
+    async def ignore(call: dict[str, object]) -> str | None:
+        return None
+
+    workers = [Peers(tmp_path, ignore) for _ in range(2)]
+    for number, peers in enumerate(workers):
+        peers._path = peers.directory / f"{number}.sock"
+        await peers.start()
+    limits = SharedMemoryLimits(max_regions=2)
+    try:
+        first, second = (SharedMemory(p, lambda: device, limits) for p in workers)
+        await first.register_cuda("c", HANDLE, 0, 64, caller="alice")
+        await first.register_cuda("c", HANDLE, 0, 32, caller="bob")  # a name per caller
+        with pytest.raises(LimitExceeded, match="at most 2 shared memory regions"):
+            await first.register_cuda("d", HANDLE, 0, 64, caller="carol")
+        assert len(device.opened) == 4  # two regions, each opened by both workers
+        assert second.status("c", "cuda", "bob")[0]["byte_size"] == 32
+        assert second.status(None, "cuda", "carol") == []
+        with pytest.raises(RegionNotFound):
+            second.read("c", 0, 4, caller="carol")
+        later = SharedMemory(Peers(tmp_path, ignore), lambda: device, limits)
+        later.restore()
+        assert later.status("c", "cuda", "alice")[0]["byte_size"] == 64
+        later.close()
+        await second.unregister(None, "cuda", caller="bob")
+        assert first.status(None, "cuda", "bob") == []
+        assert first.status("c", "cuda", "alice")[0]["byte_size"] == 64
+        await first.unregister(None, "cuda", caller="alice")
+        assert not device.opened
     finally:
         for peers in workers:
             await peers.stop()
