@@ -150,18 +150,23 @@ async def read_inputs(
 ) -> dict[str, np.ndarray]:
     """``decode_inputs`` with its checks on the event loop (a refusal costs no thread hand-off)
     and the values read in a thread when they are large, as HTTP decodes a large body: a
-    model with variable dimensions may take millions of BYTES elements, each parsed in Python."""
+    model with variable dimensions may take millions of BYTES elements, each parsed in Python,
+    and a copy out of shared memory is as large as its byte size. BYTES in shared memory are
+    held within the request's limits first (``Regions.hold``)."""
     declared = check_inputs(request, check)
-    if _payload_bytes(request, declared) > OFFLOAD_DECODE_BYTES:
+    placed, unsized = shm.placed_bytes((t.datatype, plain(t.parameters)) for t in request.inputs)
+    if unsized and regions is not None:
+        regions.hold(unsized)  # BYTES in shared memory: within the request's limits, first
+    if _payload_bytes(request, declared) + placed > OFFLOAD_DECODE_BYTES:
         return await asyncio.to_thread(_arrays, request, declared, regions)
     return _arrays(request, declared, regions)
 
 
 def _payload_bytes(request: pb.ModelInferRequest, declared: Declared) -> int:
-    """About how many bytes the tensors hold, from lengths alone (no value read), those in
-    shared memory by their placements' byte sizes (a copy)."""
+    """About how many bytes the tensors carried in the message hold, from lengths alone (no
+    value read)."""
     raw = request.raw_input_contents
-    total = shm.placed_bytes(plain(t.parameters) for t in request.inputs)
+    total = 0
     if raw:
         return total + sum(len(chunk) for chunk in raw)
     for (datatype, _), tensor in zip(declared.values(), request.inputs, strict=True):

@@ -189,20 +189,24 @@ async def _decode(
     await resident(document)
     given_id = document.get("id") if isinstance(document, dict) else None
     check_for(given_id if isinstance(given_id, str) else None)(declared_inputs(document))
+    placed, unsized = shm.placed_bytes(_placed_inputs(document))
+    if unsized:
+        regions.hold(unsized)
     # Milliseconds of CPU, or a large copy out of shared memory: off the event loop.
-    if len(body) + shm.placed_bytes(_input_parameters(document)) > OFFLOAD_DECODE_BYTES:
+    if len(body) + placed > OFFLOAD_DECODE_BYTES:
         return await run_in_threadpool(decode_document, document, data, regions)
     return decode_document(document, data, regions)
 
 
-def _input_parameters(document: Any) -> list[Mapping[str, Any]]:
-    """The parameters of each input of a request document, as sent (no check: decoding checks
-    them)."""
+def _placed_inputs(document: Any) -> list[tuple[Any, Mapping[str, Any]]]:
+    """Each input of a request document with parameters, as (datatype, parameters) as sent (no
+    check: decoding checks them)."""
     inputs = document.get("inputs") if isinstance(document, dict) else None
     if not isinstance(inputs, list):
         return []
-    each = (item.get("parameters") if isinstance(item, dict) else None for item in inputs)
-    return [parameters for parameters in each if isinstance(parameters, dict)]
+    tensors = [item for item in inputs if isinstance(item, dict)]
+    each = ((tensor.get("datatype"), tensor.get("parameters")) for tensor in tensors)
+    return [(datatype, parameters) for datatype, parameters in each if isinstance(parameters, dict)]
 
 
 def _timeout_s(parameters: Mapping[str, Any]) -> float | None:

@@ -29,9 +29,10 @@ BYTE_SIZE: Final = "shared_memory_byte_size"
 class Regions(Protocol):
     """The regions one call may use (``nograd.serving.shared_memory.CallerRegions``)."""
 
-    def hold(self, byte_size: int, what: str) -> None:
-        """Take ``byte_size`` bytes about to be copied out that no declared size counted, or
-        refuse (past the request's decoded-size limit, or the process's byte budget)."""
+    def hold(self, byte_size: int) -> None:
+        """Take ``byte_size`` bytes of BYTES inputs about to be copied out (no declared shape
+        sizes them), or refuse: past the request's decoded-size limit, or the process's byte
+        budget. Fronts call it on the event loop, before any copy (``placed_bytes``)."""
 
     def read(self, name: str, offset: int, byte_size: int) -> bytearray: ...
 
@@ -83,7 +84,7 @@ def read_input(
 ) -> np.ndarray:
     """An input's tensor copied out of its region: a fixed-size datatype's byte size must be
     exactly what its shape needs (checked before a byte is read), BYTES must hold its elements
-    and is held within the request's limits (``Regions.hold``) before a byte is read."""
+    (its byte size was held by the front: ``placed_bytes``)."""
     if regions is None:
         raise DecodeError(f"input '{name}': shared memory is not served on this route")
     if datatype != "BYTES":
@@ -93,8 +94,6 @@ def read_input(
                 f"input byte size mismatch for input '{name}'. Expected {expected}, "
                 f"got {place.byte_size}"
             )
-    else:  # its elements' count is declared, not their length: the copy is bounded here
-        regions.hold(place.byte_size, name)
     data = regions.read(place.region, place.offset, place.byte_size)
     try:
         return binary.decode_tensor(memoryview(data), datatype, shape, f"input '{name}'")
@@ -102,16 +101,18 @@ def read_input(
         raise DecodeError(str(exc)) from exc
 
 
-def placed_bytes(parameters: Iterable[Mapping[str, Any]]) -> int:
-    """Bytes the tensors with these ``parameters`` (plain values) place in shared memory, read
-    from the parameters alone (a malformed one counts nothing: decoding refuses it): a front
-    copies large ones off the event loop."""
-    total = 0
-    for each in parameters:
-        size = each.get(BYTE_SIZE) if each.get(REGION) is not None else None
+def placed_bytes(tensors: Iterable[tuple[Any, Mapping[str, Any]]]) -> tuple[int, int]:
+    """Bytes the tensors given as (datatype, parameters as plain values) place in shared memory:
+    in all, and those of BYTES tensors, which their shapes do not size. Read from the
+    parameters alone (a malformed one counts nothing: decoding refuses it), so a front holds
+    them (``Regions.hold``) and moves a large copy off the event loop before a byte is read."""
+    total = unsized = 0
+    for datatype, parameters in tensors:
+        size = parameters.get(BYTE_SIZE) if parameters.get(REGION) is not None else None
         if isinstance(size, int) and not isinstance(size, bool) and size > 0:
             total += size
-    return total
+            unsized += size if datatype == "BYTES" else 0
+    return total, unsized
 
 
 def write_output(regions: Regions | None, place: Placement, name: str, array: np.ndarray) -> None:

@@ -159,14 +159,14 @@ class Calls:
         limit = self.plane.settings.max_decoded_bytes
         copied = 0
 
-        def hold(byte_size: int, what: str) -> None:
+        def hold(byte_size: int) -> None:
             nonlocal copied
             if copied + byte_size > limit:
                 self.metrics.rejected.labels(call.model, "too_large").inc()
                 raise DecodedTooLarge(
-                    f"input '{what}': the request's BYTES in shared memory would take "
-                    f"{copied + byte_size} bytes, more than the limit of {limit} bytes per "
-                    "request (NOGRAD_MAX_DECODED_BYTES)"
+                    f"the request's BYTES inputs in shared memory would take {copied + byte_size} "
+                    f"bytes copied out, more than the limit of {limit} bytes per request "
+                    "(NOGRAD_MAX_DECODED_BYTES)"
                 )
             self.hold_bytes(call, byte_size)
             copied += byte_size

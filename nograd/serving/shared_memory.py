@@ -448,22 +448,22 @@ class SharedMemory:
             )
         self._within(caller, name, offset, byte_size).write(offset, data)
 
-    def of_caller(self, caller: str, hold: Callable[[int, str], None]) -> CallerRegions:
+    def of_caller(self, caller: str, hold: Callable[[int], None]) -> CallerRegions:
         """One call's view of its caller's regions (``nograd.protocol.shared_memory.Regions``)."""
         return CallerRegions(self, caller, hold)
 
 
 class CallerRegions:
-    """The regions one call may use: its caller's only; the bytes it copies out that no declared
-    size counted (a BYTES input's elements) are drawn first by ``hold``, which refuses past the
-    request's limits."""
+    """The regions one call may use: its caller's only; the bytes of its BYTES inputs, which no
+    declared shape sizes, are drawn first by ``hold``, which refuses past the request's
+    limits."""
 
-    def __init__(self, regions: SharedMemory, caller: str, hold: Callable[[int, str], None]):
+    def __init__(self, regions: SharedMemory, caller: str, hold: Callable[[int], None]):
         self._regions, self._caller, self._hold = regions, caller, hold
 
-    def hold(self, byte_size: int, what: str) -> None:
+    def hold(self, byte_size: int) -> None:
         self._regions.check_served()
-        self._hold(byte_size, what)
+        self._hold(byte_size)
 
     def read(self, name: str, offset: int, byte_size: int) -> bytearray:
         return self._regions.read(name, offset, byte_size, self._caller)
