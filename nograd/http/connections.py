@@ -303,7 +303,8 @@ def guarded_protocol(guard: ConnectionGuard) -> type[GuardedProtocol]:
 
 def fit_file_limit(max_connections: int) -> None:
     """Raise this process's soft open-file limit (up to its hard limit) so ``max_connections``
-    is reached before accepting fails for want of file descriptors; warn if it cannot be."""
+    (and whatever else the caller adds: shared-memory regions) is reached before accepting fails
+    for want of file descriptors; warn if it cannot be."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     wanted = max_connections + FILE_HEADROOM
     if soft == resource.RLIM_INFINITY or soft >= wanted:
