@@ -186,6 +186,62 @@ def test_function_handler_and_prediction_exception(server: Server) -> None:
     }
 
 
+def _input(kind: str, content_type: str) -> dict[str, object]:
+    """What ``headers.mar`` answers for one input: its type, and the headers
+    ``context.get_request_header(i, name)`` gives for it."""
+    return {"type": kind, "headers": {"content-type": content_type}}
+
+
+def test_each_input_has_its_own_headers(server: Server) -> None:
+    """``context.get_request_header(i, name)`` answers ``{"content-type": ...}`` for each input,
+    as TorchServe's worker builds it (``ts/service.py``) from its frontend's inputs
+    (``InferenceRequestHandler.parseRequest``): a raw body the media type of the request's
+    Content-Type, a file part its own, a plain form field and a query parameter none (their
+    values then arrive as bytes)."""
+    url = f"{server.url}/predictions/headers"
+    calls = [
+        (
+            httpx.put(f"{url}?k=v", content=DIGITS["0"], headers={"Content-Type": "image/png"}),
+            {"body": _input("bytearray", "image/png"), "k": _input("bytearray", "")},
+        ),
+        (
+            httpx.post(
+                url,
+                content=b'{"a": 1}',
+                headers={"Content-Type": "application/json; charset=utf-8"},
+            ),
+            {"body": _input("dict", "application/json")},
+        ),
+        (
+            httpx.post(url, content=b"words", headers={"Content-Type": "text/plain"}),
+            {"body": _input("str", "text/plain")},
+        ),
+        (httpx.post(url, content=b"raw"), {"body": _input("bytearray", "")}),
+        (
+            httpx.post(url, files={"data": ("1.png", DIGITS["1"], "image/png")}, data={"n": "x"}),
+            {"data": _input("bytearray", "image/png"), "n": _input("bytearray", "")},
+        ),
+        (httpx.post(url, data={"a": "1"}), {"a": _input("bytearray", "")}),
+    ]
+    for answer, expected in calls:
+        assert (answer.status_code, answer.json()) == (200, expected)
+
+
+def test_a_handler_failure_is_an_internal_server_exception(server: Server) -> None:
+    """A handler that raises answers as TorchServe's frontend sends a worker's failure
+    (``RestJob.sendError``): type ``InternalServerException`` whatever the status, 503
+    ``Prediction failed`` for any exception but ``PredictionException``, whose 413 goes out as
+    507."""
+    not_an_image = httpx.put(f"{server.url}/predictions/mnist", content=b"not an image")
+    assert _status(not_an_image) == _ts_error(503, "InternalServerException", "Prediction failed")
+    url = f"{server.url}/predictions/headers"
+    for status, sent in ((400, 400), (413, 507), (503, 503)):
+        refused = httpx.post(f"{url}?status={status}", content=b"x")
+        assert _status(refused) == _ts_error(
+            sent, "InternalServerException", f"refused with {status}"
+        )
+
+
 def _send_at_once(url: str, method: str, path: str, bodies: list[bytes]) -> list[httpx.Response]:
     """Every body sent to ``path`` at the same time, each on a request of its own."""
 
@@ -315,21 +371,27 @@ def test_register_scale_unregister_on_every_worker(managed: Server) -> None:
     url = managed.url
     assert httpx.post(f"{url}/models?url=scale.mar").status_code == 401
     registered = httpx.post(
-        f"{url}/models?url=scale.mar&initial_workers=1&synchronous=true", headers=AUTH, timeout=60
+        f"{url}/models?url=scale.mar&initial_workers=2&synchronous=true", headers=AUTH, timeout=60
     )
     assert _status(registered) == (
         200,
-        {"status": 'Model "scale" Version: 2.1 registered with 1 initial workers'},
+        {"status": 'Model "scale" Version: 2.1 registered with 2 initial workers'},
     )
     assert _answers_on_fresh_connections(url, "/predictions/scale") == [200] * 6
     again = httpx.post(f"{url}/models?url=scale.mar", headers=AUTH)
     assert _status(again) == _ts_error(
         409, "ConflictStatusException", "Model version 2.1 is already registered for model scale"
     )
+    assert _described_workers(url, "scale") == {(2, 2)}
     scaled = httpx.put(f"{url}/models/scale?min_worker=3&synchronous=true", headers=AUTH)
     assert _status(scaled) == (200, {"status": "Workers scaled to 3 for model: scale"})
+    assert _described_workers(url, "scale") == {(3, 3)}
     later = httpx.put(f"{url}/models/scale/2.1?min_worker=2", headers=AUTH)
     assert _status(later) == (202, {"status": "Processing worker updates..."})
+    assert _described_workers(url, "scale") == {(2, 2)}
+    wider = httpx.put(f"{url}/models/scale?min_worker=1&max_worker=4", headers=AUTH)
+    assert wider.status_code == 202
+    assert _described_workers(url, "scale") == {(1, 4)}
     wrong = httpx.delete(f"{url}/models/scale/9.9", headers=AUTH)
     assert _status(wrong) == _ts_error(
         404, "ModelVersionNotFoundException", "Model version: 9.9 does not exist for model: scale"
@@ -347,7 +409,20 @@ def test_register_scale_unregister_on_every_worker(managed: Server) -> None:
     loaded = httpx.post(f"{url}/v2/repository/models/scale/load", headers=AUTH, timeout=60)
     assert loaded.status_code == 200, loaded.text
     assert _answers_on_fresh_connections(url, "/predictions/scale", 4) == [200] * 4
+    # Unregistering forgot the workers asked for: the archive's own (none: 1) are reported.
+    assert _described_workers(url, "scale") == {(1, 1)}
     assert httpx.delete(f"{url}/models/scale", headers=AUTH, timeout=60).status_code == 200
+
+
+def _described_workers(url: str, model: str, count: int = 6) -> set[tuple[int, int]]:
+    """``(minWorkers, maxWorkers)`` as ``GET /models/{m}`` reports them, asked ``count`` times,
+    each on its own connection (so every worker answers some)."""
+    described = []
+    for _ in range(count):
+        answer = httpx.get(f"{url}/models/{model}", headers=AUTH)
+        assert answer.status_code == 200, answer.text
+        described.append((answer.json()[0]["minWorkers"], answer.json()[0]["maxWorkers"]))
+    return set(described)
 
 
 def test_register_answers_at_once_when_not_synchronous(managed: Server) -> None:
@@ -380,10 +455,11 @@ def test_register_answers_at_once_when_not_synchronous(managed: Server) -> None:
 def test_register_refuses_a_url_outside_the_repository(
     managed: Server, query: str, code: int, message: str
 ) -> None:
+    """TorchServe's status and body exactly (``ModelArchive.downloadModel``); why nograd
+    refuses a file goes to its log."""
     refused = httpx.post(f"{managed.url}/models?{query}", headers=AUTH)
-    assert refused.status_code == code
-    assert refused.json()["message"].startswith(message)
-    assert refused.json()["code"] == code
+    kind = "BadRequestException" if code == 400 else "ModelNotFoundException"
+    assert _status(refused) == _ts_error(code, kind, message)
 
 
 def _until(predicate: Callable[[], bool], timeout_s: float = 30.0) -> None:
