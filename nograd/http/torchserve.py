@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 from typing import Any, Final
-from urllib.parse import parse_qsl
 
 import numpy as np
 from fastapi import APIRouter, Request, Response
@@ -79,7 +78,8 @@ def _version_missing(model: ServedModel, name: str, version: str | None) -> Repl
 async def predictions_call(
     incoming: Incoming, calls: Calls, name: str, version: str | None
 ) -> Reply:
-    """One TorchServe prediction: the body (raw, JSON, text or a form) as the handler's dict."""
+    """One TorchServe prediction: the body (raw, JSON, text or a form) as the handler's dict;
+    the query string is not read, as TorchServe's ``/predictions`` does not."""
 
     async def work(call: Call) -> Reply:
         call.model = calls.label(name)
@@ -95,7 +95,7 @@ async def predictions_call(
             return _error(400, f"Model {name} is not a TorchServe archive; use /v2/models/{name}")
         body = await incoming.body()
         inputs = np.empty(1, dtype=np.object_)
-        inputs[0] = handler_request(body, incoming.headers, _query(incoming))
+        inputs[0] = handler_request(body, incoming.headers)
         _, outputs = await calls.infer(call, name, None, {RAW_FIELD: inputs}, handler_answers=True)
         answer: HandlerAnswer = outputs["answer"][0]
         if answer.failed:
@@ -111,11 +111,6 @@ def _handler_failure(answer: HandlerAnswer) -> Reply:
     status = 507 if answer.status == 413 else answer.status
     message = answer.body.decode("utf-8", "replace")
     return Reply(status, ts_error_body(status, "InternalServerException", message))
-
-
-def _query(incoming: Incoming) -> list[tuple[str, str]]:
-    raw: bytes = incoming.scope.get("query_string", b"")
-    return parse_qsl(raw.decode("latin-1"), keep_blank_values=True)
 
 
 async def _routed(request: Request, name: str, version: str | None) -> Response:

@@ -1,24 +1,24 @@
-"""TorchServe's wire format, as its handlers and clients see it: a request's inputs (its raw body,
-or each field of a form, and its query parameters) decoded by their content types into the dict
-a handler reads, with the headers ``context.get_request_header`` answers; and TorchServe's JSON
-error body (answers are encoded in ``nograd.core.handler_messages``).
+"""TorchServe's wire format, as its handlers and clients see it: a prediction's inputs (its raw
+body, or each field of a form) decoded by their content types into the dict a handler reads, with
+the headers ``context.get_request_header`` answers; and TorchServe's JSON error body (answers are
+encoded in ``nograd.core.handler_messages``).
 
-TorchServe's frontend (``InferenceRequestHandler.parseRequest``) makes each request a list of
-inputs, each with a content type: a query parameter none, the raw body the media type of its
-``Content-Type`` (parameters cut off), a plain form field none, a file part of a multipart form
-its own (``application/octet-stream`` when it gives none). Its worker
-(``ts/protocol/otf_message_handler.py``, ``ts/service.py``) hands the handler one dict per
-request, an input's value parsed by that content type, and headers where each input's name maps
-to ``{"content-type": ...}`` and each request header to its value.
+TorchServe's frontend (``InferenceRequestHandler.parseRequest``) makes each prediction a list of
+inputs, each with a content type: the raw body the media type of its ``Content-Type``
+(parameters cut off), a plain form field none, a file part of a multipart form its own
+(``application/octet-stream`` when it gives none); a prediction's query parameters are not
+inputs. Its worker (``ts/protocol/otf_message_handler.py``, ``ts/service.py``) hands the
+handler one dict per request, an input's value parsed by that content type, and headers where
+each input's name maps to ``{"content-type": ...}`` and each request header to its value.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
 from email.message import Message
 from email.parser import BytesParser
 from email.policy import HTTP
+from typing import Final
 from urllib.parse import parse_qsl
 
 from nograd.core.errors import DecodeError
@@ -27,20 +27,22 @@ from nograd.core.handler_messages import RAW_FIELD, HandlerRequest, decode_value
 FILE_TYPE = "application/octet-stream"
 """The content type Netty gives a multipart file part that names none."""
 
+PREDICTION_HEADERS: Final = {"url_path": "", "explain": "False"}
+"""The headers TorchServe's frontend adds to every ``/predictions`` request
+(``InferenceRequestHandler.handlePredictions``), over any the client sent."""
+
 Input = tuple[str, bytes | bytearray, str]
 """One input of a request as TorchServe's frontend passes it: name, bytes, content type."""
 
 
-def handler_request(
-    body: bytes | bytearray, headers: dict[str, str], query: Iterable[tuple[str, str]]
-) -> HandlerRequest:
-    """One request as TorchServe's handler receives it: the query parameters, then each field
-    of a form (multipart or URL-encoded) by name, else the raw body as ``body``; each input's
-    headers under its name, then the request's headers. A form that cannot be parsed is a
+def handler_request(body: bytes | bytearray, headers: dict[str, str]) -> HandlerRequest:
+    """One prediction as TorchServe's handler receives it: each field of a form (multipart or
+    URL-encoded) by name, else the raw body as ``body``; each input's headers under its name,
+    then the request's headers with ``PREDICTION_HEADERS``. A form that cannot be parsed is a
     ``DecodeError``."""
     content_type = headers.get("content-type", "")
     media = content_type.split(";", 1)[0]
-    inputs: list[Input] = [(key, value.encode("utf-8"), "") for key, value in query]
+    inputs: list[Input] = []
     if media.strip().lower() == "multipart/form-data":
         inputs += _form_fields(body, content_type)
     elif media.strip().lower() == "application/x-www-form-urlencoded":
@@ -55,6 +57,7 @@ def handler_request(
         data[name] = decode_value(raw, kind)
         input_headers[name] = {"content-type": kind}
     input_headers.update(headers)
+    input_headers.update(PREDICTION_HEADERS)
     return HandlerRequest(data, input_headers)
 
 

@@ -22,24 +22,24 @@ def test_a_file_part_without_a_type_is_octet_stream_and_a_field_has_none() -> No
         'Content-Type: application/json; charset=utf-8\r\n\r\n{"a": 1}',
         'Content-Disposition: form-data; name="t"\r\nContent-Type: text/plain\r\n\r\nhi',
     )
-    request = handler_request(body, {"content-type": FORM}, [])
+    request = handler_request(body, {"content-type": FORM})
     assert request.data == {"f": bytearray(b'{"a": 1}'), "j": {"a": 1}, "t": bytearray(b"hi")}
     assert request.headers == {
         "f": {"content-type": "application/octet-stream"},
         "j": {"content-type": "application/json"},
         "t": {"content-type": ""},
         "content-type": FORM,
+        "url_path": "",
+        "explain": "False",
     }
 
 
-def test_urlencoded_fields_and_query_parameters_are_bytes() -> None:
+def test_urlencoded_fields_are_bytes() -> None:
     request = handler_request(
-        b"a=%C3%A9+x&b=",
-        {"content-type": "application/x-www-form-urlencoded", "x-trace": "1"},
-        [("q", "é")],
+        b"a=%C3%A9+x&b=", {"content-type": "application/x-www-form-urlencoded", "x-trace": "1"}
     )
-    assert request.data == {"q": bytearray("é".encode()), "a": bytearray("é x".encode()), "b": b""}
-    assert request.headers["a"] == request.headers["q"] == {"content-type": ""}
+    assert request.data == {"a": bytearray("é x".encode()), "b": b""}
+    assert request.headers["a"] == request.headers["b"] == {"content-type": ""}
     assert request.headers["x-trace"] == "1"
 
 
@@ -54,16 +54,17 @@ def test_urlencoded_fields_and_query_parameters_are_bytes() -> None:
 )
 def test_a_raw_body_is_decoded_by_its_media_type_exactly(content_type: str, value: object) -> None:
     headers = {"content-type": content_type} if content_type else {}
-    request = handler_request(b'{"a": 1}', headers, [])
+    request = handler_request(b'{"a": 1}', headers)
     assert request.data == {"body": value}
     assert request.headers["body"] == {"content-type": content_type.split(";")[0]}
 
 
-def test_a_request_header_named_as_an_input_wins_as_in_torchserve() -> None:
-    request = handler_request(b"x", {"body": "sent"}, [])
+def test_request_headers_win_over_inputs_and_the_frontends_over_the_clients() -> None:
+    request = handler_request(b"x", {"body": "sent", "explain": "True", "url_path": "p"})
     assert request.headers["body"] == "sent"
+    assert (request.headers["explain"], request.headers["url_path"]) == ("False", "")
 
 
 def test_a_form_without_parts_is_refused() -> None:
     with pytest.raises(DecodeError, match="no parts"):
-        handler_request(b"nothing", {"content-type": FORM}, [])
+        handler_request(b"nothing", {"content-type": FORM})
