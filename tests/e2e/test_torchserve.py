@@ -366,6 +366,17 @@ def test_register_scale_unregister_on_every_worker(managed: Server) -> None:
     # Unregistering forgot the workers asked for: the archive's own (none: 1) are reported.
     assert _described_workers(url, "scale") == {(1, 1)}
     assert httpx.delete(f"{url}/models/scale", headers=AUTH, timeout=60).status_code == 200
+    # No workers asked for: TorchServe registers the model without any (nograd loads it).
+    none = httpx.post(f"{url}/models?url=scale.mar&initial_workers=-1", headers=AUTH, timeout=60)
+    assert _status(none) == (
+        200,
+        {
+            "status": 'Model "scale" Version: 2.1 registered with 0 initial workers. '
+            "Use scale workers API to add workers for the model."
+        },
+    )
+    assert _described_workers(url, "scale") == {(0, 0)}
+    assert httpx.delete(f"{url}/models/scale", headers=AUTH, timeout=60).status_code == 200
 
 
 def _described_workers(url: str, model: str, count: int = 6) -> set[tuple[int, int]]:
