@@ -8,11 +8,12 @@ neither the answer's time nor its text says which key matched or how close a wro
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 from collections.abc import Iterable, Sequence
 from typing import Final
 
-from nograd.protocol.keys import bearer_key_matches
+from nograd.protocol.keys import bearer_key_matches, bearer_token
 from nograd.serving.errors import Forbidden, Unauthenticated
 from nograd.settings import Settings
 
@@ -56,6 +57,14 @@ class Access:
         if group is not None and group in self.operator_groups:
             return bool(self._any)
         return self._api_keys_set
+
+    def caller(self, values: Sequence[str | bytes]) -> str:
+        """An opaque id of the key the call carries, the same in every worker and across
+        restarts, for keeping apart what each caller holds (its shared-memory regions); a hash,
+        so it says nothing of the key. Empty when no configured key came with the call."""
+        if not bearer_key_matches(values, self._any):
+            return ""
+        return hashlib.sha256(b"nograd-caller\0" + bearer_token(values)).hexdigest()[:16]
 
     def check(self, values: Sequence[str | bytes], protocol: str, group: str | None) -> None:
         """Check the call's ``authorization`` values for a route of ``group``: no valid key

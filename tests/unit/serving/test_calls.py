@@ -96,6 +96,15 @@ def test_without_operator_keys_the_operator_groups_are_refused_to_every_key() ->
     Access(("infer-key",), (), ()).check(["Bearer infer-key"], "grpc", MODEL_REPOSITORY)
 
 
+def test_a_caller_is_an_opaque_id_of_its_key() -> None:
+    access = Access(("infer-key",), ("operator-key",), (MODEL_REPOSITORY,))
+    one, other = access.caller(["Bearer infer-key"]), access.caller(["Bearer operator-key"])
+    assert len(one) == 16 and one != other and "infer" not in one
+    # The same in every worker: it depends on the key alone.
+    assert Access(("infer-key",)).caller([b"bearer infer-key"]) == one
+    assert access.caller(["Bearer wrong"]) == access.caller([]) == ""
+
+
 def test_admission_refuses_past_the_bound_and_counts_the_reason() -> None:
     calls = calls_with(max_requests_in_flight=2)
     calls.admit(None)
