@@ -69,6 +69,17 @@ _CREDENTIAL_FIELD: Final = re.compile(
 """A header or field that carries a credential, and its value (quoted, a bytes repr, JSON)."""
 _BEARER: Final = re.compile(r"(?i)\b(bearer|basic)(\s+)[A-Za-z0-9._~+/=:\-]+")
 """A credential after its scheme, wherever it appears."""
+_CREDENTIAL_WORDS: Final = (
+    "authorization",
+    "api-key",
+    "api_key",
+    "apikey",
+    "cookie",
+    "bearer",
+    "basic",
+)
+"""What a line must hold, any case, for the patterns above to be worth running: most lines hold
+none, and a substring test costs a fraction of a pattern's search."""
 SHORTEST_REDACTED_KEY: Final = 4
 """Configured keys shorter than this are not searched for in every line (they would match
 ordinary words); the header and scheme patterns still catch them where they are sent."""
@@ -145,6 +156,9 @@ def redact(line: str, keys: Iterable[str] = ()) -> str:
     for key in keys:
         if key in line:
             line = line.replace(key, REDACTED)
+    lowered = line.lower()
+    if not any(word in lowered for word in _CREDENTIAL_WORDS):
+        return line
     line = _CREDENTIAL_FIELD.sub(lambda found: f"{found[1]}{found[2]}{REDACTED}", line)
     return _BEARER.sub(lambda found: f"{found[1]}{found[2]}{REDACTED}", line)
 
