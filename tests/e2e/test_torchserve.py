@@ -75,6 +75,7 @@ def managed(store: Path) -> Iterator[Server]:
         "NOGRAD_MODEL_CONTROL": "explicit",
         "NOGRAD_WORKERS": "2",
         "NOGRAD_API_KEYS": KEY,
+        "NOGRAD_OPERATOR_API_KEYS": KEY,
     }
     with run_server(store, env) as running:
         yield running
