@@ -12,6 +12,7 @@ from nograd.core.engines import built_engines
 from nograd.host.heap import use_one_arena
 from nograd.host.openmp import SPIN_COUNT, tune_openmp_wait
 from nograd.observability.logs import setup_logging
+from nograd.serving.access import exposure_warnings
 from nograd.settings import Settings
 from nograd.supervisor.plan import resolve_workers
 from nograd.supervisor.supervisor import supervise
@@ -27,8 +28,12 @@ def main(argv: list[str] | None = None) -> None:
     # Before any thread allocates: the memory plan measures batches in the resident set.
     use_one_arena()
     settings = Settings(_cli_parse_args=argv if argv is not None else True, _cli_prog_name="nograd")
-    setup_logging(settings.log_level, settings.log_format)
-    for warning in settings.exposure_warnings:
+    setup_logging(
+        settings.log_level,
+        settings.log_format,
+        keys=settings.api_key_list + settings.operator_key_list,
+    )
+    for warning in exposure_warnings(settings):
         logging.getLogger("nograd").warning("%s", warning)
     settings, planned = resolve_workers(settings)
     if settings.worker_count > 1:

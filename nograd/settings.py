@@ -18,6 +18,9 @@ from nograd.core.engines import engine_choices
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 LogFormat = Literal["json", "text"]
 ModelControlMode = Literal["none", "explicit", "poll", "on_demand"]
+OPERATOR_API_GROUPS: tuple[str, ...] = ("model-repository", "shared-memory", "trace", "logging")
+"""The API groups that change the server, by Triton's names (``--http-restricted-api``); what
+each holds: ``nograd.serving.access``."""
 MESSAGE_FRAMING_BYTES = 1024 * 1024
 """Room above the largest request body for a gRPC message's own framing."""
 SIZE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
@@ -98,7 +101,8 @@ class Settings(BaseSettings):
     """With ``model_control = explicit``: load calls may carry the model's files (Triton's
     ``file:`` load parameters, with its config as ``config``), served in place of the
     repository's folder of that name until a load without files or an unload. Off by default:
-    an uploaded model is code the caller chose, so set ``api_keys`` with it."""
+    an uploaded model is code the caller chose: off loopback the server refuses to start with
+    it unless load calls need a key (``operator_api_keys``)."""
 
     repository_poll_s: float = Field(default=5.0, gt=0.0, le=3600.0)
     """With ``model_control = poll``: seconds between two looks at the repository."""
@@ -286,8 +290,17 @@ class Settings(BaseSettings):
     """On SIGTERM, how long accepted requests may take to finish before the process exits."""
 
     api_keys: SecretStr | None = None
-    """Comma-separated API keys; when set, inference, metadata and management routes need
-    ``Authorization: Bearer <key>``. Never logged."""
+    """Comma-separated API keys; when set, inference and metadata routes need ``Authorization:
+    Bearer <key>`` (or an operator key); not the operator groups' (``operator_apis``)."""
+
+    operator_api_keys: SecretStr | None = None
+    """Comma-separated operator keys: the only keys the operator API groups (``operator_apis``)
+    take, and accepted wherever an API key is. With API keys set and no operator key, the
+    operator groups are refused to every caller (403, PERMISSION_DENIED). Never logged."""
+
+    operator_apis: str = ",".join(OPERATOR_API_GROUPS)
+    """Comma-separated API groups that need an operator key (``OPERATOR_API_GROUPS``). Empty:
+    API keys open every group, as before operator keys existed."""
 
     auth_health: bool = False
     """Also require an API key on the health routes."""
@@ -317,6 +330,14 @@ class Settings(BaseSettings):
 
     trace_log_frequency: int = Field(default=0, ge=0, le=2**32 - 1)
     """Write the trace file every this many traces (``<trace_file>.<n>``); 0: when stopping."""
+
+    trace_file_max_bytes: ByteSize = Field(default=16 << 20, ge=4096)
+    """Most bytes of traces a trace file (and a worker's memory) holds: reached, they go to the
+    next indexed file whatever the log frequency; past as many unwritten, traces are dropped."""
+
+    trace_max_files: int = Field(default=16, ge=1, le=1_000_000)
+    """Most indexed trace files (``<trace_file>.<n>``) kept per worker; one more removes the
+    oldest, whatever log frequency a client sets."""
 
     otlp_endpoint: str = "http://localhost:4318/v1/traces"
     """The OTLP/HTTP collector's traces URL, for the ``opentelemetry`` trace mode."""
@@ -351,6 +372,15 @@ class Settings(BaseSettings):
         return tuple(k.strip() for k in self.api_keys.get_secret_value().split(",") if k.strip())
 
     @property
+    def operator_key_list(self) -> tuple[str, ...]:
+        value = self.operator_api_keys.get_secret_value() if self.operator_api_keys else ""
+        return tuple(k.strip() for k in value.split(",") if k.strip())
+
+    @property
+    def operator_api_groups(self) -> frozenset[str]:
+        return frozenset(g.strip() for g in self.operator_apis.split(",") if g.strip())
+
+    @property
     def metrics_keys(self) -> tuple[str, ...]:
         """The keys a scrape must carry, on /metrics and the metrics port: none unless
         ``auth_metrics``."""
@@ -368,23 +398,6 @@ class Settings(BaseSettings):
         ``torch_threads`` set, nor under on-demand residency, where an ONNX model would hold a
         session, weights included, per width a batch may get, and memory limits how many fit."""
         return self.share_cores and self.torch_threads is None and self.model_control != "on_demand"
-
-    @property
-    def exposure_warnings(self) -> tuple[str, ...]:
-        """What the start-up log must say about settings that leave the server open to anyone
-        who reaches its ports: easy to miss in a deployment, costly when missed."""
-        if self.model_control not in ("explicit", "on_demand") or self.api_key_list:
-            return ()
-        warnings: tuple[str, ...] = (
-            f"NOGRAD_MODEL_CONTROL={self.model_control} without NOGRAD_API_KEYS: anyone who "
-            "reaches the server's ports can load and unload models; set NOGRAD_API_KEYS",
-        )
-        if self.model_uploads and self.model_control == "explicit":
-            warnings += (
-                "NOGRAD_MODEL_UPLOADS without NOGRAD_API_KEYS: anyone who reaches the server's "
-                "ports can upload a model, and so run code of their choosing; set NOGRAD_API_KEYS",
-            )
-        return warnings
 
     @property
     def engine_cache_dir(self) -> Path:
@@ -418,6 +431,15 @@ class Settings(BaseSettings):
         if self.port == 0 and self.grpc_port == 0:
             raise ValueError("port and grpc_port are both 0: turn on HTTP or gRPC (or both)")
         return self
+
+    @field_validator("operator_apis")
+    @classmethod
+    def _operator_apis_known(cls, value: str) -> str:
+        for group in (g.strip() for g in value.split(",") if g.strip()):
+            if group not in OPERATOR_API_GROUPS:
+                known = ", ".join(OPERATOR_API_GROUPS)
+                raise ValueError(f"unknown API group {group[:64]!r}; expected some of {known}")
+        return value
 
     @model_validator(mode="after")
     def _budget_holds_one_request(self) -> Settings:

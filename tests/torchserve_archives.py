@@ -74,7 +74,8 @@ def build_store(store: Path, work: Path) -> dict[str, Path]:
     """``mnist.mar`` (custom handler, batchSize 8), ``classifier.mar`` (the default
     ``image_classifier`` handler on a TorchScript model, batchSize 4), ``scale.mar`` (function
     handler), ``lazy.mar`` (a function handler importing a file of its archive inside
-    ``handle``) and ``segment.mar`` (the default ``image_segmenter``, batchSize 4) in
+    ``handle``), ``segment.mar`` (the default ``image_segmenter``, batchSize 4) and
+    ``headers.mar`` (a function handler answering each input's type and headers) in
     ``store``."""
     store.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
@@ -104,7 +105,14 @@ def build_store(store: Path, work: Path) -> dict[str, Path]:
         "--handler", "image_segmenter",
         "--config-file", str(FIXTURES / "segment" / "model-config.yaml"),
     )  # fmt: skip
+    headers = archive(
+        store,
+        "headers",
+        "--version", "1.0",
+        "--handler", str(FIXTURES / "headers" / "headers_handler.py"),
+    )  # fmt: skip
     return {
+        "headers": headers,
         "mnist": mnist,
         "classifier": classifier,
         "scale": scale,

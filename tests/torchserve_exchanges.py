@@ -48,6 +48,26 @@ class Exchange:
     compare: Compare = "exact"
 
 
+FORM = "multipart/form-data; boundary=b"
+PARTS = (
+    b'--b\r\nContent-Disposition: form-data; name="f"; filename="a.json"\r\n\r\n{"a": 1}\r\n'
+    b'--b\r\nContent-Disposition: form-data; name="j"; filename="j.json"\r\n'
+    b'Content-Type: application/json; charset=utf-8\r\n\r\n{"a": 1}\r\n'
+    b'--b\r\nContent-Disposition: form-data; name="t"\r\nContent-Type: text/plain\r\n\r\nhi\r\n'
+    b"--b--\r\n"
+)
+"""A form of a file part with no content type, one with its own, and a plain field with one."""
+URLENCODED = {"Content-Type": "application/x-www-form-urlencoded"}
+
+
+def _headers(name: str, content: bytes, content_type: str | None = None) -> Exchange:
+    """A prediction of ``headers.mar``, which answers each input's type and headers."""
+    sent = {} if content_type is None else {"Content-Type": content_type}
+    return Exchange(
+        f"headers-{name}", "POST", "/predictions/headers", content=content, headers=sent
+    )
+
+
 EXCHANGES: tuple[Exchange, ...] = (
     Exchange("ping", "GET", "/ping"),
     *(
@@ -92,6 +112,38 @@ EXCHANGES: tuple[Exchange, ...] = (
         compare="description",
     ),
     Exchange("describe-unknown", "GET", "/models/nope", api="management"),
+    # Each input's own headers (context.get_request_header(i, name)) and value type.
+    Exchange(
+        "headers-png-query",
+        "PUT",
+        "/predictions/headers?k=v",
+        content=DIGITS["0"],
+        headers={"Content-Type": "image/png"},
+    ),
+    _headers("json-charset", b'{"a": 1}', "application/json; charset=utf-8"),
+    _headers("json-capitals", b'{"a": 1}', "Application/JSON"),
+    _headers("text", b"words", "text/plain"),
+    _headers("raw", b"raw"),
+    Exchange(
+        "headers-form-file",
+        "POST",
+        "/predictions/headers",
+        files={"data": ("1.png", DIGITS["1"], "image/png")},
+    ),
+    _headers("form-parts", PARTS, FORM),
+    _headers("urlencoded", b"a=1&b=%C3%A9+x", URLENCODED["Content-Type"]),
+    Exchange(
+        "headers-frontend-headers",
+        "POST",
+        "/predictions/headers/1.0",
+        content=b"x",
+        headers={"explain": "True", "url_path": "p"},
+    ),
+    # A handler's failures: a PredictionException's status (413 sent as 507), any other 503.
+    *(
+        _headers(f"status-{status}", f"status={status}".encode(), URLENCODED["Content-Type"])
+        for status in ("400", "413", "503", "nan")
+    ),
 )
 
 

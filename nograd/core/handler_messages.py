@@ -18,10 +18,12 @@ JSON_TYPE: Final = "application/json"
 
 @dataclass(frozen=True, slots=True)
 class HandlerRequest:
-    """One request as a TorchServe handler receives it: its fields and its headers."""
+    """One request as a TorchServe handler receives it: its fields, and its headers as
+    ``context.get_request_header`` reads them (each input's own under its name, as
+    ``{"content-type": ...}``, beside the request's)."""
 
     data: dict[str, object]
-    headers: dict[str, str] = field(default_factory=dict)
+    headers: dict[str, object] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,15 +38,16 @@ class HandlerAnswer:
 
 
 def decode_value(raw: bytes | bytearray, content_type: str) -> object:
-    """A value as TorchServe hands it to a handler: JSON parsed, text as str, else bytearray;
-    a JSON or text value that does not decode stays bytes, as TorchServe forwards it."""
-    media = content_type.split(";", 1)[0].strip().lower()
-    if media == JSON_TYPE:
+    """A value as TorchServe's worker hands it to a handler, by the content type its frontend
+    gave the input (a media type without parameters, or ``""``): exactly ``application/json``
+    parsed, ``text...`` as str, else bytearray; a JSON or text value that does not decode stays
+    bytes, as TorchServe forwards it."""
+    if content_type == JSON_TYPE:
         try:
             return json.loads(raw)
         except ValueError:
             return bytearray(raw)
-    if media.startswith("text"):
+    if content_type.startswith("text"):
         try:
             return raw.decode("utf-8")
         except UnicodeDecodeError:

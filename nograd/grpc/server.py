@@ -74,7 +74,7 @@ def inference_methods(service: InferenceService, limits: HealthLimits) -> dict[s
             continue
         methods[f"/{SERVICE_NAME}/{rpc.name}"] = Method(
             getattr(pb, rpc.input_type.name),
-            unary=function,
+            unary=service.restricted(rpc.name, function),
             limits=(limits.calls,) if rpc.name in HEALTH_RPCS else (),
             holds_body=rpc.name not in HEALTH_RPCS,
         )

@@ -23,6 +23,7 @@ from nograd.grpc.stream_infer import StreamInferRpcs
 from nograd.grpc.tensors import class_counts, encode_outputs, read_inputs, sequence_parameters
 from nograd.interop.generated import model_config_pb2
 from nograd.serving import documents
+from nograd.serving.access import LOGGING, MODEL_REPOSITORY, SHARED_MEMORY, TRACE
 from nograd.serving.calls import Call, classified
 from nograd.serving.control_calls import load_model, unload_parameters
 from nograd.serving.core import Core
@@ -44,7 +45,23 @@ METHOD_PREFIX: Final = "/inference.GRPCInferenceService/"
 
 _VERSION: Final = re.compile(r"[0-9]{1,18}")
 
+OPERATOR_RPCS: Final = {
+    "RepositoryIndex": MODEL_REPOSITORY,
+    "RepositoryModelLoad": MODEL_REPOSITORY,
+    "RepositoryModelUnload": MODEL_REPOSITORY,
+    "SystemSharedMemoryStatus": SHARED_MEMORY,
+    "SystemSharedMemoryRegister": SHARED_MEMORY,
+    "SystemSharedMemoryUnregister": SHARED_MEMORY,
+    "CudaSharedMemoryStatus": SHARED_MEMORY,
+    "CudaSharedMemoryRegister": SHARED_MEMORY,
+    "CudaSharedMemoryUnregister": SHARED_MEMORY,
+    "TraceSetting": TRACE,
+    "LogSettings": LOGGING,
+}
+"""The RPCs of each operator API group (``nograd.serving.access``), as HTTP's routes of it."""
+
 Reply = TypeVar("Reply", bound=Message)
+Unary = Callable[[Any, CallContext], Awaitable[Any]]
 
 
 class InferenceService(DiagnosticsRpcs, SharedMemoryRpcs, StreamInferRpcs):
@@ -56,11 +73,32 @@ class InferenceService(DiagnosticsRpcs, SharedMemoryRpcs, StreamInferRpcs):
         self._protect_health = protect_health
 
     # ------------------------------------------------------------------ plumbing
-    def authorize(self, context: CallContext, model: str | None = None) -> None:
-        """The call's ``authorization`` metadata checked (``Unauthenticated`` when wrong); the
-        health service uses it too when ``NOGRAD_AUTH_HEALTH`` is set."""
+    def authorize(
+        self, context: CallContext, model: str | None = None, group: str | None = None
+    ) -> None:
+        """The call's ``authorization`` metadata checked for API ``group`` (``Unauthenticated``
+        or ``Forbidden`` when wrong); the health service uses it too when
+        ``NOGRAD_AUTH_HEALTH`` is set."""
         values = [v for k, v in context.invocation_metadata() if k == "authorization"]
-        self._calls.authorize(values, PROTOCOL, model)
+        self._calls.authorize(values, PROTOCOL, model, group)
+
+    def restricted(self, name: str, rpc: Unary) -> Unary:
+        """``rpc`` (the service's method ``name``), refused unless the call's key opens its
+        operator API group (``OPERATOR_RPCS``), before its request is looked at; any other RPC
+        as it is."""
+        group = OPERATOR_RPCS.get(name)
+        if group is None:
+            return rpc
+
+        async def gated(request: Any, context: CallContext) -> Any:
+            try:
+                self.authorize(context, group=group)
+            except Exception as exc:
+                await self._abort(context, exc, kind_of(exc))
+                raise
+            return await rpc(request, context)
+
+        return gated
 
     def _caller(self, context: CallContext) -> str:
         """Whose call this is (``Calls.caller``: the id of the API key it carries)."""

@@ -19,13 +19,14 @@ from nograd.http.paths import (
     TORCHSERVE_PING,
     TORCHSERVE_PREFIXES,
     infer_target,
+    operator_group,
     predictions_target,
     route_path,
     v2_model,
 )
 from nograd.observability.metrics import UNKNOWN_MODEL, Metrics
 from nograd.serving.calls import Calls
-from nograd.serving.errors import QueueFull, Unauthenticated
+from nograd.serving.errors import Forbidden, QueueFull, Unauthenticated
 
 STARTED_KEY = "nograd_started"
 
@@ -63,9 +64,10 @@ def model_label(path: str, known: Callable[[str], bool]) -> str:
 
 
 class AuthMiddleware:
-    """API keys on inference, metadata and management routes (``Calls.authorize``: constant
-    time, never logged). Health and metrics stay open unless configured otherwise, because
-    probes and scrapers rarely carry credentials."""
+    """API keys on inference, metadata and management routes, and operator keys on the
+    operator API groups (``Calls.authorize``: constant time, never logged). Health and metrics
+    stay open unless configured otherwise, because probes and scrapers rarely carry
+    credentials."""
 
     def __init__(
         self,
@@ -88,18 +90,18 @@ class AuthMiddleware:
         return path.startswith(("/v2", "/v1", *TORCHSERVE_PREFIXES))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            scope["type"] != "http"
-            or not self._calls.keys_required
-            or not self._protected(scope["path"])
-        ):
+        if scope["type"] != "http" or not self._calls.keys_required:
             await self.app(scope, receive, send)
             return
-        path = scope["path"]
+        path = route_path(scope)  # as the router matches it
+        group = operator_group(path)
+        if group is None and not self._protected(path):
+            await self.app(scope, receive, send)
+            return
         target = v2_model(path)
         values = [v for k, v in scope["headers"] if k == b"authorization"]
         try:
-            self._calls.authorize(values, "http", None if target is None else target[0])
+            self._calls.authorize(values, "http", None if target is None else target[0], group)
         except Unauthenticated as exc:
             # Refused before a byte of the body is read; closing the connection stops its upload.
             await _respond(
@@ -110,6 +112,9 @@ class AuthMiddleware:
                 "invalid_api_key",
                 [(b"www-authenticate", b'Bearer realm="nograd"'), (b"connection", b"close")],
             )
+            return
+        except Forbidden as exc:  # Triton's answer to a restricted API: 403
+            await _respond(send, path, 403, str(exc), "forbidden", [(b"connection", b"close")])
             return
         await self.app(scope, receive, send)
 

@@ -6,17 +6,16 @@ from __future__ import annotations
 
 import json
 from typing import Any, Final
-from urllib.parse import parse_qsl
 
 import numpy as np
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel
 
-from nograd.core.handler_messages import RAW_FIELD, HandlerAnswer, HandlerRequest
+from nograd.core.handler_messages import RAW_FIELD, HandlerAnswer
 from nograd.http.exchange import Incoming, Reply, run_call
 from nograd.http.state import calls_of, dataplane_of, torchserve_of
 from nograd.protocol.torchserve import error_body as ts_error_body
-from nograd.protocol.torchserve import request_data
+from nograd.protocol.torchserve import handler_request
 from nograd.serving.calls import Call, Calls
 from nograd.serving.errors import ModelNotFound
 from nograd.serving.registry import ServedModel
@@ -79,7 +78,8 @@ def _version_missing(model: ServedModel, name: str, version: str | None) -> Repl
 async def predictions_call(
     incoming: Incoming, calls: Calls, name: str, version: str | None
 ) -> Reply:
-    """One TorchServe prediction: the body (raw, JSON, text or a form) as the handler's dict."""
+    """One TorchServe prediction: the body (raw, JSON, text or a form) as the handler's dict;
+    the query string is not read, as TorchServe's ``/predictions`` does not."""
 
     async def work(call: Call) -> Reply:
         call.model = calls.label(name)
@@ -94,23 +94,23 @@ async def predictions_call(
         if archive_of(model) is None:
             return _error(400, f"Model {name} is not a TorchServe archive; use /v2/models/{name}")
         body = await incoming.body()
-        query = dict(_query(incoming))
-        data = request_data(body, incoming.headers.get("content-type", ""), query)
-        request = HandlerRequest(data, dict(incoming.headers))
         inputs = np.empty(1, dtype=np.object_)
-        inputs[0] = request
+        inputs[0] = handler_request(body, incoming.headers)
         _, outputs = await calls.infer(call, name, None, {RAW_FIELD: inputs}, handler_answers=True)
         answer: HandlerAnswer = outputs["answer"][0]
         if answer.failed:
-            return _error(answer.status, answer.body.decode("utf-8", "replace"))
+            return _handler_failure(answer)
         return Reply(answer.status, answer.body, answer.content_type)
 
     return await run_call(incoming, calls, PROTOCOL, work, _error)
 
 
-def _query(incoming: Incoming) -> list[tuple[str, str]]:
-    raw: bytes = incoming.scope.get("query_string", b"")
-    return parse_qsl(raw.decode("latin-1"), keep_blank_values=True)
+def _handler_failure(answer: HandlerAnswer) -> Reply:
+    """A prediction the handler failed, as TorchServe's frontend sends it (``RestJob.sendError``):
+    always an ``InternalServerException`` with the worker's status and message, 413 sent as 507."""
+    status = 507 if answer.status == 413 else answer.status
+    message = answer.body.decode("utf-8", "replace")
+    return Reply(status, ts_error_body(status, "InternalServerException", message))
 
 
 async def _routed(request: Request, name: str, version: str | None) -> Response:
@@ -163,7 +163,7 @@ def _describe(request: Request, name: str, version: str | None) -> Response:
         plane.settings.max_queue_size,
         torchserve_of(request).started,
     )
-    document = [model_description(model, defaults)]
+    document = [model_description(model, defaults, torchserve_of(request).workers.get(name))]
     return Response(_dumps(document), media_type="application/json")
 
 
@@ -231,11 +231,11 @@ async def register_model(request: Request) -> Response:
     return _answer(answer)
 
 
-def _scale(request: Request, name: str, version: str | None) -> Response:
+async def _scale(request: Request, name: str, version: str | None) -> Response:
     values = dict(request.query_params)
     low = _int(values, "min_worker", 1)
     try:
-        answer = torchserve_of(request).scale(
+        answer = await torchserve_of(request).scale(
             name,
             version if version is not None else values.get("model_version"),
             low,
@@ -247,14 +247,14 @@ def _scale(request: Request, name: str, version: str | None) -> Response:
     return _answer(answer)
 
 
-@router.put("/models/{name}", summary="TorchServe: scale a model's workers (reported)")
+@router.put("/models/{name}", summary="TorchServe: scale a model's workers (recorded)")
 async def scale_model(request: Request, name: str) -> Response:
-    return _scale(request, name, None)
+    return await _scale(request, name, None)
 
 
 @router.put("/models/{name}/{version}", summary="TorchServe: scale a model version's workers")
 async def scale_version(request: Request, name: str, version: str) -> Response:
-    return _scale(request, name, version)
+    return await _scale(request, name, version)
 
 
 async def _unregister(request: Request, name: str, version: str | None) -> Response:

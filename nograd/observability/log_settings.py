@@ -14,7 +14,7 @@ import logging
 from collections.abc import Mapping
 from typing import Final
 
-from nograd.observability.logs import JsonFormatter, TextFormatter
+from nograd.observability.logs import JsonFormatter, TextFormatter, pin_transport_loggers
 from nograd.observability.trace_settings import BadSetting, FixedSetting
 
 FORMATS: Final = ("text", "json")
@@ -63,6 +63,7 @@ class LogSettings:
         self.switches.info = level <= logging.INFO
         self.switches.warning = level <= logging.WARNING
         self.switches.error = level <= logging.ERROR
+        pin_transport_loggers()  # a verbose level asked for never lets them log headers
 
     def document(self) -> dict[str, object]:
         """The settings as Triton answers them (``log_file`` empty: standard error)."""

@@ -8,13 +8,20 @@ stay queryable instead of being buried in the message text.
 Every logger goes through the root logger's single handler, uvicorn's included: ``server.py`` runs
 uvicorn with ``log_config=None`` so uvicorn installs no handlers of its own, and this module makes
 uvicorn's loggers propagate to the root.
+
+Credentials never reach the log, whatever the level: the transport libraries that log headers
+(hpack decodes every gRPC call's ``authorization``) are pinned at WARNING, and the handler
+redacts what looks like a credential (an ``Authorization`` or ``X-API-Key`` value, a ``Bearer``
+token, any configured key) from every line it writes.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any, Final, TextIO, cast, get_args
 
@@ -37,6 +44,45 @@ _RECORD_ATTRIBUTES: Final = frozenset(
 # (HTTP connection pools, multipart parsing, file locks of the hub cache).
 _CHATTY_LOGGERS: Final = ("httpcore", "httpx", "urllib3", "filelock", "multipart", "asyncio")
 _UVICORN_LOGGERS: Final = ("uvicorn", "uvicorn.error", "uvicorn.access", "uvicorn.asgi")
+TRANSPORT_LOGGERS: Final = (
+    "hpack",
+    "h2",
+    "h11",
+    "httptools",
+    "httpcore",
+    "httpx",
+    "urllib3",
+    "multipart",
+    "python_multipart",
+    "websockets",
+    "uvicorn.asgi",
+)
+"""Libraries that log requests' headers (and so credentials) at debug level: hpack decodes each
+gRPC call's headers, ``uvicorn.asgi`` prints whole ASGI messages. Pinned at WARNING whatever level
+the server or the logging extension asks for."""
+REDACTED: Final = "[redacted]"
+_CREDENTIAL_FIELD: Final = re.compile(
+    r"(?i)((?:proxy-)?authorization|x-api-key|api[-_]?key|cookie|set-cookie)"
+    r"((?:\\?['\"])?\s*[:=,]\s*(?:b?\\?['\"])?)"
+    r"((?:bearer|basic|token)\s+)?[^\s'\"\\,;}\])]+"
+)
+"""A header or field that carries a credential, and its value (quoted, a bytes repr, JSON)."""
+_BEARER: Final = re.compile(r"(?i)\b(bearer|basic)(\s+)[A-Za-z0-9._~+/=:\-]+")
+"""A credential after its scheme, wherever it appears."""
+_CREDENTIAL_WORDS: Final = (
+    "authorization",
+    "api-key",
+    "api_key",
+    "apikey",
+    "cookie",
+    "bearer",
+    "basic",
+)
+"""What a line must hold, any case, for the patterns above to be worth running: most lines hold
+none, and a substring test costs a fraction of a pattern's search."""
+SHORTEST_REDACTED_KEY: Final = 4
+"""Configured keys shorter than this are not searched for in every line (they would match
+ordinary words); the header and scheme patterns still catch them where they are sent."""
 
 
 def _extras(record: logging.LogRecord) -> dict[str, Any]:
@@ -103,8 +149,44 @@ def _is_terminal(stream: TextIO) -> bool:
         return False
 
 
+def redact(line: str, keys: Iterable[str] = ()) -> str:
+    """``line`` with every credential in it replaced by ``[redacted]``: the values of
+    credential headers and fields, ``Bearer``/``Basic`` tokens, and each of ``keys`` (as
+    written, and as JSON escapes it)."""
+    for key in keys:
+        if key in line:
+            line = line.replace(key, REDACTED)
+    lowered = line.lower()
+    if not any(word in lowered for word in _CREDENTIAL_WORDS):
+        return line
+    line = _CREDENTIAL_FIELD.sub(lambda found: f"{found[1]}{found[2]}{REDACTED}", line)
+    return _BEARER.sub(lambda found: f"{found[1]}{found[2]}{REDACTED}", line)
+
+
+def pin_transport_loggers() -> None:
+    """Hold the loggers that print headers at WARNING (``TRANSPORT_LOGGERS``), so no log level
+    asked for by settings or over the network makes them print a credential."""
+    for name in TRANSPORT_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 class _NogradHandler(logging.StreamHandler[TextIO]):
-    """Marks the handler this module installed, so a second set-up replaces it, not doubles it."""
+    """The one handler of the root logger: every line it writes is redacted (``redact``),
+    whichever formatter the logging extension has set. A second set-up replaces it, not
+    doubles it."""
+
+    def __init__(self, stream: TextIO, keys: Iterable[str]) -> None:
+        super().__init__(stream)
+        forms: set[str] = set()
+        for key in keys:
+            if len(key) >= SHORTEST_REDACTED_KEY:
+                forms.add(key)
+                forms.add(orjson.dumps(key).decode()[1:-1])  # as it appears in a JSON line
+        # Longest first, so a key that contains another is replaced whole.
+        self._keys = tuple(sorted(forms, key=len, reverse=True))
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact(super().format(record), self._keys)
 
 
 def resolve_format(log_format: str | None, stream: TextIO | None = None) -> LogFormat:
@@ -120,14 +202,17 @@ def resolve_format(log_format: str | None, stream: TextIO | None = None) -> LogF
 
 
 def setup_logging(
-    level: str, log_format: str | None = None, stream: TextIO | None = None
+    level: str,
+    log_format: str | None = None,
+    stream: TextIO | None = None,
+    keys: Iterable[str] = (),
 ) -> logging.Handler:
     """Route every logger (nograd's, uvicorn's, warnings) through one handler on the root logger.
 
     ``level`` is a Settings log level (``info``, ``debug``…); ``log_format`` is ``json`` or
     ``text`` (``None``: ``NOGRAD_LOG_FORMAT``, else text on a terminal and JSON otherwise). Safe
-    to call again: the previous nograd handler is replaced. Returns the handler, which tests read
-    back.
+    to call again: the previous nograd handler is replaced. ``keys``: the configured API keys,
+    redacted wherever they appear. Returns the handler, which tests read back.
     """
     stream = stream if stream is not None else sys.stderr
     formatter: logging.Formatter = (
@@ -137,7 +222,7 @@ def setup_logging(
     if not isinstance(numeric_level, int):
         raise ValueError(f"log_level must be a logging level name; got {level!r}")
 
-    handler = _NogradHandler(stream)
+    handler = _NogradHandler(stream, keys)
     handler.setFormatter(formatter)
     root = logging.getLogger()
     for old in [h for h in root.handlers if isinstance(h, _NogradHandler)]:
@@ -154,6 +239,7 @@ def setup_logging(
         logger.propagate = True
     for name in _CHATTY_LOGGERS:
         logging.getLogger(name).setLevel(max(numeric_level, logging.INFO))
+    pin_transport_loggers()
     # torch and friends warn through the warnings module; make those JSON lines too.
     logging.captureWarnings(True)
     return handler

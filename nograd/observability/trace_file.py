@@ -8,6 +8,12 @@ As in Triton, with ``log_frequency`` N every N traces go to ``<trace_file>.<inde
 they are held and written to ``<trace_file>`` when the server stops; when ``trace_count`` runs
 out, those held are written to the next indexed file at once. Files are written by a thread,
 never on the event loop.
+
+Bounded, whatever a client sets: traces are held as their JSON bytes, and once those reach
+``max_file_bytes`` they go to the next indexed file whatever the log frequency; only the newest
+``max_files`` indexed files are kept (the older are removed as new ones are written); bytes
+waiting for the writer thread are bounded by ``max_file_bytes`` too, and traces past that are
+dropped and counted (a warning says how many), never queued.
 """
 
 from __future__ import annotations
@@ -16,13 +22,15 @@ import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import orjson
 
 from nograd.observability.tracing import Trace
 
 logger = logging.getLogger(__name__)
+DEFAULT_MAX_FILE_BYTES: Final = 16 << 20
+DEFAULT_MAX_FILES: Final = 16
 
 
 def entries(trace: Trace) -> list[dict[str, Any]]:
@@ -47,41 +55,87 @@ def entries(trace: Trace) -> list[dict[str, Any]]:
 
 
 class TraceFile:
-    """Finished traces written to Triton's trace file (or its indexed files)."""
+    """Finished traces written to Triton's trace file (or its indexed files), within bounds on
+    the bytes held, per file, and the files kept."""
 
-    def __init__(self, path: Path | None) -> None:
+    def __init__(
+        self,
+        path: Path | None,
+        max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+        max_files: int = DEFAULT_MAX_FILES,
+    ) -> None:
         self.path = path
-        self._held: list[dict[str, Any]] = []
+        self._max_bytes = max_file_bytes
+        self._max_files = max_files
+        self._held: list[bytes] = []
+        """Each held trace's objects as JSON, without the array's brackets."""
+        self._held_bytes = 0
         self._count = 0
         self._index = 0
+        self._pending_bytes = 0
+        """Bytes handed to the writer thread and not yet written."""
+        self.dropped = 0
+        """Traces dropped because the writer thread was that many bytes behind."""
         self._lock = threading.Lock()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="nograd-trace-file")
 
     def write(self, trace: Trace, log_frequency: int, exhausted: bool) -> None:
         if self.path is None:
             return
-        self._held.extend(entries(trace))
+        chunk = orjson.dumps(entries(trace))[1:-1]
+        self._held.append(chunk)
+        self._held_bytes += len(chunk) + 1
         self._count += 1
-        if exhausted or (log_frequency > 0 and self._count % log_frequency == 0):
+        if (
+            exhausted
+            or (log_frequency > 0 and self._count % log_frequency == 0)
+            or self._held_bytes >= self._max_bytes
+        ):
             self._flush(indexed=True)
 
     def _flush(self, *, indexed: bool) -> None:
         if not self._held or self.path is None:
             return
+        held, size = self._held, self._held_bytes
+        self._held, self._held_bytes = [], 0
+        with self._lock:
+            behind = self._pending_bytes
+            if behind and behind + size > self._max_bytes:
+                self._drop(len(held))
+                return
+            self._pending_bytes += size
         target = self.path.with_name(f"{self.path.name}.{self._index}") if indexed else self.path
+        stale = None
         if indexed:
+            if self._index >= self._max_files:
+                stale = self.path.with_name(f"{self.path.name}.{self._index - self._max_files}")
             self._index += 1
-        held, self._held = self._held, []
-        self._writer.submit(self._save, target, held)
+        self._writer.submit(self._save, target, held, size, stale)
 
-    def _save(self, target: Path, held: list[dict[str, Any]]) -> None:
+    def _drop(self, traces: int) -> None:
+        """Count ``traces`` dropped (the caller holds the lock); the first drop is logged."""
+        if not self.dropped:
+            logger.warning(
+                "trace file writes are behind by more than NOGRAD_TRACE_FILE_MAX_BYTES "
+                "(%d bytes): traces are dropped until they catch up",
+                self._max_bytes,
+            )
+        self.dropped += traces
+
+    def _save(self, target: Path, held: list[bytes], size: int, stale: Path | None) -> None:
         try:
-            with self._lock:
-                target.write_bytes(orjson.dumps(held))
+            target.write_bytes(b"[" + b",".join(held) + b"]")
+            if stale is not None:
+                stale.unlink(missing_ok=True)
         except OSError as exc:
             logger.error("trace file %s not written: %s", target, exc)
+        finally:
+            with self._lock:
+                self._pending_bytes -= size
 
     def close(self) -> None:
         """Write what is held: to ``<trace_file>`` unless indexed files were written already."""
         self._flush(indexed=self._index > 0)
         self._writer.shutdown(wait=True)
+        if self.dropped:
+            logger.warning("%d traces were dropped: the trace file could not keep up", self.dropped)

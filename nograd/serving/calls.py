@@ -25,12 +25,13 @@ from nograd.observability.trace_file import TraceFile
 from nograd.observability.trace_settings import TraceSetting, TraceSettings
 from nograd.observability.tracing import Tracer
 from nograd.protocol import classification
-from nograd.protocol.keys import bearer_key_matches, key_id
 from nograd.runtime.handler import Outputs
 from nograd.runtime.sequence_step import SequenceStep
+from nograd.serving.access import Access
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.errors import (
     DecodedTooLarge,
+    Forbidden,
     HandlerFailed,
     InvalidInput,
     Kind,
@@ -49,10 +50,6 @@ from nograd.serving.validation import Declared
 logger = logging.getLogger("nograd.requests")
 
 _SAFE_ID: Final = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
-KEY_HINT: Final = {
-    "http": "send one 'Authorization: Bearer <key>' header",
-    "grpc": "send metadata 'authorization: Bearer <key>'",
-}
 
 
 def safe_request_id(given: str | None) -> str | None:
@@ -115,7 +112,7 @@ class Calls:
         self,
         plane: DataPlane,
         metrics: Metrics,
-        api_keys: Sequence[str],
+        access: Access | Sequence[str],
         on_demand: OnDemand | None = None,
         shared_memory: SharedMemory | None = None,
         tracer: Tracer | None = None,
@@ -126,31 +123,40 @@ class Calls:
         self.metrics = metrics
         self.tracer = tracer or Tracer(TraceSettings(TraceSetting()), TraceFile(None))
         """Samples requests for Triton's trace extension (off unless set)."""
-        self._keys = tuple(key.encode() for key in api_keys)
+        self.access = access if isinstance(access, Access) else Access(access)
+        """The keys calls must carry, and the API groups only operator keys open."""
         self._on_demand = on_demand
         self.sequences = Sequences(plane.settings.max_sequences)
         """The sequences under way of the sequence models."""
 
     @property
     def keys_required(self) -> bool:
-        return bool(self._keys)
+        return self.access.keys_required
 
-    def authorize(self, values: Sequence[str | bytes], protocol: str, model: str | None) -> None:
+    def authorize(
+        self,
+        values: Sequence[str | bytes],
+        protocol: str,
+        model: str | None,
+        group: str | None = None,
+    ) -> None:
         """Check the ``authorization`` values a call carries (``Bearer <key>``) in constant time
-        against every key; raise ``Unauthenticated`` naming what was wrong, never the key."""
-        if not self._keys:
-            return
-        if bearer_key_matches(values, self._keys):
-            return
-        self.metrics.rejected.labels(self.label(model), "unauthorized").inc()
-        why = "missing" if not values else "invalid"
-        raise Unauthenticated(f"{why} API key: {KEY_HINT.get(protocol, KEY_HINT['http'])}")
+        against every key, for a route of API ``group`` (None: no operator group); raise
+        ``Unauthenticated`` or ``Forbidden`` naming what was wrong, never the key."""
+        try:
+            self.access.check(values, protocol, group)
+        except Unauthenticated:
+            self.metrics.rejected.labels(self.label(model), "unauthorized").inc()
+            raise
+        except Forbidden:
+            self.metrics.rejected.labels(self.label(model), "forbidden").inc()
+            raise
 
     def caller(self, values: Sequence[str | bytes]) -> str:
         """Whose call this is, for state a caller owns (shared-memory regions): the id of the
-        API key it carries (``key_id``: a digest, never the key), or ``SHARED`` on a server
+        key it carries (``Access.caller``: a digest, never the key), or ``SHARED`` on a server
         without keys, where every client is the same caller."""
-        return key_id(values) if self._keys else SHARED
+        return self.access.caller(values) or SHARED
 
     def regions(self, call: Call, caller: str) -> CallerRegions:
         """The shared-memory regions ``call`` may use: its caller's. A BYTES input's bytes,

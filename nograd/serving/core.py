@@ -14,6 +14,7 @@ from pathlib import Path
 from nograd.host.ledger import CoreShare
 from nograd.observability.metrics import Metrics
 from nograd.observability.stats import Statistics
+from nograd.serving.access import access_of, startup_refusal
 from nograd.serving.calls import Calls
 from nograd.serving.control import ModelControl
 from nograd.serving.dataplane import DataPlane
@@ -57,7 +58,7 @@ class Core:
         self.calls = Calls(
             self.plane,
             self.metrics,
-            settings.api_key_list,
+            access_of(settings),
             self.on_demand,
             self.shared_memory,
             self.diagnostics.tracer,
@@ -66,7 +67,11 @@ class Core:
         self._tasks: list[asyncio.Task[None]] = []
 
     async def open(self) -> None:
-        """Read the repository's configs; a malformed one fails the start-up, naming it."""
+        """Read the repository's configs; a malformed one fails the start-up, naming it, as
+        settings that would let anyone upload code do."""
+        refusal = startup_refusal(self.settings)
+        if refusal is not None:
+            raise StartupFailed(refusal)
         await self.control.open()
         self.shared_memory.restore()
         self.control.discover()

@@ -61,7 +61,7 @@ def trace_sink(settings: Settings, several_workers: bool) -> TraceSink:
     path = settings.trace_file
     if path is not None and several_workers:
         path = path.with_name(f"{path.name}.w{os.getpid()}")
-    return TraceFile(path)
+    return TraceFile(path, settings.trace_file_max_bytes, settings.trace_max_files)
 
 
 class Diagnostics:

@@ -31,6 +31,9 @@ class Kind(enum.Enum):
     """A call this server's configuration does not take (model control off), or a load that
     failed: the request was fine, the server's state refuses it."""
     UNAUTHENTICATED = ("unauthenticated", 401)
+    FORBIDDEN = ("forbidden", 403)
+    """A valid key that does not open this API group (an operator group, Triton's restricted
+    APIs): HTTP 403, gRPC PERMISSION_DENIED."""
     NOT_FOUND = ("not_found", 404)
     EXISTS = ("exists", 400)
     POLL_FAILED = ("poll_failed", 500)
@@ -121,6 +124,10 @@ class Unauthenticated(Exception):
     """No valid API key came with the call."""
 
 
+class Forbidden(Exception):
+    """The call's key is valid but does not open the API group it called."""
+
+
 class ControlRefused(Exception):
     """Load and unload calls are not taken in this model control mode."""
 
@@ -155,6 +162,7 @@ KINDS: Final[tuple[tuple[type[Exception], Kind], ...]] = (
     (PollFailed, Kind.POLL_FAILED),
     (Unsupported, Kind.UNSUPPORTED),
     (Unauthenticated, Kind.UNAUTHENTICATED),
+    (Forbidden, Kind.FORBIDDEN),
     (ModelNotFound, Kind.NOT_FOUND),
     (RegionNotFound, Kind.NOT_FOUND),
     (AlreadyExists, Kind.EXISTS),

@@ -38,10 +38,14 @@ def model_list(models: list[ServedModel]) -> dict[str, Any]:
     return {"models": rows}
 
 
-def model_description(model: ServedModel, defaults: DescribeDefaults) -> dict[str, Any]:
+def model_description(
+    model: ServedModel, defaults: DescribeDefaults, workers: tuple[int, int] | None = None
+) -> dict[str, Any]:
     """TorchServe's describe body for one model (``GET /models/{m}``, one element of the list),
     its fields in TorchServe's order; settings nograd has no use for (sequences, parallelism)
-    keep TorchServe's defaults, and nograd's own state follows under ``nograd``."""
+    keep TorchServe's defaults, and nograd's own state follows under ``nograd``. ``workers``:
+    the minWorkers and maxWorkers a register or scale call set, else the archive's; the
+    ``workers`` list is what serves, nograd's one instance of the model in this process."""
     archive = archive_of(model)
     config = model.config
     batch_limit = model.batcher.limit.current if model.batcher is not None else None
@@ -59,8 +63,8 @@ def model_description(model: ServedModel, defaults: DescribeDefaults) -> dict[st
         "modelVersion": archive.version if archive is not None else model.version,
         "modelUrl": archive.archive_file if archive is not None else model.directory.name,
         "runtime": "python",
-        "minWorkers": setting("minWorkers", 1),
-        "maxWorkers": setting("maxWorkers", 1),
+        "minWorkers": setting("minWorkers", 1) if workers is None else workers[0],
+        "maxWorkers": setting("maxWorkers", 1) if workers is None else workers[1],
         "batchSize": config.max_batch_size or 1,
         "maxBatchDelay": round(defaults.max_queue_delay_ms if delay is None else delay),
         "responseTimeout": setting("responseTimeout", 120),

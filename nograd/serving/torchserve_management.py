@@ -2,8 +2,9 @@
 them (``ManagementRequestHandler``, ``ApiUtils``, ``ModelArchive.downloadModel``): register an
 archive of the repository (``POST /models?url=...``), scale its workers (``PUT /models/{m}``) and
 unregister it (``DELETE /models/{m}``). Registering and unregistering go through model control,
-so every worker of the server agrees; scaling is accepted and reported, as nograd runs one
-instance of a model per worker process.
+so every worker of the server agrees; scaling is accepted and recorded in every worker, so
+``GET /models/{m}`` reports the workers asked for, as nograd runs one instance of a model per
+worker process.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import logging
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from nograd.runtime.config import ConfigError
 from nograd.serving.archives import SUFFIX, describe
@@ -27,6 +28,10 @@ logger = logging.getLogger(__name__)
 
 ACCEPTED: Final = "Processing worker updates..."
 """TorchServe's answer (202) to a call that is not ``synchronous``."""
+PEER_OP: Final = "torchserve-workers"
+"""The sibling workers' call that records a model's workers (``nograd.serving.peers``)."""
+Workers = tuple[int, int]
+"""A model's ``minWorkers`` and ``maxWorkers``."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,11 @@ class TorchServeManagement:
         now = datetime.now(UTC)
         self.started = now.strftime("%Y-%m-%dT%H:%M:%S.") + f"{now.microsecond // 1000:03d}Z"
         """When this process began serving, as TorchServe writes a worker's ``startTime``."""
+        self.workers: dict[str, Workers] = {}
+        """Each model's workers as the last register or scale call set them, alike in every
+        worker of the server: TorchServe's describe reports them (until unregistered)."""
+        if control.peers is not None:
+            control.peers.routes[PEER_OP] = self._from_peer
 
     def _require_control(self) -> None:
         """TorchServe answers 405 when its model API is disabled; nograd says which setting."""
@@ -93,10 +103,15 @@ class TorchServeManagement:
             raise _not_found(f"Given URL {url} does not match any allowed URL(s)")
         path = self._control.root / url
         if "/" in url or "\\" in url or not url.endswith(SUFFIX) or not path.is_file():
-            raise _not_found(
-                f"Model not found at: {url} (nograd registers a {SUFFIX} file of its model "
-                "repository, named by its file name)"
+            logger.warning(
+                "TorchServe register of %r: not a %s file directly in the model repository %s "
+                "(nograd registers an archive of its repository, named by its file name, and "
+                "downloads nothing)",
+                url,
+                SUFFIX,
+                self._control.root,
             )
+            raise _not_found(f"Model not found at: {url}")
         return path
 
     async def register(
@@ -136,8 +151,14 @@ class TorchServeManagement:
                 f"model {name!r} is also defined by another file or folder of the repository",
             )
         low, high = archive.setting("minWorkers", 0), archive.setting("maxWorkers", 0)
-        workers = low if 0 < low <= high else initial_workers
+        if not 0 < low <= high:
+            low = high = max(initial_workers, 0)
         self._registering.add(name)
+        try:
+            await self._record(name, (low, high))
+        except BaseException:
+            self._registering.discard(name)
+            raise
         if not synchronous:
             task = asyncio.create_task(self._load_logged(name, archive.version))
             self._tasks.add(task)
@@ -145,10 +166,13 @@ class TorchServeManagement:
             return Answer(202, ACCEPTED)
         try:
             await self._load(name, archive.version)
+        except ManagementError:
+            await self._record(name, None)
+            raise
         finally:
             self._registering.discard(name)
-        registered = f'Model "{name}" Version: {archive.version} registered with {workers}'
-        if workers <= 0:
+        registered = f'Model "{name}" Version: {archive.version} registered with {low}'
+        if low <= 0:
             return Answer(200, f"{registered} initial workers. {_SCALE_HINT}")
         return Answer(200, f"{registered} initial workers")
 
@@ -169,6 +193,7 @@ class TorchServeManagement:
             await self._load(name, version)
         except ManagementError as exc:
             logger.error("TorchServe register of %s: %s", name, exc.message)
+            await self._record(name, None)
         finally:
             self._registering.discard(name)
 
@@ -187,7 +212,7 @@ class TorchServeManagement:
                 f"Model version: {version} does not exist for model: {name}",
             )
 
-    def scale(
+    async def scale(
         self,
         name: str,
         version: str | None,
@@ -195,15 +220,19 @@ class TorchServeManagement:
         max_worker: int,
         synchronous: bool,
     ) -> Answer:
-        """Accepted and reported: each nograd worker process runs one instance of the model."""
+        """Accepted and recorded, so describe reports the workers asked for (TorchServe sets
+        them before it answers, ``synchronous`` or not); each nograd worker process still runs
+        one instance of the model."""
         if max_worker < min_worker:
             raise ManagementError(
                 400, "BadRequestException", "max_worker cannot be less than min_worker."
             )
         self._version_checked(name, version)
+        await self._record(name, (min_worker, max_worker))
         logger.info(
-            "TorchServe scale of %s to min_worker=%d max_worker=%d: accepted; nograd runs one "
-            "instance per worker process (NOGRAD_WORKERS) and batches requests instead",
+            "TorchServe scale of %s to min_worker=%d max_worker=%d: recorded and reported; "
+            "nograd runs one instance per worker process (NOGRAD_WORKERS) and batches requests "
+            "instead",
             name,
             min_worker,
             max_worker,
@@ -221,7 +250,38 @@ class TorchServeManagement:
             await self._control.unload(name)
         except ModelNotFound as exc:
             raise _not_found(f"Model not found: {name}") from exc
+        await self._record(name, None)
         return Answer(200, f'Model "{name}" unregistered')
+
+    async def _record(self, name: str, workers: Workers | None) -> None:
+        """Set (None: forget) a model's workers here and in every sibling worker, one change at
+        a time server-wide; a sibling that cannot take it is logged."""
+        self._set_workers(name, workers)
+        peers = self._control.peers
+        if peers is None:
+            return
+        call = {"op": PEER_OP, "name": name, "workers": None if workers is None else list(workers)}
+        async with peers.exclusive():
+            failures = await peers.broadcast(call)
+        for worker, error in sorted(failures.items()):
+            logger.error("TorchServe workers of %s not recorded by %s: %s", name, worker, error)
+
+    def _set_workers(self, name: str, workers: Workers | None) -> None:
+        if workers is None:
+            self.workers.pop(name, None)
+        else:
+            self.workers[name] = workers
+
+    async def _from_peer(self, call: dict[str, Any]) -> str | None:
+        workers = call.get("workers")
+        if workers is not None and not (
+            isinstance(workers, list) and len(workers) == 2 and all(type(w) is int for w in workers)
+        ):
+            return f"malformed workers {workers!r}"
+        self._set_workers(
+            str(call.get("name")), None if workers is None else (workers[0], workers[1])
+        )
+        return None
 
 
 _SCALE_HINT: Final = "Use scale workers API to add workers for the model."

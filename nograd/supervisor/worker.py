@@ -70,7 +70,11 @@ def worker_main(
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     _exit_with_supervisor(supervisor)
-    setup_logging(settings.log_level, settings.log_format)
+    setup_logging(
+        settings.log_level,
+        settings.log_format,
+        keys=settings.api_key_list + settings.operator_key_list,
+    )
     started = load_serve(serve)(settings, WorkerContext(shared_dir, ready.set, cores), handoff)
     sys.exit(0 if started else STARTUP_FAILURE)
 

@@ -199,13 +199,21 @@ def test_a_load_override_changes_batching_and_queueing_only(tmp_path: Path) -> N
         assert answer.status_code == 200, answer.text
 
 
-def test_control_calls_need_an_api_key_when_keys_are_set(
+def test_control_calls_need_an_operator_key_when_keys_are_set(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    env = {"NOGRAD_MODEL_CONTROL": "explicit", "NOGRAD_API_KEYS": "secret"}
+    env = {
+        "NOGRAD_MODEL_CONTROL": "explicit",
+        "NOGRAD_API_KEYS": "inference-secret",
+        "NOGRAD_OPERATOR_API_KEYS": "operator-secret",
+    }
     with run_server(tmp_path_factory.mktemp("keys"), env) as server:
         for action in ("load", "unload"):
             path = f"{server.url}/v2/repository/models/digits/{action}"
             assert httpx.post(path, timeout=10).status_code == 401
-            authorized = {"Authorization": "Bearer secret"}
+            inference = {"Authorization": "Bearer inference-secret"}
+            refused = httpx.post(path, headers=inference, timeout=10)
+            assert refused.status_code == 403
+            assert "the model-repository API takes operator keys only" in refused.json()["error"]
+            authorized = {"Authorization": "Bearer operator-secret"}
             assert httpx.post(path, headers=authorized, timeout=60).status_code == 200

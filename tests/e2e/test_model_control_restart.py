@@ -99,6 +99,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         "NOGRAD_LOAD_MODELS": "digits",
         "NOGRAD_MAX_LOADED_MODELS": str(CAP),
         "NOGRAD_API_KEYS": KEY,
+        "NOGRAD_OPERATOR_API_KEYS": KEY,
         "NOGRAD_ENGINE": "eager",
         "NOGRAD_LOG_FORMAT": "text",
         "NOGRAD_GRPC_PORT": str(free_port()),

@@ -75,6 +75,7 @@ def managed(store: Path) -> Iterator[Server]:
         "NOGRAD_MODEL_CONTROL": "explicit",
         "NOGRAD_WORKERS": "2",
         "NOGRAD_API_KEYS": KEY,
+        "NOGRAD_OPERATOR_API_KEYS": KEY,
     }
     with run_server(store, env) as running:
         yield running
@@ -184,6 +185,14 @@ def test_function_handler_and_prediction_exception(server: Server) -> None:
         "type": "InternalServerException",
         "message": "send a JSON object with a list 'x' of 4 numbers",
     }
+
+
+def test_a_body_the_handler_cannot_read_is_an_internal_server_exception(server: Server) -> None:
+    """mnist given a non-image: its handler raises, and TorchServe's frontend sends a worker's
+    failure as an ``InternalServerException`` (``RestJob.sendError``; recorded for
+    ``headers.mar`` as ``headers-status-nan``), 503 ``Prediction failed``."""
+    not_an_image = httpx.put(f"{server.url}/predictions/mnist", content=b"not an image")
+    assert _status(not_an_image) == _ts_error(503, "InternalServerException", "Prediction failed")
 
 
 def _send_at_once(url: str, method: str, path: str, bodies: list[bytes]) -> list[httpx.Response]:
@@ -312,24 +321,32 @@ def _answers_on_fresh_connections(url: str, path: str, count: int = 6) -> list[i
 
 
 def test_register_scale_unregister_on_every_worker(managed: Server) -> None:
+    """Every answer, and the ``minWorkers``/``maxWorkers`` that describe reports after each
+    register and scale call, as TorchServe 0.12 gave them for the same calls on ``scale.mar``."""
     url = managed.url
     assert httpx.post(f"{url}/models?url=scale.mar").status_code == 401
     registered = httpx.post(
-        f"{url}/models?url=scale.mar&initial_workers=1&synchronous=true", headers=AUTH, timeout=60
+        f"{url}/models?url=scale.mar&initial_workers=2&synchronous=true", headers=AUTH, timeout=60
     )
     assert _status(registered) == (
         200,
-        {"status": 'Model "scale" Version: 2.1 registered with 1 initial workers'},
+        {"status": 'Model "scale" Version: 2.1 registered with 2 initial workers'},
     )
     assert _answers_on_fresh_connections(url, "/predictions/scale") == [200] * 6
     again = httpx.post(f"{url}/models?url=scale.mar", headers=AUTH)
     assert _status(again) == _ts_error(
         409, "ConflictStatusException", "Model version 2.1 is already registered for model scale"
     )
+    assert _described_workers(url, "scale") == {(2, 2)}
     scaled = httpx.put(f"{url}/models/scale?min_worker=3&synchronous=true", headers=AUTH)
     assert _status(scaled) == (200, {"status": "Workers scaled to 3 for model: scale"})
+    assert _described_workers(url, "scale") == {(3, 3)}
     later = httpx.put(f"{url}/models/scale/2.1?min_worker=2", headers=AUTH)
     assert _status(later) == (202, {"status": "Processing worker updates..."})
+    assert _described_workers(url, "scale") == {(2, 2)}
+    wider = httpx.put(f"{url}/models/scale?min_worker=1&max_worker=4", headers=AUTH)
+    assert wider.status_code == 202
+    assert _described_workers(url, "scale") == {(1, 4)}
     wrong = httpx.delete(f"{url}/models/scale/9.9", headers=AUTH)
     assert _status(wrong) == _ts_error(
         404, "ModelVersionNotFoundException", "Model version: 9.9 does not exist for model: scale"
@@ -347,7 +364,31 @@ def test_register_scale_unregister_on_every_worker(managed: Server) -> None:
     loaded = httpx.post(f"{url}/v2/repository/models/scale/load", headers=AUTH, timeout=60)
     assert loaded.status_code == 200, loaded.text
     assert _answers_on_fresh_connections(url, "/predictions/scale", 4) == [200] * 4
+    # Unregistering forgot the workers asked for: the archive's own (none: 1) are reported.
+    assert _described_workers(url, "scale") == {(1, 1)}
     assert httpx.delete(f"{url}/models/scale", headers=AUTH, timeout=60).status_code == 200
+    # No workers asked for: TorchServe registers the model without any (nograd loads it).
+    none = httpx.post(f"{url}/models?url=scale.mar&initial_workers=-1", headers=AUTH, timeout=60)
+    assert _status(none) == (
+        200,
+        {
+            "status": 'Model "scale" Version: 2.1 registered with 0 initial workers. '
+            "Use scale workers API to add workers for the model."
+        },
+    )
+    assert _described_workers(url, "scale") == {(0, 0)}
+    assert httpx.delete(f"{url}/models/scale", headers=AUTH, timeout=60).status_code == 200
+
+
+def _described_workers(url: str, model: str, count: int = 6) -> set[tuple[int, int]]:
+    """``(minWorkers, maxWorkers)`` as ``GET /models/{m}`` reports them, asked ``count`` times,
+    each on its own connection (so every worker answers some)."""
+    described = []
+    for _ in range(count):
+        answer = httpx.get(f"{url}/models/{model}", headers=AUTH)
+        assert answer.status_code == 200, answer.text
+        described.append((answer.json()[0]["minWorkers"], answer.json()[0]["maxWorkers"]))
+    return set(described)
 
 
 def test_register_answers_at_once_when_not_synchronous(managed: Server) -> None:
@@ -380,10 +421,11 @@ def test_register_answers_at_once_when_not_synchronous(managed: Server) -> None:
 def test_register_refuses_a_url_outside_the_repository(
     managed: Server, query: str, code: int, message: str
 ) -> None:
+    """TorchServe's status and body exactly (``ModelArchive.downloadModel``); why nograd
+    refuses a file goes to its log."""
     refused = httpx.post(f"{managed.url}/models?{query}", headers=AUTH)
-    assert refused.status_code == code
-    assert refused.json()["message"].startswith(message)
-    assert refused.json()["code"] == code
+    kind = "BadRequestException" if code == 400 else "ModelNotFoundException"
+    assert _status(refused) == _ts_error(code, kind, message)
 
 
 def _until(predicate: Callable[[], bool], timeout_s: float = 30.0) -> None:

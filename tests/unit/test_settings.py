@@ -8,6 +8,7 @@ import sys
 import pytest
 from pydantic import ValidationError
 
+from nograd.serving.access import exposure_warnings, startup_refusal
 from nograd.settings import Settings
 from tests.e2e.serving import ROOT
 
@@ -71,13 +72,47 @@ def test_either_front_may_be_off_but_not_both() -> None:
 
 
 def test_explicit_model_control_without_keys_is_warned_about_at_start_up() -> None:
-    assert Settings(model_control="explicit").exposure_warnings
-    assert "NOGRAD_API_KEYS" in Settings(model_control="explicit").exposure_warnings[0]
-    assert Settings(model_control="explicit", api_keys="k1").exposure_warnings == ()
-    uploads = Settings(model_control="explicit", model_uploads=True).exposure_warnings
+    assert exposure_warnings(Settings(model_control="explicit"))
+    warning = exposure_warnings(Settings(model_control="explicit"))[0]
+    assert "NOGRAD_OPERATOR_API_KEYS" in warning
+    keys = {"api_keys": "k1", "operator_api_keys": "op"}
+    assert exposure_warnings(Settings(model_control="explicit", **keys)) == ()
+    local = Settings(model_control="explicit", model_uploads=True, host="127.0.0.1")
+    uploads = exposure_warnings(local)
     assert len(uploads) == 2 and "NOGRAD_MODEL_UPLOADS" in uploads[1]
-    assert Settings(model_control="none").exposure_warnings == ()
-    assert Settings(model_control="poll").exposure_warnings == ()
+    assert exposure_warnings(Settings(model_control="none")) == ()
+    assert exposure_warnings(Settings(model_control="poll")) == ()
+
+
+def test_api_keys_without_operator_keys_are_warned_to_close_the_operator_apis() -> None:
+    (warning,) = exposure_warnings(Settings(api_keys="k1"))
+    assert "NOGRAD_OPERATOR_API_KEYS" in warning and "refused to every caller" in warning
+    # With no operator group, API keys open every route, as before operator keys existed.
+    assert exposure_warnings(Settings(api_keys="k1", operator_apis="")) == ()
+
+
+def test_uploads_off_loopback_without_a_key_for_load_calls_refuse_to_start() -> None:
+    refusal = startup_refusal(Settings(model_control="explicit", model_uploads=True))
+    assert refusal is not None and "NOGRAD_OPERATOR_API_KEYS" in refusal
+    remote = Settings(model_control="explicit", model_uploads=True, host="10.0.0.5")
+    assert "on host '10.0.0.5'" in (startup_refusal(remote) or "")
+    for host in ("127.0.0.1", "::1", "localhost"):
+        local = Settings(model_control="explicit", model_uploads=True, host=host)
+        assert startup_refusal(local) is None
+    keyed = Settings(model_control="explicit", model_uploads=True, operator_api_keys="op-key")
+    assert startup_refusal(keyed) is None
+    # API keys guard load calls only where model-repository is no operator group.
+    open_control = {"api_keys": "k1", "operator_apis": "trace"}
+    assert (
+        startup_refusal(Settings(model_control="explicit", model_uploads=True, **open_control))
+        is None
+    )
+
+
+def test_operator_apis_are_triton_s_group_names() -> None:
+    assert Settings(operator_apis="trace, logging").operator_api_groups == {"trace", "logging"}
+    with pytest.raises(ValidationError, match="unknown API group 'inference'"):
+        Settings(operator_apis="trace,inference")
 
 
 def test_the_byte_budget_must_hold_one_request_at_both_limits() -> None:

@@ -84,7 +84,10 @@ class ArchiveHandler(ModelHandler):
             body = path.read_bytes()
         except OSError as exc:
             return f"cannot read it: {exc}"
-        sample = HandlerRequest({RAW_FIELD: decode_value(body, content_type)})
+        sample = HandlerRequest(
+            {RAW_FIELD: decode_value(body, content_type)},
+            {RAW_FIELD: {"content-type": content_type}},
+        )
         answer = self._handle([copy.deepcopy(sample)])[0]
         if answer.status != 200:
             return (
@@ -103,9 +106,12 @@ class ArchiveHandler(ModelHandler):
         return TensorPart({RAW_FIELD: array}, rows)
 
     def prepare(self, inputs: Mapping[str, np.ndarray]) -> TensorPart:
-        """Requests as the TorchServe front made them; raw bytes (a V2 BYTES input) as a body."""
+        """Requests as the TorchServe front made them; raw bytes (a V2 BYTES input) as a body
+        sent with no content type, as ``curl -T`` sends a file."""
         items = [
-            item if isinstance(item, HandlerRequest) else HandlerRequest({RAW_FIELD: _raw(item)})
+            item
+            if isinstance(item, HandlerRequest)
+            else HandlerRequest({RAW_FIELD: _raw(item)}, {RAW_FIELD: {"content-type": ""}})
             for item in inputs[RAW_FIELD].reshape(-1)
         ]
         array = np.empty(len(items), dtype=np.object_)

@@ -24,6 +24,7 @@ from nograd.grpc import frames as h2
 from nograd.grpc.failures import client_message
 from nograd.grpc.generated import grpc_service_pb2 as pb
 from nograd.grpc.server import SERVICE_NAME, GrpcServer
+from nograd.grpc.service import OPERATOR_RPCS
 from nograd.serving.core import Core
 from nograd.serving.errors import (
     HandlerFailed,
@@ -38,15 +39,17 @@ from tests.unit.conftest import FIXTURES
 
 KEY = "unit-grpc-key-0123456789"
 AUTH = (("authorization", f"Bearer {KEY}"),)
+INFERENCE_KEY = "unit-grpc-inference-key-0123"
 
 
 @contextlib.asynccontextmanager
 async def serving(tmp_path: Path, **settings: Any) -> AsyncIterator[str]:
-    """The gRPC front over a core serving the ``poison`` fixture model, with an API key; the
-    address to call."""
+    """The gRPC front over a core serving the ``poison`` fixture model, with an API key that is
+    an operator key too, and an inference-only key; the address to call."""
     repo = tmp_path / "repo"
     shutil.copytree(FIXTURES / "poison", repo / "poison")
-    core = Core(Settings(model_repository=repo, warmup=False, api_keys=KEY, **settings))
+    keys = {"api_keys": f"{KEY},{INFERENCE_KEY}", "operator_api_keys": KEY}
+    core = Core(Settings(model_repository=repo, warmup=False, **keys, **settings))
     async with front(core) as address:
         yield address
 
@@ -110,6 +113,38 @@ async def test_health_needs_a_key_exactly_when_http_s_does(tmp_path: Path) -> No
         health = health_pb2_grpc.HealthStub(channel)
         answer = await health.Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert answer.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_every_rpc_of_an_operator_group_is_gated() -> None:
+    """A new RPC that changes the server names its group, or this fails: none slips through
+    with an inference key."""
+    definition = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    operator_words = ("Repository", "SharedMemory", "Trace", "Log")
+    names = {m.name for m in definition.methods if any(w in m.name for w in operator_words)}
+    assert names == set(OPERATOR_RPCS)
+
+
+async def test_operator_rpcs_are_permission_denied_to_an_inference_key(tmp_path: Path) -> None:
+    inference = (("authorization", f"Bearer {INFERENCE_KEY}"),)
+    async with serving(tmp_path) as address, grpc.aio.insecure_channel(address) as channel:
+        for name in OPERATOR_RPCS:
+            method = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods_by_name[name]
+            request = getattr(pb, method.input_type.name)
+            response = getattr(pb, method.output_type.name)
+            call = stub(channel, name, request, response)
+            error = await refused(call, request(), metadata=inference)
+            assert error.code() == grpc.StatusCode.PERMISSION_DENIED, name
+            assert "This protocol is restricted, expecting an operator key" in (
+                error.details() or ""
+            )
+            assert INFERENCE_KEY not in (error.details() or "")
+        # The operator key opens them; the inference key still infers and reads metadata.
+        index = stub(
+            channel, "RepositoryIndex", pb.RepositoryIndexRequest, pb.RepositoryIndexResponse
+        )
+        assert (await index(pb.RepositoryIndexRequest(), metadata=AUTH, timeout=10)).models
+        ready = stub(channel, "ServerReady", pb.ServerReadyRequest, pb.ServerReadyResponse)
+        assert (await ready(pb.ServerReadyRequest(), metadata=inference, timeout=10)).ready
 
 
 async def test_model_ready_answers_as_triton_does_and_needs_a_key(tmp_path: Path) -> None:

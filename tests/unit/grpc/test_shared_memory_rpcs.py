@@ -56,7 +56,7 @@ async def test_regions_are_their_callers_own_over_grpc(tmp_path: Path, shm_objec
     repo = tmp_path / "repo"
     shutil.copytree(FIXTURES / "poison", repo / "poison")
     settings = Settings(
-        model_repository=repo, warmup=False, api_keys=SecretStr("alice-key,bob-key")
+        model_repository=repo, warmup=False, operator_api_keys=SecretStr("alice-key,bob-key")
     )
     core = Core(settings)
     async with front(core) as address, grpc.aio.insecure_channel(address) as channel:

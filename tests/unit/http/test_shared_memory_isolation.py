@@ -28,6 +28,8 @@ from tests.unit.conftest import FIXTURES
 X = np.array([[1.5, 2.5]], dtype=np.float32)
 ALICE = {"authorization": "Bearer alice-key"}
 BOB = {"authorization": "Bearer bob-key"}
+CAROL = {"authorization": "Bearer carol-key"}
+"""An inference key: shared-memory routes are operator keys' (403), and no region is hers."""
 
 
 @contextlib.asynccontextmanager
@@ -71,7 +73,8 @@ def _request(region: str) -> dict[str, Any]:
 
 async def test_a_region_is_its_callers_own(tmp_path: Path, shm_object: tuple[str, Path]) -> None:
     key, path = shm_object
-    async with serving(tmp_path, api_keys=SecretStr("alice-key,bob-key")) as client:
+    keys = {"api_keys": SecretStr("carol-key"), "operator_api_keys": SecretStr("alice-key,bob-key")}
+    async with serving(tmp_path, **keys) as client:
         body = {"key": key, "offset": 0, "byte_size": 16}
         register = "/v2/systemsharedmemory/region/r/register"
         answer = await client.post(register, json=body, headers=ALICE)
@@ -88,7 +91,11 @@ async def test_a_region_is_its_callers_own(tmp_path: Path, shm_object: tuple[str
         used = await client.post("/v2/models/poison/infer", json=_request("r"), headers=BOB)
         assert used.status_code == 404, used.text
         assert used.json()["error"] == "Unable to find shared memory region: 'r'"
-        assert _output_bytes(path) == bytes(8)  # nothing written through Bob's request
+        assert _output_bytes(path) == bytes(8)
+        inferred = await client.post("/v2/models/poison/infer", json=_request("r"), headers=CAROL)
+        assert inferred.status_code == 404, inferred.text
+        listed = await client.get("/v2/systemsharedmemory/status", headers=CAROL)
+        assert listed.status_code == 403  # nothing written through Bob's request
         for route in ("region/r/unregister", "unregister"):
             gone = await client.post(f"/v2/systemsharedmemory/{route}", headers=BOB)
             assert gone.status_code == 200

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from nograd.observability.log_settings import LogSettings
 from nograd.observability.logs import LOG_FORMAT_ENV, resolve_format, setup_logging
 
 
@@ -179,3 +180,39 @@ def test_format_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_bad_level_is_named() -> None:
     with pytest.raises(ValueError, match="'loud'"):
         setup_logging("loud", "json", io.StringIO())
+
+
+KEY = "s3cret-key-0123"
+
+
+@pytest.mark.parametrize("log_format", ["json", "text"])
+def test_credentials_are_redacted_from_every_line(log_format: str) -> None:
+    """Whatever a line carries (a header logged by a library, an extra, an exception), no
+    credential reaches the log: header values, schemes' tokens and configured keys."""
+    stream = io.StringIO()
+    setup_logging("debug", log_format, stream, keys=["other-key", KEY, "ab"])
+    log = logging.getLogger("nograd.test")
+    log.debug("Decoded (b'authorization', b'Bearer %s'), consumed 1", KEY)
+    log.info("headers %s", {"Authorization": "Basic dXNlcjpwYXNz", "x-api-key": "zz-9"})
+    log.info("got it", extra={"token": KEY})
+    try:
+        raise ValueError(f"bad key {KEY}")
+    except ValueError:
+        log.exception("failed")
+    text = stream.getvalue()
+    for secret in (KEY, "dXNlcjpwYXNz", "zz-9"):
+        assert secret not in text, text
+    assert text.count("[redacted]") >= 5
+    assert "ab" in text  # too short to look for everywhere: ordinary text stays readable
+
+
+def test_transport_loggers_stay_at_warning_whatever_the_level() -> None:
+    """hpack logs every decoded header, ``authorization`` included, at debug level."""
+    stream = io.StringIO()
+    setup_logging("debug", "json", stream)
+    for name in ("hpack.hpack", "hpack.table", "h11", "httpcore.http11", "uvicorn.asgi"):
+        logging.getLogger(name).debug("Decoded (b'authorization', b'Bearer %s')", KEY)
+        assert not logging.getLogger(name).isEnabledFor(logging.INFO)
+    LogSettings("json").update({"log_verbose_level": 1})  # Triton's logging extension
+    logging.getLogger("hpack.hpack").debug("Decoded %s", KEY)
+    assert stream.getvalue() == ""

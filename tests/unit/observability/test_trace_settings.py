@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,61 @@ def test_the_trace_file_is_triton_s_json(tmp_path: Path) -> None:
     head = {"id": trace.id, "model_name": "m", "model_version": 3, "request_id": "req-1"}
     assert entries[0] == head
     assert [e["timestamps"][0]["name"] for e in entries[1:]] == ["REQUEST_START", "REQUEST_END"]
+
+
+def _traced(tracer: Tracer, count: int, settle: TraceFile | None = None) -> None:
+    """``count`` sampled requests; with ``settle``, each waits until that file's writer is idle
+    (a disk that keeps up)."""
+    for number in range(count):
+        trace = tracer.begin("m", f"req-{number}", None)
+        assert trace is not None
+        tracer.end(trace)
+        if settle is not None:
+            settle._writer.submit(lambda: None).result()
+
+
+def test_indexed_trace_files_rotate_keeping_the_newest(tmp_path: Path) -> None:
+    """A client that sets ``log_frequency`` 1 makes a file per trace: only the newest
+    ``max_files`` stay on disk."""
+    sink = TraceFile(tmp_path / "t.json", max_files=3)
+    setting = TraceSetting(level="TIMESTAMPS", rate=1, log_frequency=1)
+    tracer = Tracer(TraceSettings(setting), sink)
+    _traced(tracer, 10)
+    tracer.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json.7", "t.json.8", "t.json.9"]
+    assert json.loads((tmp_path / "t.json.9").read_text())[0]["request_id"] == "req-9"
+
+
+def test_held_traces_go_to_a_file_at_the_byte_bound(tmp_path: Path) -> None:
+    """With ``log_frequency`` 0 Triton holds every trace until the server stops; here they go
+    to the next indexed file once their bytes reach the bound, and no file passes it by more
+    than one trace."""
+    sink = TraceFile(tmp_path / "t.json", max_file_bytes=4096, max_files=100)
+    tracer = Tracer(TraceSettings(TraceSetting(level="TIMESTAMPS", rate=1)), sink)
+    _traced(tracer, 100, settle=sink)
+    tracer.close()
+    assert sink.dropped == 0
+    files = sorted(tmp_path.iterdir())
+    assert len(files) > 1 and all(p.name.startswith("t.json.") for p in files)
+    sizes = [p.stat().st_size for p in files]
+    assert max(sizes) < 4096 + 512, sizes
+    written = [e for p in files for e in json.loads(p.read_text()) if "model_name" in e]
+    assert len(written) == 100
+
+
+def test_traces_past_a_stuck_writer_are_dropped_and_counted(tmp_path: Path) -> None:
+    sink = TraceFile(tmp_path / "t.json", max_file_bytes=4096, max_files=1000)
+    setting = TraceSetting(level="TIMESTAMPS", rate=1, log_frequency=1)
+    tracer = Tracer(TraceSettings(setting), sink)
+    stuck = threading.Event()
+    sink._writer.submit(stuck.wait)  # the disk stalls
+    _traced(tracer, 200)
+    assert sink.dropped > 150
+    assert sink._pending_bytes <= 4096
+    stuck.set()
+    tracer.close()
+    written = [e for p in tmp_path.iterdir() for e in json.loads(p.read_text())]
+    assert len([e for e in written if "model_name" in e]) == 200 - sink.dropped
 
 
 async def _step(model: str, nested: tuple[str, ...] = ()) -> None:

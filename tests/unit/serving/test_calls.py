@@ -13,11 +13,13 @@ from nograd.grpc.failures import CODES
 from nograd.grpc.rpc import Code
 from nograd.http.errors import status_of
 from nograd.observability.metrics import UNKNOWN_MODEL, Metrics
+from nograd.serving.access import MODEL_REPOSITORY, SHARED_MEMORY, TRACE, Access
 from nograd.serving.calls import Calls
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.errors import (
     ControlRefused,
     Draining,
+    Forbidden,
     InferenceFailed,
     InvalidInput,
     Kind,
@@ -58,6 +60,49 @@ def test_keys_are_checked_and_refusals_counted_without_the_key() -> None:
         calls.authorize(["Basic k-one"], "http", None)
     assert rejected(calls, "unauthorized") == 4
     calls_with().authorize([], "http", None)  # no keys configured: every call passes
+
+
+def test_operator_groups_take_operator_keys_only() -> None:
+    metrics = Metrics()
+    plane = DataPlane(Settings(), metrics)
+    access = Access(("infer-key",), ("operator-key",), (MODEL_REPOSITORY, TRACE))
+    calls = Calls(plane, metrics, access)
+    calls.authorize(["Bearer operator-key"], "http", None)  # an operator key opens every route
+    calls.authorize(["Bearer operator-key"], "grpc", None, MODEL_REPOSITORY)
+    calls.authorize(["Bearer infer-key"], "http", None, SHARED_MEMORY)  # not an operator group
+    with pytest.raises(Forbidden, match=r"This API is restricted.*the model-repository API"):
+        calls.authorize(["Bearer infer-key"], "http", None, MODEL_REPOSITORY)
+    with pytest.raises(Forbidden, match=r"This protocol is restricted.*the trace API"):
+        calls.authorize(["Bearer infer-key"], "grpc", None, TRACE)
+    with pytest.raises(Unauthenticated, match="missing API key"):  # no key: 401 first
+        calls.authorize([], "http", None, TRACE)
+    assert rejected(calls, "forbidden") == 2 and rejected(calls, "unauthorized") == 1
+    assert kind_of(Forbidden("x")) is Kind.FORBIDDEN
+    assert (status_of(Forbidden("x")), CODES[Kind.FORBIDDEN]) == (403, Code.PERMISSION_DENIED)
+
+
+def test_without_operator_keys_the_operator_groups_are_refused_to_every_key() -> None:
+    api_only = Access(("infer-key",), (), (MODEL_REPOSITORY,))
+    with pytest.raises(Forbidden, match="none is configured \\(NOGRAD_OPERATOR_API_KEYS\\)"):
+        api_only.check(["Bearer infer-key"], "http", MODEL_REPOSITORY)
+    api_only.check(["Bearer infer-key"], "http", None)
+    # Operator keys alone guard their groups only; no keys at all: every route is open.
+    operator_only = Access((), ("operator-key",), (MODEL_REPOSITORY,))
+    operator_only.check([], "http", None)
+    with pytest.raises(Unauthenticated):
+        operator_only.check([], "http", MODEL_REPOSITORY)
+    Access((), (), (MODEL_REPOSITORY,)).check([], "http", MODEL_REPOSITORY)
+    # No operator group: API keys open every route, as before operator keys existed.
+    Access(("infer-key",), (), ()).check(["Bearer infer-key"], "grpc", MODEL_REPOSITORY)
+
+
+def test_a_caller_is_an_opaque_id_of_its_key() -> None:
+    access = Access(("infer-key",), ("operator-key",), (MODEL_REPOSITORY,))
+    one, other = access.caller(["Bearer infer-key"]), access.caller(["Bearer operator-key"])
+    assert len(one) == 16 and one != other and "infer" not in one
+    # The same in every worker: it depends on the key alone.
+    assert Access(("infer-key",)).caller([b"bearer infer-key"]) == one
+    assert access.caller(["Bearer wrong"]) == access.caller([]) == ""
 
 
 def test_admission_refuses_past_the_bound_and_counts_the_reason() -> None:
