@@ -127,7 +127,8 @@ class Calls:
         """Samples requests for Triton's trace extension (off unless set)."""
         self._keys = tuple(key.encode() for key in api_keys)
         self._on_demand = on_demand
-        self.sequences = Sequences(plane.settings.max_sequences)
+        settings = plane.settings
+        self.sequences = Sequences(settings.max_sequences, settings.max_sequence_id_bytes)
         """The sequences under way of the sequence models."""
 
     @property

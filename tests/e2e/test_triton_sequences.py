@@ -201,6 +201,21 @@ def test_an_unknown_sequence_without_start_is_refused_in_triton_s_words(
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_string_id_over_the_bound_is_refused_and_not_echoed_whole(
+    server: Server, protocol: str
+) -> None:
+    """A 1 MiB string id (NOGRAD_MAX_SEQUENCE_ID_BYTES is 256): 400 naming the bound, with an
+    answer that quotes only its start."""
+    client = _client(server, protocol)
+    with pytest.raises(InferenceServerException) as refused:
+        _send(client, "accumulator", 1, "s" * (1 << 20), sequence_start=True)
+    assert refused.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
+    message = str(refused.value)
+    assert "longer than the 256 bytes a sequence id may have" in message
+    assert "NOGRAD_MAX_SEQUENCE_ID_BYTES" in message and len(message) < 1024
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_an_idle_sequence_is_released(server: Server, protocol: str) -> None:
     client = _client(server, protocol)
     sequence_id = 301 if protocol == "http" else 302
