@@ -235,6 +235,10 @@ def test_a_load_override_changes_batching_and_queueing_only(tmp_path: Path) -> N
             error = answer.json()["error"]
             (field,) = fields
             assert f"{field!r} cannot be overridden" in error and "max_batch_size" in error
+        for field, bound in (("max_queue_size", 65536), ("max_batch_tokens", 1 << 20)):
+            answer = load({field: 10**15})
+            assert answer.status_code == 400, answer.text
+            assert f"{field!r} must be a whole number from 1 to {bound}" in answer.json()["error"]
         assert not outside.exists()
         assert sorted(cache.iterdir()) == built
         index = httpx.post(f"{server.url}/v2/repository/index", timeout=10).json()
