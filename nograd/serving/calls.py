@@ -33,7 +33,6 @@ from nograd.serving.errors import (
     HandlerFailed,
     InvalidInput,
     Kind,
-    LoadTooSlow,
     ModelNotFound,
     Unauthenticated,
     is_server_fault,
@@ -169,7 +168,7 @@ class Calls:
         call.held_models = self._on_demand.hold(name)
         try:
             await self._on_demand.ensure(call.held_models, self._time_left_s(call))
-        except LoadTooSlow as exc:
+        except QueueFull as exc:  # LoadTooSlow, TooManyLoads
             self.metrics.rejected.labels(UNKNOWN_MODEL, exc.reason).inc()
             raise
 
