@@ -275,7 +275,7 @@ class Settings(BaseSettings):
 
     max_sequence_id_bytes: int = Field(default=256, ge=1, le=65536)
     """Longest string sequence id (correlation id, UTF-8 bytes) a request may name; a longer
-    one gets 400. Triton sets no bound; nograd keeps each id as long as its sequence lives."""
+    one gets 400. Triton documents no bound; nograd keeps each id as long as its sequence lives."""
 
     drain_timeout_s: float = Field(default=30.0, ge=0)
     """On SIGTERM, how long accepted requests may take to finish before the process exits."""
