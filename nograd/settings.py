@@ -100,7 +100,7 @@ class Settings(BaseSettings):
     models could make room for waits, within the room wait (``max_queue_wait_s``), for their
     grace to pass, and past it is refused 503; 0: least recently used, however recently."""
 
-    max_pending_loads: int = Field(default=4, ge=1, le=1024)
+    max_pending_loads: int = Field(default=8, ge=1, le=1024)
     """Under ``model_control = on_demand``: most loads of different models one worker keeps
     under way or waiting their turn (they run one at a time); a request needing one more gets
     503 with Retry-After the time the loads ahead are expected to take."""
