@@ -115,15 +115,18 @@ class Sequences:
     def check_id(self, request: SequenceRequest) -> None:
         """Refuse (400 naming the bound) a string id longer than ``max_id_bytes`` in UTF-8,
         before any book keeps it; the refusal quotes only its start."""
-        given = request.id
-        if not isinstance(given, str):
-            return
-        # More characters than the bound is more bytes too: a huge id is never encoded.
-        if len(given) > self.max_id_bytes or len(given.encode()) > self.max_id_bytes:
+        if not self._id_fits(request):
             raise InvalidInput(
                 f"parameter 'sequence_id' is longer than the {self.max_id_bytes} bytes a "
-                f"sequence id may have (NOGRAD_MAX_SEQUENCE_ID_BYTES): got {shown(given)}"
+                f"sequence id may have (NOGRAD_MAX_SEQUENCE_ID_BYTES): got {shown(request.id)}"
             )
+
+    def _id_fits(self, request: SequenceRequest) -> bool:
+        given = request.id
+        # More characters than the bound is more bytes too: a huge id is never encoded.
+        return not isinstance(given, str) or (
+            len(given) <= self.max_id_bytes and len(given.encode()) <= self.max_id_bytes
+        )
 
     def book(self, model: ServedModel) -> SequenceBook:
         sequence = model.config.sequence
@@ -162,9 +165,8 @@ class Sequences:
         """A place for ``request`` among its sequence's requests, in the order it arrived, for
         a front that reads requests before serving them side by side (a gRPC stream); None
         where the model or the request has no sequence. Given up with ``Place.leave``."""
-        if model.config.sequence is None or not request.id:
-            return None
-        self.check_id(request)
+        if model.config.sequence is None or not request.id or not self._id_fits(request):
+            return None  # an id over the bound takes no place: ``infer`` refuses it
         return self.book(model).take_place(request.id)
 
     async def infer(

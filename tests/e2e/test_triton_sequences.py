@@ -314,3 +314,33 @@ def test_a_stream_keeps_a_sequence_s_order_when_its_first_request_is_decoded_in_
     for rounds in range(3):
         first = 4000 + rounds
         assert [seen[f"{first}-{index}"] for index in range(3)] == [200_000, 200_001, 200_003]
+
+
+def test_a_stream_refuses_an_over_long_id_and_serves_on(server: Server) -> None:
+    """On one ModelStreamInfer stream, a request whose string id passes the bound is answered
+    with its 400 and takes no place; the stream's next request is served."""
+    assert server.grpc_address is not None
+    client = triton_grpc.InferenceServerClient(server.grpc_address)
+    answers: Queue[tuple[Any, Any]] = Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        for index, sequence_id in enumerate(("q" * 4096, 4100)):
+            tensor = triton_grpc.InferInput("INPUT", [1, 1], "INT32")
+            tensor.set_data_from_numpy(np.ones((1, 1), np.int32))
+            client.async_stream_infer(
+                "lengths",
+                [tensor],
+                request_id=str(index),
+                sequence_id=sequence_id,
+                sequence_start=True,
+                sequence_end=True,
+            )
+        got = [answers.get(timeout=60) for _ in range(2)]
+    finally:
+        client.stop_stream()
+        client.close()
+    errors = [str(error) for _, error in got if error is not None]
+    assert len(errors) == 1 and "NOGRAD_MAX_SEQUENCE_ID_BYTES" in errors[0], errors
+    assert len(errors[0]) < 1024
+    (served,) = [result for result, error in got if error is None]
+    assert int(served.as_numpy("SEEN")[0, 0]) == 1
