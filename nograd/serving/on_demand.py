@@ -1,28 +1,14 @@
 """Models loaded on their first request and evicted by memory (``NOGRAD_MODEL_CONTROL=on_demand``).
 
-A request for a model of the repository that is not resident holds it, waits for its one load
-(however many requests wait, they share it), then is served. Before a load, resident models are
-evicted least recently used first until the model's expected bytes (what it measured when last
-resident, else the size of its files) fit in the limit, and then the height its load is
-expected to rise to, as far as evicting models (waiting for requests on them) allows; after it,
-what it measured counts. On CPU what a load adds to the process's resident memory is measured,
-and batches share what the resident models leave of the limit. A model a request holds is never
-evicted, nor one asked for within the grace period (``NOGRAD_EVICTION_GRACE_MS``): a load that
-only such models could make room for waits for them within the room wait, then is refused (503),
-so a client cycling through cold models slows its own loads rather than a model in steady use.
-One larger than the whole limit is refused (507); a load that fails answers every waiter with
-its error and is not tried again until its files change. At most ``NOGRAD_MAX_PENDING_LOADS``
-loads of different models are under way or waiting their turn; a request needing one more is
-refused at once (503, Retry-After the time of the loads ahead).
-
-A request whose deadline is shorter than what its model's last load took is refused at once
-(503, Retry-After that time) while the load goes on; with no load measured yet, it waits, its
-deadline still counting from its arrival.
-
-A request for an ensemble holds its step models (nested ones' included) too, for its whole
-life, and loads those that are not resident, each on its own account, before the ensemble.
-
-Each worker process keeps a resident set of its own within an equal part of the limit.
+A request for a model that is not resident holds it and waits for its one load (waiters share
+it). Before a load, models are evicted least recently used first until the model's expected
+bytes, then its load's expected height, fit in the limit; a model a request holds, or one asked
+for within ``NOGRAD_EVICTION_GRACE_MS``, is never evicted, so a client cycling through cold
+models slows its own loads rather than a model in steady use (it waits within the room wait,
+then 503). At most ``NOGRAD_MAX_PENDING_LOADS`` loads are under way or waiting (503 past it); a
+request whose deadline is shorter than its model's last load is refused at once (503). An
+ensemble's request holds and loads its step models too. Each worker keeps a resident set of its
+own within an equal part of the limit; docs/residency.md has the whole account.
 """
 
 from __future__ import annotations
@@ -184,8 +170,7 @@ class OnDemand:
         return last
 
     def _start_load(self, name: str) -> None:
-        """Begin loading ``name`` unless it is resident, loading, or not in the repository;
-        ``TooManyLoads`` when ``max_pending_loads`` loads are under way or waiting already."""
+        """Begin loading ``name`` unless resident or loading (``TooManyLoads`` past the cap)."""
         model = self._registry.models.get(name)
         if (model is not None and model.ready) or name in self._loads:
             return
