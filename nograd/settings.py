@@ -97,6 +97,17 @@ class Settings(BaseSettings):
     400 naming the cap, before it reads a weight. Unset: no cap beyond the repository's
     versions."""
 
+    eviction_grace_ms: float = Field(default=1000.0, ge=0.0, le=3_600_000.0)
+    """Under ``model_control = on_demand``: a model asked for within this time (from its last
+    request's arrival or answer) is not evicted to make room for another. A load that only such
+    models could make room for waits, within the room wait (``max_queue_wait_s``), for their
+    grace to pass, and past it is refused 503; 0: least recently used, however recently."""
+
+    max_pending_loads: int = Field(default=8, ge=1, le=1024)
+    """Under ``model_control = on_demand``: most loads of different models one worker keeps
+    under way or waiting their turn (they run one at a time); a request needing one more gets
+    503 with Retry-After the time the loads ahead are expected to take."""
+
     model_uploads: bool = False
     """With ``model_control = explicit``: load calls may carry the model's files (Triton's
     ``file:`` load parameters, with its config as ``config``), served in place of the
@@ -285,6 +296,10 @@ class Settings(BaseSettings):
     leading ``/`` is ignored), so clients can register only objects made for the server
     (``nograd_`` for instance); empty: any object in /dev/shm the server may open. A key
     outside it gets the same answer as a missing object."""
+
+    max_sequence_id_bytes: int = Field(default=256, ge=1, le=65536)
+    """Longest string sequence id (correlation id, UTF-8 bytes) a request may name; a longer
+    one gets 400. Triton documents no bound; nograd keeps each id as long as its sequence lives."""
 
     drain_timeout_s: float = Field(default=30.0, ge=0)
     """On SIGTERM, how long accepted requests may take to finish before the process exits."""

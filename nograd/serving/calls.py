@@ -35,7 +35,6 @@ from nograd.serving.errors import (
     HandlerFailed,
     InvalidInput,
     Kind,
-    LoadTooSlow,
     ModelNotFound,
     Unauthenticated,
     is_server_fault,
@@ -126,7 +125,8 @@ class Calls:
         self.access = access if isinstance(access, Access) else Access(access)
         """The keys calls must carry, and the API groups only operator keys open."""
         self._on_demand = on_demand
-        self.sequences = Sequences(plane.settings.max_sequences)
+        settings = plane.settings
+        self.sequences = Sequences(settings.max_sequences, settings.max_sequence_id_bytes)
         """The sequences under way of the sequence models."""
 
     @property
@@ -202,7 +202,7 @@ class Calls:
         call.held_models = self._on_demand.hold(name)
         try:
             await self._on_demand.ensure(call.held_models, self._time_left_s(call))
-        except LoadTooSlow as exc:
+        except QueueFull as exc:  # LoadTooSlow, TooManyLoads
             self.metrics.rejected.labels(UNKNOWN_MODEL, exc.reason).inc()
             raise
 

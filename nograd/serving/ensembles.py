@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Final
 
 import numpy as np
@@ -44,13 +44,35 @@ def step_model(registry: ModelRegistry, step: EnsembleStep) -> ServedModel | Non
 
 
 def waiting_for(registry: ModelRegistry, config: ModelConfig) -> str | None:
-    """Why the ensemble is not ready (the first step model not ready), or None."""
+    """Why the ensemble is not ready (the first step model not ready, a nested ensemble's own
+    steps counted), or None."""
+    visited: set[tuple[str, str]] = set()
     for step in config.steps:
-        model = step_model(registry, step)
-        if model is None or not model.ready:
+        if not _serving(registry, step, visited):
             version = "" if step.version is None else f" version {step.version}"
             return f"its step model '{step.model}'{version} is not ready"
     return None
+
+
+def _serving(registry: ModelRegistry, step: EnsembleStep, visited: set[tuple[str, str]]) -> bool:
+    """Whether ``step``'s model serves, a nested ensemble's steps with it. Walked with a visited
+    set, not by recursion: ensembles that came to contain each other (refused at load,
+    ``check_ensemble``) answer, never raise."""
+    pending = [step]
+    while pending:
+        model = step_model(registry, pending.pop())
+        if model is None:
+            return False
+        if model.waiting_for is None:
+            if not model.ready:
+                return False
+            continue
+        if model.state is not State.READY:
+            return False
+        if (model.name, model.version) not in visited:
+            visited.add((model.name, model.version))
+            pending.extend(model.config.steps)
+    return True
 
 
 # ---------------------------------------------------------------------------------- load checks
@@ -77,7 +99,7 @@ def check_ensemble(
     """Triton's load-time refusal of an ensemble, or None when its steps fit their models."""
     config = model.config
     name = config.name
-    cycle = _cycle(registry, name)
+    cycle = _cycle(registry, config)
     if cycle is not None:
         return cycle
     missing = sorted({s.model for s in config.steps if not in_repository(s.model)})
@@ -122,16 +144,22 @@ def settle(registry: ModelRegistry, model: ServedModel, known: Callable[[str], b
     return True
 
 
-def _cycle(registry: ModelRegistry, start: str) -> str | None:
-    """Triton's refusal of ensembles that contain each other."""
+def _cycle(registry: ModelRegistry, candidate: ModelConfig) -> str | None:
+    """Triton's refusal of ensembles that contain each other, for ``candidate`` as it would
+    serve: its own steps from its config (a reload may turn a served model into an ensemble),
+    every other model's from the versions served."""
+    start = candidate.name
 
     def steps_of(name: str) -> list[str]:
+        if name == start:
+            return sorted({s.model for s in candidate.steps})
         versions = registry.versions.get(name, {})
         return sorted({s.model for m in versions.values() for s in m.config.steps})
 
     seen: set[str] = set()
-
-    def visit(current: str) -> str | None:
+    pending = [start]
+    while pending:
+        current = pending.pop()
         for upstream in steps_of(current):
             if upstream == start:
                 return (
@@ -139,12 +167,8 @@ def _cycle(registry: ModelRegistry, start: str) -> str | None:
                 )
             if upstream not in seen:
                 seen.add(upstream)
-                found = visit(upstream)
-                if found is not None:
-                    return found
-        return None
-
-    return visit(start)
+                pending.append(upstream)
+    return None
 
 
 def _dependency(registry: ModelRegistry, name: str, step: EnsembleStep) -> str | None:
@@ -249,15 +273,24 @@ def composing(
     configs: list[ModelConfig], seen: set[str], read: Callable[[str], list[ModelConfig] | None]
 ) -> list[str]:
     """The step models of ``configs`` and of the ensembles among them (their configs as
-    ``read`` finds them on disk, None: not readable), each after its own step models; a cycle
-    stops at the models already ``seen``."""
+    ``read`` finds them on disk, None: not readable), each once, after its own step models; a
+    cycle stops at the models already ``seen``. Walked with a stack, however deep the nesting."""
+
+    def steps_of(found: list[ModelConfig] | None) -> Iterator[str]:
+        return iter(sorted({s.model for config in found or () for s in config.steps} - seen))
+
     ordered: list[str] = []
-    for step in sorted({s.model for config in configs for s in config.steps} - seen):
-        seen.add(step)
-        nested = read(step)
-        if nested is not None:
-            ordered.extend(composing(nested, seen, read))
-        ordered.append(step)
+    stack: list[tuple[str | None, Iterator[str]]] = [(None, steps_of(configs))]
+    while stack:
+        name, left = stack[-1]
+        step = next(left, None)
+        if step is None:
+            stack.pop()
+            if name is not None:
+                ordered.append(name)
+        elif step not in seen:
+            seen.add(step)
+            stack.append((step, steps_of(read(step))))
     return ordered
 
 

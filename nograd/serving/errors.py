@@ -113,7 +113,15 @@ class LoadTooSlow(QueueFull):
 
 
 class NoRoomNow(ModelNotReady):
-    """An on-demand load would fit once requests in flight on other models are answered."""
+    """An on-demand load would fit once requests in flight on other models are answered and
+    their grace after their last request (``NOGRAD_EVICTION_GRACE_MS``) has passed."""
+
+
+class TooManyLoads(QueueFull):
+    """As many on-demand loads as a worker takes (``NOGRAD_MAX_PENDING_LOADS``) are under way
+    or waiting their turn: refused at once, with Retry-After the time those ahead take."""
+
+    reason = "loads_pending"
 
 
 class Draining(ModelNotReady):

@@ -1,23 +1,14 @@
 """Models loaded on their first request and evicted by memory (``NOGRAD_MODEL_CONTROL=on_demand``).
 
-A request for a model of the repository that is not resident holds it, waits for its one load
-(however many requests wait, they share it), then is served. Before a load, resident models are
-evicted least recently used first until the model's expected bytes (what it measured when last
-resident, else the size of its files) fit in the limit, and then the height its load is
-expected to rise to, as far as evicting models (waiting for requests on them) allows; after it,
-what it measured counts. On CPU what a load adds to the process's resident memory is measured,
-and batches share what the resident models leave of the limit. A model a request holds is never
-evicted; one larger than the whole limit is refused (507); a load
-that fails answers every waiter with its error and is not tried again until its files change.
-
-A request whose deadline is shorter than what its model's last load took is refused at once
-(503, Retry-After that time) while the load goes on; with no load measured yet, it waits, its
-deadline still counting from its arrival.
-
-A request for an ensemble holds its step models (nested ones' included) too, for its whole
-life, and loads those that are not resident, each on its own account, before the ensemble.
-
-Each worker process keeps a resident set of its own within an equal part of the limit.
+A request for a model that is not resident holds it and waits for its one load (waiters share
+it). Before a load, models are evicted least recently used first until the model's expected
+bytes, then its load's expected height, fit in the limit; a model a request holds, or one asked
+for within ``NOGRAD_EVICTION_GRACE_MS``, is never evicted, so a client cycling through cold
+models slows its own loads rather than a model in steady use (it waits within the room wait,
+then 503). At most ``NOGRAD_MAX_PENDING_LOADS`` loads are under way or waiting (503 past it); a
+request whose deadline is shorter than its model's last load is refused at once (503). An
+ensemble's request holds and loads its step models too. Each worker keeps a resident set of its
+own within an equal part of the limit; docs/residency.md has the whole account.
 """
 
 from __future__ import annotations
@@ -48,6 +39,7 @@ from nograd.serving.errors import (
     LoadTooSlow,
     ModelNotFound,
     NoRoomNow,
+    TooManyLoads,
 )
 from nograd.serving.registry import LOADING_ON_DEMAND, NOT_LOADED_YET, ServedModel
 from nograd.serving.repository import files_bytes, find_source, holds_model
@@ -84,7 +76,10 @@ class OnDemand:
         self._registry = plane.registry
         self._plane = plane
         self._metrics = metrics
-        self.residency = Residency(process_limit(settings))
+        self.residency = Residency(
+            process_limit(settings), grace_s=settings.eviction_grace_ms / 1e3
+        )
+        self._max_pending_loads = settings.max_pending_loads
         self._room_wait_s = settings.max_queue_wait_s or ROOM_WAIT_S
         self._counts_rss = resolve_device("auto").type == "cpu"
         """On CPU a model holds what its load added to the process's resident memory (an
@@ -146,7 +141,8 @@ class OnDemand:
             expected = sum(self._expected_load_s(name) for name in order)
             if expected > time_left_s:
                 for name in order:
-                    self._start_load(name)
+                    with contextlib.suppress(TooManyLoads):  # refused below all the same
+                        self._start_load(name)
                 raise LoadTooSlow(
                     f"model {held[0]!r} is not resident and loading it is expected to take "
                     f"{expected:.1f}s (its last load), more than the {max(time_left_s, 0):.1f}s "
@@ -174,12 +170,20 @@ class OnDemand:
         return last
 
     def _start_load(self, name: str) -> None:
-        """Begin loading ``name`` unless it is resident, loading, or not in the repository."""
+        """Begin loading ``name`` unless resident or loading (``TooManyLoads`` past the cap)."""
         model = self._registry.models.get(name)
         if (model is not None and model.ready) or name in self._loads:
             return
         if not holds_model(self._root, name, self._store):
             return
+        if len(self._loads) >= self._max_pending_loads:
+            ahead = sum(self._expected_load_s(loading) for loading in self._loads)
+            raise TooManyLoads(
+                f"model {name!r} is not resident and {len(self._loads)} loads are under way or "
+                f"waiting their turn in this worker, the most it takes "
+                f"(NOGRAD_MAX_PENDING_LOADS); retry once they are done",
+                retry_after_s=max(1.0, ahead),
+            )
         task = asyncio.create_task(self._load(name), name=f"load-{name}")
         self._loads[name] = task
         self._load_started[name] = time.perf_counter()
@@ -298,7 +302,8 @@ class OnDemand:
 
     async def _make_room(self, name: str, needed: int) -> None:
         """Evict until ``needed`` bytes fit for ``name``, waiting (within the wait bound) for
-        requests on the models that must go; ``LargerThanLimit`` or ``NoRoomNow`` else."""
+        requests on the models that must go and for their grace to pass; ``LargerThanLimit``
+        or ``NoRoomNow`` else."""
         deadline = time.monotonic() + self._room_wait_s
         while True:
             try:
@@ -307,9 +312,7 @@ class OnDemand:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise
-                self._released.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._released.wait(), remaining)
+                await self._wait_for_room(name, remaining)
                 continue
             evicted = [await self._evict(victim, "memory") for victim in victims]
             if all(evicted):
@@ -327,11 +330,21 @@ class OnDemand:
             remaining = deadline - time.monotonic()
             if not self.residency.short_of(name, height) or remaining <= 0:
                 return
-            if not self._releasable(name):
+            if self.residency.grace_s > 0 or not self._releasable(name):
+                # A model answered is kept by its grace: not waited for, for a passing peak.
                 return
             self._released.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._released.wait(), remaining)
+
+    async def _wait_for_room(self, name: str, longest_s: float) -> None:
+        """Wait, at most ``longest_s``, until a request on another model is answered or the
+        grace that keeps another model (besides ``name``) from eviction ends."""
+        grace = self.residency.grace_ends_in(name)
+        wait_s = longest_s if grace is None else min(longest_s, grace + 0.001)
+        self._released.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._released.wait(), wait_s)
 
     def _releasable(self, name: str) -> bool:
         """Whether a resident model besides ``name`` is held by a request that can finish
@@ -383,7 +396,7 @@ class OnDemand:
         await asyncio.get_running_loop().run_in_executor(None, keep_warm, paths)
 
     def _idle(self, name: str) -> bool:
-        return not self.residency.held(name)
+        return not self.residency.kept(name)
 
     # ------------------------------------------------------------------ accounting
     def _measured(self, name: str) -> int:

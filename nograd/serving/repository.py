@@ -14,9 +14,9 @@ import json
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import Annotated, Final
 
-from pydantic import ValidationError
+from pydantic import Field, TypeAdapter, ValidationError
 
 from nograd.interop.triton import CONFIG_FILE as TRITON_CONFIG
 from nograd.interop.triton import is_triton_folder, read_triton
@@ -44,10 +44,17 @@ field chooses code, files, digests, the device or the model's identity (name, ve
 whoever may call the API must not choose: only the repository's files do."""
 
 
+OVERRIDE_BOUNDS: Final = {"max_queue_size": 65536, "max_batch_tokens": 1 << 20}
+"""The largest value a load call may give the overridable fields that have no bound of their
+own in a config: a caller of the API cannot size a model's queue or token batch without limit
+(``max_batch_size`` and ``max_queue_delay_ms`` are bounded by the config's own fields)."""
+
+
 def check_override(override: Override) -> None:
-    """Refuse an override that names a field outside ``OVERRIDABLE``, naming each one. Checked
-    where an override meets a config (``read_model``), so every way in (either front, a sibling
-    worker, the state a restarted worker reloads) is held to the same rule."""
+    """Refuse an override that names a field outside ``OVERRIDABLE`` (naming each one) or sets
+    a field past its ``OVERRIDE_BOUNDS`` (naming the field and the bound). Checked where an
+    override meets a config (``read_model``), so every way in (either front, a sibling worker,
+    the state a restarted worker reloads) is held to the same rule."""
     refused = sorted(str(key) for key in override if key not in OVERRIDABLE)
     if refused:
         fields = ", ".join(repr(key) for key in refused)
@@ -56,6 +63,15 @@ def check_override(override: Override) -> None:
             f"an override may change only {', '.join(OVERRIDABLE)} (the rest is set by the "
             "model's files in the repository)"
         )
+    for key, bound in OVERRIDE_BOUNDS.items():
+        if key in override and override[key] is not None:
+            try:
+                TypeAdapter(Annotated[int, Field(ge=1, le=bound)]).validate_python(override[key])
+            except ValidationError:
+                raise ConfigError(
+                    f"config override: field {key!r} must be a whole number from 1 to {bound} "
+                    "when a load call sets it"
+                ) from None
 
 
 @dataclass(frozen=True)

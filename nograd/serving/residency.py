@@ -3,7 +3,9 @@
 The policy alone, without torch or the event loop: what each resident model holds, when it was
 last asked for and whether a request holds it; which to evict, least recently used first (ties:
 the quickest to load again), so that a model to load fits. A model a request holds (queued,
-running, or still being read) and a pinned one are never chosen.
+running, or still being read), one asked for within the grace period (``grace_s``, from its
+last request's arrival or answer) and a pinned one are never chosen: a client cycling through
+cold models cannot evict a model in steady use between two of its requests.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class Residency:
 
     limit: int
     clock: Callable[[], float] = time.monotonic
+    grace_s: float = 0.0
+    """How long after its last request a model is not evicted (``NOGRAD_EVICTION_GRACE_MS``)."""
     resident: dict[str, Resident] = field(default_factory=dict)
     holds: dict[str, int] = field(default_factory=dict)
     """Requests holding each model (resident or not yet: a load waiting holds its model)."""
@@ -68,7 +72,9 @@ class Residency:
         self.touch(name)
 
     def release(self, name: str) -> bool:
-        """One request for ``name`` is answered; True when none holds it any more."""
+        """One request for ``name`` is answered (its grace starts again); True when none holds
+        it any more."""
+        self.touch(name)
         left = self.holds.get(name, 0) - 1
         if left > 0:
             self.holds[name] = left
@@ -78,6 +84,26 @@ class Residency:
 
     def held(self, name: str) -> bool:
         return self.holds.get(name, 0) > 0
+
+    def in_grace(self, name: str) -> bool:
+        """Whether ``name`` was asked for within the grace period."""
+        entry = self.resident.get(name)
+        return entry is not None and self.clock() - entry.last_used < self.grace_s
+
+    def kept(self, name: str) -> bool:
+        """Whether ``name`` may not be evicted now: a request holds it or it is in its grace."""
+        return self.held(name) or self.in_grace(name)
+
+    def grace_ends_in(self, name: str) -> float | None:
+        """Seconds until the first model besides ``name`` that only its grace keeps (not held,
+        not pinned) may be evicted; None when no model is kept by its grace alone."""
+        now = self.clock()
+        ends = [
+            r.last_used + self.grace_s - now
+            for r in self.resident.values()
+            if r.name != name and not r.pinned and not self.held(r.name) and self.in_grace(r.name)
+        ]
+        return max(0.0, min(ends)) if ends else None
 
     def admit(
         self,
@@ -116,7 +142,7 @@ class Residency:
         recently used first (ties: the quickest to load again); ``LargerThanLimit`` when even
         an empty set of evictable models leaves too little, ``NoRoomNow`` when requests hold
         the models that would have to go."""
-        return choose_victims(self.resident.values(), name, needed, self.limit, self.held)
+        return choose_victims(self.resident.values(), name, needed, self.limit, self.kept)
 
     def short_of(self, name: str, needed: int) -> bool:
         """Whether ``needed`` bytes (at most the limit) do not fit beside the other resident
@@ -129,7 +155,7 @@ class Residency:
     def idle_victims(self, name: str, needed: int) -> list[str]:
         """Like ``victims``, as far as idle models that are not pinned go: room for a load's
         passing peak, made where it can be without waiting (up to the whole limit)."""
-        evictable = [r for r in self.resident.values() if not r.pinned and not self.held(r.name)]
+        evictable = [r for r in self.resident.values() if not r.pinned and not self.kept(r.name)]
         free = self.limit - sum(r.bytes for r in self.resident.values() if r.name != name)
         chosen: list[str] = []
         for entry in sorted(evictable, key=lambda r: (r.last_used, r.load_seconds)):
@@ -148,7 +174,8 @@ def choose_victims(
     limit: int,
     held: Callable[[str], bool] = lambda _: False,
 ) -> list[str]:
-    """The pure rule behind ``Residency.victims``."""
+    """The pure rule behind ``Residency.victims``; ``held``: whether a model may not go now (a
+    request holds it, or its grace keeps it)."""
     others = [r for r in resident if r.name != name]
     pinned = sum(r.bytes for r in others if r.pinned)
     if needed + pinned > limit:
@@ -173,7 +200,8 @@ def choose_victims(
     if free < needed:
         raise NoRoomNow(
             f"model {name!r} needs {mib(needed)}; {mib(free)} of the memory limit of "
-            f"{mib(limit)} can be freed now, {mib(waiting)} more once requests in flight on "
-            "other models are answered"
+            f"{mib(limit)} can be freed now, {mib(waiting)} more once the other models in use "
+            "are idle (requests in flight answered, and NOGRAD_EVICTION_GRACE_MS after their "
+            "last request)"
         )
     return chosen

@@ -31,6 +31,10 @@ CHECK_IDLE_S: Final = 1.0
 """The longest wait between two looks for idle sequences; a model with a shorter idle time is
 looked at every idle time."""
 SHORTEST_CHECK_S: Final = 0.05
+LARGEST_INTEGER_ID: Final = 2**64 - 1
+"""Triton's correlation ids are uint64: a larger integer is refused, not kept as a key."""
+SHOWN_CHARS: Final = 64
+"""How much of a refused value an error quotes: never a client's whole (perhaps huge) value."""
 SequenceId = int | str
 Run = Callable[[SequenceStep], Awaitable[tuple[ServedModel, Outputs]]]
 """One inference of the request with its sequence's tensors added."""
@@ -52,22 +56,41 @@ class SequenceRequest:
 
 
 def sequence_request(parameters: Mapping[str, object]) -> SequenceRequest:
-    """The sequence parameters among a request's ``parameters``; an id must be a non-negative
-    integer or a string, the flags booleans."""
+    """The sequence parameters among a request's ``parameters``; an id must be an integer from
+    0 to 2^64-1 (Triton's uint64) or a string, the flags booleans. A string id's length is
+    checked by ``Sequences``, which knows the bound."""
     given_id = parameters.get("sequence_id", 0)
     if isinstance(given_id, bool) or not isinstance(given_id, int | str):
         raise InvalidInput(
-            f"parameter 'sequence_id' must be an integer or a string, got {given_id!r}"
+            f"parameter 'sequence_id' must be an integer or a string, got {shown(given_id)}"
         )
-    if isinstance(given_id, int) and given_id < 0:
-        raise InvalidInput(f"parameter 'sequence_id' must not be negative, got {given_id}")
+    if isinstance(given_id, int) and not 0 <= given_id <= LARGEST_INTEGER_ID:
+        raise InvalidInput(
+            f"parameter 'sequence_id' must be an integer from 0 to {LARGEST_INTEGER_ID} "
+            f"(uint64), got {shown(given_id)}"
+        )
     flags = []
     for key in SEQUENCE_PARAMETERS[1:]:
         value = parameters.get(key, False)
         if not isinstance(value, bool):
-            raise InvalidInput(f"parameter {key!r} must be a boolean, got {value!r}")
+            raise InvalidInput(f"parameter {key!r} must be a boolean, got {shown(value)}")
         flags.append(value)
     return SequenceRequest(given_id, flags[0], flags[1])
+
+
+def shown(value: object) -> str:
+    """``value`` as an error quotes it: its repr, cut to ``SHOWN_CHARS`` characters (the rest
+    counted), so a refusal never sends a client's huge value back whole."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 256:
+        return f"an integer of {value.bit_length()} bits"
+    if isinstance(value, str) and len(value) > SHOWN_CHARS:
+        return f"{value[:SHOWN_CHARS]!r}... ({len(value)} characters)"
+    if isinstance(value, list | dict) and len(value) > SHOWN_CHARS:
+        return f"a {type(value).__name__} of {len(value)} items"
+    text = repr(value)
+    if len(text) > SHOWN_CHARS:
+        return f"{text[:SHOWN_CHARS]}... ({len(text)} characters)"
+    return text
 
 
 def refuse_sequence(model: str, request: SequenceRequest) -> None:
@@ -82,9 +105,28 @@ def refuse_sequence(model: str, request: SequenceRequest) -> None:
 class Sequences:
     """The sequences under way of every sequence model, one book per model version."""
 
-    def __init__(self, max_sequences: int) -> None:
+    def __init__(self, max_sequences: int, max_id_bytes: int = 256) -> None:
         self.max_sequences = max_sequences
+        self.max_id_bytes = max_id_bytes
+        """Longest string sequence id taken (``NOGRAD_MAX_SEQUENCE_ID_BYTES``): an id is kept as
+        long as its sequence is, so its size is held for every place a client takes."""
         self._books: dict[tuple[str, str], SequenceBook] = {}
+
+    def check_id(self, request: SequenceRequest) -> None:
+        """Refuse (400 naming the bound) a string id longer than ``max_id_bytes`` in UTF-8,
+        before any book keeps it; the refusal quotes only its start."""
+        if not self._id_fits(request):
+            raise InvalidInput(
+                f"parameter 'sequence_id' is longer than the {self.max_id_bytes} bytes a "
+                f"sequence id may have (NOGRAD_MAX_SEQUENCE_ID_BYTES): got {shown(request.id)}"
+            )
+
+    def _id_fits(self, request: SequenceRequest) -> bool:
+        given = request.id
+        # More characters than the bound is more bytes too: a huge id is never encoded.
+        return not isinstance(given, str) or (
+            len(given) <= self.max_id_bytes and len(given.encode()) <= self.max_id_bytes
+        )
 
     def book(self, model: ServedModel) -> SequenceBook:
         sequence = model.config.sequence
@@ -123,8 +165,8 @@ class Sequences:
         """A place for ``request`` among its sequence's requests, in the order it arrived, for
         a front that reads requests before serving them side by side (a gRPC stream); None
         where the model or the request has no sequence. Given up with ``Place.leave``."""
-        if model.config.sequence is None or not request.id:
-            return None
+        if model.config.sequence is None or not request.id or not self._id_fits(request):
+            return None  # an id over the bound takes no place: ``infer`` refuses it
         return self.book(model).take_place(request.id)
 
     async def infer(
@@ -145,6 +187,7 @@ class Sequences:
                 f"inference request to model '{model.name}' must specify a non-zero or "
                 "non-empty correlation ID"
             )
+        self.check_id(request)
 
         batched = model.config.batch_dimension is not False
         if batched and inputs and len(next(iter(inputs.values()))) != 1:
@@ -198,7 +241,7 @@ def _control(
         if not isinstance(request.id, int):
             raise InvalidInput(
                 f"the model's CORRID control {control.name!r} is {control.datatype}: "
-                f"parameter 'sequence_id' must be an integer, got {request.id!r}"
+                f"parameter 'sequence_id' must be an integer, got {shown(request.id)}"
             )
         return np.full(shape, request.id, NUMPY_DTYPES[control.datatype])
     on = {"start": request.start, "end": request.end, "ready": True}[control.kind]

@@ -19,6 +19,7 @@ import tritonclient.http as triton_http
 from tritonclient.utils import InferenceServerException
 
 from tests.e2e.serving import ROOT, Server, free_port, run_server
+from tests.e2e.test_on_demand import write_model
 
 pytestmark = pytest.mark.e2e
 
@@ -145,6 +146,59 @@ def test_grpc_load_with_an_override_and_unload(served: Served) -> None:
     assert set(served.versions_answering()) == {"2"}
 
 
+CYCLE_ENSEMBLE = """
+name: "{name}"
+platform: "ensemble"
+max_batch_size: 4
+input [ {{ name: "x", data_type: TYPE_FP32, dims: [ 1 ] }} ]
+output [ {{ name: "y", data_type: TYPE_FP32, dims: [ 1 ] }} ]
+ensemble_scheduling {{
+  step [ {{
+    model_name: "{step}"
+    model_version: -1
+    input_map {{ key: "x" value: "x" }}
+    output_map {{ key: "y" value: "y" }}
+  }} ]
+}}
+"""
+
+
+def write_ensemble(repo: Path, name: str, step: str) -> None:
+    (repo / name / "1").mkdir(parents=True, exist_ok=True)
+    (repo / name / "config.pbtxt").write_text(CYCLE_ENSEMBLE.format(name=name, step=step))
+
+
+def test_a_reload_that_would_close_an_ensemble_cycle_is_refused(served: Served) -> None:
+    """Ensemble ``outer`` runs ``inner``; ``inner`` is then reloaded as an ensemble over
+    ``outer``. The load is refused (400 naming the cycle, on every worker) and the server stays
+    ready: readiness never walks a cycle."""
+    repo = served.repo
+    write_model(repo, "inner", 1, 3)
+    write_ensemble(repo, "outer", "inner")
+    control = f"{served.url}/v2/repository/models"
+    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1], "data": [0.5]}]}
+    try:
+        assert httpx.post(f"{control}/outer/load", timeout=120).status_code == 200
+        shutil.rmtree(repo / "inner")
+        write_ensemble(repo, "inner", "outer")
+        answer = httpx.post(f"{control}/inner/load", timeout=120)
+        assert answer.status_code == 400, answer.text
+        assert (
+            "circular dependency between ensembles: inner -> ... -> outer -> inner"
+            in (answer.json()["error"])
+        )
+        for _ in range(8):  # new connections: both workers
+            assert httpx.get(f"{served.url}/v2/health/ready", timeout=10).status_code == 200
+            assert httpx.get(f"{served.url}/ping", timeout=10).status_code == 200
+            ran = httpx.post(f"{served.url}/v2/models/outer/infer", json=body, timeout=10)
+            assert ran.status_code == 200, ran.text  # the version of inner before serves on
+            assert ran.json()["outputs"][0]["data"] == [3.5]
+    finally:
+        for name in ("outer", "inner"):
+            httpx.post(f"{control}/{name}/unload", timeout=120)
+            shutil.rmtree(repo / name, ignore_errors=True)
+
+
 def test_a_load_override_changes_batching_and_queueing_only(tmp_path: Path) -> None:
     """The attacks a load call's config once let through: a version that walked out of the
     engine cache (the ONNX file written elsewhere), another name (another copy of the model per
@@ -181,6 +235,10 @@ def test_a_load_override_changes_batching_and_queueing_only(tmp_path: Path) -> N
             error = answer.json()["error"]
             (field,) = fields
             assert f"{field!r} cannot be overridden" in error and "max_batch_size" in error
+        for field, bound in (("max_queue_size", 65536), ("max_batch_tokens", 1 << 20)):
+            answer = load({field: 10**15})
+            assert answer.status_code == 400, answer.text
+            assert f"{field!r} must be a whole number from 1 to {bound}" in answer.json()["error"]
         assert not outside.exists()
         assert sorted(cache.iterdir()) == built
         index = httpx.post(f"{server.url}/v2/repository/index", timeout=10).json()

@@ -201,6 +201,21 @@ def test_an_unknown_sequence_without_start_is_refused_in_triton_s_words(
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_string_id_over_the_bound_is_refused_and_not_echoed_whole(
+    server: Server, protocol: str
+) -> None:
+    """A 1 MiB string id (NOGRAD_MAX_SEQUENCE_ID_BYTES is 256): 400 naming the bound, with an
+    answer that quotes only its start."""
+    client = _client(server, protocol)
+    with pytest.raises(InferenceServerException) as refused:
+        _send(client, "accumulator", 1, "s" * (1 << 20), sequence_start=True)
+    assert refused.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
+    message = str(refused.value)
+    assert "longer than the 256 bytes a sequence id may have" in message
+    assert "NOGRAD_MAX_SEQUENCE_ID_BYTES" in message and len(message) < 1024
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_an_idle_sequence_is_released(server: Server, protocol: str) -> None:
     client = _client(server, protocol)
     sequence_id = 301 if protocol == "http" else 302
@@ -299,3 +314,33 @@ def test_a_stream_keeps_a_sequence_s_order_when_its_first_request_is_decoded_in_
     for rounds in range(3):
         first = 4000 + rounds
         assert [seen[f"{first}-{index}"] for index in range(3)] == [200_000, 200_001, 200_003]
+
+
+def test_a_stream_refuses_an_over_long_id_and_serves_on(server: Server) -> None:
+    """On one ModelStreamInfer stream, a request whose string id passes the bound is answered
+    with its 400 and takes no place; the stream's next request is served."""
+    assert server.grpc_address is not None
+    client = triton_grpc.InferenceServerClient(server.grpc_address)
+    answers: Queue[tuple[Any, Any]] = Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        for index, sequence_id in enumerate(("q" * 4096, 4100)):
+            tensor = triton_grpc.InferInput("INPUT", [1, 1], "INT32")
+            tensor.set_data_from_numpy(np.ones((1, 1), np.int32))
+            client.async_stream_infer(
+                "lengths",
+                [tensor],
+                request_id=str(index),
+                sequence_id=sequence_id,
+                sequence_start=True,
+                sequence_end=True,
+            )
+        got = [answers.get(timeout=60) for _ in range(2)]
+    finally:
+        client.stop_stream()
+        client.close()
+    errors = [str(error) for _, error in got if error is not None]
+    assert len(errors) == 1 and "NOGRAD_MAX_SEQUENCE_ID_BYTES" in errors[0], errors
+    assert len(errors[0]) < 1024
+    (served,) = [result for result, error in got if error is None]
+    assert int(served.as_numpy("SEEN")[0, 0]) == 1

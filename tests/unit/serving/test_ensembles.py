@@ -4,6 +4,7 @@ disagree, a batch size the step cannot take, and ensembles that contain each oth
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 
 from nograd.runtime.config import EnsembleStep, ModelConfig, TensorSpec
 from nograd.serving.control_calls import unload_parameters
-from nograd.serving.ensembles import check_ensemble, load_order
+from nograd.serving.ensembles import check_ensemble, composing, load_order, settle, waiting_for
 from nograd.serving.errors import InvalidInput
 from nograd.serving.registry import ModelRegistry, ServedModel, State, with_step_models
 from nograd.serving.repository import ModelSource, VersionSource
@@ -116,6 +117,42 @@ def test_ensembles_containing_each_other() -> None:
     first = _model(plain, _ensemble("first", model="second"), State.LOADING)
     second = _model(plain, _ensemble("second", model="m"), State.LOADING)
     assert load_order([first, second]) == [second, first]
+
+
+def test_a_reload_that_would_close_a_cycle_is_refused_and_readiness_answers() -> None:
+    """A served model reloaded as an ensemble over an ensemble that runs it: the check walks
+    the candidate's steps, not those of the version it replaces; and were the two ever served
+    together, readiness answers instead of recursing."""
+    registry = ModelRegistry()
+    _model(registry, _step_model().model_copy(update={"name": "b"}))
+    outer = _model(registry, _ensemble("a", model="b"), State.LOADING)
+    assert check_ensemble(registry, outer, {"a", "b"}.__contains__) is None
+    assert settle(registry, outer, {"a", "b"}.__contains__)
+    candidate = ServedModel(_ensemble("b", model="a"), Path("."), state=State.LOADING)
+    assert check_ensemble(registry, candidate, {"a", "b"}.__contains__) == (
+        "circular dependency between ensembles: b -> ... -> a -> b"
+    )
+    # Served together anyway (as a check before this one let through): not ready, no error.
+    candidate.state = State.READY
+    candidate.waiting_for = functools.partial(waiting_for, registry, candidate.config)
+    registry.add(candidate)
+    assert outer.ready is True
+    assert registry.all_ready() is True
+
+
+def test_step_models_of_a_deep_chain_each_once_steps_first() -> None:
+    depth = 5000  # deeper than the interpreter's recursion limit
+    configs = {f"e{i}": [_ensemble(f"e{i}", model=f"e{i + 1}")] for i in range(depth)}
+    configs[f"e{depth}"] = [_step_model().model_copy(update={"name": f"e{depth}"})]
+    ordered = composing(configs["e0"], {"e0"}, configs.get)
+    assert ordered == [f"e{i}" for i in range(depth, 0, -1)]
+    diamond = {
+        "top": [_ensemble("top", model="left"), _ensemble("top", model="right")],
+        "left": [_ensemble("left", model="right")],
+        "right": [_ensemble("right", model="m")],
+        "m": [_step_model()],
+    }
+    assert composing(diamond["top"], {"top"}, diamond.get) == ["m", "right", "left"]
 
 
 def test_models_selected_at_start_up_bring_their_step_models() -> None:

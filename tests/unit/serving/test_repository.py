@@ -139,3 +139,26 @@ def test_only_ascii_digit_folders_are_versions(tmp_path: Path) -> None:
         (folder / name).mkdir()
     source = read_model(folder)
     assert source is not None and list(source.versions) == ["2"]
+
+
+@pytest.mark.parametrize(
+    ("override", "bound"),
+    [
+        ({"max_queue_size": 65537}, 65536),
+        ({"max_queue_size": "999999999999"}, 65536),
+        ({"max_queue_size": 0}, 65536),
+        ({"max_batch_tokens": 10**12}, 1 << 20),
+        ({"max_batch_tokens": 1.5}, 1 << 20),
+    ],
+)
+def test_an_override_past_its_bound_is_refused_naming_the_field_and_bound(
+    tmp_path: Path, override: dict[str, object], bound: int
+) -> None:
+    folder = poison(tmp_path)
+    (field,) = override
+    with pytest.raises(ConfigError) as refused:
+        read_model(folder, override)
+    assert f"{field!r} must be a whole number from 1 to {bound}" in str(refused.value)
+    at_bound = read_model(folder, {field: bound})
+    assert at_bound is not None
+    assert getattr(at_bound.versions["1"].config, field) == bound

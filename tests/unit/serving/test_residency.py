@@ -52,7 +52,7 @@ def test_a_held_model_is_never_evicted() -> None:
     assert resident.victims("d", 10 * MIB) == ["b"]
     resident.hold("b")
     resident.hold("c")
-    with pytest.raises(NoRoomNow, match="once requests in flight"):
+    with pytest.raises(NoRoomNow, match="once the other models in use are idle"):
         resident.victims("d", 10 * MIB)
     assert resident.release("c")
     assert resident.victims("d", 10 * MIB) == ["c"]
@@ -149,3 +149,43 @@ def test_memory_limit_reads_sizes(given: str, expected: int) -> None:
 def test_memory_limit_refuses_an_unknown_unit() -> None:
     with pytest.raises(ValueError, match="not a size"):
         Settings(memory_limit_bytes="12 parsecs")
+
+
+class StillClock:
+    """A clock that moves only when told."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_model_asked_for_within_its_grace_is_not_evicted() -> None:
+    """A model in steady use is idle between its requests; its grace (from its last request's
+    arrival or answer) keeps it from eviction: the load must wait for the grace of another, or
+    be refused, rather than evict it."""
+    clock = StillClock()
+    resident = Residency(20 * MIB, clock=clock, grace_s=1.0)
+    resident.admit("hot", 10 * MIB, pinned=False, load_seconds=1.0)
+    clock.now += 5.0
+    resident.admit("cold", 10 * MIB, pinned=False, load_seconds=1.0)  # just loaded: in grace
+    resident.hold("hot")
+    clock.now += 0.5
+    assert resident.release("hot")  # answered: its grace starts again
+    clock.now += 0.25
+    with pytest.raises(NoRoomNow, match="NOGRAD_EVICTION_GRACE_MS"):
+        resident.victims("next", 10 * MIB)
+    assert resident.idle_victims("next", 20 * MIB) == []
+    assert resident.grace_ends_in("next") == pytest.approx(0.25)  # cold's, the first to end
+    clock.now += 0.3
+    assert resident.victims("next", 10 * MIB) == ["cold"]  # hot's grace still runs
+    assert resident.grace_ends_in("next") == pytest.approx(0.45)
+    resident.hold("hot")  # held: neither its grace nor its end counts
+    assert resident.grace_ends_in("next") is None
+    clock.now += 5.0
+    with pytest.raises(NoRoomNow):
+        resident.victims("next", 20 * MIB)
+    resident.release("hot")
+    clock.now += 1.0
+    assert resident.victims("next", 20 * MIB) == ["cold", "hot"]

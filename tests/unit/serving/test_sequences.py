@@ -142,6 +142,37 @@ def test_sequence_parameters_are_checked() -> None:
         sequence_request({"sequence_end": 1})
 
 
+async def test_a_string_id_over_the_bound_is_refused_before_it_is_kept(
+    model: ServedModel,
+) -> None:
+    """A string id is kept as long as its sequence: one longer than the bound is refused (400
+    naming the bound and the setting) before a book keeps it (a stream takes no place for it),
+    and the refusal quotes only its start; an integer id past uint64 is refused as Triton's
+    type."""
+    sequences = Sequences(max_sequences=8, max_id_bytes=16)
+    run = Accumulator(model)(_rows(1))
+    sequences.check_id(SequenceRequest("x" * 16))  # at the bound: taken
+    await sequences.infer(model, SequenceRequest(5, True), _rows(1), run)  # type: ignore[arg-type]
+    for huge in ("y" * (3 << 20), "é" * 9):  # 3 MiB; 9 characters but 18 bytes
+        with pytest.raises(InvalidInput) as refused:
+            await sequences.infer(model, SequenceRequest(huge, True), _rows(1), run)  # type: ignore[arg-type]
+        message = str(refused.value)
+        assert "longer than the 16 bytes" in message
+        assert "NOGRAD_MAX_SEQUENCE_ID_BYTES" in message
+        assert len(message) < 300
+        assert sequences.take_place(model, SequenceRequest(huge)) is None  # refused when run
+    assert sequences.held == 1
+    with pytest.raises(InvalidInput, match="uint64") as refused:
+        sequence_request({"sequence_id": 2**64})
+    sequence_request({"sequence_id": 2**64 - 1})
+    with pytest.raises(InvalidInput) as refused:
+        sequence_request({"sequence_id": [0] * 1_000_000})
+    assert len(str(refused.value)) < 300
+    with pytest.raises(InvalidInput) as refused:
+        sequence_request({"sequence_start": "z" * 1_000_000})
+    assert len(str(refused.value)) < 300
+
+
 def test_a_model_without_sequences_refuses_a_request_naming_one() -> None:
     refuse_sequence("simple", SequenceRequest())
     with pytest.raises(InvalidInput) as refused:
