@@ -42,7 +42,7 @@ def decode_value(raw: bytes | bytearray, content_type: str) -> object:
     if media == JSON_TYPE:
         try:
             return json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             return bytearray(raw)
     if media.startswith("text"):
         try:

@@ -37,7 +37,7 @@ from nograd.serving.repository import (
     model_names,
     scan,
 )
-from nograd.serving.uploads import UPLOADS_FOLDER, Uploads
+from nograd.serving.uploads import UPLOADS_FOLDER, Staged, UploadBounds, Uploads
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,8 @@ class ModelControl:
         self._settings = plane.settings
         self.peers = None if shared_dir is None else Peers(shared_dir, self.apply_from_peer)
         folder = None if shared_dir is None else shared_dir / UPLOADS_FOLDER
-        self.uploads = Uploads(folder, self._settings.model_uploads, self.mode)
+        bounds = UploadBounds(self._settings.max_uploads, self._settings.max_upload_bytes)
+        self.uploads = Uploads(folder, self._settings.model_uploads, self.mode, bounds)
         self._lock = asyncio.Lock()
         self._started = asyncio.Event()
         """Set once the start-up set has loaded: a sibling's sync waits for it."""
@@ -72,6 +73,14 @@ class ModelControl:
     @property
     def root(self) -> Path:
         return self._settings.model_repository
+
+    def server_paths(self) -> list[Path]:
+        """The server's folders a load's failure may name (repository, uploads, unpacked
+        archives), which a client's answer leaves out."""
+        folders = [self.root, self._plane.archive_store.cache]
+        if self.uploads.location is not None:
+            folders.append(self.uploads.location)
+        return folders
 
     # ------------------------------------------------------------------ start-up
     async def open(self) -> None:
@@ -119,9 +128,12 @@ class ModelControl:
             self._started.set()
 
     # ------------------------------------------------------------------ calls
-    async def load(self, name: str, override: Override | None = None) -> None:
-        """Load ``name`` (or reload what changed of it) on every worker."""
-        await self._everywhere({"op": "load", "name": name, "override": override})
+    async def load(
+        self, name: str, override: Override | None = None, staged: Staged | None = None
+    ) -> None:
+        """Load ``name`` (or reload what changed of it) on every worker; with ``staged``, from
+        the files a load call sent (or, ``staged.folder`` None, from the repository's again)."""
+        await self._everywhere({"op": "load", "name": name, "override": override}, staged)
 
     async def unload(self, name: str, dependents: bool = False) -> None:
         """Unload every version of ``name`` on every worker; accepted requests finish first.
@@ -129,7 +141,7 @@ class ModelControl:
         await self._everywhere({"op": "unload", "name": name, "dependents": dependents})
         self.uploads.remove(name)
 
-    async def _everywhere(self, call: dict[str, Any]) -> None:
+    async def _everywhere(self, call: dict[str, Any], staged: Staged | None = None) -> None:
         # A name no model can have is refused before it reaches the repository or a sibling.
         name = call["name"]
         try:
@@ -150,7 +162,7 @@ class ModelControl:
                 f"and a restart applies changes; set {setting}=explicit for load and unload calls"
             )
         if self.peers is None:
-            await self.apply(call)
+            await self._apply_staged(call, staged)
             return
         if self.mode == "on_demand":
             # Each worker keeps a resident set of its own: the call itself reaches each one.
@@ -168,7 +180,7 @@ class ModelControl:
                 await self._sync_logged()
             failed: LoadFailed | None = None
             try:
-                await self.apply(call)
+                await self._apply_staged(call, staged)
             except LoadFailed as exc:
                 failed = exc  # a version that did load serves: the siblings must serve it too
             # What serves of the models after the call, not what the call asked: the name and
@@ -227,6 +239,33 @@ class ModelControl:
         async with self._lock:
             for problem in await self._sync():
                 logger.error("model control: not served as the other workers serve it: %s", problem)
+
+    async def _apply_staged(self, call: dict[str, Any], staged: Staged | None) -> None:
+        """Apply a call in this worker with ``staged``'s files in place of the upload its model
+        had: kept if a version of them serves, taken away again (the earlier upload back) if
+        none does, before any sibling reads them."""
+        if staged is None:
+            await self.apply(call)
+            return
+        name = call["name"]
+        registry = self._plane.registry
+        before = dict(registry.versions.get(name, {}))
+        placement = self.uploads.place(staged)
+        try:
+            await self.apply(call)
+        except BaseException:
+            now = registry.versions.get(name, {})
+            if any(model is not before.get(version) for version, model in now.items()):
+                placement.keep()
+                raise
+            placement.undo()
+            uploaded_only = staged.folder is not None and not self.uploads.holds(name)
+            if uploaded_only and not now and not self._in_repository(name):
+                # Nothing of the model is left to list: a failed upload is not kept in the
+                # index either (its load call's answer said why).
+                registry.unloaded.pop(name, None)
+            raise
+        placement.keep()
 
     async def apply(self, call: dict[str, Any]) -> None:
         """Apply one load or unload call in this worker."""
