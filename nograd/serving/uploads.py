@@ -219,6 +219,8 @@ class Uploads:
     def place(self, staged: Staged) -> Placement:
         """Serve ``staged``'s files (or, with none, the repository's folder) for the next read
         of its model; the upload it replaces is set aside until the load is kept or undone."""
+        if staged.folder is None and not (self._folder and (self._folder / staged.name).exists()):
+            return Placement(Path(), None, placed=False)  # no upload to set aside
         current = self.folder / staged.name
         aside = None
         if current.exists():

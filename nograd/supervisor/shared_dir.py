@@ -14,6 +14,7 @@ from pathlib import Path
 
 from nograd.observability.metrics_port import serve_metrics_port
 from nograd.observability.stats import STATS_PREFIX
+from nograd.serving.uploads import UPLOADS_FOLDER
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 CONTROL_FOLDER = "control"
@@ -34,8 +35,10 @@ def prepare_shared_dir() -> tuple[Path, bool]:
         directory.mkdir(parents=True, exist_ok=True)
         for stale in (*directory.glob("*.db"), *directory.glob(f"{STATS_PREFIX}*")):
             stale.unlink()
-        # An earlier run's model control state would load its models into this one.
+        # An earlier run's model control state would load its models into this one; its
+        # uploads, with that state gone, would only take disk.
         shutil.rmtree(directory / CONTROL_FOLDER, ignore_errors=True)
+        shutil.rmtree(directory / UPLOADS_FOLDER, ignore_errors=True)
         return directory, False
     directory = Path(tempfile.mkdtemp(prefix="nograd-metrics-"))
     # Set before any prometheus_client import here or in a worker: it picks file-backed values

@@ -146,6 +146,8 @@ def test_uploads_are_refused_unless_on_and_explicit(tmp_path: Path) -> None:
 def test_a_private_folder_is_made_when_needed_and_removed_at_close() -> None:
     uploads = Uploads(None, enabled=True, mode="explicit")
     uploads.remove("m")
+    uploads.place(Staged("m", None)).keep()  # a load without files: nothing to set aside
+    assert uploads.location is None
     put(uploads, "m", Upload(CONFIG, {"file:1/model.py": b"a"}))
     folder = uploads.folder
     assert uploads.holds("m")
