@@ -313,6 +313,19 @@ def _read_packed(path: Path, store: ArchiveStore) -> tuple[dict[str, Any], dict[
         raise ConfigError(f"{path}: cannot read the archive's {MANIFEST}: {exc}") from exc
 
 
+def declared_bytes(folder: Path) -> int | None:
+    """What the archive ``folder`` unpacks from takes unpacked, by its members' declared sizes
+    (bounded by ``max_bytes`` when it unpacks); None for a folder that is no archive's."""
+    source = _SOURCES.get(folder)
+    if source is None:
+        return None
+    try:
+        with zipfile.ZipFile(source[0]) as archive:
+            return sum(member.file_size for member in archive.infolist())
+    except (OSError, zipfile.BadZipFile):
+        return None
+
+
 def hold(folder: Path) -> Path:
     """The archive of ``folder`` unpacked there (now, if no process did yet), and held by this
     process until as many ``release`` calls: a model loads from it."""

@@ -28,7 +28,7 @@ from nograd.runtime.config import (
     load_config,
     version_order,
 )
-from nograd.serving.archives import ArchiveStore, archives, origin, read_archive
+from nograd.serving.archives import ArchiveStore, archives, declared_bytes, origin, read_archive
 from nograd.serving.errors import InvalidInput, ModelNotFound
 
 Override = Mapping[str, object]
@@ -353,9 +353,14 @@ def find_source(
 
 
 def files_bytes(source: ModelSource) -> int:
-    """The size of a model's files on disk: what its first load is expected to hold."""
+    """The size of a model's files on disk: what its first load is expected to hold (an
+    archive's, unpacked or not yet, as its members declare)."""
     total = 0
     for version in source.versions.values():
+        declared = declared_bytes(version.directory)
+        if declared is not None:
+            total += declared
+            continue
         for path in version.directory.rglob("*"):
             if path.is_file():
                 total += path.stat().st_size

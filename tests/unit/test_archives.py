@@ -24,6 +24,7 @@ from nograd.serving.archives import (
     release_all,
     sweep,
 )
+from nograd.serving.repository import files_bytes, read_archive_source
 
 MANIFEST = {"model": {"modelName": "m", "modelVersion": "1.0", "handler": "h.py"}}
 
@@ -77,6 +78,14 @@ def test_reading_an_archive_unpacks_nothing(tmp_path: Path) -> None:
     config, folder, _ = read_archive(path, ArchiveStore(tmp_path / "cache"))
     assert config.name == "m" and not folder.exists()
     assert not (tmp_path / "cache").exists()
+
+
+def test_an_archive_not_yet_unpacked_is_sized_as_its_members_declare(tmp_path: Path) -> None:
+    """On demand, a first load makes room for what the archive will take unpacked."""
+    path = _bomb(tmp_path / "m.mar", 4 << 20)
+    source = read_archive_source(path, ArchiveStore(tmp_path / "cache"))
+    assert not source.directory.exists()
+    assert files_bytes(source) > 4 << 20
 
 
 @pytest.mark.parametrize(
