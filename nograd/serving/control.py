@@ -256,16 +256,16 @@ class ModelControl:
         except BaseException:
             now = registry.versions.get(name, {})
             if any(model is not before.get(version) for version, model in now.items()):
-                placement.keep()
+                await asyncio.to_thread(placement.keep)
                 raise
-            placement.undo()
+            await asyncio.to_thread(placement.undo)
             uploaded_only = staged.folder is not None and not self.uploads.holds(name)
             if uploaded_only and not now and not self._in_repository(name):
                 # Nothing of the model is left to list: a failed upload is not kept in the
                 # index either (its load call's answer said why).
                 registry.unloaded.pop(name, None)
             raise
-        placement.keep()
+        await asyncio.to_thread(placement.keep)
 
     async def apply(self, call: dict[str, Any]) -> None:
         """Apply one load or unload call in this worker."""

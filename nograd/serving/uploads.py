@@ -223,11 +223,18 @@ class Uploads:
             return Placement(Path(), None, placed=False)  # no upload to set aside
         current = self.folder / staged.name
         aside = None
-        if current.exists():
-            aside = Path(tempfile.mkdtemp(prefix=f"{staged.name}-", dir=self._staging()))
-            os.replace(current, aside)
-        if staged.folder is not None:
-            os.replace(staged.folder, current)
+        try:
+            if current.exists():
+                aside = Path(tempfile.mkdtemp(prefix=f"{staged.name}-", dir=self._staging()))
+                os.replace(current, aside)
+            if staged.folder is not None:
+                os.replace(staged.folder, current)
+        except OSError as exc:
+            if aside is not None and not current.exists():
+                os.replace(aside, current)
+            raise PollFailed(
+                f"the model's files could not be put in place: {exc.strerror}"
+            ) from exc
         return Placement(current, aside, staged.folder is not None)
 
     def _staging(self) -> Path:
