@@ -37,7 +37,7 @@ from nograd.serving.repository import (
     model_names,
     scan,
 )
-from nograd.serving.uploads import UPLOADS_FOLDER, Staged, UploadBounds, Uploads
+from nograd.serving.uploads import Uploads
 
 logger = logging.getLogger(__name__)
 
@@ -50,9 +50,7 @@ class ModelControl:
         self._plane = plane
         self._settings = plane.settings
         self.peers = None if shared_dir is None else Peers(shared_dir, self.apply_from_peer)
-        folder = None if shared_dir is None else shared_dir / UPLOADS_FOLDER
-        bounds = UploadBounds(self._settings.max_uploads, self._settings.max_upload_bytes)
-        self.uploads = Uploads(folder, self._settings.model_uploads, self.mode, bounds)
+        self.uploads = Uploads.shared(shared_dir, self._settings)
         self._lock = asyncio.Lock()
         self._started = asyncio.Event()
         """Set once the start-up set has loaded: a sibling's sync waits for it."""
@@ -73,14 +71,6 @@ class ModelControl:
     @property
     def root(self) -> Path:
         return self._settings.model_repository
-
-    def server_paths(self) -> list[Path]:
-        """The server's folders a load's failure may name (repository, uploads, unpacked
-        archives), which a client's answer leaves out."""
-        folders = [self.root, self._plane.archive_store.cache]
-        if self.uploads.location is not None:
-            folders.append(self.uploads.location)
-        return folders
 
     # ------------------------------------------------------------------ start-up
     async def open(self) -> None:
@@ -129,11 +119,11 @@ class ModelControl:
 
     # ------------------------------------------------------------------ calls
     async def load(
-        self, name: str, override: Override | None = None, staged: Staged | None = None
+        self, name: str, override: Override | None = None, files: str | None = None
     ) -> None:
-        """Load ``name`` (or reload what changed of it) on every worker; with ``staged``, from
-        the files a load call sent (or, ``staged.folder`` None, from the repository's again)."""
-        await self._everywhere({"op": "load", "name": name, "override": override}, staged)
+        """Load ``name`` (or reload what changed of it) on every worker (``files``: see
+        ``Uploads.placed``)."""
+        await self._everywhere({"op": "load", "name": name, "override": override, "files": files})
 
     async def unload(self, name: str, dependents: bool = False) -> None:
         """Unload every version of ``name`` on every worker; accepted requests finish first.
@@ -141,7 +131,7 @@ class ModelControl:
         await self._everywhere({"op": "unload", "name": name, "dependents": dependents})
         self.uploads.remove(name)
 
-    async def _everywhere(self, call: dict[str, Any], staged: Staged | None = None) -> None:
+    async def _everywhere(self, call: dict[str, Any]) -> None:
         # A name no model can have is refused before it reaches the repository or a sibling.
         name = call["name"]
         try:
@@ -162,7 +152,7 @@ class ModelControl:
                 f"and a restart applies changes; set {setting}=explicit for load and unload calls"
             )
         if self.peers is None:
-            await self._apply_staged(call, staged)
+            await self.apply(call)
             return
         if self.mode == "on_demand":
             # Each worker keeps a resident set of its own: the call itself reaches each one.
@@ -180,7 +170,7 @@ class ModelControl:
                 await self._sync_logged()
             failed: LoadFailed | None = None
             try:
-                await self._apply_staged(call, staged)
+                await self.apply(call)
             except LoadFailed as exc:
                 failed = exc  # a version that did load serves: the siblings must serve it too
             # What serves of the models after the call, not what the call asked: the name and
@@ -221,7 +211,7 @@ class ModelControl:
                 if versions is None:
                     await self._unload(name)
                     continue
-                source = self._find(name, wanted=versions)
+                source = await asyncio.to_thread(self._find, name, None, versions)
                 if self._changed(name, source):
                     loads.append(source)
             except (ModelNotFound, InvalidInput) as exc:
@@ -239,33 +229,6 @@ class ModelControl:
         async with self._lock:
             for problem in await self._sync():
                 logger.error("model control: not served as the other workers serve it: %s", problem)
-
-    async def _apply_staged(self, call: dict[str, Any], staged: Staged | None) -> None:
-        """Apply a call in this worker with ``staged``'s files in place of the upload its model
-        had: kept if a version of them serves, taken away again (the earlier upload back) if
-        none does, before any sibling reads them."""
-        if staged is None:
-            await self.apply(call)
-            return
-        name = call["name"]
-        registry = self._plane.registry
-        before = dict(registry.versions.get(name, {}))
-        placement = self.uploads.place(staged)
-        try:
-            await self.apply(call)
-        except BaseException:
-            now = registry.versions.get(name, {})
-            if any(model is not before.get(version) for version, model in now.items()):
-                await asyncio.to_thread(placement.keep)
-                raise
-            await asyncio.to_thread(placement.undo)
-            uploaded_only = staged.folder is not None and not self.uploads.holds(name)
-            if uploaded_only and not now and not self._in_repository(name):
-                # Nothing of the model is left to list: a failed upload is not kept in the
-                # index either (its load call's answer said why).
-                registry.unloaded.pop(name, None)
-            raise
-        await asyncio.to_thread(placement.keep)
 
     async def apply(self, call: dict[str, Any]) -> None:
         """Apply one load or unload call in this worker."""
@@ -286,13 +249,13 @@ class ModelControl:
             override = call.get("override")
             if override is not None and not isinstance(override, dict):
                 raise InvalidInput("the config override must be a JSON object of config fields")
-            source = self._find(name, override)
-            self._plane.registry.check_cap(
-                name, len(source.versions), self._settings.max_loaded_models
-            )
-            await self._load_steps(source)
-            self._explicit.add(name)
-            await self._reconcile(name, source)
+            files, registry = call.get("files"), self._plane.registry
+            async with self.uploads.placed(name, files, registry, self._in_repository):
+                source = await asyncio.to_thread(self._find, name, override)  # configs parse slowly
+                registry.check_cap(name, len(source.versions), self._settings.max_loaded_models)
+                await self._load_steps(source)
+                self._explicit.add(name)
+                await self._reconcile(name, source)
 
     async def _load_steps(self, source: ModelSource) -> None:
         """Load an ensemble's step models (nested ones' first) not loaded or changed on disk, as

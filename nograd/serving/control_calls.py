@@ -15,13 +15,14 @@ from nograd.serving.control import ModelControl
 from nograd.serving.errors import InvalidInput, LoadFailed, ModelNotFound, PollFailed
 from nograd.serving.repository import Override
 from nograd.serving.server_paths import without_server_paths
-from nograd.serving.uploads import FILE_PREFIX, Staged, Upload, UploadsFull, file_content
+from nograd.serving.uploads import FILE_PREFIX, Upload, UploadsFull, file_content
 
 logger = logging.getLogger(__name__)
 
-MAX_CONFIG_BYTES: Final = 1 << 20
-"""The longest ``config`` parameter taken: a model config is a few KiB (an ensemble's of
-hundreds of steps a few hundred), so one past this is refused before it is parsed."""
+MAX_CONFIG_BYTES: Final = 64 << 10
+"""The longest ``config`` parameter taken: a model config is a few KiB (an ensemble's of a few
+hundred steps some tens), and parsing one costs time in every worker at every read, so one past
+this is refused before it is parsed."""
 
 
 async def load_model(control: ModelControl, name: str, parameters: Mapping[str, object]) -> None:
@@ -49,12 +50,11 @@ async def _load(
     """Load ``name``; a call's files are written (off the event loop) into staging first, and
     removed whatever ends the call unless their load serves them."""
     if upload is None:
-        await control.load(name, override, Staged(name, None))
+        await control.load(name, override, files="")
         return
-    folder = await asyncio.to_thread(control.uploads.stage, name, upload)
-    staged = Staged(name, folder)
+    staged = await asyncio.to_thread(control.uploads.stage, name, upload)
     try:
-        await control.load(name, override, staged)
+        await control.load(name, override, files=str(staged))
     finally:
         control.uploads.discard(staged)
 
@@ -62,7 +62,7 @@ async def _load(
 def _client_text(control: ModelControl, name: str, reason: str) -> str:
     """A load failure as its client reads it: Triton's beginning, and the reason without the
     server's folders or its code's file and line (logged whole, for the operator)."""
-    shown = without_server_paths(reason, control.server_paths())
+    shown = without_server_paths(reason, control.uploads.server_paths())
     if shown != reason:
         logger.info("load of %s failed: %s", name, reason)
     return f"failed to load '{name}', {shown}"

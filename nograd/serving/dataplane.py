@@ -25,7 +25,7 @@ from nograd.runtime.config import EnsembleStep
 from nograd.runtime.handler import Outputs
 from nograd.runtime.sequence_step import SequenceStep
 from nograd.serving.admission import Admission
-from nograd.serving.archives import ArchiveStore, release_all, sweep
+from nograd.serving.archives import ArchiveStore
 from nograd.serving.device_memory import memory_readings
 from nograd.serving.ensembles import compose, is_ensemble, load_order, settle
 from nograd.serving.errors import (
@@ -111,9 +111,7 @@ class DataPlane:
 
     async def load_all(self) -> None:
         """Load the registered start-up set; the server turns ready once every one has loaded
-        (or failed to). Archives unpacked by a process that is gone are removed first."""
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, sweep, self.archive_store.cache)
+        (or failed to)."""
         served = self.registry.served()
         await self._loader.load_all([m for m in served if not is_ensemble(m.config)])
         self._cores = self._loader.cores
@@ -228,8 +226,6 @@ class DataPlane:
             self.metrics.model_ready.labels(model.name).set(0)
         self.metrics.workers_ready.set(0)
         self._loader.threads.shutdown()
-        # The archives this process unpacked go unless another live process holds them.
-        await asyncio.get_running_loop().run_in_executor(None, release_all)
 
     # ------------------------------------------------------------------ health
     @property

@@ -96,7 +96,7 @@ class ModelLoader:
         self._pools: dict[str, int] = {}
         """Per device, the memory first planned (activation budget plus weights)."""
         self._unpacked: dict[int, Path] = {}
-        """By loaded version (its id), the unpacked archive folder it holds (``archives.hold``)."""
+        """By version (its id), the unpacked archive it holds (``archives.hold``)."""
         self._profiles: dict[tuple[str, str], tuple[tuple[object, ...], RangedCost]] = {}
         """Per model version, the activation cost last measured and what it was measured on:
         a reload of the same files on the same engines and device reuses it (an evicted model
@@ -163,8 +163,7 @@ class ModelLoader:
         started = time.perf_counter()
         previous = sys.modules.get(module_name(config))
         if origin(model.directory) is not None and id(model) not in self._unpacked:
-            # An archive is unpacked when a version loads from it, not when it is read.
-            self._unpacked[id(model)] = hold(model.directory)
+            self._unpacked[id(model)] = hold(model.directory)  # unpacked at load, not at read
         try:
             repository = repository_of(self._settings.model_repository, model.directory)
             handler = build_handler(repository, model.directory, config, device)
@@ -347,8 +346,7 @@ class ModelLoader:
             forget_module(code)
         del code
         await asyncio.get_running_loop().run_in_executor(executor, release_memory, device)
-        unpacked = self._unpacked.pop(id(model), None)
-        if unpacked is not None:
+        if (unpacked := self._unpacked.pop(id(model), None)) is not None:
             await asyncio.get_running_loop().run_in_executor(None, release, unpacked)
 
     async def _start(self, model: ServedModel) -> None:

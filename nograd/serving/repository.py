@@ -294,7 +294,17 @@ def _configs(root: Path) -> Iterator[tuple[Path, str | None]]:
 
 def model_folder(root: Path, name: str) -> Path | None:
     """The folder of model ``name``: the one whose config names it, or a folder of that name
-    whose config cannot be read (reading it then says why)."""
+    whose config cannot be read (reading it then says why). The folder named ``name`` is read
+    first: a repository of many models (or of large configs) is not parsed whole to find one."""
+    own = root / name
+    plain = name and "/" not in name and "\\" not in name and not name.startswith(".")
+    if plain and own.is_dir() and (find_config(own) is not None or is_triton_folder(own)):
+        try:
+            path = find_config(own)
+            if (load_config(path).name if path is not None else name) == name:
+                return own
+        except ConfigError:
+            pass  # an unreadable config: the other folders may name the model
     for model_dir, found in _configs(root):
         if found == name or (found is None and model_dir.name == name):
             return model_dir

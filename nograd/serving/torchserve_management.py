@@ -167,7 +167,7 @@ class TorchServeManagement:
 
     def _shown(self, exc: Exception) -> str:
         """A failure as the client reads it, without the server's folders (logged whole)."""
-        shown = without_server_paths(str(exc), self._control.server_paths())
+        shown = without_server_paths(str(exc), self._control.uploads.server_paths())
         if shown != str(exc):
             logger.info("TorchServe register: %s", exc)
         return shown

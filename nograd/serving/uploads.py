@@ -12,13 +12,15 @@ stay on disk, within ``NOGRAD_MAX_UPLOADS`` and ``NOGRAD_MAX_UPLOAD_BYTES``.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import contextlib
 import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Final
@@ -26,7 +28,9 @@ from typing import Final
 from nograd.interop.triton import CONFIG_FILE
 from nograd.interop.triton_json import ConfigTooDeep, config_text
 from nograd.serving.errors import ControlRefused, InvalidInput, ModelNotFound, PollFailed
+from nograd.serving.registry import ModelRegistry
 from nograd.serving.repository import ModelSource, Override, VersionSource, Wanted
+from nograd.settings import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -70,15 +74,6 @@ class UploadBounds:
 
     max_uploads: int
     max_bytes: int
-
-
-@dataclass(frozen=True)
-class Staged:
-    """A load call's files for model ``name``, written whole (``folder``); None: a load without
-    files, which serves the repository's folder again."""
-
-    name: str
-    folder: Path | None
 
 
 class Placement:
@@ -125,8 +120,10 @@ class Uploads:
         enabled: bool,
         mode: str,
         bounds: UploadBounds | None = None,
+        server_folders: Sequence[Path] = (),
     ) -> None:
-        """``folder``: shared with the sibling workers (None: a private one, made when needed)."""
+        """``folder``: shared with the sibling workers (None: a private one, made when needed);
+        ``server_folders``: the server's others (``server_paths``)."""
         self._folder = folder
         self._owned = folder is None
         if folder is not None:
@@ -134,17 +131,27 @@ class Uploads:
         self._enabled = enabled
         self._mode = mode
         self._bounds = bounds
+        self._server_folders = list(server_folders)
+
+    @classmethod
+    def shared(cls, shared_dir: Path | None, settings: Settings) -> Uploads:
+        """The uploads of a worker sharing ``shared_dir`` with its siblings (None: alone)."""
+        folder = None if shared_dir is None else shared_dir / UPLOADS_FOLDER
+        bounds = UploadBounds(settings.max_uploads, settings.max_upload_bytes)
+        known = [settings.model_repository, settings.engine_cache_dir]
+        return cls(folder, settings.model_uploads, settings.model_control, bounds, known)
+
+    def server_paths(self) -> list[Path]:
+        """The server's folders a load's failure may name, left out of its client's answer:
+        the repository, the caches (engines, unpacked archives), the uploads."""
+        folders = self._server_folders
+        return folders if self._folder is None else [*folders, self._folder]
 
     @property
     def folder(self) -> Path:
         if self._folder is None:
             self._folder = Path(tempfile.mkdtemp(prefix="nograd-uploads-"))
             UPLOAD_ROOTS.add(self._folder)
-        return self._folder
-
-    @property
-    def location(self) -> Path | None:
-        """The folder, once there is one (``folder`` makes a private one)."""
         return self._folder
 
     def holds(self, name: str) -> bool:
@@ -216,36 +223,66 @@ class Uploads:
             return []
         return [p for p in self._folder.iterdir() if p.is_dir() and p.name != STAGING_FOLDER]
 
-    def place(self, staged: Staged) -> Placement:
-        """Serve ``staged``'s files (or, with none, the repository's folder) for the next read
-        of its model; the upload it replaces is set aside until the load is kept or undone."""
-        if staged.folder is None and not (self._folder and (self._folder / staged.name).exists()):
+    def place(self, name: str, staged: Path | None) -> Placement:
+        """Serve the ``staged`` files (None: the repository's folder) for the next read of model
+        ``name``; the upload they replace is set aside until the load is kept or undone."""
+        if staged is None and not (self._folder and (self._folder / name).exists()):
             return Placement(Path(), None, placed=False)  # no upload to set aside
-        current = self.folder / staged.name
+        current = self.folder / name
         aside = None
         try:
             if current.exists():
-                aside = Path(tempfile.mkdtemp(prefix=f"{staged.name}-", dir=self._staging()))
+                aside = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=self._staging()))
                 os.replace(current, aside)
-            if staged.folder is not None:
-                os.replace(staged.folder, current)
+            if staged is not None:
+                os.replace(staged, current)
         except OSError as exc:
             if aside is not None and not current.exists():
                 os.replace(aside, current)
             raise PollFailed(
                 f"the model's files could not be put in place: {exc.strerror}"
             ) from exc
-        return Placement(current, aside, staged.folder is not None)
+        return Placement(current, aside, staged is not None)
+
+    @contextlib.asynccontextmanager
+    async def placed(
+        self,
+        name: str,
+        files: str | None,
+        registry: ModelRegistry,
+        in_repository: Callable[[str], bool],
+    ) -> AsyncIterator[None]:
+        """While the block loads model ``name``, the ``files`` a load call staged in place of
+        its upload (``""``: none, the repository's folder; None: the upload left as it is).
+        Kept if a version of them serves; else taken away, the earlier upload put back, before
+        any sibling worker reads them, and a model nothing else holds leaves no index row."""
+        if files is None:
+            yield
+            return
+        staged = Path(files) if files else None
+        before = dict(registry.versions.get(name, {}))
+        placement = await asyncio.to_thread(self.place, name, staged)
+        try:
+            yield
+        except BaseException:
+            now = registry.versions.get(name, {})
+            if any(model is not before.get(version) for version, model in now.items()):
+                await asyncio.to_thread(placement.keep)
+                raise
+            await asyncio.to_thread(placement.undo)
+            if staged is not None and not now and not self.holds(name) and not in_repository(name):
+                registry.unloaded.pop(name, None)
+            raise
+        await asyncio.to_thread(placement.keep)
 
     def _staging(self) -> Path:
         staging = self.folder / STAGING_FOLDER
         staging.mkdir(parents=True, exist_ok=True)
         return staging
 
-    def discard(self, staged: Staged) -> None:
+    def discard(self, staged: Path) -> None:
         """Remove files staged for a load that never placed them (refused, or cancelled)."""
-        if staged.folder is not None:
-            shutil.rmtree(staged.folder, ignore_errors=True)
+        shutil.rmtree(staged, ignore_errors=True)
 
     def recorded(self, served: Wanted, find: Finder) -> list[VersionSource]:
         """The uploaded versions of ``served`` (what the workers serve, as the last control call

@@ -14,11 +14,12 @@ from pathlib import Path
 
 from nograd.observability.metrics_port import serve_metrics_port
 from nograd.observability.stats import STATS_PREFIX
-from nograd.serving.uploads import UPLOADS_FOLDER
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 CONTROL_FOLDER = "control"
 """The workers' model control sockets, lock and state (``nograd.serving.peers``)."""
+UPLOADS_FOLDER = "uploads"
+"""The models uploaded with load calls (``nograd.serving.uploads``)."""
 CORES_FILE = "cores.i64"
 """The shared ledger of CPU cores (``nograd.host.ledger``), in the shared folder."""
 
