@@ -115,6 +115,16 @@ class Settings(BaseSettings):
     an uploaded model is code the caller chose: off loopback the server refuses to start with
     it unless load calls need a key (``operator_api_keys``)."""
 
+    max_uploads: int = Field(default=32, ge=1)
+    """With ``model_uploads``: most uploaded models kept at once (an upload is kept while its
+    model serves; a failed one is removed at once); a load call that would keep more is refused
+    with 400 naming this setting, before its files are written."""
+
+    max_upload_bytes: ByteSize = Field(default=1 << 30, ge=1024)
+    """With ``model_uploads``: most bytes the uploaded models kept take on disk together (those
+    being written or loaded count too); a load call whose files would pass it is refused with
+    400 naming this setting, before they are written."""
+
     repository_poll_s: float = Field(default=5.0, gt=0.0, le=3600.0)
     """With ``model_control = poll``: seconds between two looks at the repository."""
 
@@ -129,10 +139,11 @@ class Settings(BaseSettings):
     packages), reused by every later start while the model's code and weights are unchanged.
     Unset: ``$XDG_CACHE_HOME/nograd/engines``, or ``~/.cache/nograd/engines``."""
 
-    max_archive_bytes: int = Field(default=16 * 1024**3, ge=1024)
-    """Largest total a TorchServe archive (``.mar``) may unpack to: its members' declared sizes
-    are summed before anything is written, and the bytes are counted again while unpacking, so
-    an archive that lies about its sizes (a zip bomb) is refused past this bound too."""
+    max_archive_bytes: ByteSize = Field(default=4 * 1024**3, ge=1024)
+    """Largest total a TorchServe archive (``.mar``) may unpack to (when a version loads from
+    it): its members' declared sizes are summed before anything is written, and the bytes are
+    counted again while unpacking, so an archive that lies about its sizes (a zip bomb) is
+    refused past this bound too. Raise it for an archive of larger weights."""
 
     max_archive_members: int = Field(default=10_000, ge=1)
     """Most files and folders a TorchServe archive may hold; more refuses the archive unread."""

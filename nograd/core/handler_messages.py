@@ -45,7 +45,7 @@ def decode_value(raw: bytes | bytearray, content_type: str) -> object:
     if content_type == JSON_TYPE:
         try:
             return json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             return bytearray(raw)
     if content_type.startswith("text"):
         try:

@@ -23,6 +23,7 @@ from nograd.http.middleware import (
     BodyLimitMiddleware,
     HeadMiddleware,
     StartTimeMiddleware,
+    UnexpectedErrorMiddleware,
 )
 from nograd.protocol.v2_schemas import InferRequestDocument
 from nograd.serving.core import Core
@@ -94,6 +95,7 @@ def build_app(core: Core, lifespan: Lifespan | None = None) -> FastAPI:
         )
     app.add_middleware(HeadMiddleware)
     app.add_middleware(StartTimeMiddleware)
+    app.add_middleware(UnexpectedErrorMiddleware)
     app.include_router(v2.router)
     app.include_router(repository.router)
     app.include_router(shared_memory.router)

@@ -20,6 +20,9 @@ from nograd.serving.errors import KINDS, RETRY_AFTER_S, kind_of, retry_after_s
 
 logger = logging.getLogger(__name__)
 
+UNEXPECTED: Final = "internal error; the server's log has the details"
+"""A failure nograd did not name: the client gets no server internals (paths, types, text)."""
+
 
 def status_of(exc: BaseException) -> int:
     """The status of a failure: one the front's own parsing carries (OpenAI's), else its kind's."""
@@ -102,8 +105,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_unexpected(request: Request, exc: Exception) -> Response:
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        # The log has the exception; the client gets no server internals (paths, types, text).
-        return error_response(500, "internal error; the server's log has the details")
+        return error_response(500, UNEXPECTED)
 
     for cause, _ in KINDS:
         app.add_exception_handler(cause, on_known)

@@ -7,12 +7,13 @@ request before its body is read.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from nograd.http.errors import error_body, error_headers, openai_error_body
+from nograd.http.errors import UNEXPECTED, error_body, error_headers, openai_error_body
 from nograd.http.paths import (
     EMBEDDINGS,
     OPENAI_PREFIX,
@@ -27,6 +28,8 @@ from nograd.http.paths import (
 from nograd.observability.metrics import UNKNOWN_MODEL, Metrics
 from nograd.serving.calls import Calls
 from nograd.serving.errors import Forbidden, QueueFull, Unauthenticated
+
+logger = logging.getLogger(__name__)
 
 STARTED_KEY = "nograd_started"
 
@@ -297,3 +300,33 @@ class StartTimeMiddleware:
         if scope["type"] == "http":
             scope.setdefault("state", {}).setdefault(STARTED_KEY, time.perf_counter())
         await self.app(scope, receive, send)
+
+
+class UnexpectedErrorMiddleware:
+    """A failure no handler answered gets a 500 naming no server internals (the log has the
+    traceback), and its connection stays open for the client's next request: Starlette's own
+    last resort answers, then raises on to the server, which resets the connection. Only a
+    failure after the answer began (its head already sent) still ends the connection."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception:
+            if started:
+                raise
+            logger.exception("unhandled error on %s %s", scope["method"], scope["path"])
+            await _respond(send, scope["path"], 500, UNEXPECTED, "internal_error", [])

@@ -207,6 +207,10 @@ async def _register_parameters(request: Request) -> dict[str, Any]:
     if request.headers.get("content-type", "").split(";")[0].strip() == "application/json":
         try:
             document = json.loads(await request.body())
+        except RecursionError as exc:
+            raise ManagementError(
+                400, "BadRequestException", "malformed JSON: nested too deeply"
+            ) from exc
         except ValueError as exc:
             raise ManagementError(400, "BadRequestException", f"malformed JSON: {exc}") from exc
         if isinstance(document, dict):

@@ -62,12 +62,25 @@ _INT64: Final = frozenset(
 )
 
 
+TOO_DEEP: Final = "parameter 'config' is nested too deeply to be a model config"
+
+
+class ConfigTooDeep(ValueError):
+    """A config nested deeper than JSON's parser follows: no model config is (Triton's own
+    nest a few levels), so it is a malformed request, not a repository to poll."""
+
+
 def config_text(name: str, document: str) -> str:
     """A load call's Triton config (JSON, as Triton's clients send it) as ``config.pbtxt`` for
     model ``name`` (its name filled in when missing); a ValueError says what is wrong."""
     message = pb.ModelConfig()
     try:
         json.loads(document)
+    except RecursionError as exc:
+        raise ConfigTooDeep(TOO_DEEP) from exc
+    except ValueError as exc:
+        raise ValueError(f"invalid config override: {exc}") from exc
+    try:
         json_format.Parse(document, message)
     except (ValueError, json_format.ParseError) as exc:
         raise ValueError(f"invalid config override: {exc}") from exc

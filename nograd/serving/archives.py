@@ -2,14 +2,19 @@
 
 An archive is a zip that ``torch-model-archiver`` wrote: ``MAR-INF/MANIFEST.json`` names the
 model, its version and its handler; ``model-config.yaml`` (the manifest's ``configFile``) sets
-batching. Each archive is unpacked once per content, into a folder of the cache named by its
-SHA-256, and only after every member's path is checked to stay inside that folder. The rest of the
-server sees a model folder and a ``ModelConfig`` whose format is ``torchserve``; this module is the
-one place that knows the archive's layout.
+batching. A scan, the index and the describe call read those two files straight from the
+archive; an archive is unpacked only when a model loads from it, once per content, into a folder
+of the cache named by its SHA-256, and only after every member's path is checked to stay inside
+that folder. Each process that loads from that folder holds it (a file named by its pid); the
+folder is removed once no live process holds it (at unload, at stop, and at start for what a
+process that died left). The rest of the server sees a model folder and a ``ModelConfig`` whose
+format is ``torchserve``; this module is the one place that knows the archive's layout.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -19,20 +24,32 @@ import stat
 import tempfile
 import zipfile
 import zlib
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path, PurePosixPath
 from typing import Any, Final
 
 from nograd.runtime.config import TORCHSERVE_FORMAT, ConfigError, ModelConfig, TensorSpec
-from nograd.runtime.torchserve.manifest import ManifestError, read_manifest
+from nograd.runtime.torchserve.manifest import (
+    MANIFEST,
+    ManifestError,
+    parse_manifest,
+    read_manifest,
+)
 
 logger = logging.getLogger(__name__)
 
 SUFFIX: Final = ".mar"
 CHUNK_BYTES: Final = 1 << 20
 DONE_MARK: Final = ".unpacked"
+HOLDERS: Final = ".holders"
+"""Beside an unpacked folder, ``<folder>.holders/<pid>``: the processes that load from it."""
+LOCK_FILE: Final = ".lock"
+"""The cache's lock: unpacking, holding and removing a folder are one step against the others."""
+MAX_METADATA_BYTES: Final = 1 << 20
+"""The most the manifest or model-config.yaml may take, read from the archive unpacked."""
 INPUT: Final = TensorSpec(name="body", datatype="BYTES", shape=())
 OUTPUT: Final = TensorSpec(name="answer", datatype="BYTES", shape=())
 DEFAULT_BATCH_SIZE: Final = 1
@@ -75,7 +92,7 @@ class ArchiveStore:
     ``NOGRAD_MAX_ARCHIVE_MEMBERS``): a zip bomb is refused, not written until the disk fills."""
 
     cache: Path
-    max_bytes: int = 16 * 1024**3
+    max_bytes: int = 4 * 1024**3
     max_members: int = 10_000
 
 
@@ -100,6 +117,10 @@ _ORIGINS: dict[Path, str] = {}
 """Unpacked folder -> the archive's file name, for the list call's ``modelUrl``."""
 _DIGESTS: dict[tuple[str, int, int], str] = {}
 """(path, size, mtime) -> SHA-256: an unchanged archive is not read again at every scan."""
+_SOURCES: dict[Path, tuple[Path, ArchiveStore]] = {}
+"""Folder -> the archive it unpacks from, and its store: what a load unpacks."""
+_HELD: Counter[Path] = Counter()
+"""Folder -> how many loaded versions of this process hold it."""
 
 
 def origin(folder: Path) -> str | None:
@@ -119,8 +140,9 @@ def read_archive(
     unpacked folder and its fingerprint (its digest, and the override); an archive that cannot
     be used raises ``ConfigError`` naming the file and what is wrong."""
     digest = _digest(path)
-    folder = unpack(path, store.cache / digest[:32], store)
+    folder = store.cache / digest[:32]
     _ORIGINS[folder] = path.name
+    _SOURCES[folder] = (path, store)
     facts = describe(folder)
     yaml_config = facts.yaml_config
     unknown = sorted(set(yaml_config) - APPLIED_KEYS - IGNORED_KEYS)
@@ -242,12 +264,18 @@ def _too_large(path: Path, limit: int, what: str) -> ConfigError:
 
 @lru_cache(maxsize=256)
 def describe(folder: Path) -> Archive:
-    """The manifest and model-config.yaml of an unpacked archive (the folder is named by its
-    content, so what is read once stays true)."""
+    """The manifest and model-config.yaml of an archive, from its folder once unpacked, else
+    from the archive itself (the folder is named by its content, so what is read once stays
+    true)."""
+    source = _SOURCES.get(folder)
     try:
-        manifest, yaml_config = read_manifest(folder)
+        if (folder / DONE_MARK).is_file() or source is None:
+            manifest, yaml_config = read_manifest(folder)
+        else:
+            manifest, yaml_config = _read_packed(*source)
     except ManifestError as exc:
-        raise ConfigError(f"{folder}: {exc}") from exc
+        where = folder if source is None else source[0]
+        raise ConfigError(f"{where}: {exc}") from exc
     model = manifest["model"]
     name = str(model["modelName"])
     return Archive(
@@ -258,6 +286,135 @@ def describe(folder: Path) -> Archive:
         yaml_config=yaml_config,
         manifest=manifest,
     )
+
+
+def _read_packed(path: Path, store: ArchiveStore) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The manifest and model-config.yaml read from the archive, its members checked first as
+    for unpacking, each of the two within ``MAX_METADATA_BYTES``."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            _check_members(path, archive.infolist(), store)
+
+            def read(name: str) -> str:
+                try:
+                    member = archive.getinfo(name)
+                except KeyError:
+                    raise FileNotFoundError(f"no {name} in the archive") from None
+                if member.file_size > MAX_METADATA_BYTES:
+                    raise ManifestError(
+                        f"{name}: {member.file_size} bytes, over the {MAX_METADATA_BYTES} bytes "
+                        "a manifest or model-config.yaml may take"
+                    )
+                with archive.open(member) as opened:
+                    return opened.read(MAX_METADATA_BYTES + 1).decode("utf-8")
+
+            return parse_manifest(read)
+    except (OSError, zipfile.BadZipFile, zlib.error, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read the archive's {MANIFEST}: {exc}") from exc
+
+
+def declared_bytes(folder: Path) -> int | None:
+    """What the archive ``folder`` unpacks from takes unpacked, by its members' declared sizes
+    (bounded by ``max_bytes`` when it unpacks); None for a folder that is no archive's."""
+    source = _SOURCES.get(folder)
+    if source is None:
+        return None
+    try:
+        with zipfile.ZipFile(source[0]) as archive:
+            return sum(member.file_size for member in archive.infolist())
+    except (OSError, zipfile.BadZipFile):
+        return None
+
+
+def hold(folder: Path) -> Path:
+    """The archive of ``folder`` unpacked there (now, if no process did yet), and held by this
+    process until as many ``release`` calls: a model loads from it."""
+    path, store = _SOURCES[folder]
+    with _locked(store.cache):
+        mark = _holders(folder) / str(os.getpid())
+        mark.parent.mkdir(parents=True, exist_ok=True)
+        mark.touch()
+        try:
+            unpack(path, folder, store)
+        except BaseException:
+            if not _HELD[folder]:
+                mark.unlink(missing_ok=True)
+                _remove_unheld(folder)
+            raise
+    _HELD[folder] += 1
+    return folder
+
+
+def release(folder: Path) -> None:
+    """One loaded version of this process no longer uses ``folder``: once none does, this
+    process's hold goes, and the folder with it unless another live process holds it."""
+    if _HELD[folder] <= 0:
+        return
+    _HELD[folder] -= 1
+    if _HELD[folder]:
+        return
+    del _HELD[folder]
+    source = _SOURCES.get(folder)
+    cache = folder.parent if source is None else source[1].cache
+    with _locked(cache):
+        (_holders(folder) / str(os.getpid())).unlink(missing_ok=True)
+        _remove_unheld(folder)
+
+
+def release_all() -> None:
+    """At stop: every hold of this process goes."""
+    for folder in list(_HELD):
+        _HELD[folder] = 1
+        release(folder)
+
+
+def sweep(cache: Path) -> None:
+    """Remove every unpacked folder of ``cache`` that no live process holds (left by a process
+    that died, or by a version of nograd that kept them): at start."""
+    if not cache.is_dir():
+        return
+    with _locked(cache):
+        for entry in cache.iterdir():
+            if entry.is_dir() and not entry.name.endswith(HOLDERS) and entry.name != LOCK_FILE:
+                _remove_unheld(entry)
+
+
+def _holders(folder: Path) -> Path:
+    return folder.with_name(folder.name + HOLDERS)
+
+
+def _remove_unheld(folder: Path) -> None:
+    """Remove ``folder`` (an unpacked archive, or an unpacking one left behind) unless a live
+    process holds it; the cache's lock is held."""
+    holders = _holders(folder)
+    if holders.is_dir():
+        for holder in list(holders.iterdir()):
+            if _alive(holder.name):
+                return
+            holder.unlink(missing_ok=True)
+    shutil.rmtree(folder, ignore_errors=True)
+    shutil.rmtree(holders, ignore_errors=True)
+
+
+def _alive(pid_text: str) -> bool:
+    try:
+        os.kill(int(pid_text), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True
+
+
+@contextlib.contextmanager
+def _locked(cache: Path) -> Iterator[None]:
+    cache.mkdir(parents=True, exist_ok=True)
+    with (cache / LOCK_FILE).open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _digest(path: Path) -> str:

@@ -37,7 +37,7 @@ from nograd.serving.repository import (
     model_names,
     scan,
 )
-from nograd.serving.uploads import UPLOADS_FOLDER, Uploads
+from nograd.serving.uploads import Uploads
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +50,7 @@ class ModelControl:
         self._plane = plane
         self._settings = plane.settings
         self.peers = None if shared_dir is None else Peers(shared_dir, self.apply_from_peer)
-        folder = None if shared_dir is None else shared_dir / UPLOADS_FOLDER
-        self.uploads = Uploads(folder, self._settings.model_uploads, self.mode)
+        self.uploads = Uploads.shared(shared_dir, self._settings)
         self._lock = asyncio.Lock()
         self._started = asyncio.Event()
         """Set once the start-up set has loaded: a sibling's sync waits for it."""
@@ -119,9 +118,12 @@ class ModelControl:
             self._started.set()
 
     # ------------------------------------------------------------------ calls
-    async def load(self, name: str, override: Override | None = None) -> None:
-        """Load ``name`` (or reload what changed of it) on every worker."""
-        await self._everywhere({"op": "load", "name": name, "override": override})
+    async def load(
+        self, name: str, override: Override | None = None, files: str | None = None
+    ) -> None:
+        """Load ``name`` (or reload what changed of it) on every worker (``files``: see
+        ``Uploads.placed``)."""
+        await self._everywhere({"op": "load", "name": name, "override": override, "files": files})
 
     async def unload(self, name: str, dependents: bool = False) -> None:
         """Unload every version of ``name`` on every worker; accepted requests finish first.
@@ -209,7 +211,7 @@ class ModelControl:
                 if versions is None:
                     await self._unload(name)
                     continue
-                source = self._find(name, wanted=versions)
+                source = await asyncio.to_thread(self._find, name, None, versions)
                 if self._changed(name, source):
                     loads.append(source)
             except (ModelNotFound, InvalidInput) as exc:
@@ -247,13 +249,13 @@ class ModelControl:
             override = call.get("override")
             if override is not None and not isinstance(override, dict):
                 raise InvalidInput("the config override must be a JSON object of config fields")
-            source = self._find(name, override)
-            self._plane.registry.check_cap(
-                name, len(source.versions), self._settings.max_loaded_models
-            )
-            await self._load_steps(source)
-            self._explicit.add(name)
-            await self._reconcile(name, source)
+            files, registry = call.get("files"), self._plane.registry
+            async with self.uploads.placed(name, files, registry, self._in_repository):
+                source = await asyncio.to_thread(self._find, name, override)  # configs parse slowly
+                registry.check_cap(name, len(source.versions), self._settings.max_loaded_models)
+                await self._load_steps(source)
+                self._explicit.add(name)
+                await self._reconcile(name, source)
 
     async def _load_steps(self, source: ModelSource) -> None:
         """Load an ensemble's step models (nested ones' first) not loaded or changed on disk, as

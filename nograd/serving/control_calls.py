@@ -3,39 +3,69 @@ way from HTTP bodies and gRPC messages."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 from collections.abc import Mapping
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
+from nograd.interop.triton_json import TOO_DEEP
 from nograd.runtime.config import check_model_name
 from nograd.serving.control import ModelControl
 from nograd.serving.errors import InvalidInput, LoadFailed, ModelNotFound, PollFailed
 from nograd.serving.repository import Override
-from nograd.serving.uploads import FILE_PREFIX, Upload, file_content
+from nograd.serving.server_paths import without_server_paths
+from nograd.serving.uploads import FILE_PREFIX, Upload, UploadsFull, file_content
+
+logger = logging.getLogger(__name__)
+
+MAX_CONFIG_BYTES: Final = 64 << 10
+"""The longest ``config`` parameter taken: a model config is a few KiB (an ensemble's of a few
+hundred steps some tens), and parsing one costs time in every worker at every read, so one past
+this is refused before it is parsed."""
 
 
 async def load_model(control: ModelControl, name: str, parameters: Mapping[str, object]) -> None:
     """A load call from either front; its failures begin as Triton's do, ``failed to load 'm',``
-    (Triton's clients and examples match on it), nograd's reason following. A call with model
-    files serves them in place of the repository's folder; one without reverts to it, as in
-    Triton."""
+    (Triton's clients and examples match on it), nograd's reason following, with the server's
+    own folders left out (the log has them). A call with model files serves them in place of
+    the repository's folder; one without reverts to it, as in Triton."""
     try:
         try:
             check_model_name(name)
         except ValueError as exc:
             raise InvalidInput(str(exc)) from exc
         override, upload = load_parameters(parameters)
-        if upload is None:
-            control.uploads.remove(name)
-        else:
-            control.uploads.write(name, upload)
-        await control.load(name, override)
+        await _load(control, name, override, upload)
     except PollFailed as exc:
-        raise PollFailed(
-            f"failed to load '{name}', failed to poll from model repository: {exc}"
-        ) from exc
-    except (InvalidInput, LoadFailed, ModelNotFound) as exc:
-        raise type(exc)(f"failed to load '{name}', {exc}") from exc
+        reason = f"failed to poll from model repository: {exc}"
+        raise PollFailed(_client_text(control, name, reason)) from exc
+    except (InvalidInput, LoadFailed, ModelNotFound, UploadsFull) as exc:
+        raise type(exc)(_client_text(control, name, str(exc))) from exc
+
+
+async def _load(
+    control: ModelControl, name: str, override: Override | None, upload: Upload | None
+) -> None:
+    """Load ``name``; a call's files are written (off the event loop) into staging first, and
+    removed whatever ends the call unless their load serves them."""
+    if upload is None:
+        await control.load(name, override, files="")
+        return
+    staged = await asyncio.to_thread(control.uploads.stage, name, upload)
+    try:
+        await control.load(name, override, files=str(staged))
+    finally:
+        control.uploads.discard(staged)
+
+
+def _client_text(control: ModelControl, name: str, reason: str) -> str:
+    """A load failure as its client reads it: Triton's beginning, and the reason without the
+    server's folders or its code's file and line (logged whole, for the operator)."""
+    shown = without_server_paths(reason, control.uploads.server_paths())
+    if shown != reason:
+        logger.info("load of %s failed: %s", name, reason)
+    return f"failed to load '{name}', {shown}"
 
 
 class LoadParameters(NamedTuple):
@@ -57,22 +87,32 @@ def load_parameters(parameters: Mapping[str, object]) -> LoadParameters:
             files[key] = file_content(key, value)
         elif key != "unload_dependents":
             raise InvalidInput(f"unknown load parameter {key!r} (known: config, file:<path>)")
+    if not isinstance(config, str | None):
+        try:
+            config = json.dumps(config)
+        except RecursionError as exc:
+            raise InvalidInput(TOO_DEEP) from exc
+    if config is not None and len(config) > MAX_CONFIG_BYTES:
+        raise InvalidInput(
+            f"parameter 'config' is {len(config)} bytes, over the limit of {MAX_CONFIG_BYTES} "
+            "bytes of a model config"
+        )
     if files:
-        text = config if isinstance(config, str | None) else json.dumps(config)
-        return LoadParameters(None, Upload(text, files))
+        return LoadParameters(None, Upload(config, files))
     if config is None:
         return LoadParameters(None, None)
-    if isinstance(config, str):
-        try:
-            config = json.loads(config)
-        except ValueError as exc:
-            raise InvalidInput(f"parameter 'config' is not JSON: {exc}") from exc
-    if not isinstance(config, dict):
+    try:
+        document = json.loads(config)
+    except RecursionError as exc:
+        raise InvalidInput(TOO_DEEP) from exc
+    except ValueError as exc:
+        raise InvalidInput(f"parameter 'config' is not JSON: {exc}") from exc
+    if not isinstance(document, dict):
         raise InvalidInput(
             "parameter 'config' must be a JSON object of model config fields, such as "
             '{"max_batch_size": 8}'
         )
-    return LoadParameters(config, None)
+    return LoadParameters(document, None)
 
 
 def unload_parameters(parameters: Mapping[str, object]) -> bool:

@@ -15,6 +15,7 @@ from nograd.host.ledger import CoreShare
 from nograd.observability.metrics import Metrics
 from nograd.observability.stats import Statistics
 from nograd.serving.access import access_of, startup_refusal
+from nograd.serving.archives import release_all, sweep
 from nograd.serving.calls import Calls
 from nograd.serving.control import ModelControl
 from nograd.serving.dataplane import DataPlane
@@ -68,10 +69,12 @@ class Core:
 
     async def open(self) -> None:
         """Read the repository's configs; a malformed one fails the start-up, naming it, as
-        settings that would let anyone upload code do."""
+        settings that would let anyone upload code do. The archives unpacked by processes that
+        are gone are removed first."""
         refusal = startup_refusal(self.settings)
         if refusal is not None:
             raise StartupFailed(refusal)
+        await asyncio.to_thread(sweep, self.plane.archive_store.cache)
         await self.control.open()
         self.shared_memory.restore()
         self.control.discover()
@@ -114,6 +117,7 @@ class Core:
                     await task
         await self.control.close()
         await self.plane.stop(0.0 if force else self.settings.drain_timeout_s)
+        await asyncio.to_thread(release_all)  # the archives this process unpacked, unless held
         self.shared_memory.close()
         # Off the event loop: the trace file's writer thread, or the last spans' export.
         await asyncio.get_running_loop().run_in_executor(None, self.diagnostics.close)

@@ -41,6 +41,7 @@ from nograd.runtime.planner import PlanInput, log_plan, plan_device, profile_han
 from nograd.runtime.speed.path import batch_cap
 from nograd.runtime.triton_warmup import run_warmup, warmup_samples
 from nograd.runtime.warmup import warm_up
+from nograd.serving.archives import hold, origin, release
 from nograd.serving.precedence import effective_config
 from nograd.serving.registry import ServedModel, State
 from nograd.serving.speed_checks import load_accuracy_sample, recorder
@@ -94,6 +95,8 @@ class ModelLoader:
         self._joined = False
         self._pools: dict[str, int] = {}
         """Per device, the memory first planned (activation budget plus weights)."""
+        self._unpacked: dict[int, Path] = {}
+        """By version (its id), the unpacked archive it holds (``archives.hold``)."""
         self._profiles: dict[tuple[str, str], tuple[tuple[object, ...], RangedCost]] = {}
         """Per model version, the activation cost last measured and what it was measured on:
         a reload of the same files on the same engines and device reuses it (an evicted model
@@ -159,6 +162,8 @@ class ModelLoader:
         config = effective_config(model.config, self._settings)
         started = time.perf_counter()
         previous = sys.modules.get(module_name(config))
+        if origin(model.directory) is not None and id(model) not in self._unpacked:
+            self._unpacked[id(model)] = hold(model.directory)  # unpacked at load, not at read
         try:
             repository = repository_of(self._settings.model_repository, model.directory)
             handler = build_handler(repository, model.directory, config, device)
@@ -341,6 +346,8 @@ class ModelLoader:
             forget_module(code)
         del code
         await asyncio.get_running_loop().run_in_executor(executor, release_memory, device)
+        if (unpacked := self._unpacked.pop(id(model), None)) is not None:
+            await asyncio.get_running_loop().run_in_executor(None, release, unpacked)
 
     async def _start(self, model: ServedModel) -> None:
         assert model.handler is not None

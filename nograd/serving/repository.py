@@ -28,7 +28,7 @@ from nograd.runtime.config import (
     load_config,
     version_order,
 )
-from nograd.serving.archives import ArchiveStore, archives, origin, read_archive
+from nograd.serving.archives import ArchiveStore, archives, declared_bytes, origin, read_archive
 from nograd.serving.errors import InvalidInput, ModelNotFound
 
 Override = Mapping[str, object]
@@ -310,7 +310,17 @@ def _configs(root: Path) -> Iterator[tuple[Path, str | None]]:
 
 def model_folder(root: Path, name: str) -> Path | None:
     """The folder of model ``name``: the one whose config names it, or a folder of that name
-    whose config cannot be read (reading it then says why)."""
+    whose config cannot be read (reading it then says why). The folder named ``name`` is read
+    first: a repository of many models (or of large configs) is not parsed whole to find one."""
+    own = root / name
+    plain = name and "/" not in name and "\\" not in name and not name.startswith(".")
+    if plain and own.is_dir() and (find_config(own) is not None or is_triton_folder(own)):
+        try:
+            path = find_config(own)
+            if (load_config(path).name if path is not None else name) == name:
+                return own
+        except ConfigError:
+            pass  # an unreadable config: the other folders may name the model
     for model_dir, found in _configs(root):
         if found == name or (found is None and model_dir.name == name):
             return model_dir
@@ -369,9 +379,14 @@ def find_source(
 
 
 def files_bytes(source: ModelSource) -> int:
-    """The size of a model's files on disk: what its first load is expected to hold."""
+    """The size of a model's files on disk: what its first load is expected to hold (an
+    archive's, unpacked or not yet, as its members declare)."""
     total = 0
     for version in source.versions.values():
+        declared = declared_bytes(version.directory)
+        if declared is not None:
+            total += declared
+            continue
         for path in version.directory.rglob("*"):
             if path.is_file():
                 total += path.stat().st_size

@@ -22,6 +22,7 @@ from nograd.serving.control import ModelControl
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.errors import ControlRefused, InvalidInput, LoadFailed, ModelNotFound
 from nograd.serving.repository import archive_path, model_folder, read_archive_source
+from nograd.serving.server_paths import without_server_paths
 from nograd.serving.torchserve_documents import archive_of
 
 logger = logging.getLogger(__name__)
@@ -128,7 +129,7 @@ class TorchServeManagement:
             source = await loop.run_in_executor(None, read_archive_source, path, store)
             holder = await loop.run_in_executor(None, archive_path, root, source.name, store)
         except ConfigError as exc:
-            raise ManagementError(400, "InvalidModelException", str(exc)) from exc
+            raise ManagementError(400, "InvalidModelException", self._shown(exc)) from exc
         name = source.name
         if model_name and model_name != name:
             raise ManagementError(
@@ -180,13 +181,20 @@ class TorchServeManagement:
         try:
             await self._control.load(name)
         except (InvalidInput, ControlRefused) as exc:
-            raise ManagementError(400, "InvalidModelException", str(exc)) from exc
+            raise ManagementError(400, "InvalidModelException", self._shown(exc)) from exc
         except (LoadFailed, ModelNotFound) as exc:
             raise ManagementError(
                 500,
                 "InternalServerException",
-                f"Failed to start workers for model {name} version: {version}: {exc}",
+                f"Failed to start workers for model {name} version: {version}: {self._shown(exc)}",
             ) from exc
+
+    def _shown(self, exc: Exception) -> str:
+        """A failure as the client reads it, without the server's folders (logged whole)."""
+        shown = without_server_paths(str(exc), self._control.uploads.server_paths())
+        if shown != str(exc):
+            logger.info("TorchServe register: %s", exc)
+        return shown
 
     async def _load_logged(self, name: str, version: str) -> None:
         try:

@@ -18,6 +18,8 @@ from nograd.observability.stats import STATS_PREFIX
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 CONTROL_FOLDER = "control"
 """The workers' model control sockets, lock and state (``nograd.serving.peers``)."""
+UPLOADS_FOLDER = "uploads"
+"""The models uploaded with load calls (``nograd.serving.uploads``)."""
 CORES_FILE = "cores.i64"
 """The shared ledger of CPU cores (``nograd.host.ledger``), in the shared folder."""
 
@@ -34,8 +36,10 @@ def prepare_shared_dir() -> tuple[Path, bool]:
         directory.mkdir(parents=True, exist_ok=True)
         for stale in (*directory.glob("*.db"), *directory.glob(f"{STATS_PREFIX}*")):
             stale.unlink()
-        # An earlier run's model control state would load its models into this one.
+        # An earlier run's model control state would load its models into this one; its
+        # uploads, with that state gone, would only take disk.
         shutil.rmtree(directory / CONTROL_FOLDER, ignore_errors=True)
+        shutil.rmtree(directory / UPLOADS_FOLDER, ignore_errors=True)
         return directory, False
     directory = Path(tempfile.mkdtemp(prefix="nograd-metrics-"))
     # Set before any prometheus_client import here or in a worker: it picks file-backed values

@@ -1,16 +1,19 @@
 """TorchServe archives served as they are: a model store of ``.mar`` files built by the real
 ``torch-model-archiver`` from TorchServe's examples, beside a nograd model folder, answered over
 TorchServe's own API on nograd's port; and registered, scaled and unregistered by TorchServe's
-management calls on a server of two workers under explicit model control."""
+management calls on a server of two workers under explicit model control; unpacked only when
+registered, removed when unregistered, and refused when its manifest names files outside it."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import importlib.util
 import io
 import json
 import shutil
 import time
+import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -554,3 +557,65 @@ def test_memory_plan_caps_a_sampled_archive_batch(managed: Server) -> None:
     assert 1 <= described["nograd"]["batchLimit"] < 8, described["nograd"]
     answer = httpx.put(f"{managed.url}/predictions/mnist", content=DIGITS["7"], headers=AUTH)
     assert answer.status_code == 200, answer.text
+
+
+ECHO_HANDLER = b"""
+def handle(data, context):
+    if not data:
+        return None
+    return [{"echo": row.get("body") or row.get("data")} for row in data]
+"""
+
+
+def _hand_built_archive(path: Path, name: str, **files: str) -> Path:
+    """A ``.mar`` as torch-model-archiver lays one out, with a function handler and the
+    manifest's file fields given (``configFile``...)."""
+    manifest = {"model": {"modelName": name, "modelVersion": "1.0", "handler": "echo.py", **files}}
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("MAR-INF/MANIFEST.json", json.dumps(manifest))
+        archive.writestr("echo.py", ECHO_HANDLER)
+    return path
+
+
+def test_archives_unpack_at_load_and_go_at_unload(managed: Server, store: Path) -> None:
+    """Listing an archive reads it in place; registering unpacks it once, held by each worker;
+    unregistering removes the unpacked folder."""
+    archive = _hand_built_archive(store / "managed" / "echo.mar", "echo")
+    folder = store / "cache" / "torchserve" / hashlib.sha256(archive.read_bytes()).hexdigest()[:32]
+    index = httpx.post(f"{managed.url}/v2/repository/index", headers=AUTH, timeout=30).json()
+    assert {"name": "echo", "state": "UNAVAILABLE", "reason": "not loaded"} in [
+        {k: row.get(k) for k in ("name", "state", "reason")} for row in index
+    ]
+    assert not folder.exists()
+    registered = httpx.post(f"{managed.url}/models?url=echo.mar", headers=AUTH, timeout=60)
+    assert registered.status_code == 200, registered.text
+    assert (folder / "echo.py").is_file()
+    assert len(list(folder.with_name(folder.name + ".holders").iterdir())) == 2
+    answer = httpx.post(f"{managed.url}/predictions/echo", json={"hi": 1}, headers=AUTH)
+    assert answer.status_code == 200 and answer.json() == {"echo": {"hi": 1}}, answer.text
+    removed = httpx.delete(f"{managed.url}/models/echo", headers=AUTH, timeout=60)
+    assert removed.status_code == 200, removed.text
+    assert not folder.exists()
+    archive.unlink()
+
+
+@pytest.mark.parametrize(
+    ("field", "named"),
+    [("configFile", "../../../../../../etc/hostname"), ("serializedFile", "/etc/passwd")],
+)
+def test_register_refuses_an_archive_naming_files_outside_it(
+    managed: Server, store: Path, field: str, named: str
+) -> None:
+    archive = _hand_built_archive(store / "managed" / "outside.mar", "outside", **{field: named})
+    try:
+        refused = httpx.post(f"{managed.url}/models?url=outside.mar", headers=AUTH, timeout=60)
+    finally:
+        archive.unlink()
+    assert refused.status_code == 400
+    body = refused.json()
+    assert body["type"] == "InvalidModelException"
+    assert f"'model.{field}' names " in body["message"]
+    assert "outside the archive" in body["message"]
+    # The archive is named as the client named it, not by the server's folder.
+    assert body["message"].startswith("outside.mar: "), body["message"]
+    assert str(store) not in body["message"]

@@ -289,6 +289,8 @@ async def test_a_load_overrides_batching_and_queueing_only(
         ({"file:1/model.pt": "not base64!"}, "not base64"),
         ({"file:1/model.pt": 5}, "must be base64 text"),
         ({"colour": "red"}, "unknown load parameter 'colour'"),
+        ({"config": "[" * 20_000 + "]" * 20_000}, "nested too deeply"),
+        ({"config": '{"x": "' + "a" * (1 << 20) + '"}'}, "over the limit of 65536 bytes"),
     ],
 )
 def test_bad_load_parameters_are_named(parameters: dict[str, object], message: str) -> None:
