@@ -263,6 +263,11 @@ class GrpcCalls(Handler):
         context: CallContext,
     ) -> None:
         try:
+            # A connection whose answers wait for its client over their mark takes on no new
+            # work until they leave (or stand still long enough to be reset).
+            await connection.writable(stream)
+            if stream.closed:
+                return
             if method.server_streaming is not None:
                 await _stream_responses(
                     connection, stream, method.server_streaming(request, context)
@@ -296,7 +301,10 @@ async def _stream_responses(
 ) -> None:
     connection.send_headers(stream, RESPONSE_HEADERS)
     async for response in responses:
+        if stream.closed:
+            return
         connection.send_data(stream, message_bytes(response))
+        await connection.writable(stream)
     connection.send_data(stream, b"", trailers(Code.OK))
 
 
