@@ -143,6 +143,7 @@ class BidiCall:
         """Stop reading the stream and end the call with ``code``."""
         self._ended = True
         self._stream.on_data = None
+        self._stream.body_refused = True  # its trailers may wait for the client a while
         self._stream.body.clear()
         self.task.cancel()
         self._end(code, details)

@@ -236,7 +236,8 @@ class Http2Connection(AnswersOut, asyncio.Protocol):
             if stream_id > self._last_stream or stream_id == 0:
                 raise ProtocolFailure(PROTOCOL_ERROR, f"DATA on idle stream {stream_id}")
             return  # a stream this side closed or reset: its late data is dropped
-        stream.body += payload
+        if not stream.body_refused:
+            stream.body += payload
         stream.consumed += len(payload)
         if stream.consumed > RECEIVE_WINDOW // 2 and not flags & END_STREAM:
             self._write(frame(WINDOW_UPDATE, 0, stream_id, struct.pack(">L", stream.consumed)))

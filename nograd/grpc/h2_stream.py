@@ -30,6 +30,8 @@ class Stream:
     send_window: int
     body: bytearray = field(default_factory=bytearray)
     received_all: bool = False
+    body_refused: bool = False
+    """The call stopped reading its requests (it failed): what more arrives is dropped."""
     pending: bytearray = field(default_factory=bytearray)
     """Answer bytes (DATA payload) waiting for window."""
     pending_end: bytes | None = None
