@@ -81,13 +81,13 @@ class AnswersOut:
         their streams, where they are counted, and no request is read until it empties."""
         self._write_paused = True
         self._paused_at = time.monotonic()
-        if self.transport is not None:
+        if self.transport is not None and not self.transport.is_closing():
             self.transport.pause_reading()
         self._arm_watch()
 
     def resume_writing(self) -> None:
         self._write_paused = False
-        if self.transport is not None and not self.closed:
+        if self.transport is not None and not self.transport.is_closing():
             self.transport.resume_reading()
         for stream in list(self.streams.values()):
             if stream.pending or stream.pending_end is not None:
