@@ -208,7 +208,7 @@ def served_meanwhile(server: Server) -> None:
         started = time.monotonic()
         answer = other.infer("big", [seed], client_timeout=10)
         assert float(answer.as_numpy("OUT")[0]) == 7.0
-        assert time.monotonic() - started < 5
+        assert time.monotonic() - started < 10
 
 
 def test_a_decoupled_model_sends_only_what_the_queues_hold_for_a_windowless_client(

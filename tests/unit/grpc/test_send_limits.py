@@ -93,10 +93,14 @@ def requests(count: int) -> bytes:
 
 
 async def settled(connection: Http2Connection) -> int:
-    """The connection's unsent bytes once they stop changing."""
+    """The connection's unsent bytes once past the stream's mark and no longer changing (a
+    loaded machine may take a while to get there), or as they are after 20 s."""
     last = -1
-    while connection.pending_bytes != last:
-        last = connection.pending_bytes
+    for _ in range(100):
+        held = connection.pending_bytes
+        if held > LIMITS.stream_bytes and held == last:
+            break
+        last = held
         await asyncio.sleep(0.2)
     return last
 
@@ -128,6 +132,8 @@ async def test_a_stream_without_window_holds_its_mark_then_answers_all() -> None
         await asyncio.sleep(0.5)
         connection = served.connections[0]
         held = await settled(connection)
+        await asyncio.sleep(0.5)  # nothing more is made meanwhile
+        assert connection.pending_bytes == held
         # Before, every answer waited in the stream: 200 x 64 KiB.
         assert LIMITS.stream_bytes < held <= LIMITS.stream_bytes + ANSWER_BYTES + 1024
         assert served.servicer.taken <= LIMITS.stream_bytes // ANSWER_BYTES + 4
@@ -149,7 +155,7 @@ async def test_answers_standing_still_reset_their_stream_and_others_are_served()
         started = time.monotonic()
         _, _, stream, payload = await stuck.until(h2.RST_STREAM)
         assert stream == 1 and struct.unpack(">L", payload)[0] == h2.ENHANCE_YOUR_CALM
-        assert time.monotonic() - started < 3
+        assert time.monotonic() - started < 5
         assert served.connections[0].pending_bytes == 0
         # Another client on its own connection is answered as ever.
         other = await client(address, window=1 << 20)
