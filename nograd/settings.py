@@ -278,6 +278,24 @@ class Settings(BaseSettings):
     ``grpc_max_health_calls``, so a flood of watches leaves room for ``Check`` probes. Raise it
     when many clients health-check this server by ``Watch`` (one stream per connection)."""
 
+    grpc_max_unsent_stream_bytes: int = Field(default=4 * 1024 * 1024, ge=16 * 1024)
+    """High-water mark of answer bytes one gRPC stream holds waiting for its client (its HTTP/2
+    window, or the socket): past it the call waits before its next answer and a
+    ``ModelStreamInfer`` stream takes no new request, until the client takes some."""
+
+    grpc_max_unsent_connection_bytes: int = Field(default=64 * 1024 * 1024, ge=16 * 1024)
+    """The same mark for all the streams of one gRPC connection together; past it every call
+    on the connection waits, and a new call starts only once it is back under."""
+
+    grpc_unsent_timeout_s: float = Field(default=30.0, gt=0, le=3600)
+    """Longest a gRPC stream's unsent answers may stand still; past it the stream is reset
+    (``ENHANCE_YOUR_CALM``) and what it held freed. A connection whose client reads nothing
+    from the socket this long is closed."""
+
+    max_queued_responses: int = Field(default=64, ge=1)
+    """Most responses of one request to a decoupled model waiting to be sent: the model's
+    ``send`` waits while this many are queued, until one is sent or the call ends."""
+
     max_request_rows: int = Field(default=4096, ge=1)
     """Most rows (samples) one inference request may carry; more get 422."""
 

@@ -3,7 +3,10 @@ soon as it has arrived, the servicer's answers sent as they are ready, the call 
 client has closed its side and the servicer has answered everything.
 
 Requests wait in a bounded backlog: a client that sends faster than the stream is answered is
-ended with RESOURCE_EXHAUSTED rather than held in memory without end.
+ended with RESOURCE_EXHAUSTED rather than held in memory without end. Answers wait for the
+client too: after each one the call waits while the stream (or its connection) holds more than
+its high-water mark unsent, and no new request is handed to the servicer meanwhile, so a client
+that takes no answers stops the work it asks for instead of piling up its answers.
 """
 
 from __future__ import annotations
@@ -107,7 +110,12 @@ class BidiCall:
         self._backlog.put_nowait(None)
 
     async def _requests(self) -> AsyncIterator[Any]:
-        while (message := await self._backlog.get()) is not None:
+        connection, stream = self._connection, self._stream
+        while True:
+            await connection.writable(stream)  # no new work while the answers are stuck
+            message = await self._backlog.get()
+            if message is None or stream.closed:
+                return
             yield message
 
     async def _run(self, servicer: BidiStreaming, context: CallContext) -> None:
@@ -118,6 +126,7 @@ class BidiCall:
                 if stream.closed:
                     return
                 connection.send_data(stream, message_bytes(response))
+                await connection.writable(stream)
             if not stream.closed:
                 connection.send_data(stream, b"", trailers(Code.OK, "", context.trailing_metadata))
         except Abort as exc:
@@ -134,6 +143,7 @@ class BidiCall:
         """Stop reading the stream and end the call with ``code``."""
         self._ended = True
         self._stream.on_data = None
+        self._stream.body_refused = True  # its trailers may wait for the client a while
         self._stream.body.clear()
         self.task.cancel()
         self._end(code, details)

@@ -10,7 +10,8 @@ Only what gRPC needs of HTTP/2 is here, per RFC 9113: prior-knowledge cleartext 
 ``h2c`` every gRPC client speaks on an insecure channel), streams that each carry one call, flow
 control in both directions, SETTINGS, PING, GOAWAY, RST_STREAM and CONTINUATION. Header blocks are
 decoded with ``hpack``; the server's own headers use literals without indexing, so it keeps no
-encoder state.
+encoder state. Answers leave through ``nograd.grpc.h2_send``, which bounds what waits for the
+client.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import asyncio
 import logging
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from typing import Final
 
 from nograd.grpc.frames import (
     ACK,
@@ -61,34 +62,15 @@ from nograd.grpc.frames import (
     frame,
     unpad,
 )
+from nograd.grpc.h2_send import AnswersOut
+from nograd.grpc.h2_stream import SendLimits, Stream, ended
+
+__all__ = ["Handler", "Http2Connection", "SendLimits", "Stream"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Stream:
-    """One stream of a connection: the request arriving, the answer leaving."""
-
-    id: int
-    headers: list[tuple[str, str]]
-    send_window: int
-    body: bytearray = field(default_factory=bytearray)
-    received_all: bool = False
-    pending: bytearray = field(default_factory=bytearray)
-    """Answer bytes (DATA payload) waiting for window."""
-    pending_end: bytes | None = None
-    """The trailers' frame, sent once ``pending`` is."""
-    closed: bool = False
-    headers_sent: bool = False
-    on_data: Callable[[], None] | None = None
-    """Told when request bytes arrive (a stream that reads messages as they come)."""
-    on_reset: Callable[[], None] | None = None
-    """Told when the peer resets the stream or the connection ends."""
-    on_closed: Callable[[], None] | None = None
-    """Told once when the stream ends, whichever way (answered, reset by either side, the
-    connection lost): what a stream holds is given back even when no call ever ran."""
-    consumed: int = 0
-    """Request bytes taken since the stream's last WINDOW_UPDATE."""
+ABORT_AFTER_S: Final = 1.0
+"""How long a connection ended by this side has to take its GOAWAY before it is dropped: one
+whose client reads nothing would otherwise keep its unsent bytes until the peer goes away."""
 
 
 class Handler:
@@ -101,7 +83,7 @@ class Handler:
         raise NotImplementedError
 
 
-class Http2Connection(asyncio.Protocol):
+class Http2Connection(AnswersOut, asyncio.Protocol):
     """One client connection: frames in, streams to the handler, answers out."""
 
     def __init__(
@@ -111,10 +93,14 @@ class Http2Connection(asyncio.Protocol):
         on_close: Callable[[], None],
         preface_timeout_s: float | None = None,
         refusal: str | None = None,
+        limits: SendLimits | None = None,
     ) -> None:
         """``preface_timeout_s``: the time a new connection has to send the client preface (a
-        silent one holds no slot); ``refusal``: turn it away at once (``ENHANCE_YOUR_CALM``)."""
+        silent one holds no slot); ``refusal``: turn it away at once (``ENHANCE_YOUR_CALM``);
+        ``limits``: what its answers may hold."""
         self._refusal = refusal
+        self._start_answers(limits)
+        self._lost = False
         self._handler = handler
         self._max_streams = max_streams
         self._on_close = on_close
@@ -166,9 +152,13 @@ class Http2Connection(asyncio.Protocol):
         if self._preface_timer is not None:
             self._preface_timer.cancel()
         self.closed = True
+        self._lost = True
+        if self._watch is not None:
+            self._watch.cancel()
         for stream in list(self.streams.values()):
             self._reset_locally(stream)
         self.streams.clear()
+        self._wake()
         self._on_close()
 
     def data_received(self, data: bytes) -> None:
@@ -246,7 +236,8 @@ class Http2Connection(asyncio.Protocol):
             if stream_id > self._last_stream or stream_id == 0:
                 raise ProtocolFailure(PROTOCOL_ERROR, f"DATA on idle stream {stream_id}")
             return  # a stream this side closed or reset: its late data is dropped
-        stream.body += payload
+        if not stream.body_refused:
+            stream.body += payload
         stream.consumed += len(payload)
         if stream.consumed > RECEIVE_WINDOW // 2 and not flags & END_STREAM:
             self._write(frame(WINDOW_UPDATE, 0, stream_id, struct.pack(">L", stream.consumed)))
@@ -352,57 +343,20 @@ class Http2Connection(asyncio.Protocol):
             self._flush(stream)
 
     # ------------------------------------------------------------------ answers out
-    def send_headers(self, stream: Stream, block: bytes, *, end: bool = False) -> None:
-        if stream.closed or self.closed:
-            return
-        flags = END_HEADERS | (END_STREAM if end else 0)
-        stream.headers_sent = True
-        self._write(frame(HEADERS, flags, stream.id, block))
-        if end:
-            self._finish(stream)
-
-    def send_data(self, stream: Stream, data: bytes, trailers: bytes | None = None) -> None:
-        """Queue ``data`` on ``stream`` and send what the windows allow; ``trailers`` (a header
-        block) end the stream once all of it is sent."""
-        if stream.closed or self.closed:
-            return
-        stream.pending += data
-        if trailers is not None:
-            stream.pending_end = frame(HEADERS, END_HEADERS | END_STREAM, stream.id, trailers)
-        self._flush(stream)
-
-    def _flush(self, stream: Stream) -> None:
-        pending = stream.pending
-        out = []
-        while pending:
-            allowed = min(len(pending), stream.send_window, self._send_window, self._max_send_frame)
-            if allowed <= 0:
-                break
-            out.append(frame(DATA, 0, stream.id, bytes(pending[:allowed])))
-            del pending[:allowed]
-            stream.send_window -= allowed
-            self._send_window -= allowed
-        if not pending and stream.pending_end is not None:
-            out.append(stream.pending_end)
-            stream.pending_end = None
-            self._write(b"".join(out))
-            self._finish(stream)
-            return
-        if out:
-            self._write(b"".join(out))
-
     def reset(self, stream: Stream, code: int = CANCEL) -> None:
         if stream.closed or self.closed:
             return
         stream.closed = True
-        _ended(stream)
+        ended(stream)
         self.streams.pop(stream.id, None)
+        self._release(stream)
         self._write(frame(RST_STREAM, 0, stream.id, struct.pack(">L", code)))
         self._close_if_idle()
 
     def _finish(self, stream: Stream) -> None:
         stream.closed = True
-        _ended(stream)
+        ended(stream)
+        self._release(stream)
         if self.streams.pop(stream.id, None) is not None and not stream.received_all:
             # Answered before the request ended (refused early): the peer may stop sending.
             self._write(frame(RST_STREAM, 0, stream.id, struct.pack(">L", NO_ERROR)))
@@ -410,7 +364,8 @@ class Http2Connection(asyncio.Protocol):
 
     def _reset_locally(self, stream: Stream) -> None:
         stream.closed = True
-        _ended(stream)
+        ended(stream)
+        self._release(stream)
         if stream.on_reset is not None:
             stream.on_reset()
 
@@ -439,10 +394,16 @@ class Http2Connection(asyncio.Protocol):
         )
         if self.transport is not None:
             self.transport.close()
+            asyncio.get_running_loop().call_later(ABORT_AFTER_S, self._abort)
         self.closed = True
 
+    def _abort(self) -> None:
+        if not self._lost and self.transport is not None:
+            self.transport.abort()
 
-def _ended(stream: Stream) -> None:
-    closed, stream.on_closed = stream.on_closed, None
-    if closed is not None:
-        closed()
+    def _drop_streams(self) -> None:
+        """End every stream of a connection this side ended, at once: their calls stop and what
+        they hold is freed without waiting for the socket to close."""
+        for stream in list(self.streams.values()):
+            self._reset_locally(stream)
+        self.streams.clear()

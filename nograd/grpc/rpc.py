@@ -235,23 +235,30 @@ class GrpcCalls(Handler):
         stream.on_reset = cancel
 
     def _request(self, method: Method, encoding: str, stream: Stream) -> Message:
-        body = bytes(stream.body)
-        stream.body.clear()
-        if len(body) < PREFIX_BYTES:
-            raise Abort(Code.INTERNAL, "the call carries no request message")
-        size = int.from_bytes(body[1:5], "big")
-        if len(body) != PREFIX_BYTES + size:
-            raise Abort(Code.INTERNAL, "a unary call carries exactly one request message")
-        payload = body[PREFIX_BYTES:]
-        if body[0]:
+        """The call's one message. Its bytes are copied once, past the prefix, and the stream's
+        body freed before parsing (which copies them again): a large message is held twice at
+        most while it is read, not three times."""
+        body = stream.body
+        try:
+            if len(body) < PREFIX_BYTES:
+                raise Abort(Code.INTERNAL, "the call carries no request message")
+            size = int.from_bytes(body[1:5], "big")
+            if len(body) != PREFIX_BYTES + size:
+                raise Abort(Code.INTERNAL, "a unary call carries exactly one request message")
+            compressed = body[0]
+            with memoryview(body) as whole, whole[PREFIX_BYTES:] as after_prefix:
+                payload = bytes(after_prefix)
+        finally:
+            body.clear()
+        if compressed:
             payload = decompress(payload, encoding, self._max_message_bytes)
         request = method.request_type()
         try:
             request.ParseFromString(payload)
         except ProtobufDecodeError as exc:
             logger.debug("unparsable %s: %s", request.DESCRIPTOR.full_name, exc)
-            message = f"the request is not a valid {request.DESCRIPTOR.full_name} message"
-            raise Abort(Code.INTERNAL, message) from exc
+            refusal = f"the request is not a valid {request.DESCRIPTOR.full_name} message"
+            raise Abort(Code.INTERNAL, refusal) from exc
         return request
 
     async def _run(
@@ -263,6 +270,11 @@ class GrpcCalls(Handler):
         context: CallContext,
     ) -> None:
         try:
+            # A connection whose answers wait for its client over their mark takes on no new
+            # work until they leave (or stand still long enough to be reset).
+            await connection.writable(stream)
+            if stream.closed:
+                return
             if method.server_streaming is not None:
                 await _stream_responses(
                     connection, stream, method.server_streaming(request, context)
@@ -296,7 +308,10 @@ async def _stream_responses(
 ) -> None:
     connection.send_headers(stream, RESPONSE_HEADERS)
     async for response in responses:
+        if stream.closed:
+            return
         connection.send_data(stream, message_bytes(response))
+        await connection.writable(stream)
     connection.send_data(stream, b"", trailers(Code.OK))
 
 

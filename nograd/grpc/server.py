@@ -18,7 +18,7 @@ from typing import Final
 
 from nograd.grpc.generated import grpc_service_pb2 as pb
 from nograd.grpc.generated import health_pb2
-from nograd.grpc.h2 import Http2Connection
+from nograd.grpc.h2 import Http2Connection, SendLimits
 from nograd.grpc.health import Health
 from nograd.grpc.rpc import GrpcCalls, Limit, Method
 from nograd.grpc.service import InferenceService
@@ -122,6 +122,11 @@ class GrpcServer:
         self._calls = GrpcCalls(methods, settings.max_message_bytes, refused, core.calls)
         self._connections: set[Http2Connection] = set()
         self._server: asyncio.AbstractServer | None = None
+        self._send_limits = SendLimits(
+            settings.grpc_max_unsent_stream_bytes,
+            settings.grpc_max_unsent_connection_bytes,
+            settings.grpc_unsent_timeout_s,
+        )
 
     async def start(self, sock: socket.socket | None) -> None:
         """Listen on ``sock``; None: take only the connections ``protocol`` is asked for."""
@@ -154,6 +159,7 @@ class GrpcServer:
             closed,
             settings.header_timeout_s,
             refusal,
+            self._send_limits,
         )
         if refusal is None:  # a refused one is answered and closed, never counted as open
             self._connections.add(connection)

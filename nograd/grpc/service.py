@@ -71,6 +71,7 @@ class InferenceService(DiagnosticsRpcs, SharedMemoryRpcs, StreamInferRpcs):
         self._plane = core.plane
         self._control = core.control
         self._protect_health = protect_health
+        self._max_queued_responses = core.settings.max_queued_responses
 
     # ------------------------------------------------------------------ plumbing
     def authorize(

@@ -2,6 +2,12 @@
 by side, each answered (or its error sent in the stream) as soon as it is ready, a decoupled
 model's 0..n responses each as it comes. ``InferenceService`` takes it from here.
 
+What a stream holds for a client that takes no answers is bounded: at most ``MAX_SERVED`` of
+its requests are served at once (the next ones wait in the stream's backlog), their answers wait
+for the stream in a queue of ``MAX_QUEUED_ANSWERS``, and a decoupled model's responses to one
+request in a queue of ``NOGRAD_MAX_QUEUED_RESPONSES`` (the model's sender waits while it is
+full), so a stalled stream stops the work it asks for.
+
 A sequence's requests keep the order they came in on the stream: each takes its place among its
 sequence's requests as the stream reads it, before anything is awaited, so a large request
 decoded in a thread is not overtaken by a small one of the same sequence sent after it.
@@ -11,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, Final
 
 from nograd.core.responses import ResponseQueue
 from nograd.grpc.failures import client_message
@@ -25,6 +31,10 @@ from nograd.serving.sequences import Place, sequence_request
 
 PROTOCOL = "grpc"
 TARGET = "/inference.GRPCInferenceService/ModelStreamInfer"
+MAX_SERVED: Final = 64
+"""Requests of one stream served at once (answered or not yet sent); the next wait their turn."""
+MAX_QUEUED_ANSWERS: Final = 16
+"""Answers of one stream ready and waiting for the stream to take them."""
 
 
 class StreamInferRpcs:
@@ -34,6 +44,8 @@ class StreamInferRpcs:
     _plane: DataPlane
     _infer: Callable[..., Awaitable[pb.ModelInferResponse]]
     """One inference request (call, request, context, responder, place)."""
+    _max_queued_responses: int
+    """A decoupled model's responses to one request waiting to be sent, at most."""
 
     def authorize(self, context: CallContext, model: str | None = None) -> None:
         raise NotImplementedError
@@ -51,8 +63,15 @@ class StreamInferRpcs:
             self.authorize(context)
         except Exception as exc:
             await self._abort(context, exc, kind_of(exc))
-        answers: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        answers: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue(
+            MAX_QUEUED_ANSWERS
+        )
         serving: set[asyncio.Task[None]] = set()
+        room = asyncio.Semaphore(MAX_SERVED)
+
+        def given_back(task: asyncio.Task[None]) -> None:
+            del task
+            room.release()
 
         async def serve(request: Any, place: Place | None) -> None:
             if not self._decoupled(request):
@@ -63,10 +82,12 @@ class StreamInferRpcs:
 
         async def take() -> None:
             async for request in requests:
+                await room.acquire()
                 place = self._place(request)
                 task = asyncio.create_task(serve(request, place))
                 serving.add(task)
                 task.add_done_callback(serving.discard)
+                task.add_done_callback(given_back)
                 if place is not None:  # given up however the task ends, even cancelled unstarted
                     task.add_done_callback(place.left_with)
             await asyncio.gather(*serving)
@@ -109,7 +130,7 @@ class StreamInferRpcs:
         call.model = calls.label(request.model_name)
         flagged = request.parameters.get("triton_enable_empty_final_response")
         mark_final = flagged is not None and flagged.bool_param
-        responder = ResponseQueue(asyncio.get_running_loop())
+        responder = ResponseQueue(asyncio.get_running_loop(), self._max_queued_responses)
         kind: Kind | None = Kind.CLIENT_GONE
         try:
             head = await self._infer(call, request, context, responder, place)
@@ -133,6 +154,7 @@ class StreamInferRpcs:
             kind = calls.failed(call, exc)
             yield pb.ModelStreamInferResponse(error_message=client_message(exc, kind))
         finally:
+            responder.end()  # a model still sending goes on, its responses dropped
             calls.close(call, 200 if kind is None else kind.status)
 
     async def _stream_one(
