@@ -70,6 +70,15 @@ def check_inputs(request: pb.ModelInferRequest, check: Check | None = None) -> D
     tensors = list(request.inputs)
     raw = request.raw_input_contents
     places = placements(tensors, "input")
+    if raw:
+        for tensor, place in zip(tensors, places, strict=True):
+            if place is None and tensor.HasField("contents"):
+                # Triton's refusal, word for word (its explicit-content example clients check
+                # for it), before any other check of the raw contents.
+                raise DecodeError(
+                    "contents field must not be specified when using raw_input_contents for "
+                    f"'{tensor.name}' for model '{request.model_name}'"
+                )
     carried = sum(place is None for place in places)
     if raw and len(raw) != carried:
         raise DecodeError(
@@ -101,8 +110,6 @@ def check_inputs(request: pb.ModelInferRequest, check: Check | None = None) -> D
         if not raw:
             _check_contents(tensor, datatype, shape, where)
             continue
-        if _has_contents(tensor):
-            raise DecodeError(f"{where}: has both contents and raw_input_contents; send one")
         try:
             binary.check_size(len(raw[index - 1]), datatype, shape, where)
         except binary.BinaryFormatError as exc:

@@ -114,7 +114,8 @@ async def test_health_needs_a_key_exactly_when_http_s_does(tmp_path: Path) -> No
 
 async def test_model_ready_answers_as_triton_does_and_needs_a_key(tmp_path: Path) -> None:
     """Triton answers OK with ready false for a model it does not serve (tritonclient's and
-    KServe's ``is_model_ready`` return False), INVALID_ARGUMENT for a version that is no number;
+    KServe's ``is_model_ready`` return False), INVALID_ARGUMENT in Triton's words for a version
+    that is no number or a negative one;
     and the call names models, so it needs the key HTTP's ``/v2/models/{m}/ready`` does."""
     async with serving(tmp_path) as address, grpc.aio.insecure_channel(address) as channel:
         ready = stub(channel, "ModelReady", pb.ModelReadyRequest, pb.ModelReadyResponse)
@@ -124,11 +125,29 @@ async def test_model_ready_answers_as_triton_does_and_needs_a_key(tmp_path: Path
         assert not (await ready(unknown, metadata=AUTH, timeout=10)).ready
         no_version = pb.ModelReadyRequest(name="poison", version="7")
         assert not (await ready(no_version, metadata=AUTH, timeout=10)).ready
-        for version in ("-1", "abc", "²"):
+        for version, details in (
+            (
+                "-1",
+                "invalid model version specified '-1' , version should be an integral value > 0",
+            ),
+            *(
+                (
+                    text,
+                    f"failed to get model version from specified version string '{text}' "
+                    "(details: stol), version should be an integral value > 0",
+                )
+                for text in ("abc", "²", "9" * 5000)
+            ),
+        ):
             bad = pb.ModelReadyRequest(name="poison", version=version)
             error = await refused(ready, bad, metadata=AUTH)
             assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "must be 1 to 18 digits" in (error.details() or "")
+            assert error.details() == details
+        # As C's stol reads it: leading blanks and zeros, and what follows the digits, left out.
+        for version in (" 01", "1abc", str(2**63 - 1)):
+            asked = pb.ModelReadyRequest(name="poison", version=version)
+            expected = version != str(2**63 - 1)
+            assert (await ready(asked, metadata=AUTH, timeout=10)).ready is expected, version
         error = await refused(ready, unknown)
         assert error.code() == grpc.StatusCode.UNAUTHENTICATED
 
