@@ -15,7 +15,7 @@ from google.protobuf.message import Message
 
 from nograd.core.responses import ResponseQueue
 from nograd.grpc.diagnostics import DiagnosticsRpcs, trace_parent
-from nograd.grpc.failures import CODES, client_message
+from nograd.grpc.failures import client_message, status_code
 from nograd.grpc.generated import grpc_service_pb2 as pb
 from nograd.grpc.rpc import CallContext
 from nograd.grpc.shared_memory import SharedMemoryRpcs
@@ -92,7 +92,7 @@ class InferenceService(DiagnosticsRpcs, SharedMemoryRpcs, StreamInferRpcs):
         refusal says when to retry (trailing metadata ``retry-after``)."""
         if kind is Kind.UNAVAILABLE:
             context.set_trailing_metadata((("retry-after", str(retry_after_s(exc))),))
-        await context.abort(CODES[kind], client_message(exc, kind))
+        await context.abort(status_code(exc, kind), client_message(exc, kind))
 
     async def _answer(
         self,

@@ -419,6 +419,12 @@ def test_python_backend_error_responses(
         grpc_client.infer("guarded", [tensor])
     assert raised.value.status() == "StatusCode.INVALID_ARGUMENT"
     assert raised.value.message() == "X must not be negative"
+    # The default code, INTERNAL: Triton's gRPC front passes the model's message as HTTP does.
+    tensor.set_data_from_numpy(np.array([[5000.0, 0.0]], dtype=np.float32))
+    with pytest.raises(InferenceServerException) as raised:
+        grpc_client.infer("guarded", [tensor])
+    assert raised.value.status() == "StatusCode.INTERNAL"
+    assert raised.value.message() == "too large"
 
 
 def test_python_backend_versions_are_separate_modules(

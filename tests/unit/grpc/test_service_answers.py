@@ -21,7 +21,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nograd.grpc import frames as h2
-from nograd.grpc.failures import client_message
+from nograd.grpc.failures import client_message, status_code
 from nograd.grpc.generated import grpc_service_pb2 as pb
 from nograd.grpc.server import SERVICE_NAME, GrpcServer
 from nograd.serving.core import Core
@@ -30,6 +30,7 @@ from nograd.serving.errors import (
     InferenceFailed,
     Kind,
     LoadFailed,
+    ModelAnswered,
     ModelNotFound,
     kind_of,
 )
@@ -314,3 +315,26 @@ def test_client_messages_cut_server_paths_and_hide_internals() -> None:
             assert kind_of(exc) is Kind.FAILED
             assert "Error" not in told and "/" not in told and "0x" not in told
             assert "server's log" in told
+
+
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [
+        ("UNKNOWN", "UNKNOWN"),
+        ("INTERNAL", "INTERNAL"),
+        ("NOT_FOUND", "NOT_FOUND"),
+        ("INVALID_ARG", "INVALID_ARGUMENT"),
+        ("UNAVAILABLE", "UNAVAILABLE"),
+        ("UNSUPPORTED", "UNIMPLEMENTED"),
+        ("ALREADY_EXISTS", "ALREADY_EXISTS"),
+        ("CANCELLED", "CANCELLED"),
+    ],
+)
+def test_a_models_own_error_answer_keeps_its_message_and_tritons_code(
+    code: str, expected: str
+) -> None:
+    """A Triton Python model's ``TritonError`` reaches a gRPC client as Triton's gRPC front
+    sends it: the model's message as written, the status code its error code maps to."""
+    answered = ModelAnswered("too large for /srv/models/m", 500, code)
+    assert client_message(answered, kind_of(answered)) == "too large for /srv/models/m"
+    assert status_code(answered, kind_of(answered)).name == expected
