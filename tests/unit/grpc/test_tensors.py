@@ -251,3 +251,15 @@ async def test_large_tensors_are_decoded_off_the_event_loop(
         await read_inputs(one_input([4097, 1], "BYTES", name="text", raw=bytes(4 * 4097)), check)
     assert len(threads) == 2
     assert check_inputs(small, check) == {"text": ("BYTES", (1, 2))}
+
+
+def test_typed_contents_of_an_input_in_shared_memory_are_refused_in_tritons_words() -> None:
+    request = one_input([1], field="fp32_contents", values=[0.0])
+    tensor = request.inputs[0]
+    tensor.parameters["shared_memory_region"].string_param = "region"
+    tensor.parameters["shared_memory_byte_size"].int64_param = 4
+    with pytest.raises(DecodeError) as refused:
+        check_inputs(request)
+    assert str(refused.value) == (
+        "unexpected 'content' provided when using shared memory for input tensor 'x' for model 'm'"
+    )
