@@ -65,6 +65,15 @@ def fixed_shape_onnx(path: Path) -> None:
     onnx.save_model(model, str(path))
 
 
+AUTO_SIZED_CONFIG = """
+name: "auto_sized"
+platform: "onnxruntime_onnx"
+max_batch_size: 8
+"""
+"""``simple``'s model with a batch size and nothing else: ONNX Runtime's auto-complete reads its
+tensors from the graph and turns dynamic batching on."""
+
+
 GUARDED_CONFIG = """
 name: "guarded"
 backend: "python"
@@ -244,6 +253,43 @@ ensemble_scheduling {{
 }}
 """
 
+AUTO_COMPLETE_ENSEMBLE_CONFIG = """
+name: "auto_complete_twice"
+platform: "ensemble"
+max_batch_size: 4
+input [
+  { name: "A", data_type: TYPE_FP32, dims: [ 4 ] },
+  { name: "B", data_type: TYPE_FP32, dims: [ 4 ] }
+]
+output [
+  { name: "TWICE_A", data_type: TYPE_FP32, dims: [ 4 ] },
+  { name: "TWICE_B", data_type: TYPE_FP32, dims: [ 4 ] }
+]
+ensemble_scheduling {
+  step [
+    {
+      model_name: "batch_auto_complete"
+      model_version: -1
+      input_map { key: "INPUT0" value: "A" }
+      input_map { key: "INPUT1" value: "B" }
+      output_map { key: "OUTPUT0" value: "sum" }
+      output_map { key: "OUTPUT1" value: "difference" }
+    },
+    {
+      model_name: "batch_auto_complete"
+      model_version: -1
+      input_map { key: "INPUT0" value: "sum" }
+      input_map { key: "INPUT1" value: "difference" }
+      output_map { key: "OUTPUT0" value: "TWICE_A" }
+      output_map { key: "OUTPUT1" value: "TWICE_B" }
+    }
+  ]
+}
+"""
+"""Two steps on python_backend's ``batch_auto_complete`` (no config.pbtxt: its tensors and batch
+size come from its ``auto_complete_config``): the sum and difference of their sum and
+difference, ``2 * A`` and ``2 * B``."""
+
 
 WARMED_CONFIG = """
 name: "{name}"
@@ -419,13 +465,16 @@ def triton_repository(root: Path) -> Path:
     - ``sum_chosen``: ``cpu_instance`` opted in to nograd's engine choice (``nograd_engine``:
       ONNX Runtime, built from the TorchScript model and checked against it);
     - ``scale_shift``: TorchScript without a batch dimension;
-    - ``auto``: ``simple``'s model.onnx with no config (auto-complete: batched, 4 rows);
+    - ``auto``: ``simple``'s model.onnx with no config (auto-complete: batched, 4 rows), and
+      ``auto_sized``, the same with a config giving only ``max_batch_size`` 8;
     - ``fixed``: a fixed-shape ONNX model with no config (auto-complete: no batch dimension);
     - ``unsupported``: ``simple`` with an iterative ``sequence_batching``: refused, naming the
       field;
     - ``simple_identity`` (Triton's, the Python backend, TYPE_STRING), python_backend's
-      ``add_sub`` and ``pytorch`` examples, and ``guarded`` (a Python model with error
-      responses and two versions);
+      ``add_sub`` and ``pytorch`` examples, its ``auto_complete`` example's
+      ``batch_auto_complete`` and ``nobatch_auto_complete`` (a ``1/model.py`` alone, no
+      config.pbtxt) with ``auto_complete_twice``, an ensemble over the first, and ``guarded`` (a
+      Python model with error responses and two versions);
     - ensembles: python_backend's ``ensemble_python_resnet50`` (its ``preprocess`` config, with
       a numpy ``model.py``, and a TorchScript ``resnet50_trt``), ``chain`` (no batch dimension),
       ``guarded_twice`` (batched), ``simple_ensemble`` over ``simple_step`` (a copy of
@@ -480,9 +529,13 @@ def triton_repository(root: Path) -> Path:
     save_torchscript(ScaleShift(), repo / "scale_shift" / "1" / "model.pt")
     (repo / "scale_shift" / "config.pbtxt").write_text(NO_BATCH_CONFIG)
     shutil.copytree(simple / "1", repo / "auto" / "1")
+    shutil.copytree(simple / "1", repo / "auto_sized" / "1")
+    (repo / "auto_sized" / "config.pbtxt").write_text(AUTO_SIZED_CONFIG)
     fixed_shape_onnx(repo / "fixed" / "1" / "model.onnx")
-    for name in ("add_sub", "pytorch"):
+    for name in ("add_sub", "pytorch", "batch_auto_complete", "nobatch_auto_complete"):
         shutil.copytree(FIXTURES / name, repo / name)
+    (repo / "auto_complete_twice" / "1").mkdir(parents=True)
+    (repo / "auto_complete_twice" / "config.pbtxt").write_text(AUTO_COMPLETE_ENSEMBLE_CONFIG)
     (repo / "guarded").mkdir()
     (repo / "guarded" / "config.pbtxt").write_text(GUARDED_CONFIG)
     for version, scale in (("1", 1), ("2", 10)):
@@ -579,9 +632,13 @@ SERVED = (
     "sum_chosen",
     "scale_shift",
     "auto",
+    "auto_sized",
     "simple_identity",
     "add_sub",
     "pytorch",
+    "batch_auto_complete",
+    "nobatch_auto_complete",
+    "auto_complete_twice",
     "guarded",
     "preprocess",
     "resnet50_trt",

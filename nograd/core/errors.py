@@ -10,11 +10,13 @@ class DecodeError(ValueError):
 class ModelAnswered(Exception):
     """A request a model's own code answered with an error (Triton's Python backend's
     ``InferenceResponse(error=...)``): the message goes to the client as the model wrote it,
-    with the HTTP status its error code stands for."""
+    with the HTTP status its error code stands for, and the code's name (``INVALID_ARG``), from
+    which gRPC takes its status code as Triton's gRPC front does."""
 
-    def __init__(self, message: str, status: int) -> None:
+    def __init__(self, message: str, status: int, code: str = "INTERNAL") -> None:
         super().__init__(message)
         self.status = status
+        self.code = code
 
 
 class DecodedTooLarge(DecodeError):

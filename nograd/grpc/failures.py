@@ -7,7 +7,7 @@ import re
 from typing import Final
 
 from nograd.grpc.rpc import Code
-from nograd.serving.errors import HandlerFailed, InferenceFailed, Kind
+from nograd.serving.errors import HandlerFailed, InferenceFailed, Kind, ModelAnswered
 
 CODES: Final[dict[Kind, Code]] = {
     Kind.INVALID: Code.INVALID_ARGUMENT,
@@ -26,17 +26,40 @@ CODES: Final[dict[Kind, Code]] = {
     Kind.TOO_LARGE_FOR_MEMORY: Code.RESOURCE_EXHAUSTED,
 }
 """Each kind of failure as a gRPC status code."""
+ANSWERED_CODES: Final[dict[str, Code]] = {
+    "UNKNOWN": Code.UNKNOWN,
+    "INTERNAL": Code.INTERNAL,
+    "NOT_FOUND": Code.NOT_FOUND,
+    "INVALID_ARG": Code.INVALID_ARGUMENT,
+    "UNAVAILABLE": Code.UNAVAILABLE,
+    "UNSUPPORTED": Code.UNIMPLEMENTED,
+    "ALREADY_EXISTS": Code.ALREADY_EXISTS,
+    "CANCELLED": Code.CANCELLED,
+}
+"""A model's own error answer (``ModelAnswered``) by its Triton error code, as Triton's gRPC
+front maps the code (``GrpcStatusUtil::CodeToStatus``)."""
 
 _ABSOLUTE_PATH: Final = re.compile(r"(?<![\w.:/~-])/(?:[^\s'\"/]+/)+([^\s'\"/]*)")
 """A path from the server's file system (two parts at least: ``/srv/models/x``), not a URL's."""
+
+
+def status_code(exc: BaseException, kind: Kind) -> Code:
+    """The call's status code: a model's own error answer's by its Triton code, else its
+    kind's."""
+    if isinstance(exc, ModelAnswered):
+        return ANSWERED_CODES.get(exc.code, Code.INTERNAL)
+    return CODES[kind]
 
 
 def client_message(exc: BaseException, kind: Kind) -> str:
     """What a client is told of a failure. nograd's own messages say what was wrong, but one may
     carry a detail from below (a load error's file): absolute server paths are cut to their
     last part. A failure of the model or of nograd itself says only that; its exception and
-    traceback are in the log. A TorchServe handler's failure answer is the model's message to
-    its client, passed on as HTTP does."""
+    traceback are in the log. A TorchServe handler's failure answer, and a Triton model's own
+    error answer (``ModelAnswered``), are the model's message to its client, passed on as they
+    are, as HTTP does and as Triton does on both."""
+    if isinstance(exc, ModelAnswered):
+        return str(exc)
     if kind is Kind.FAILED and not isinstance(exc, HandlerFailed):
         if isinstance(exc, InferenceFailed):
             return "the model failed on this request (the server's log has the detail)"

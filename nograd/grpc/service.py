@@ -15,7 +15,7 @@ from google.protobuf.message import Message
 
 from nograd.core.responses import ResponseQueue
 from nograd.grpc.diagnostics import DiagnosticsRpcs, trace_parent
-from nograd.grpc.failures import CODES, client_message
+from nograd.grpc.failures import client_message, status_code
 from nograd.grpc.generated import grpc_service_pb2 as pb
 from nograd.grpc.rpc import CallContext
 from nograd.grpc.shared_memory import SharedMemoryRpcs
@@ -43,7 +43,32 @@ PROTOCOL: Final = "grpc"
 EXTENSIONS: Final = list(documents.EXTENSIONS)
 METHOD_PREFIX: Final = "/inference.GRPCInferenceService/"
 
-_VERSION: Final = re.compile(r"[0-9]{1,18}")
+_VERSION_PREFIX: Final = re.compile(r"[ \t\n\v\f\r]*([+-]?[0-9]+)")
+"""What C's ``std::stol`` reads of a version string, as Triton's ``GetModelVersionFromString``
+reads it (leading blanks, a sign, digits; the rest ignored)."""
+_LONG_MAX: Final = 2**63 - 1
+
+
+def requested_version(text: str) -> str | None:
+    """A call's ``model_version`` as Triton reads it: empty is the model's default (None), else
+    the number its digits begin with; one that is no number, or a negative one, is refused with
+    Triton's words (its explicit-content example client checks them)."""
+    if not text:
+        return None
+    found = _VERSION_PREFIX.match(text)
+    digits = found[1].lstrip("+-").lstrip("0") if found is not None else ""
+    if found is None or len(digits) > len(str(_LONG_MAX)) or abs(int(found[1])) > _LONG_MAX:
+        raise InvalidInput(
+            f"failed to get model version from specified version string '{text}' (details: "
+            "stol), version should be an integral value > 0"
+        )
+    version = int(found[1])
+    if version < 0:
+        raise InvalidInput(
+            f"invalid model version specified '{text}' , version should be an integral value > 0"
+        )
+    return str(version)
+
 
 OPERATOR_RPCS: Final = {
     "RepositoryIndex": MODEL_REPOSITORY,
@@ -111,7 +136,7 @@ class InferenceService(DiagnosticsRpcs, SharedMemoryRpcs, StreamInferRpcs):
         refusal says when to retry (trailing metadata ``retry-after``)."""
         if kind is Kind.UNAVAILABLE:
             context.set_trailing_metadata((("retry-after", str(retry_after_s(exc))),))
-        await context.abort(CODES[kind], client_message(exc, kind))
+        await context.abort(status_code(exc, kind), client_message(exc, kind))
 
     async def _answer(
         self,
@@ -152,9 +177,7 @@ class InferenceService(DiagnosticsRpcs, SharedMemoryRpcs, StreamInferRpcs):
         ``/v2/models/{m}/ready`` does."""
 
         async def ready() -> pb.ModelReadyResponse:
-            version = request.version or None
-            if version is not None and _VERSION.fullmatch(version) is None:
-                raise InvalidInput(f"model version {version[:32]!r} must be 1 to 18 digits (0-9)")
+            version = requested_version(request.version)
             try:
                 model = self._plane.get(request.name, version)
             except ModelNotFound:
@@ -175,7 +198,7 @@ class InferenceService(DiagnosticsRpcs, SharedMemoryRpcs, StreamInferRpcs):
 
     async def ModelMetadata(self, request: Any, context: CallContext) -> pb.ModelMetadataResponse:
         async def metadata() -> pb.ModelMetadataResponse:
-            model = self._calls.described(request.name, request.version or None)
+            model = self._calls.described(request.name, requested_version(request.version))
             document = documents.model_metadata(self._plane, model)
             return _message(document, pb.ModelMetadataResponse())
 
@@ -183,7 +206,7 @@ class InferenceService(DiagnosticsRpcs, SharedMemoryRpcs, StreamInferRpcs):
 
     async def ModelConfig(self, request: Any, context: CallContext) -> pb.ModelConfigResponse:
         async def config() -> pb.ModelConfigResponse:
-            model = self._calls.described(request.name, request.version or None)
+            model = self._calls.described(request.name, requested_version(request.version))
             document = model_configuration(model, self._plane.settings)
             return pb.ModelConfigResponse(config=_message(document, model_config_pb2.ModelConfig()))
 
@@ -193,7 +216,7 @@ class InferenceService(DiagnosticsRpcs, SharedMemoryRpcs, StreamInferRpcs):
         self, request: Any, context: CallContext
     ) -> pb.ModelStatisticsResponse:
         async def statistics() -> pb.ModelStatisticsResponse:
-            version = request.version or None
+            version = requested_version(request.version)
             document = documents.statistics(self._plane, request.name or None, version)
             return _message(document, pb.ModelStatisticsResponse())
 
@@ -276,7 +299,7 @@ class InferenceService(DiagnosticsRpcs, SharedMemoryRpcs, StreamInferRpcs):
             if parameter is not None and parameter.int64_param > 0:
                 call.shorten_deadline(parameter.int64_param / 1e6)
             sequence = sequence_request(sequence_parameters(request))
-            name, version = request.model_name, request.model_version or None
+            name, version = request.model_name, requested_version(request.model_version)
             await calls.resident(call, name)
             # Checked against the model's declared inputs before any value is read.
             check = calls.input_check(call, name, version, request.id or None)

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from pathlib import Path
 from typing import Any, Final
 
-from google.protobuf import text_format
+from google.protobuf import json_format, text_format
 
 from nograd.core.datatypes import TABLE
 from nograd.core.engines import engine_choices
@@ -40,24 +39,22 @@ class Backend:
     """One Triton backend nograd serves: its platform and backend names, nograd's format for
     its model file, and that file's default name."""
 
-    def __init__(
-        self, platform: str, backend: str, format_: str, filename: str, *, alone: bool = True
-    ) -> None:
+    def __init__(self, platform: str, backend: str, format_: str, filename: str) -> None:
         self.platform = platform
         self.backend = backend
         self.format = format_
         self.filename = filename
-        self.alone = alone
-        """Recognised by its file in a folder with no ``config.pbtxt`` (a Python model's
-        tensors are only known from its config)."""
 
 
-PYTHON: Final = Backend("", "python", "python", "model.py", alone=False)
-"""Triton's Python backend: ``model.py`` defining ``TritonPythonModel``."""
-ENSEMBLE: Final = Backend("ensemble", "", "ensemble", "", alone=False)
+ONNX: Final = Backend("onnxruntime_onnx", "onnxruntime", "onnx", "model.onnx")
+"""ONNX Runtime's backend: ``model.onnx``, its tensors read from the graph without a config."""
+PYTHON: Final = Backend("", "python", "python", "model.py")
+"""Triton's Python backend: ``model.py`` defining ``TritonPythonModel``; with no
+``config.pbtxt``, its ``auto_complete_config`` gives the tensors and batching when it loads."""
+ENSEMBLE: Final = Backend("ensemble", "", "ensemble", "")
 """Triton's ensembles: steps running other models, no file of their own."""
 BACKENDS: Final = (
-    Backend("onnxruntime_onnx", "onnxruntime", "onnx", "model.onnx"),
+    ONNX,
     Backend("pytorch_libtorch", "pytorch", "torchscript", "model.pt"),
     PYTHON,
     ENSEMBLE,
@@ -103,11 +100,11 @@ _warned: set[str] = set()
 
 def is_triton_folder(model_dir: Path) -> bool:
     """A Triton model folder: one with ``config.pbtxt``, or, with no config at all, a numbered
-    version folder holding a model file Triton's auto-complete recognises (``model.onnx``)."""
+    version folder holding a model file Triton's auto-complete recognises (``model.onnx``,
+    ``model.pt``, ``model.py``)."""
     if (model_dir / CONFIG_FILE).is_file():
         return True
-    found = _detect(model_dir) if _versions(model_dir) else None
-    return found is not None and found.alone
+    return bool(_versions(model_dir)) and _detect(model_dir) is not None
 
 
 def read_triton(model_dir: Path) -> ModelConfig:
@@ -115,21 +112,19 @@ def read_triton(model_dir: Path) -> ModelConfig:
     version itself is set per numbered folder); a ``ConfigError`` names the file and field."""
     path = model_dir / CONFIG_FILE
     message = pb.ModelConfig()
-    text = ""
     if path.is_file():
         try:
-            text = path.read_text(encoding="utf-8")
-            text_format.Parse(text, message)
+            text_format.Parse(path.read_text(encoding="utf-8"), message)
         except (OSError, UnicodeDecodeError, text_format.ParseError) as exc:
             raise ConfigError(f"{path}: cannot parse: {exc}") from exc
     where = str(path) if path.is_file() else f"{model_dir} (no {CONFIG_FILE})"
     try:
-        return _convert(model_dir, message, text, where)
+        return _convert(model_dir, message, where)
     except ValueError as exc:
         raise ConfigError(f"{where}: {exc}") from exc
 
 
-def _convert(model_dir: Path, message: Any, text: str, where: str) -> ModelConfig:
+def _convert(model_dir: Path, message: Any, where: str) -> ModelConfig:
     folder = model_dir.name
     if message.name and message.name != folder:
         raise ValueError(
@@ -177,15 +172,15 @@ def _convert(model_dir: Path, message: Any, text: str, where: str) -> ModelConfi
         fields["decoupled"] = message.model_transaction_policy.decoupled
     else:
         fields["artifact"] = message.default_model_filename
-    given = re.search(r"\bmax_batch_size\b", text) is not None
     if message.max_batch_size > 0:
         fields["batch_dimension"] = True
         fields["max_batch_size"] = message.max_batch_size
-    elif given or (inputs and outputs) or backend.format != "onnx":
+    elif (inputs and outputs) or backend is not ONNX:
         fields["batch_dimension"] = False
         fields["max_batch_size"] = 1
     else:
-        # Triton's auto-complete: read from the ONNX graph when the model loads.
+        # Triton's auto-complete: read from the ONNX graph when the model loads (as ONNX
+        # Runtime's backend reads it, a max_batch_size of 0 is one not given).
         fields["batch_dimension"] = None
     if message.HasField("sequence_batching"):
         fields["sequence"] = sequence_batching(message)
@@ -214,7 +209,8 @@ def _convert(model_dir: Path, message: Any, text: str, where: str) -> ModelConfi
 def _complete(message: Any, backend: Backend) -> None:
     """What Triton fills in a configuration it loads, so the configuration nograd reports is the
     one Triton reports: pinned-memory optimisation for a model of its own, a transaction policy
-    for an ensemble, and a Python model's preferred batch size (its ``max_batch_size``)."""
+    for an ensemble, and, with dynamic batching, a preferred batch size of ``max_batch_size``
+    (Triton's ``NormalizeModelConfig``, for every backend)."""
     if backend is ENSEMBLE:
         message.model_transaction_policy.SetInParent()
         return
@@ -223,8 +219,17 @@ def _complete(message: Any, backend: Backend) -> None:
         message.optimization.output_pinned_memory.enable = True
     batching = message.dynamic_batching
     batched = message.HasField("dynamic_batching") and message.max_batch_size > 0
-    if backend is PYTHON and batched and not batching.preferred_batch_size:
+    if batched and not batching.preferred_batch_size:
         batching.preferred_batch_size.append(message.max_batch_size)
+
+
+def completed_document(document: dict[str, Any]) -> dict[str, Any]:
+    """A Python model's configuration after its ``auto_complete_config`` (which may add
+    tensors, a batch size and dynamic batching to the file's, or to none), completed and printed
+    as Triton completes and prints the configuration it loads."""
+    message = json_format.ParseDict(document, pb.ModelConfig(), ignore_unknown_fields=True)
+    _complete(message, PYTHON)
+    return config_document(message)
 
 
 def _refuse_unknown(message: Any, where: str) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 from nograd.core.datatypes import TABLE
+from nograd.interop.triton import ONNX, PYTHON, completed_document
 from nograd.runtime.config import TensorSpec, version_order
 from nograd.serving.registry import LOADING_ON_DEMAND, ServedModel, State
 from nograd.settings import Settings
@@ -101,11 +102,15 @@ def model_configuration(model: ServedModel, settings: Settings) -> dict[str, Any
 
 def triton_folder_configuration(model: ServedModel) -> dict[str, Any]:
     """A Triton model folder's configuration as read from its ``config.pbtxt``, completed as
-    Triton completes it: inputs and outputs read from the model file, for an ONNX model that
-    can batch ``max_batch_size`` 4 with dynamic batching, and the instance group it runs as."""
+    Triton completes it: a Python model's as its ``auto_complete_config`` left it, inputs and
+    outputs read from an ONNX model's file, with ``max_batch_size`` 4 for one that can batch
+    and, as ONNX Runtime's backend adds it, dynamic batching, and the instance group it runs
+    as."""
     config = model.config
     assert config.triton_config is not None
     document: dict[str, Any] = json.loads(config.triton_config)
+    if config.backend == PYTHON.backend:
+        document = completed_document(document)
     if not document.get("instance_group") and not config.steps:
         device = str(model.handler.device) if model.handler is not None else config.device
         # Triton names the group it adds after the model.
@@ -121,9 +126,15 @@ def triton_folder_configuration(model: ServedModel) -> dict[str, Any]:
                 "host_policy": "",
             }
         ]
-    batched = bool(config.batch_dimension)
-    if batched and not document.get("max_batch_size"):
-        document["dynamic_batching"] = document.get("dynamic_batching") or {
+    max_batch_size = (config.max_batch_size or 0) if config.batch_dimension else 0
+    # ONNX Runtime's auto-complete (a config without inputs or outputs) turns dynamic batching
+    # on for a model that batches more than one row and has no scheduler of its own.
+    completed = config.backend == ONNX.backend and not (
+        document.get("input") and document.get("output")
+    )
+    scheduled = "dynamic_batching" in document or "sequence_batching" in document
+    if completed and max_batch_size > 1 and not scheduled:
+        document["dynamic_batching"] = {
             "preferred_batch_size": [],
             "max_queue_delay_microseconds": 0,
             "preserve_ordering": False,
@@ -131,7 +142,11 @@ def triton_folder_configuration(model: ServedModel) -> dict[str, Any]:
             "default_priority_level": 0,
             "priority_queue_policy": {},
         }
-    document["max_batch_size"] = (config.max_batch_size or 0) if batched else 0
+    batching = document.get("dynamic_batching")
+    if batching is not None and max_batch_size > 0 and not batching.get("preferred_batch_size"):
+        # Triton's NormalizeModelConfig, once the backend has set the batch size.
+        batching["preferred_batch_size"] = [max_batch_size]
+    document["max_batch_size"] = max_batch_size
     if not document.get("input"):
         document["input"] = [_completed(spec, is_input=True) for spec in config.inputs]
     if not document.get("output"):

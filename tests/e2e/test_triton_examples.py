@@ -88,9 +88,16 @@ EXAMPLE_RUNS: dict[str, Example] = {
         grpc=True,
         own_server=True,
     ),
-    "grpc-explicit-int": Example("grpc_explicit_int_content_client.py", grpc=True),
-    "grpc-explicit-int8": Example("grpc_explicit_int8_content_client.py", grpc=True),
-    "grpc-explicit-byte": Example("grpc_explicit_byte_content_client.py", grpc=True),
+    # The explicit-content clients exit 0 either way: their last check prints its PASS line.
+    "grpc-explicit-int": Example(
+        "grpc_explicit_int_content_client.py", grpc=True, expect="PASS: explicit int"
+    ),
+    "grpc-explicit-int8": Example(
+        "grpc_explicit_int8_content_client.py", grpc=True, expect="PASS: explicit int8"
+    ),
+    "grpc-explicit-byte": Example(
+        "grpc_explicit_byte_content_client.py", grpc=True, expect="PASS: explicit string"
+    ),
     "grpc-client-stubs": Example("grpc_client.py", grpc=True),
     "grpc-image": Example(
         "grpc_image_client.py",

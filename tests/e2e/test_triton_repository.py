@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from queue import Queue
+from typing import Any
 
 import httpx
 import numpy as np
@@ -22,7 +23,14 @@ import tritonclient.http as triton_http
 from tritonclient.utils import InferenceServerException
 
 from tests.e2e.serving import Server, free_port, metric_value, run_server
-from tests.triton_exchanges import EXCHANGES, differences, recorded_answers, send_grpc, send_http
+from tests.triton_exchanges import (
+    EXCHANGES,
+    Exchange,
+    differences,
+    recorded_answers,
+    send_grpc,
+    send_http,
+)
 from tests.triton_models import SERVED, triton_repository
 
 pytestmark = pytest.mark.e2e
@@ -119,7 +127,18 @@ def test_auto_complete_of_onnx_without_config(
     http_client: triton_http.InferenceServerClient,
 ) -> None:
     auto = http_client.get_model_config("auto")
-    assert auto["max_batch_size"] == 4 and "dynamic_batching" in auto
+    # ONNX Runtime's backend adds dynamic batching; Triton's core prefers max_batch_size.
+    assert auto["max_batch_size"] == 4
+    assert auto["dynamic_batching"]["preferred_batch_size"] == [4]
+    sized = http_client.get_model_config("auto_sized")
+    assert sized["max_batch_size"] == 8
+    assert sized["dynamic_batching"]["preferred_batch_size"] == [8]
+    assert [t["name"] for t in sized["input"]] == ["INPUT0", "INPUT1"]
+    # Dynamic batching a config sets itself gets the same preferred batch size, on any backend.
+    queued = http_client.get_model_config("simple_string_queued")
+    assert queued["dynamic_batching"]["preferred_batch_size"] == [8]
+    # Without a batch dimension, or with tensors listed, no dynamic batching is added.
+    assert "dynamic_batching" not in http_client.get_model_config("simple")
     assert [(t["name"], t["data_type"], t["dims"]) for t in auto["output"]] == [
         ("OUTPUT0", "TYPE_INT32", [16]),
         ("OUTPUT1", "TYPE_INT32", [16]),
@@ -383,6 +402,96 @@ def test_python_backend_examples_answer_as_their_clients_check(
     np.testing.assert_allclose(result.as_numpy("OUTPUT1"), a - b, atol=1e-5)  # type: ignore[attr-defined]
 
 
+def _auto_completed_http(recorded: dict[str, Any], name: str, max_batch_size: int) -> Any:
+    """Triton's HTTP configuration of python_backend's auto_complete example (a ``1/model.py``
+    alone), from its recorded one of ``guarded`` (a Python model with dynamic batching): the
+    same fields, with the example's name, tensors and batch size, the default version policy,
+    and Triton's NormalizeModelConfig's preferred batch size (the batch size) with no delay."""
+    answer = json.loads(json.dumps(recorded))
+    config = answer["body"]
+    for kind, names in (("input", ("INPUT0", "INPUT1")), ("output", ("OUTPUT0", "OUTPUT1"))):
+        config[kind] = [{**config[kind][0], "name": tensor, "dims": [4]} for tensor in names]
+    config["name"] = config["instance_group"][0]["name"] = name
+    config["version_policy"] = {"latest": {"num_versions": 1}}
+    config["max_batch_size"] = max_batch_size
+    if max_batch_size:
+        config["dynamic_batching"]["preferred_batch_size"] = [max_batch_size]
+        config["dynamic_batching"]["max_queue_delay_microseconds"] = 0
+    else:
+        del config["dynamic_batching"]
+    return answer
+
+
+def _auto_completed_grpc(recorded: dict[str, Any], name: str, max_batch_size: int) -> Any:
+    """The same over gRPC (``MessageToDict``: camelCase, 64-bit numbers as text, defaults
+    left out), from the recorded gRPC configuration of ``guarded``."""
+    answer = json.loads(json.dumps(recorded))
+    config = answer["body"]["config"]
+    for kind, names in (("input", ("INPUT0", "INPUT1")), ("output", ("OUTPUT0", "OUTPUT1"))):
+        config[kind] = [{**config[kind][0], "name": tensor, "dims": ["4"]} for tensor in names]
+    config["name"] = config["instanceGroup"][0]["name"] = name
+    config["versionPolicy"] = {"latest": {"numVersions": 1}}
+    if max_batch_size:
+        config["maxBatchSize"] = max_batch_size
+        config["dynamicBatching"] = {"preferredBatchSize": [max_batch_size]}
+    else:
+        del config["maxBatchSize"], config["dynamicBatching"]
+    return answer
+
+
+@pytest.mark.parametrize(
+    ("model", "max_batch_size"), [("batch_auto_complete", 4), ("nobatch_auto_complete", 0)]
+)
+def test_python_model_without_config_served_as_its_auto_complete_config_says(
+    triton_server: Server,
+    http_client: triton_http.InferenceServerClient,
+    grpc_client: triton_grpc.InferenceServerClient,
+    model: str,
+    max_batch_size: int,
+) -> None:
+    """python_backend's auto_complete example deployed as its README deploys it (a
+    ``1/model.py`` alone): its configuration and metadata as Triton answers them, and its
+    answers as the example's client checks them, over HTTP and gRPC."""
+    recorded = recorded_answers()
+    with httpx.Client(timeout=30) as client:
+        got = send_http(
+            client, triton_server.url, Exchange("", "http", "GET", f"/v2/models/{model}/config")
+        )
+    expected = _auto_completed_http(recorded["http-config-guarded"], model, max_batch_size)
+    assert differences(expected, got) == []
+    got = send_grpc(grpc_client, Exchange("", "grpc", "config", model=model))
+    expected = _auto_completed_grpc(recorded["grpc-config-guarded"], model, max_batch_size)
+    assert differences(expected, got) == []
+    batch = [-1] if max_batch_size else []
+    metadata = http_client.get_model_metadata(model)
+    assert (metadata["platform"], metadata["versions"]) == ("python", ["1"])
+    for kind, names in (("inputs", ("INPUT0", "INPUT1")), ("outputs", ("OUTPUT0", "OUTPUT1"))):
+        assert metadata[kind] == [
+            {"name": n, "datatype": "FP32", "shape": [*batch, 4]} for n in names
+        ]
+    a = np.array([0.5, -1.25, 3.0, 7.75], dtype=np.float32)
+    b = np.array([2.0, 0.25, -3.5, 1.0], dtype=np.float32)
+    if max_batch_size:
+        a, b = np.stack([a, 2 * a]), np.stack([b, -b])
+    for client, module in ((http_client, triton_http), (grpc_client, triton_grpc)):
+        result = _infer(client, module, model, {"INPUT0": a, "INPUT1": b})
+        np.testing.assert_allclose(result.as_numpy("OUTPUT0"), a + b, atol=1e-5)  # type: ignore[attr-defined]
+        np.testing.assert_allclose(result.as_numpy("OUTPUT1"), a - b, atol=1e-5)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_an_ensemble_over_a_python_model_without_config(
+    request: pytest.FixtureRequest, protocol: str
+) -> None:
+    client = request.getfixturevalue(f"{protocol}_client")
+    module = triton_http if protocol == "http" else triton_grpc
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    b = np.full((3, 4), 0.5, dtype=np.float32)
+    twice = _infer(client, module, "auto_complete_twice", {"A": a, "B": b})
+    np.testing.assert_allclose(twice.as_numpy("TWICE_A"), 2 * a, atol=1e-5)  # type: ignore[attr-defined]
+    np.testing.assert_allclose(twice.as_numpy("TWICE_B"), 2 * b, atol=1e-5)  # type: ignore[attr-defined]
+
+
 def test_python_backend_metadata(http_client: triton_http.InferenceServerClient) -> None:
     metadata = http_client.get_model_metadata("add_sub")
     assert metadata["platform"] == "python"  # Triton names the backend when no platform is set
@@ -419,6 +528,12 @@ def test_python_backend_error_responses(
         grpc_client.infer("guarded", [tensor])
     assert raised.value.status() == "StatusCode.INVALID_ARGUMENT"
     assert raised.value.message() == "X must not be negative"
+    # The default code, INTERNAL: Triton's gRPC front passes the model's message as HTTP does.
+    tensor.set_data_from_numpy(np.array([[5000.0, 0.0]], dtype=np.float32))
+    with pytest.raises(InferenceServerException) as raised:
+        grpc_client.infer("guarded", [tensor])
+    assert raised.value.status() == "StatusCode.INTERNAL"
+    assert raised.value.message() == "too large"
 
 
 def test_python_backend_versions_are_separate_modules(

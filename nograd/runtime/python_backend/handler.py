@@ -40,6 +40,14 @@ STATUS: Final[dict[int, int]] = {
     utils.TritonError.CANCELLED: 400,
 }
 """A ``TritonError`` code's HTTP status, as Triton's HTTP front maps it."""
+CODE_NAMES: Final[dict[int, str]] = {
+    getattr(utils.TritonError, name): name
+    for name in (
+        *("UNKNOWN", "INTERNAL", "NOT_FOUND", "INVALID_ARG"),
+        *("UNAVAILABLE", "UNSUPPORTED", "ALREADY_EXISTS", "CANCELLED"),
+    )
+}
+"""A ``TritonError`` code's name, which the gRPC front maps to its status code."""
 DATATYPES: Final[dict[str, str]] = {row.triton: row.name for row in TABLE}
 
 
@@ -187,7 +195,8 @@ class PythonBackendHandler(ModelHandler):
             )
         error = response.error()
         if error is not None:
-            return ModelAnswered(error.message(), STATUS.get(error.code(), 500))
+            code = error.code() if error.code() in STATUS else utils.TritonError.INTERNAL
+            return ModelAnswered(error.message(), STATUS[code], CODE_NAMES[code])
         answer: Outputs = {}
         for tensor in response.output_tensors():
             array = np.asarray(tensor.as_numpy())

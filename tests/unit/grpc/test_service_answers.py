@@ -21,7 +21,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nograd.grpc import frames as h2
-from nograd.grpc.failures import client_message
+from nograd.grpc.failures import client_message, status_code
 from nograd.grpc.generated import grpc_service_pb2 as pb
 from nograd.grpc.server import SERVICE_NAME, GrpcServer
 from nograd.grpc.service import OPERATOR_RPCS
@@ -31,6 +31,7 @@ from nograd.serving.errors import (
     InferenceFailed,
     Kind,
     LoadFailed,
+    ModelAnswered,
     ModelNotFound,
     kind_of,
 )
@@ -149,7 +150,8 @@ async def test_operator_rpcs_are_permission_denied_to_an_inference_key(tmp_path:
 
 async def test_model_ready_answers_as_triton_does_and_needs_a_key(tmp_path: Path) -> None:
     """Triton answers OK with ready false for a model it does not serve (tritonclient's and
-    KServe's ``is_model_ready`` return False), INVALID_ARGUMENT for a version that is no number;
+    KServe's ``is_model_ready`` return False), INVALID_ARGUMENT in Triton's words for a version
+    that is no number or a negative one;
     and the call names models, so it needs the key HTTP's ``/v2/models/{m}/ready`` does."""
     async with serving(tmp_path) as address, grpc.aio.insecure_channel(address) as channel:
         ready = stub(channel, "ModelReady", pb.ModelReadyRequest, pb.ModelReadyResponse)
@@ -159,11 +161,29 @@ async def test_model_ready_answers_as_triton_does_and_needs_a_key(tmp_path: Path
         assert not (await ready(unknown, metadata=AUTH, timeout=10)).ready
         no_version = pb.ModelReadyRequest(name="poison", version="7")
         assert not (await ready(no_version, metadata=AUTH, timeout=10)).ready
-        for version in ("-1", "abc", "²"):
+        for version, details in (
+            (
+                "-1",
+                "invalid model version specified '-1' , version should be an integral value > 0",
+            ),
+            *(
+                (
+                    text,
+                    f"failed to get model version from specified version string '{text}' "
+                    "(details: stol), version should be an integral value > 0",
+                )
+                for text in ("abc", "²", "9" * 5000)
+            ),
+        ):
             bad = pb.ModelReadyRequest(name="poison", version=version)
             error = await refused(ready, bad, metadata=AUTH)
             assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "must be 1 to 18 digits" in (error.details() or "")
+            assert error.details() == details
+        # As C's stol reads it: leading blanks and zeros, and what follows the digits, left out.
+        for version in (" 01", "1abc", str(2**63 - 1)):
+            asked = pb.ModelReadyRequest(name="poison", version=version)
+            expected = version != str(2**63 - 1)
+            assert (await ready(asked, metadata=AUTH, timeout=10)).ready is expected, version
         error = await refused(ready, unknown)
         assert error.code() == grpc.StatusCode.UNAUTHENTICATED
 
@@ -330,3 +350,26 @@ def test_client_messages_cut_server_paths_and_hide_internals() -> None:
             assert kind_of(exc) is Kind.FAILED
             assert "Error" not in told and "/" not in told and "0x" not in told
             assert "server's log" in told
+
+
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [
+        ("UNKNOWN", "UNKNOWN"),
+        ("INTERNAL", "INTERNAL"),
+        ("NOT_FOUND", "NOT_FOUND"),
+        ("INVALID_ARG", "INVALID_ARGUMENT"),
+        ("UNAVAILABLE", "UNAVAILABLE"),
+        ("UNSUPPORTED", "UNIMPLEMENTED"),
+        ("ALREADY_EXISTS", "ALREADY_EXISTS"),
+        ("CANCELLED", "CANCELLED"),
+    ],
+)
+def test_a_models_own_error_answer_keeps_its_message_and_tritons_code(
+    code: str, expected: str
+) -> None:
+    """A Triton Python model's ``TritonError`` reaches a gRPC client as Triton's gRPC front
+    sends it: the model's message as written, the status code its error code maps to."""
+    answered = ModelAnswered("too large for /srv/models/m", 500, code)
+    assert client_message(answered, kind_of(answered)) == "too large for /srv/models/m"
+    assert status_code(answered, kind_of(answered)).name == expected

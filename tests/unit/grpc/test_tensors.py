@@ -149,10 +149,29 @@ def test_several_inputs_each_decode_to_their_own_array(raw: bool) -> None:
     assert inputs["ids"].dtype == np.int32 and inputs["ids"].tolist() == [[7], [-7]]
 
 
-def test_raw_and_typed_contents_together_are_refused() -> None:
+def test_raw_and_typed_contents_together_are_refused_in_tritons_words() -> None:
     request = one_input([1], raw=b"\0" * 4, field="fp32_contents", values=[0.0])
-    with pytest.raises(DecodeError, match="both contents and raw_input_contents"):
+    with pytest.raises(DecodeError) as refused:
         decode_inputs(request)
+    assert str(refused.value) == (
+        "contents field must not be specified when using raw_input_contents for 'x' for model 'm'"
+    )
+
+
+def test_typed_contents_beside_any_raw_input_are_refused_before_counting_them() -> None:
+    """Triton's explicit-content example clients: both inputs typed, then one raw tensor added
+    and the first input's contents replaced; Triton names the first input, not the count."""
+    request = pb.ModelInferRequest(model_name="simple")
+    for name in ("INPUT0", "INPUT1"):
+        tensor = request.inputs.add(name=name, datatype="INT32", shape=[1, 16])
+        tensor.contents.int_contents.extend(range(16))
+    request.raw_input_contents.append(np.arange(8).tobytes())
+    with pytest.raises(DecodeError) as refused:
+        check_inputs(request)
+    assert str(refused.value) == (
+        "contents field must not be specified when using raw_input_contents for 'INPUT0' for "
+        "model 'simple'"
+    )
 
 
 def test_the_model_s_check_sees_every_header_before_any_size_or_value() -> None:
@@ -232,3 +251,15 @@ async def test_large_tensors_are_decoded_off_the_event_loop(
         await read_inputs(one_input([4097, 1], "BYTES", name="text", raw=bytes(4 * 4097)), check)
     assert len(threads) == 2
     assert check_inputs(small, check) == {"text": ("BYTES", (1, 2))}
+
+
+def test_typed_contents_of_an_input_in_shared_memory_are_refused_in_tritons_words() -> None:
+    request = one_input([1], field="fp32_contents", values=[0.0])
+    tensor = request.inputs[0]
+    tensor.parameters["shared_memory_region"].string_param = "region"
+    tensor.parameters["shared_memory_byte_size"].int64_param = 4
+    with pytest.raises(DecodeError) as refused:
+        check_inputs(request)
+    assert str(refused.value) == (
+        "unexpected 'content' provided when using shared memory for input tensor 'x' for model 'm'"
+    )

@@ -85,6 +85,9 @@ def test_onnx_without_config_is_auto_completed_at_load(tmp_path: Path) -> None:
     config = read_triton(folder)
     assert config.batch_dimension is None and not config.inputs
     assert config.format == "onnx"
+    # ONNX Runtime's backend cannot tell a max_batch_size of 0 from none: it auto-completes both.
+    (folder / "config.pbtxt").write_text('platform: "onnxruntime_onnx"\nmax_batch_size: 0\n')
+    assert read_triton(folder).batch_dimension is None
 
 
 @pytest.mark.parametrize(
@@ -136,10 +139,21 @@ def test_strings_through_torchscript_refused_naming_the_type(tmp_path: Path) -> 
         read_triton(_folder(tmp_path, "s", text, model="model.pt"))
 
 
-def test_a_python_model_without_config_is_no_triton_folder(tmp_path: Path) -> None:
+def test_a_python_model_without_config_is_a_triton_folder(tmp_path: Path) -> None:
+    """As Triton's auto-complete finds it: ``model.py`` in a version folder is the Python
+    backend; its tensors and batch size come from its ``auto_complete_config`` at load."""
     folder = tmp_path / "bare_python" / "1"
     folder.mkdir(parents=True)
     (folder / "model.py").write_text("class TritonPythonModel: ...\n")
+    assert is_triton_folder(tmp_path / "bare_python")
+    config = read_triton(tmp_path / "bare_python")
+    assert (config.backend, config.format, config.module) == ("python", "python", "model.py")
+    assert (config.inputs, config.outputs, config.batch_dimension) == ((), (), False)
+    document = json.loads(config.triton_config or "")
+    assert (document["name"], document["platform"]) == ("bare_python", "")
+    assert document["default_model_filename"] == "model.py"
+    # A folder with no model file in a version folder is still no model.
+    (folder / "model.py").rename(folder / "notes.txt")
     assert not is_triton_folder(tmp_path / "bare_python")
 
 
