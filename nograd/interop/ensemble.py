@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from nograd.runtime.config import EnsembleStep
+from nograd.schema.config import EnsembleStep
 
 
 class _Tensor:

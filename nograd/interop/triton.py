@@ -23,7 +23,7 @@ from nograd.interop.ensemble import ensemble_steps
 from nograd.interop.generated import model_config_pb2 as pb
 from nograd.interop.triton_json import config_document
 from nograd.interop.triton_sequences import queue_delay_ms, sequence_batching
-from nograd.runtime.config import (
+from nograd.schema.config import (
     ConfigError,
     ModelConfig,
     TensorSpec,

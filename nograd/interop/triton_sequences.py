@@ -7,7 +7,7 @@ from typing import Any, Final
 
 from nograd.core.datatypes import TABLE
 from nograd.interop.generated import model_config_pb2 as pb
-from nograd.runtime.sequence_config import (
+from nograd.schema.sequence_config import (
     ControlKind,
     SequenceBatching,
     SequenceControl,

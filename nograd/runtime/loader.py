@@ -13,13 +13,6 @@ from typing import Protocol, cast
 import torch
 from safetensors.torch import load_file
 
-from nograd.runtime.config import (
-    PYTHON_FORMAT,
-    TORCHSERVE_FORMAT,
-    ModelConfig,
-    chooses_engine,
-    is_triton_python,
-)
 from nograd.runtime.engines.artifacts import verify_sha256
 from nograd.runtime.engines.autocomplete import auto_complete
 from nograd.runtime.engines.errors import ArtifactError
@@ -37,6 +30,13 @@ from nograd.runtime.python_backend.handler import (
 from nograd.runtime.shapes import ShapedHandler, needs_shaping
 from nograd.runtime.string_tensors import StringTensorHandler, has_strings
 from nograd.runtime.torchserve.handler import ArchiveLoadError, build_archive_handler
+from nograd.schema.config import (
+    PYTHON_FORMAT,
+    TORCHSERVE_FORMAT,
+    ModelConfig,
+    chooses_engine,
+    is_triton_python,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ from typing import Any, Final
 import numpy as np
 
 from nograd.core.datatypes import TABLE
-from nograd.runtime.config import ModelConfig
 from nograd.runtime.handler import ModelHandler, TensorPart, TorchRunner
 from nograd.runtime.python_backend.utils import deserialize_bytes_tensor
+from nograd.schema.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

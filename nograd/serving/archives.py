@@ -25,8 +25,8 @@ from functools import lru_cache
 from pathlib import Path, PurePosixPath
 from typing import Any, Final
 
-from nograd.runtime.config import TORCHSERVE_FORMAT, ConfigError, ModelConfig, TensorSpec
 from nograd.runtime.torchserve.manifest import ManifestError, read_manifest
+from nograd.schema.config import TORCHSERVE_FORMAT, ConfigError, ModelConfig, TensorSpec
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from nograd.observability.tracing import Tracer
 from nograd.protocol import classification
 from nograd.protocol.keys import bearer_key_matches
 from nograd.runtime.handler import Outputs
-from nograd.runtime.sequence_step import SequenceStep
+from nograd.schema.sequence_step import SequenceStep
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.errors import (
     HandlerFailed,

@@ -7,7 +7,7 @@ import json
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from nograd.runtime.config import check_model_name
+from nograd.schema.config import check_model_name
 from nograd.serving.control import ModelControl
 from nograd.serving.errors import InvalidInput, LoadFailed, ModelNotFound, PollFailed
 from nograd.serving.repository import Override

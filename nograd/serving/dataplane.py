@@ -21,9 +21,9 @@ from nograd.observability.metrics import Metrics
 from nograd.observability.stats import Statistics
 from nograd.observability.tracing import step_trace
 from nograd.protocol.limits import decoded_too_large
-from nograd.runtime.config import EnsembleStep
 from nograd.runtime.handler import Outputs
-from nograd.runtime.sequence_step import SequenceStep
+from nograd.schema.config import EnsembleStep
+from nograd.schema.sequence_step import SequenceStep
 from nograd.serving.admission import Admission
 from nograd.serving.archives import ArchiveStore
 from nograd.serving.device_memory import memory_readings

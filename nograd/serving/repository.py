@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from nograd.interop.triton import CONFIG_FILE as TRITON_CONFIG
 from nograd.interop.triton import is_triton_folder, read_triton
-from nograd.runtime.config import (
+from nograd.schema.config import (
     ConfigError,
     ModelConfig,
     find_config,

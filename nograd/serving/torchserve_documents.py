@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from nograd.runtime.config import TORCHSERVE_FORMAT
+from nograd.schema.config import TORCHSERVE_FORMAT
 from nograd.serving.archives import Archive, describe
 from nograd.serving.registry import ServedModel
 

@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Final
 
-from nograd.runtime.config import ConfigError
+from nograd.schema.config import ConfigError
 from nograd.serving.archives import SUFFIX, describe
 from nograd.serving.control import ModelControl
 from nograd.serving.dataplane import DataPlane

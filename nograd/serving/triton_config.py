@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 from nograd.core.datatypes import TABLE
-from nograd.runtime.config import TensorSpec, version_order
+from nograd.schema.config import TensorSpec, version_order
 from nograd.serving.registry import LOADING_ON_DEMAND, ServedModel, State
 from nograd.settings import Settings
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from nograd.runtime.config import ConfigError
+from nograd.schema.config import ConfigError
 from nograd.serving.archives import ArchiveStore, read_archive
 
 MANIFEST = {"model": {"modelName": "m", "modelVersion": "1.0", "handler": "h.py"}}

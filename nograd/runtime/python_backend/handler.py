@@ -22,9 +22,9 @@ import torch
 from nograd.core.datatypes import TABLE
 from nograd.core.errors import ModelAnswered
 from nograd.core.responses import Response
-from nograd.runtime.config import ModelConfig, TensorSpec
 from nograd.runtime.handler import ModelHandler, Outputs, TensorPart
 from nograd.runtime.python_backend import utils
+from nograd.schema.config import ModelConfig, TensorSpec
 
 UTILS_MODULE: Final = "triton_python_backend_utils"
 """The name Triton's Python models import the backend's utilities by."""

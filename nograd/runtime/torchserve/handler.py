@@ -31,7 +31,6 @@ from nograd.core.handler_messages import (
     encode_answer,
     failure,
 )
-from nograd.runtime.config import ModelConfig
 from nograd.runtime.handler import ModelHandler, Outputs, TensorPart
 from nograd.runtime.memory import is_out_of_memory
 from nograd.runtime.torchserve.imports import archive_imports
@@ -39,6 +38,7 @@ from nograd.runtime.torchserve.manifest import read_manifest
 from nograd.runtime.torchserve.ts import __version__ as TS_VERSION
 from nograd.runtime.torchserve.ts.context import Context, RequestProcessor
 from nograd.runtime.torchserve.ts.utils.util import PredictionException, list_classes_from_module
+from nograd.schema.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

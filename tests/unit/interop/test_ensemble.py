@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from nograd.interop.triton import read_triton
-from nograd.runtime.config import ConfigError
+from nograd.schema.config import ConfigError
 from tests.triton_models import CHAIN_CONFIG, FIXTURES
 
 TWO_STEPS = """

@@ -12,7 +12,7 @@ from google.protobuf import json_format, text_format
 
 from nograd.interop.generated import model_config_pb2
 from nograd.interop.triton import is_triton_folder, read_triton
-from nograd.runtime.config import ConfigError
+from nograd.schema.config import ConfigError
 from nograd.serving.repository import read_model, scan
 from tests.triton_models import FIXTURES, ROOT
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from nograd.interop.triton import read_triton
-from nograd.runtime.config import ConfigError
-from nograd.runtime.sequence_config import SequenceControl, hidden_inputs, state_outputs
+from nograd.schema.config import ConfigError
+from nograd.schema.sequence_config import SequenceControl, hidden_inputs, state_outputs
 from tests.triton_models import FIXTURES
 
 ACCUMULATOR = """

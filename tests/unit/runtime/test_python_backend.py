@@ -147,7 +147,7 @@ def test_examples_load_as_separate_modules(tmp_path: Path) -> None:
 def test_a_python_model_keys_its_state_by_the_sequence_s_correlation_id(tmp_path: Path) -> None:
     """``tally_named`` (no CORRID control) keys its sums by ``request.correlation_id()``, a
     number or a string, and reads the sequence's flags from ``request.flags()``."""
-    from nograd.runtime.sequence_step import FLAG_END, FLAG_START, SequenceStep
+    from nograd.schema.sequence_step import FLAG_END, FLAG_START, SequenceStep
 
     folder = tmp_path / "repo" / "keyed"
     (folder / "1").mkdir(parents=True)

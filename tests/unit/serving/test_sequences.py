@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from nograd.interop.triton import read_triton
-from nograd.runtime.sequence_step import FLAG_END, FLAG_START, SequenceStep
+from nograd.schema.sequence_step import FLAG_END, FLAG_START, SequenceStep
 from nograd.serving.errors import InvalidInput
 from nograd.serving.registry import ServedModel
 from nograd.serving.sequences import (

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from nograd.runtime.config import ConfigError, load_config
+from nograd.schema.config import ConfigError, load_config
 
 CONFIG = """
 name = "m"

@@ -26,14 +26,14 @@ from nograd.core.engines import (
     int8_variant,
     signature_formats,
 )
-from nograd.runtime.ensemble_step import EnsembleStep as EnsembleStep
-from nograd.runtime.sequence_config import SequenceBatching
-from nograd.runtime.tensor_spec import TensorSpec as TensorSpec
-from nograd.runtime.versions import VersionPolicy as VersionPolicy
-from nograd.runtime.versions import check_model_name as check_model_name
-from nograd.runtime.versions import check_version as check_version
-from nograd.runtime.versions import is_version as is_version
-from nograd.runtime.versions import version_order as version_order
+from nograd.schema.ensemble_step import EnsembleStep as EnsembleStep
+from nograd.schema.sequence_config import SequenceBatching
+from nograd.schema.tensor_spec import TensorSpec as TensorSpec
+from nograd.schema.versions import VersionPolicy as VersionPolicy
+from nograd.schema.versions import check_model_name as check_model_name
+from nograd.schema.versions import check_version as check_version
+from nograd.schema.versions import is_version as is_version
+from nograd.schema.versions import version_order as version_order
 
 Precision = Literal["fp32", "bf16", "fp16", "int8"]
 PYTHON_FORMAT = "python"

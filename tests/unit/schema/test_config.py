@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from nograd.runtime.config import (
+from nograd.schema.config import (
     ConfigError,
     VersionPolicy,
     check_model_name,

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from nograd.runtime.tensor_spec import TensorSpec
+from nograd.schema.tensor_spec import TensorSpec
 
 ControlKind = Literal["start", "end", "ready", "corrid"]
 
