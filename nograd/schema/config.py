@@ -40,8 +40,8 @@ PYTHON_FORMAT = "python"
 """A model folder of Python code (``module``); every other format is an engine's artifact, named
 as in the engine table (``nograd.core.engines``)."""
 TORCHSERVE_FORMAT = "torchserve"
-"""A TorchServe model archive (``.mar``), unpacked by ``nograd.serving.archives``: its handler
-runs as TorchServe runs it (``nograd.runtime.torchserve``)."""
+"""A TorchServe model archive (``.mar``), unpacked by ``nograd.formats.torchserve.reading``:
+its handler runs as TorchServe runs it (``nograd.formats.torchserve.running``)."""
 TORCHSCRIPT_FORMAT = "torchscript"
 """A TorchScript ``model.pt`` (Triton's PyTorch backend); runs as it is unless its ``engine``
 opts in to an engine built from it (``chooses_engine``)."""

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 from pathlib import Path
 
+from nograd.formats.torchserve.api.management import TorchServeManagement
 from nograd.host.ledger import CoreShare
 from nograd.observability.metrics import Metrics
 from nograd.observability.stats import Statistics
@@ -20,7 +21,6 @@ from nograd.serving.dataplane import DataPlane
 from nograd.serving.diagnostics import Diagnostics
 from nograd.serving.on_demand import OnDemand
 from nograd.serving.shared_memory import SharedMemory
-from nograd.serving.torchserve_management import TorchServeManagement
 from nograd.settings import Settings
 
 

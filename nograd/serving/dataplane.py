@@ -16,6 +16,7 @@ import numpy as np
 from nograd.batching import BatchingError
 from nograd.core.errors import ModelAnswered
 from nograd.core.responses import ResponseQueue
+from nograd.formats.torchserve.reading.archives import ArchiveStore
 from nograd.host.ledger import CoreLedger, CoreShare
 from nograd.observability.metrics import Metrics
 from nograd.observability.stats import Statistics
@@ -25,7 +26,6 @@ from nograd.runtime.handler import Outputs
 from nograd.schema.config import EnsembleStep
 from nograd.schema.sequence_step import SequenceStep
 from nograd.serving.admission import Admission
-from nograd.serving.archives import ArchiveStore
 from nograd.serving.device_memory import memory_readings
 from nograd.serving.ensembles import compose, is_ensemble, load_order, settle
 from nograd.serving.errors import (

@@ -19,6 +19,7 @@ from typing import Final
 import torch
 
 from nograd.batching import Batcher, BatchLimit
+from nograd.formats.triton.running.warmup import run_warmup, warmup_samples
 from nograd.host.heap import release_free_memory
 from nograd.host.ledger import CoreLedger, CoreShare
 from nograd.observability.metrics import Metrics
@@ -38,7 +39,6 @@ from nograd.runtime.memory import device_budget, probe_for
 from nograd.runtime.memory.fits import RangedCost
 from nograd.runtime.planner import PlanInput, log_plan, plan_device, profile_handler
 from nograd.runtime.speed.path import batch_cap
-from nograd.runtime.triton_warmup import run_warmup, warmup_samples
 from nograd.runtime.warmup import warm_up
 from nograd.schema.config import ConfigError, ModelConfig
 from nograd.serving.precedence import effective_config

@@ -18,8 +18,8 @@ from typing import Final
 
 from pydantic import ValidationError
 
-from nograd.interop.triton import CONFIG_FILE as TRITON_CONFIG
-from nograd.interop.triton import is_triton_folder, read_triton
+from nograd.formats.torchserve.reading.archives import ArchiveStore, archives, origin, read_archive
+from nograd.formats.table import FolderFormat, format_of
 from nograd.schema.config import (
     ConfigError,
     ModelConfig,
@@ -28,7 +28,6 @@ from nograd.schema.config import (
     load_config,
     version_order,
 )
-from nograd.serving.archives import ArchiveStore, archives, origin, read_archive
 from nograd.serving.errors import InvalidInput, ModelNotFound
 
 Override = Mapping[str, object]
@@ -83,15 +82,18 @@ def read_model(
     model_dir: Path, override: Override | None = None, versions: Collection[str] | None = None
 ) -> ModelSource | None:
     """The model in ``model_dir`` (None when the folder holds no model): a nograd folder (its
-    ``config.toml`` or ``config.yaml``) or a Triton one (``nograd.interop.triton``); the versions
-    its policy selects, or those of ``versions`` found among its numbered folders. A config that
-    cannot be used, or an override of a field outside ``OVERRIDABLE``, raises ``ConfigError``
-    naming the file (for a config) and the field."""
+    ``config.toml`` or ``config.yaml``) or one of another format of ``nograd.formats`` (Triton's);
+    the versions its policy selects, or those of ``versions`` found among its numbered folders. A
+    config that cannot be used, or an override of a field outside ``OVERRIDABLE``, raises
+    ``ConfigError`` naming the file (for a config) and the field."""
     if override:
         check_override(override)
     path = find_config(model_dir)
     if path is None:
-        return _read_triton(model_dir, override, versions) if is_triton_folder(model_dir) else None
+        found = format_of(model_dir)
+        if not isinstance(found, FolderFormat):
+            return None
+        return _read_folder(found, model_dir, override, versions)
     top = load_config(path, override=override)
     extra = _override_text(override)
     numbered = sorted(d.name for d in model_dir.iterdir() if d.is_dir() and is_version(d.name))
@@ -120,11 +122,16 @@ def _selected(top: ModelConfig, numbered: list[str], versions: Collection[str] |
     return sorted((v for v in numbered if v in versions), key=version_order)
 
 
-def _read_triton(
-    model_dir: Path, override: Override | None, versions: Collection[str] | None
+def _read_folder(
+    found: FolderFormat,
+    model_dir: Path,
+    override: Override | None,
+    versions: Collection[str] | None,
 ) -> ModelSource:
-    """A Triton model folder: one config for every numbered version folder selected."""
-    top = read_triton(model_dir)
+    """A model folder of another format (Triton's): one config for every numbered version
+    folder selected; each version's fingerprint covers its folder and the model folder's own
+    files (``config.pbtxt``, a labels file)."""
+    top = found.read_config(model_dir)
     if override:
         try:
             top = ModelConfig.model_validate({**top.model_dump(), **override})
@@ -134,13 +141,11 @@ def _read_triton(
     if not numbered:
         raise ConfigError(f"{model_dir}: no numbered version folder (1/, 2/, ...) holds the model")
     source = ModelSource(top.name, model_dir)
-    pbtxt = model_dir / TRITON_CONFIG
+    shared = sorted(p for p in model_dir.iterdir() if p.is_file())
     extra = _override_text(override)
     for version in _selected(top, numbered, versions):
         version_dir = model_dir / version
-        fingerprint = _fingerprint(
-            [version_dir, pbtxt] if pbtxt.is_file() else [version_dir], extra
-        )
+        fingerprint = _fingerprint([version_dir, *shared], extra)
         config = top.model_copy(update={"version": version})
         source.versions[version] = VersionSource(config, version_dir, fingerprint, override)
     return source
@@ -283,10 +288,10 @@ def _configs(root: Path) -> Iterator[tuple[Path, str | None]]:
         return
     for model_dir in sorted(p for p in root.iterdir() if p.is_dir()):
         path = find_config(model_dir)
-        if path is None and not is_triton_folder(model_dir):
+        if path is None and format_of(model_dir) is None:
             continue
         try:
-            # A Triton model's name is its folder's (a config naming another is refused).
+            # Another format's model is named by its folder (a config naming another is refused).
             yield model_dir, load_config(path).name if path is not None else model_dir.name
         except ConfigError:
             yield model_dir, None

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Final
 
-from nograd.interop.triton import CONFIG_FILE
-from nograd.interop.triton_json import config_text
+from nograd.formats.triton.reading.config import CONFIG_FILE
+from nograd.formats.triton.reading.config_json import config_text
 from nograd.serving.errors import InvalidInput, ModelNotFound, PollFailed
 from nograd.serving.repository import ModelSource, Override, VersionSource, Wanted
 

@@ -13,13 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from nograd.formats.triton.api.documents import repository_index
 from nograd.observability.metrics import Metrics
 from nograd.serving.control import ModelControl
 from nograd.serving.control_calls import load_parameters
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.errors import ControlRefused, InvalidInput, LoadFailed, ModelNotFound
 from nograd.serving.registry import State
-from nograd.serving.triton_config import repository_index
 from nograd.settings import Settings
 from tests.unit.conftest import FIXTURES
 

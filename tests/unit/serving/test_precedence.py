@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from nograd.interop.triton import read_triton
+from nograd.formats.triton.reading.config import read_triton
 from nograd.schema.config import ModelConfig, load_config
 from nograd.serving.precedence import effective_config
 from nograd.settings import Settings

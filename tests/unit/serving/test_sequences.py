@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nograd.interop.triton import read_triton
+from nograd.formats.triton.reading.config import read_triton
 from nograd.schema.sequence_step import FLAG_END, FLAG_START, SequenceStep
 from nograd.serving.errors import InvalidInput
 from nograd.serving.registry import ServedModel
@@ -20,7 +20,7 @@ from nograd.serving.sequences import (
     refuse_sequence,
     sequence_request,
 )
-from tests.unit.interop.test_triton_sequences import ACCUMULATOR
+from tests.unit.formats.triton.test_triton_sequences import ACCUMULATOR
 
 
 @pytest.fixture
