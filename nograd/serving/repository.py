@@ -18,8 +18,8 @@ from typing import Final
 
 from pydantic import ValidationError
 
-from nograd.formats.torchserve.reading.archives import ArchiveStore, archives, origin, read_archive
 from nograd.formats.table import FolderFormat, format_of
+from nograd.formats.torchserve.reading.archives import ArchiveStore, archives, origin, read_archive
 from nograd.schema.config import (
     ConfigError,
     ModelConfig,

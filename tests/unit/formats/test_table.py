@@ -11,13 +11,15 @@ import pytest
 
 from nograd.formats import table
 from nograd.formats.table import Format, every_format, format_of, serving_format
+from nograd.formats.triton.reading.config import read_triton
 from nograd.observability.metrics import Metrics
-from nograd.schema.config import ModelConfig
+from nograd.schema.config import ModelConfig, load_config
 from nograd.serving.dataplane import DataPlane
 from nograd.settings import Settings
 from tests.unit.formats.scaled import format as scaled
 
 ROOT = Path(__file__).resolve().parents[3]
+TRITON = ROOT / "tests" / "fixtures" / "triton"
 
 
 def test_every_row_names_a_format() -> None:
@@ -28,14 +30,18 @@ def test_every_row_names_a_format() -> None:
 def test_each_entry_of_the_repository_finds_its_format() -> None:
     assert format_of(ROOT / "models" / "digits") is not None
     assert format_of(ROOT / "models" / "digits").name == "nograd"  # type: ignore[union-attr]
-    triton = ROOT / "tests" / "fixtures" / "triton" / "add_sub"
-    assert format_of(triton).name == "triton"  # type: ignore[union-attr]
+    assert format_of(TRITON / "add_sub").name == "triton"  # type: ignore[union-attr]
     assert format_of(ROOT / "docs") is None
 
 
 def test_a_config_is_served_by_the_format_that_read_it() -> None:
-    own = ModelConfig(name="m", inputs=(), outputs=(), format="torchserve", weights=None)
-    assert serving_format(own).name == "torchserve"
+    archive = ModelConfig(name="m", inputs=(), outputs=(), format="torchserve", weights=None)
+    assert serving_format(archive).name == "torchserve"
+    assert serving_format(read_triton(TRITON / "add_sub")).name == "triton"  # the Python backend
+    # Triton's ONNX backend is read into an engine's artifact, which nograd's runner opens.
+    assert serving_format(read_triton(TRITON / "densenet_onnx")).name == "nograd"
+    own = load_config(ROOT / "models" / "digits" / "config.toml")
+    assert serving_format(own).name == "nograd"
 
 
 @pytest.fixture
