@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import functools
 import importlib
+from collections.abc import Collection
 from pathlib import Path
 from typing import Final, Protocol, runtime_checkable
 
+from nograd.formats.source import ModelSource, Override
 from nograd.schema.config import ModelConfig
 
 FORMATS: Final[tuple[str, ...]] = (
@@ -52,12 +54,16 @@ class Format(Protocol):
 
 @runtime_checkable
 class FolderFormat(Format, Protocol):
-    """A format whose model is a folder of numbered version folders, every version served with
-    the one config the folder's files give (Triton's): the repository reads it through this."""
+    """A format whose model is a folder of the repository, read through this (an archive, a
+    file, is read by its own format's store instead)."""
 
-    def read_config(self, folder: Path) -> ModelConfig:
-        """The config of the model in ``folder`` (its name the folder's, its version set per
-        numbered folder by the repository); ``ConfigError`` names the file and field."""
+    def read(
+        self, folder: Path, override: Override | None, versions: Collection[str] | None
+    ) -> ModelSource:
+        """The model in ``folder``: the versions its policy selects, or those of ``versions``
+        found on disk, each read with the load call's ``override``
+        (``nograd.formats.source.shared_config_source`` reads a folder whose numbered version
+        folders share one config); ``ConfigError`` names the file and the field."""
         ...
 
 

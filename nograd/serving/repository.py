@@ -1,37 +1,25 @@
 """The model repository on disk: each model's folder, the versions its policy serves, and a
-fingerprint per version. nograd's folders and Triton's (``config.pbtxt``) sit side by side.
+fingerprint per version. nograd's folders, Triton's (``config.pbtxt``) and TorchServe's archives
+sit side by side; each folder is read by the format of ``nograd.formats`` that recognises it.
 
-A model folder holds its config, and either its files (one version, the config's ``version``) or
-numbered version folders (``1/``, ``2/``), each with its files and optionally its own config.
 Control calls and the poller compare fingerprints (file names, sizes and modification times) with
 what serves, so an unchanged version is never reloaded and weights are never read to find out.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Collection, Iterator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
-from pydantic import ValidationError
-
+from nograd.formats.source import ModelSource as ModelSource
+from nograd.formats.source import Override as Override
+from nograd.formats.source import VersionSource as VersionSource
+from nograd.formats.source import override_text
 from nograd.formats.table import FolderFormat, format_of
 from nograd.formats.torchserve.reading.archives import ArchiveStore, archives, origin, read_archive
-from nograd.schema.config import (
-    ConfigError,
-    ModelConfig,
-    find_config,
-    is_version,
-    load_config,
-    version_order,
-)
+from nograd.schema.config import ConfigError, find_config, load_config, version_order
 from nograd.serving.errors import InvalidInput, ModelNotFound
-
-Override = Mapping[str, object]
-"""Config fields a load call sets over the file's (Triton's ``config`` parameter)."""
 
 Wanted = Mapping[str, Mapping[str, Override | None]]
 """The versions to serve of some models, by name then version, each with the override it was
@@ -57,27 +45,6 @@ def check_override(override: Override) -> None:
         )
 
 
-@dataclass(frozen=True)
-class VersionSource:
-    """One version as found on disk."""
-
-    config: ModelConfig
-    directory: Path
-    """Where the version's code and weights are looked up first (then the model's folder)."""
-    fingerprint: str
-    override: Override | None = None
-    """The load call's config override it was read with."""
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """One model folder: the versions its policy selects, oldest first."""
-
-    name: str
-    directory: Path
-    versions: dict[str, VersionSource] = field(default_factory=dict)
-
-
 def read_model(
     model_dir: Path, override: Override | None = None, versions: Collection[str] | None = None
 ) -> ModelSource | None:
@@ -88,67 +55,8 @@ def read_model(
     ``ConfigError`` naming the file (for a config) and the field."""
     if override:
         check_override(override)
-    path = find_config(model_dir)
-    if path is None:
-        found = format_of(model_dir)
-        if not isinstance(found, FolderFormat):
-            return None
-        return _read_folder(found, model_dir, override, versions)
-    top = load_config(path, override=override)
-    extra = _override_text(override)
-    numbered = sorted(d.name for d in model_dir.iterdir() if d.is_dir() and is_version(d.name))
-    source = ModelSource(top.name, model_dir)
-    if not numbered:
-        fingerprint = _fingerprint([model_dir], extra)
-        source.versions[top.version] = VersionSource(top, model_dir, fingerprint, override)
-        return source
-    for version in _selected(top, numbered, versions):
-        version_dir = model_dir / version
-        own = find_config(version_dir)
-        config = load_config(own or path, override=override, version=version, name=top.name)
-        if config.name != top.name:
-            raise ConfigError(
-                f"{own}: field 'name': {config.name!r} differs from the model's {top.name!r}"
-            )
-        fingerprint = _fingerprint([version_dir, path], extra)
-        source.versions[version] = VersionSource(config, version_dir, fingerprint, override)
-    return source
-
-
-def _selected(top: ModelConfig, numbered: list[str], versions: Collection[str] | None) -> list[str]:
-    """The numbered versions to read: those the policy selects, or those ``versions`` names."""
-    if versions is None:
-        return list(top.version_policy.select(numbered))
-    return sorted((v for v in numbered if v in versions), key=version_order)
-
-
-def _read_folder(
-    found: FolderFormat,
-    model_dir: Path,
-    override: Override | None,
-    versions: Collection[str] | None,
-) -> ModelSource:
-    """A model folder of another format (Triton's): one config for every numbered version
-    folder selected; each version's fingerprint covers its folder and the model folder's own
-    files (``config.pbtxt``, a labels file)."""
-    top = found.read_config(model_dir)
-    if override:
-        try:
-            top = ModelConfig.model_validate({**top.model_dump(), **override})
-        except ValidationError as exc:
-            raise ConfigError(f"{model_dir}: config override: {exc}") from exc
-    numbered = sorted(d.name for d in model_dir.iterdir() if d.is_dir() and is_version(d.name))
-    if not numbered:
-        raise ConfigError(f"{model_dir}: no numbered version folder (1/, 2/, ...) holds the model")
-    source = ModelSource(top.name, model_dir)
-    shared = sorted(p for p in model_dir.iterdir() if p.is_file())
-    extra = _override_text(override)
-    for version in _selected(top, numbered, versions):
-        version_dir = model_dir / version
-        fingerprint = _fingerprint([version_dir, *shared], extra)
-        config = top.model_copy(update={"version": version})
-        source.versions[version] = VersionSource(config, version_dir, fingerprint, override)
-    return source
+    found = format_of(model_dir)
+    return found.read(model_dir, override, versions) if isinstance(found, FolderFormat) else None
 
 
 def read_wanted(model_dir: Path, versions: Mapping[str, Override | None]) -> ModelSource | None:
@@ -157,7 +65,7 @@ def read_wanted(model_dir: Path, versions: Mapping[str, Override | None]) -> Mod
     is left out."""
     by_override: dict[str, tuple[Override | None, list[str]]] = {}
     for version, override in versions.items():
-        by_override.setdefault(_override_text(override), (override, []))[1].append(version)
+        by_override.setdefault(override_text(override), (override, []))[1].append(version)
     found: dict[str, VersionSource] = {}
     source: ModelSource | None = None
     for override, group in by_override.values():
@@ -312,24 +220,6 @@ def model_names(root: Path) -> list[str]:
     return [name for _, name in _configs(root) if name is not None]
 
 
-def _override_text(override: Override | None) -> str:
-    return json.dumps(override, sort_keys=True, default=str) if override else ""
-
-
-def _fingerprint(roots: list[Path], extra: str) -> str:
-    """Names, sizes and modification times of every file under ``roots``: a change to any file
-    (code, weights, config) changes it."""
-    digest = hashlib.sha256(extra.encode())
-    for root in roots:
-        files = [root] if root.is_file() else sorted(root.rglob("*"))
-        for path in files:
-            if "__pycache__" in path.parts or not path.is_file():
-                continue
-            stat = path.stat()
-            digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
-    return digest.hexdigest()[:16]
-
-
 def find_source(
     root: Path,
     store: ArchiveStore,
@@ -374,7 +264,7 @@ def folder_gone(root: Path, directory: Path) -> bool:
     if archive is not None:  # an archive: its file, not its unpacked folder
         return not (root / archive).is_file()
     folder = directory.parent if directory.name.isdigit() else directory
-    return find_config(folder) is None
+    return format_of(folder) is None
 
 
 def always_resident(sources: Mapping[str, ModelSource], names: Collection[str] | None) -> set[str]:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from nograd.formats.nograd.reading import read_folder
+from nograd.formats.source import ModelSource, Override
 from nograd.schema.config import ModelConfig, find_config
 
 
@@ -19,6 +22,11 @@ class NogradFormat:
 
     def recognises(self, entry: Path) -> bool:
         return entry.is_dir() and find_config(entry) is not None
+
+    def read(
+        self, folder: Path, override: Override | None, versions: Collection[str] | None
+    ) -> ModelSource:
+        return read_folder(folder, override, versions)
 
     def serves(self, config: ModelConfig) -> bool:
         return True

@@ -3,10 +3,12 @@ Triton's auto-complete recognises in a numbered version folder."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from nograd.formats.source import ModelSource, Override, shared_config_source
 from nograd.formats.triton.reading.config import is_triton_folder, read_triton
 from nograd.schema.config import ModelConfig, find_config, is_triton_python
 
@@ -23,8 +25,11 @@ class TritonFormat:
         # A folder with nograd's own config is nograd's, whatever else it holds.
         return entry.is_dir() and find_config(entry) is None and is_triton_folder(entry)
 
-    def read_config(self, folder: Path) -> ModelConfig:
-        return read_triton(folder)
+    def read(
+        self, folder: Path, override: Override | None, versions: Collection[str] | None
+    ) -> ModelSource:
+        # One config.pbtxt for every numbered version folder.
+        return shared_config_source(read_triton(folder), folder, override, versions)
 
     def serves(self, config: ModelConfig) -> bool:
         return is_triton_python(config)

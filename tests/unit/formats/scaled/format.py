@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from nograd.formats.source import ModelSource, Override, shared_config_source
 from nograd.schema.config import ModelConfig
 
 FACTOR_FILE: Final = "factor.txt"
@@ -13,7 +15,8 @@ FACTOR_FILE: Final = "factor.txt"
 
 @dataclass(frozen=True)
 class ScaledFormat:
-    """Reads the folder's name as the model's, a two-element FP32 input ``x`` and output ``y``."""
+    """Reads the folder's name as the model's, a two-element FP32 input ``x`` and output ``y``,
+    served by every numbered version folder."""
 
     name: str = "scaled"
     runner: str = "tests.unit.formats.scaled.running:build"
@@ -21,9 +24,11 @@ class ScaledFormat:
     def recognises(self, entry: Path) -> bool:
         return (entry / FACTOR_FILE).is_file()
 
-    def read_config(self, folder: Path) -> ModelConfig:
+    def read(
+        self, folder: Path, override: Override | None, versions: Collection[str] | None
+    ) -> ModelSource:
         tensor = {"datatype": "FP32", "shape": [2]}
-        return ModelConfig.model_validate(
+        config = ModelConfig.model_validate(
             {
                 "name": folder.name,
                 "backend": self.name,
@@ -33,6 +38,7 @@ class ScaledFormat:
                 "outputs": [{"name": "y", **tensor}],
             }
         )
+        return shared_config_source(config, folder, override, versions)
 
     def serves(self, config: ModelConfig) -> bool:
         return config.backend == self.name
