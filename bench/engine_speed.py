@@ -17,12 +17,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from nograd.runtime.config import load_config
 from nograd.runtime.engines.choice import build_engine, time_parts
 from nograd.runtime.engines.trace import export_program
 from nograd.runtime.handler import ModelHandler, TensorPart, TorchRunner
 from nograd.runtime.loader import build_handler
 from nograd.runtime.speed.accuracy import compare
+from nograd.schema.config import load_config
 from nograd.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]

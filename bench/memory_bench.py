@@ -56,13 +56,13 @@ def profile_models(
 
 
 def profile_engine(name: str, engine: str, cache: Path) -> dict[str, Any]:
-    from nograd.runtime.config import find_config, load_config
     from nograd.runtime.engines.choice import prepare_engine
     from nograd.runtime.engines.paths import engine_weights_bytes, serving_ranges
     from nograd.runtime.handler import TorchRunner
     from nograd.runtime.loader import build_handler, locate, weights_bytes
     from nograd.runtime.memory import probe_for
     from nograd.runtime.planner import PlanInput, per_unit_bytes, plan_device, profile_handler
+    from nograd.schema.config import find_config, load_config
     from nograd.serving.loading import configured_limit
     from nograd.settings import Settings
 

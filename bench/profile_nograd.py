@@ -162,9 +162,9 @@ def _profile_model(name: str, batch: int, workload: str) -> dict[str, Any]:
 
     from bench import workloads
     from bench.common import ROOT
-    from nograd.runtime.config import find_config, load_config
     from nograd.runtime.handler import split_rows
     from nograd.runtime.loader import build_handler
+    from nograd.schema.config import find_config, load_config
 
     repository = ROOT / "models"
     path = find_config(repository / name)

@@ -34,10 +34,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from nograd.observability.metrics import Metrics  # noqa: E402
-from nograd.runtime.config import ModelConfig, load_config  # noqa: E402
 from nograd.runtime.handler import ModelHandler, TensorPart, TorchRunner  # noqa: E402
 from nograd.runtime.loader import build_handler  # noqa: E402
 from nograd.runtime.speed.guard import apply_speed  # noqa: E402
+from nograd.schema.config import ModelConfig, load_config  # noqa: E402
 from nograd.serving.speed_checks import recorder  # noqa: E402
 
 DISTURBED_CORES = 0.25

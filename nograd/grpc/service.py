@@ -14,6 +14,8 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from nograd.core.responses import ResponseQueue
+from nograd.formats.triton.api.documents import model_configuration, repository_index
+from nograd.formats.triton.reading.generated import model_config_pb2
 from nograd.grpc.diagnostics import DiagnosticsRpcs, trace_parent
 from nograd.grpc.failures import client_message, status_code
 from nograd.grpc.generated import grpc_service_pb2 as pb
@@ -21,7 +23,6 @@ from nograd.grpc.rpc import CallContext
 from nograd.grpc.shared_memory import SharedMemoryRpcs
 from nograd.grpc.stream_infer import StreamInferRpcs
 from nograd.grpc.tensors import class_counts, encode_outputs, read_inputs, sequence_parameters
-from nograd.interop.generated import model_config_pb2
 from nograd.serving import documents
 from nograd.serving.access import LOGGING, MODEL_REPOSITORY, SHARED_MEMORY, TRACE
 from nograd.serving.calls import Call, classified
@@ -36,7 +37,6 @@ from nograd.serving.errors import (
     retry_after_s,
 )
 from nograd.serving.sequences import Place, sequence_request
-from nograd.serving.triton_config import model_configuration, repository_index
 
 logger = logging.getLogger(__name__)
 PROTOCOL: Final = "grpc"

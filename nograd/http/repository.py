@@ -8,13 +8,13 @@ from typing import Any
 import orjson
 from fastapi import APIRouter, Request, Response
 
+from nograd.formats.triton.api.documents import model_configuration, repository_index
 from nograd.http.errors import error_body
 from nograd.http.state import calls_of, control_of, dataplane_of
 from nograd.protocol.v2 import dumps
 from nograd.protocol.v2_schemas import ERROR_RESPONSES, ErrorResponse, RepositoryIndexEntry
 from nograd.serving.control_calls import load_model, unload_parameters
 from nograd.serving.errors import InvalidInput
-from nograd.serving.triton_config import model_configuration, repository_index
 
 router = APIRouter(prefix="/v2", tags=["Model repository"])
 

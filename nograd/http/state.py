@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from fastapi import Request
 
+from nograd.formats.torchserve.api.management import TorchServeManagement
 from nograd.observability.metrics import Metrics
 from nograd.serving.calls import Calls
 from nograd.serving.control import ModelControl
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.diagnostics import Diagnostics
-from nograd.serving.torchserve_management import TorchServeManagement
 
 
 def dataplane_of(request: Request) -> DataPlane:

@@ -12,6 +12,13 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel
 
 from nograd.core.handler_messages import RAW_FIELD, HandlerAnswer
+from nograd.formats.torchserve.api.documents import (
+    DescribeDefaults,
+    archive_of,
+    model_description,
+    model_list,
+)
+from nograd.formats.torchserve.api.management import Answer, ManagementError
 from nograd.http.exchange import Incoming, Reply, run_call
 from nograd.http.state import calls_of, dataplane_of, torchserve_of
 from nograd.protocol.torchserve import error_body as ts_error_body
@@ -19,13 +26,6 @@ from nograd.protocol.torchserve import handler_request
 from nograd.serving.calls import Call, Calls
 from nograd.serving.errors import ModelNotFound
 from nograd.serving.registry import ServedModel
-from nograd.serving.torchserve_documents import (
-    DescribeDefaults,
-    archive_of,
-    model_description,
-    model_list,
-)
-from nograd.serving.torchserve_management import Answer, ManagementError
 
 
 class TorchServeError(BaseModel):

@@ -1,1 +1,1 @@
-"""The torch side of nograd: model configs, loading, devices, memory, precision."""
+"""The torch side of nograd: model loading, devices, memory, precision, engines."""

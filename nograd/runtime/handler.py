@@ -20,10 +20,10 @@ import torch
 
 from nograd.core.datatypes import NUMPY_DTYPES, TABLE
 from nograd.host.ledger import CoreLedger
-from nograd.runtime.config import ModelConfig, TensorSpec
 from nograd.runtime.memory import is_out_of_memory
-from nograd.runtime.sequence_config import hidden_inputs, state_outputs
-from nograd.runtime.sequence_step import SequenceStep
+from nograd.schema.config import ModelConfig, TensorSpec
+from nograd.schema.sequence_config import hidden_inputs, state_outputs
+from nograd.schema.sequence_step import SequenceStep
 
 Outputs = dict[str, np.ndarray]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
 import inspect
 import logging
@@ -13,13 +15,7 @@ from typing import Protocol, cast
 import torch
 from safetensors.torch import load_file
 
-from nograd.runtime.config import (
-    PYTHON_FORMAT,
-    TORCHSERVE_FORMAT,
-    ModelConfig,
-    chooses_engine,
-    is_triton_python,
-)
+from nograd.formats.table import serving_format
 from nograd.runtime.engines.artifacts import verify_sha256
 from nograd.runtime.engines.autocomplete import auto_complete
 from nograd.runtime.engines.errors import ArtifactError
@@ -28,15 +24,9 @@ from nograd.runtime.engines.registry import open_engine
 from nograd.runtime.engines.signature import with_signature
 from nograd.runtime.engines.torchscript import ScriptedForward, TorchScriptPath
 from nograd.runtime.handler import ModelHandler
-from nograd.runtime.python_backend.handler import (
-    PythonBackendHandler,
-    auto_completed,
-    model_class,
-    register_utils,
-)
 from nograd.runtime.shapes import ShapedHandler, needs_shaping
 from nograd.runtime.string_tensors import StringTensorHandler, has_strings
-from nograd.runtime.torchserve.handler import ArchiveLoadError, build_archive_handler
+from nograd.schema.config import ModelConfig, chooses_engine
 
 logger = logging.getLogger(__name__)
 
@@ -45,9 +35,12 @@ class LoadError(Exception):
     """A model that cannot be served; the message says which file and why."""
 
 
-class _HandlerFactory(Protocol):
+class FormatRunner(Protocol):
+    """What a format's ``runner`` names: the handler of one of its models, loaded on ``device``;
+    ``LoadError`` says which file and why it cannot be served."""
+
     def __call__(
-        self, model_dir: Path, config: ModelConfig, device: torch.device
+        self, repository: Path, model_dir: Path, config: ModelConfig, device: torch.device
     ) -> ModelHandler: ...
 
 
@@ -123,63 +116,16 @@ def load_weights(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
 def build_handler(
     repository: Path, model_dir: Path, config: ModelConfig, device: torch.device
 ) -> ModelHandler:
-    """Build the model, load its weights, move it to its device (fp32), set eval mode; or, for
-    an artifact format, open the artifact with the handler its code supplies."""
-    if config.format == TORCHSERVE_FORMAT:
-        try:
-            return build_archive_handler(model_dir, config, device, repository)
-        except ArchiveLoadError as exc:
-            raise LoadError(str(exc)) from exc
-    if config.format != PYTHON_FORMAT:
-        return build_artifact_handler(repository, model_dir, config, device)
-    if is_triton_python(config):
-        return build_python_backend(repository, model_dir, config, device)
-    code = import_model_module(repository, model_dir, config)
-    factory = getattr(code, "build_handler", None)
-    if factory is not None:
-        handler = cast(_HandlerFactory, factory)(model_dir, config, device)
-    else:
-        build = getattr(code, "build", None)
-        if build is None:
-            raise LoadError(f"{model_dir / config.module}: defines neither build nor build_handler")
-        module = build(model_dir)
-        if not isinstance(module, torch.nn.Module):
-            raise LoadError(f"{model_dir / config.module}: build() returned {type(module)}")
-        if config.weights is not None:
-            state = load_weights(inside(repository, locate(model_dir, config.weights)), device)
-            try:
-                module.load_state_dict(state, strict=True)
-            except RuntimeError as exc:
-                raise LoadError(f"{model_dir / config.weights}: {exc}") from exc
-        handler = ModelHandler(module, config, device)
-    handler.module.to(device)
-    # Weights stay fp32 here: ``precision`` is a speed mode (nograd/runtime/speed/) that casts
-    # only after comparing its outputs with this fp32 eager model.
-    handler.module.eval()
-    for parameter in handler.module.parameters():
-        parameter.requires_grad_(False)
-    return handler
+    """The handler of the model ``config`` describes, built by the runner of the format that
+    read it (``nograd.formats.table``): the runtime names no format."""
+    return _runner(serving_format(config).runner)(repository, model_dir, config, device)
 
 
-def build_python_backend(
-    repository: Path, model_dir: Path, config: ModelConfig, device: torch.device
-) -> ModelHandler:
-    """A Triton Python-backend model: its ``model.py`` imported under this version's own name
-    (with nograd's ``triton_python_backend_utils``), its config auto-completed by the model when
-    it says how, then ``initialize``d."""
-    register_utils()
-    code = import_model_module(repository, model_dir, config)
-    where = str(locate(model_dir, config.module))
-    try:
-        cls = model_class(code, where)
-        config = auto_completed(cls, config)
-        handler = PythonBackendHandler(cls(), config, device, str(model_dir.parent))
-        handler.initialize()
-    except LoadError:
-        raise
-    except Exception as exc:
-        raise LoadError(f"{where}: {type(exc).__name__}: {exc}") from exc
-    return handler
+@functools.cache
+def _runner(row: str) -> FormatRunner:
+    """The function a format's ``runner`` names (``module:function``), imported on first use."""
+    module_name, _, attribute = row.partition(":")
+    return cast(FormatRunner, getattr(importlib.import_module(module_name), attribute))
 
 
 def build_artifact_handler(

@@ -12,8 +12,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from nograd.runtime.config import ModelConfig
 from nograd.runtime.handler import ModelHandler, Outputs, TensorPart
+from nograd.schema.config import ModelConfig
 
 
 def needs_shaping(config: ModelConfig) -> bool:

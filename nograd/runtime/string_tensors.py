@@ -17,10 +17,10 @@ import numpy as np
 import torch
 
 from nograd.core.datatypes import NUMPY_DTYPES
-from nograd.runtime.config import ModelConfig, TensorSpec
 from nograd.runtime.engines.errors import ArtifactError
 from nograd.runtime.engines.onnx import OnnxPath
 from nograd.runtime.handler import ModelHandler, Outputs, TensorPart, split_rows
+from nograd.schema.config import ModelConfig, TensorSpec
 
 
 def has_strings(config: ModelConfig) -> bool:

@@ -7,7 +7,7 @@ tokenizer). A handler turns validated request arrays into a :class:`TensorPart` 
 runs the batched forward, and states ``max_length`` when it reads sequences.
 """
 
-from nograd.runtime.config import ModelConfig, TensorSpec
 from nograd.runtime.handler import ModelHandler, Outputs, TensorPart
+from nograd.schema.config import ModelConfig, TensorSpec
 
 __all__ = ["ModelConfig", "ModelHandler", "Outputs", "TensorPart", "TensorSpec"]

@@ -26,7 +26,7 @@ from nograd.observability.trace_settings import TraceSetting, TraceSettings
 from nograd.observability.tracing import Tracer
 from nograd.protocol import classification
 from nograd.runtime.handler import Outputs
-from nograd.runtime.sequence_step import SequenceStep
+from nograd.schema.sequence_step import SequenceStep
 from nograd.serving.access import Access
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.errors import (

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nograd.runtime.config import ModelConfig, check_model_name, version_order
+from nograd.schema.config import ModelConfig, check_model_name, version_order
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.ensembles import composing, step_models, used_by_ensemble
 from nograd.serving.errors import ControlRefused, InvalidInput, LoadFailed, ModelNotFound

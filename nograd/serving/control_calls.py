@@ -9,8 +9,8 @@ import logging
 from collections.abc import Mapping
 from typing import Final, NamedTuple
 
-from nograd.interop.triton_json import TOO_DEEP
-from nograd.runtime.config import check_model_name
+from nograd.formats.triton.reading.config_json import TOO_DEEP
+from nograd.schema.config import check_model_name
 from nograd.serving.control import ModelControl
 from nograd.serving.errors import InvalidInput, LoadFailed, ModelNotFound, PollFailed
 from nograd.serving.repository import Override

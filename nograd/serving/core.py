@@ -11,18 +11,18 @@ import asyncio
 import contextlib
 from pathlib import Path
 
+from nograd.formats.torchserve.api.management import TorchServeManagement
+from nograd.formats.torchserve.reading.archives import release_all, sweep
 from nograd.host.ledger import CoreShare
 from nograd.observability.metrics import Metrics
 from nograd.observability.stats import Statistics
 from nograd.serving.access import access_of, startup_refusal
-from nograd.serving.archives import release_all, sweep
 from nograd.serving.calls import Calls
 from nograd.serving.control import ModelControl
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.diagnostics import Diagnostics
 from nograd.serving.on_demand import OnDemand
 from nograd.serving.shared_memory import SharedMemory, SharedMemoryLimits
-from nograd.serving.torchserve_management import TorchServeManagement
 from nograd.settings import Settings
 
 

@@ -16,16 +16,16 @@ import numpy as np
 from nograd.batching import BatchingError
 from nograd.core.errors import ModelAnswered
 from nograd.core.responses import ResponseQueue
+from nograd.formats.torchserve.reading.archives import ArchiveStore
 from nograd.host.ledger import CoreLedger, CoreShare
 from nograd.observability.metrics import Metrics
 from nograd.observability.stats import Statistics
 from nograd.observability.tracing import step_trace
 from nograd.protocol.limits import decoded_too_large
-from nograd.runtime.config import EnsembleStep
 from nograd.runtime.handler import Outputs
-from nograd.runtime.sequence_step import SequenceStep
+from nograd.schema.config import EnsembleStep
+from nograd.schema.sequence_step import SequenceStep
 from nograd.serving.admission import Admission
-from nograd.serving.archives import ArchiveStore
 from nograd.serving.device_memory import memory_readings
 from nograd.serving.ensembles import compose, is_ensemble, load_order, settle
 from nograd.serving.errors import (

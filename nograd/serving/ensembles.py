@@ -20,8 +20,8 @@ from typing import Final
 import numpy as np
 
 from nograd.core.datatypes import TABLE
-from nograd.runtime.config import ENSEMBLE_FORMAT, EnsembleStep, ModelConfig, TensorSpec
 from nograd.runtime.handler import Outputs
+from nograd.schema.config import ENSEMBLE_FORMAT, EnsembleStep, ModelConfig, TensorSpec
 from nograd.serving.registry import ModelRegistry, ServedModel, State
 
 logger = logging.getLogger(__name__)

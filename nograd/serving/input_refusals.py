@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from nograd.runtime.config import TensorSpec
+from nograd.schema.config import TensorSpec
 from nograd.serving.registry import ServedModel
 
 BATCH_NOTE = (

@@ -19,11 +19,12 @@ from typing import Final
 import torch
 
 from nograd.batching import Batcher, BatchLimit
+from nograd.formats.torchserve.reading.archives import hold, origin, release
+from nograd.formats.triton.running.warmup import run_warmup, warmup_samples
 from nograd.host.heap import release_free_memory
 from nograd.host.ledger import CoreLedger, CoreShare
 from nograd.observability.metrics import Metrics
 from nograd.observability.stats import FanOutObserver, Statistics
-from nograd.runtime.config import ConfigError, ModelConfig
 from nograd.runtime.devices import DeviceThreads, configure_threads, device_label, resolve_device
 from nograd.runtime.engines.choice import prepare_engine
 from nograd.runtime.engines.paths import engine_weights_bytes, serving_ranges, share_cores
@@ -39,9 +40,8 @@ from nograd.runtime.memory import device_budget, probe_for
 from nograd.runtime.memory.fits import RangedCost
 from nograd.runtime.planner import PlanInput, log_plan, plan_device, profile_handler
 from nograd.runtime.speed.path import batch_cap
-from nograd.runtime.triton_warmup import run_warmup, warmup_samples
 from nograd.runtime.warmup import warm_up
-from nograd.serving.archives import hold, origin, release
+from nograd.schema.config import ConfigError, ModelConfig
 from nograd.serving.precedence import effective_config
 from nograd.serving.registry import ServedModel, State
 from nograd.serving.speed_checks import load_accuracy_sample, recorder

@@ -25,11 +25,11 @@ from nograd.host.page_cache import keep_warm, model_files
 from nograd.host.peak import SampledPeak
 from nograd.host.readings import resident_bytes
 from nograd.observability.metrics import Metrics
-from nograd.runtime.config import ModelConfig, version_order
 from nograd.runtime.devices import resolve_device
 from nograd.runtime.engines.onnx import warm_onnx_runtime
 from nograd.runtime.memory import device_budget, probe_for
 from nograd.runtime.planner import warm_memory_probe
+from nograd.schema.config import ModelConfig, version_order
 from nograd.serving.control import ModelControl
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.ensembles import composing, step_models

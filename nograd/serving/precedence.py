@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Final
 
-from nograd.runtime.config import PYTHON_FORMAT, TORCHSCRIPT_FORMAT, ModelConfig
+from nograd.schema.config import PYTHON_FORMAT, TORCHSCRIPT_FORMAT, ModelConfig
 from nograd.settings import Settings
 
 logger = logging.getLogger(__name__)

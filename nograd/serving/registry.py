@@ -16,11 +16,11 @@ from pathlib import Path
 from types import ModuleType
 
 from nograd.batching import Batcher
-from nograd.runtime.config import ModelConfig, version_order
+from nograd.formats.torchserve.reading.archives import ArchiveStore
 from nograd.runtime.handler import ModelHandler, Outputs, TensorPart
 from nograd.runtime.memory.fits import RangedCost
 from nograd.runtime.planner import ModelPlan
-from nograd.serving.archives import ArchiveStore
+from nograd.schema.config import ModelConfig, version_order
 from nograd.serving.errors import ControlRefused, ModelNotFound
 from nograd.serving.repository import ModelSource, Override, VersionSource, Wanted, scan
 

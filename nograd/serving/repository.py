@@ -1,38 +1,38 @@
 """The model repository on disk: each model's folder, the versions its policy serves, and a
-fingerprint per version. nograd's folders and Triton's (``config.pbtxt``) sit side by side.
+fingerprint per version. nograd's folders, Triton's (``config.pbtxt``) and TorchServe's archives
+sit side by side; each folder is read by the format of ``nograd.formats`` that recognises it.
 
-A model folder holds its config, and either its files (one version, the config's ``version``) or
-numbered version folders (``1/``, ``2/``), each with its files and optionally its own config.
 Control calls and the poller compare fingerprints (file names, sizes and modification times) with
 what serves, so an unchanged version is never reloaded and weights are never read to find out.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Collection, Iterator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Final
 
 from pydantic import Field, TypeAdapter, ValidationError
 
-from nograd.interop.triton import CONFIG_FILE as TRITON_CONFIG
-from nograd.interop.triton import is_triton_folder, read_triton
-from nograd.runtime.config import (
+from nograd.formats.source import ModelSource as ModelSource
+from nograd.formats.source import Override as Override
+from nograd.formats.source import VersionSource as VersionSource
+from nograd.formats.source import override_text
+from nograd.formats.table import FolderFormat, format_of
+from nograd.formats.torchserve.reading.archives import (
+    ArchiveStore,
+    archives,
+    declared_bytes,
+    origin,
+    read_archive,
+)
+from nograd.schema.config import (
     ConfigError,
-    ModelConfig,
     find_config,
-    is_version,
     load_config,
     version_order,
 )
-from nograd.serving.archives import ArchiveStore, archives, declared_bytes, origin, read_archive
 from nograd.serving.errors import InvalidInput, ModelNotFound
-
-Override = Mapping[str, object]
-"""Config fields a load call sets over the file's (Triton's ``config`` parameter)."""
 
 Wanted = Mapping[str, Mapping[str, Override | None]]
 """The versions to serve of some models, by name then version, each with the override it was
@@ -74,92 +74,18 @@ def check_override(override: Override) -> None:
                 ) from None
 
 
-@dataclass(frozen=True)
-class VersionSource:
-    """One version as found on disk."""
-
-    config: ModelConfig
-    directory: Path
-    """Where the version's code and weights are looked up first (then the model's folder)."""
-    fingerprint: str
-    override: Override | None = None
-    """The load call's config override it was read with."""
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """One model folder: the versions its policy selects, oldest first."""
-
-    name: str
-    directory: Path
-    versions: dict[str, VersionSource] = field(default_factory=dict)
-
-
 def read_model(
     model_dir: Path, override: Override | None = None, versions: Collection[str] | None = None
 ) -> ModelSource | None:
     """The model in ``model_dir`` (None when the folder holds no model): a nograd folder (its
-    ``config.toml`` or ``config.yaml``) or a Triton one (``nograd.interop.triton``); the versions
-    its policy selects, or those of ``versions`` found among its numbered folders. A config that
-    cannot be used, or an override of a field outside ``OVERRIDABLE``, raises ``ConfigError``
-    naming the file (for a config) and the field."""
+    ``config.toml`` or ``config.yaml``) or one of another format of ``nograd.formats`` (Triton's);
+    the versions its policy selects, or those of ``versions`` found among its numbered folders. A
+    config that cannot be used, or an override of a field outside ``OVERRIDABLE``, raises
+    ``ConfigError`` naming the file (for a config) and the field."""
     if override:
         check_override(override)
-    path = find_config(model_dir)
-    if path is None:
-        return _read_triton(model_dir, override, versions) if is_triton_folder(model_dir) else None
-    top = load_config(path, override=override)
-    extra = _override_text(override)
-    numbered = sorted(d.name for d in model_dir.iterdir() if d.is_dir() and is_version(d.name))
-    source = ModelSource(top.name, model_dir)
-    if not numbered:
-        fingerprint = _fingerprint([model_dir], extra)
-        source.versions[top.version] = VersionSource(top, model_dir, fingerprint, override)
-        return source
-    for version in _selected(top, numbered, versions):
-        version_dir = model_dir / version
-        own = find_config(version_dir)
-        config = load_config(own or path, override=override, version=version, name=top.name)
-        if config.name != top.name:
-            raise ConfigError(
-                f"{own}: field 'name': {config.name!r} differs from the model's {top.name!r}"
-            )
-        fingerprint = _fingerprint([version_dir, path], extra)
-        source.versions[version] = VersionSource(config, version_dir, fingerprint, override)
-    return source
-
-
-def _selected(top: ModelConfig, numbered: list[str], versions: Collection[str] | None) -> list[str]:
-    """The numbered versions to read: those the policy selects, or those ``versions`` names."""
-    if versions is None:
-        return list(top.version_policy.select(numbered))
-    return sorted((v for v in numbered if v in versions), key=version_order)
-
-
-def _read_triton(
-    model_dir: Path, override: Override | None, versions: Collection[str] | None
-) -> ModelSource:
-    """A Triton model folder: one config for every numbered version folder selected."""
-    top = read_triton(model_dir)
-    if override:
-        try:
-            top = ModelConfig.model_validate({**top.model_dump(), **override})
-        except ValidationError as exc:
-            raise ConfigError(f"{model_dir}: config override: {exc}") from exc
-    numbered = sorted(d.name for d in model_dir.iterdir() if d.is_dir() and is_version(d.name))
-    if not numbered:
-        raise ConfigError(f"{model_dir}: no numbered version folder (1/, 2/, ...) holds the model")
-    source = ModelSource(top.name, model_dir)
-    pbtxt = model_dir / TRITON_CONFIG
-    extra = _override_text(override)
-    for version in _selected(top, numbered, versions):
-        version_dir = model_dir / version
-        fingerprint = _fingerprint(
-            [version_dir, pbtxt] if pbtxt.is_file() else [version_dir], extra
-        )
-        config = top.model_copy(update={"version": version})
-        source.versions[version] = VersionSource(config, version_dir, fingerprint, override)
-    return source
+    found = format_of(model_dir)
+    return found.read(model_dir, override, versions) if isinstance(found, FolderFormat) else None
 
 
 def read_wanted(model_dir: Path, versions: Mapping[str, Override | None]) -> ModelSource | None:
@@ -168,7 +94,7 @@ def read_wanted(model_dir: Path, versions: Mapping[str, Override | None]) -> Mod
     is left out."""
     by_override: dict[str, tuple[Override | None, list[str]]] = {}
     for version, override in versions.items():
-        by_override.setdefault(_override_text(override), (override, []))[1].append(version)
+        by_override.setdefault(override_text(override), (override, []))[1].append(version)
     found: dict[str, VersionSource] = {}
     source: ModelSource | None = None
     for override, group in by_override.values():
@@ -299,10 +225,10 @@ def _configs(root: Path) -> Iterator[tuple[Path, str | None]]:
         return
     for model_dir in sorted(p for p in root.iterdir() if p.is_dir()):
         path = find_config(model_dir)
-        if path is None and not is_triton_folder(model_dir):
+        if path is None and format_of(model_dir) is None:
             continue
         try:
-            # A Triton model's name is its folder's (a config naming another is refused).
+            # Another format's model is named by its folder (a config naming another is refused).
             yield model_dir, load_config(path).name if path is not None else model_dir.name
         except ConfigError:
             yield model_dir, None
@@ -314,7 +240,7 @@ def model_folder(root: Path, name: str) -> Path | None:
     first: a repository of many models (or of large configs) is not parsed whole to find one."""
     own = root / name
     plain = name and "/" not in name and "\\" not in name and not name.startswith(".")
-    if plain and own.is_dir() and (find_config(own) is not None or is_triton_folder(own)):
+    if plain and own.is_dir() and format_of(own) is not None:
         try:
             path = find_config(own)
             if (load_config(path).name if path is not None else name) == name:
@@ -331,24 +257,6 @@ def model_names(root: Path) -> list[str]:
     """The names of the models under ``root`` whose configs can be read, without reading or
     fingerprinting anything else."""
     return [name for _, name in _configs(root) if name is not None]
-
-
-def _override_text(override: Override | None) -> str:
-    return json.dumps(override, sort_keys=True, default=str) if override else ""
-
-
-def _fingerprint(roots: list[Path], extra: str) -> str:
-    """Names, sizes and modification times of every file under ``roots``: a change to any file
-    (code, weights, config) changes it."""
-    digest = hashlib.sha256(extra.encode())
-    for root in roots:
-        files = [root] if root.is_file() else sorted(root.rglob("*"))
-        for path in files:
-            if "__pycache__" in path.parts or not path.is_file():
-                continue
-            stat = path.stat()
-            digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
-    return digest.hexdigest()[:16]
 
 
 def find_source(
@@ -400,7 +308,7 @@ def folder_gone(root: Path, directory: Path) -> bool:
     if archive is not None:  # an archive: its file, not its unpacked folder
         return not (root / archive).is_file()
     folder = directory.parent if directory.name.isdigit() else directory
-    return find_config(folder) is None
+    return format_of(folder) is None
 
 
 def always_resident(sources: Mapping[str, ModelSource], names: Collection[str] | None) -> set[str]:

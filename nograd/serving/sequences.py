@@ -21,8 +21,8 @@ from nograd.batching.sequences import Place as Place  # the fronts take it from 
 from nograd.batching.sequences import Sequence, SequenceBook, UnknownSequence
 from nograd.core.datatypes import NUMPY_DTYPES
 from nograd.runtime.handler import Outputs
-from nograd.runtime.sequence_config import SequenceBatching, SequenceControl
-from nograd.runtime.sequence_step import FLAG_END, FLAG_START, SequenceStep
+from nograd.schema.sequence_config import SequenceBatching, SequenceControl
+from nograd.schema.sequence_step import FLAG_END, FLAG_START, SequenceStep
 from nograd.serving.errors import InvalidInput
 from nograd.serving.registry import ServedModel
 

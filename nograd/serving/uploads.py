@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Final
 
-from nograd.interop.triton import CONFIG_FILE
-from nograd.interop.triton_json import ConfigTooDeep, config_text
+from nograd.formats.triton.reading.config import CONFIG_FILE
+from nograd.formats.triton.reading.config_json import ConfigTooDeep, config_text
 from nograd.serving.errors import ControlRefused, InvalidInput, ModelNotFound, PollFailed
 from nograd.serving.registry import ModelRegistry
 from nograd.serving.repository import ModelSource, Override, VersionSource, Wanted

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from nograd.runtime.config import load_config
 from nograd.runtime.engines.export import export_model
 from nograd.runtime.handler import TorchRunner
 from nograd.runtime.loader import build_handler
+from nograd.schema.config import load_config
 from tests.e2e.serving import ROOT, Server, run_server
 from tests.e2e.test_server import metrics, output
 

@@ -1,4 +1,4 @@
-from nograd.interop.generated import model_config_pb2 as _model_config_pb2
+from nograd.formats.triton.reading.generated import model_config_pb2 as _model_config_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message

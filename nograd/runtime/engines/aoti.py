@@ -22,8 +22,8 @@ from nograd.runtime.engines.paths import EnginePath
 from nograd.runtime.engines.program import TorchProgramPath
 
 if TYPE_CHECKING:
-    from nograd.runtime.config import TensorSpec
     from nograd.runtime.engines.trace import Traced
+    from nograd.schema.config import TensorSpec
 
 
 @dataclass(frozen=True)

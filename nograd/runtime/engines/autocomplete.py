@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Final
 
-from nograd.runtime.config import ModelConfig, TensorSpec
 from nograd.runtime.engines.errors import ArtifactError
 from nograd.runtime.engines.onnx import OnnxTensor, onnx_tensors
 from nograd.runtime.engines.signature import tensor_spec
+from nograd.schema.config import ModelConfig, TensorSpec
 
 AUTO_MAX_BATCH_SIZE: Final = 4
 """The batch limit Triton's auto-complete gives a model that can batch (its default)."""

@@ -25,7 +25,6 @@ import numpy as np
 import torch
 
 from nograd.core.engines import AUTO, EAGER, engine_row, int8_variant
-from nograd.runtime.config import ModelConfig, chooses_engine
 from nograd.runtime.engines.artifacts import artifact_file, cache_key, cached, write_artifact
 from nograd.runtime.engines.paths import EagerPath, EnginePath, RangePath
 from nograd.runtime.engines.registry import engine, open_engine
@@ -49,6 +48,7 @@ from nograd.runtime.speed.guard import (
     run_all,
 )
 from nograd.runtime.speed.mode import FP32_TOLERANCE, mode_for
+from nograd.schema.config import ModelConfig, chooses_engine
 
 logger = logging.getLogger(__name__)
 

@@ -17,14 +17,6 @@ import torch
 import yaml
 
 from nograd.core.engines import artifact_engines, built_engines, engine_row, int8_variant
-from nograd.runtime.config import (
-    CONFIG_NAMES,
-    PYTHON_FORMAT,
-    ConfigError,
-    ModelConfig,
-    find_config,
-    load_config,
-)
 from nograd.runtime.engines.artifacts import sha256_of, write_artifact
 from nograd.runtime.engines.choice import tolerance_for
 from nograd.runtime.engines.errors import ArtifactError
@@ -35,6 +27,14 @@ from nograd.runtime.loader import LoadError, build_handler
 from nograd.runtime.speed.accuracy import AccuracyReport, compare
 from nograd.runtime.speed.guard import check_batches, run_all
 from nograd.runtime.speed.mode import mode_for
+from nograd.schema.config import (
+    CONFIG_NAMES,
+    PYTHON_FORMAT,
+    ConfigError,
+    ModelConfig,
+    find_config,
+    load_config,
+)
 
 KEPT_FIELDS: Final = (
     "version",

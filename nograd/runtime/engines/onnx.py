@@ -28,8 +28,8 @@ from nograd.runtime.engines.signature import tensor_spec
 from nograd.runtime.memory import DeviceFreeProbe, MemoryProbe, ProcessPeakProbe
 
 if TYPE_CHECKING:
-    from nograd.runtime.config import TensorSpec
     from nograd.runtime.engines.trace import Traced
+    from nograd.schema.config import TensorSpec
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from nograd.runtime.engines.signature import tensor_spec
 from nograd.runtime.handler import TORCH_DTYPES, ModelHandler
 
 if TYPE_CHECKING:
-    from nograd.runtime.config import TensorSpec
     from nograd.runtime.engines.trace import Traced
+    from nograd.schema.config import TensorSpec
 
 _DATATYPE_OF_TORCH: Final = {dtype: name for name, dtype in TORCH_DTYPES.items()}
 

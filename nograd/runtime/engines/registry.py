@@ -20,9 +20,9 @@ from nograd.core import engines as table
 from nograd.core.engines import EngineRow, engine_row
 
 if TYPE_CHECKING:
-    from nograd.runtime.config import TensorSpec
     from nograd.runtime.engines.paths import EnginePath
     from nograd.runtime.engines.trace import Traced
+    from nograd.schema.config import TensorSpec
 
 Signature = tuple[tuple["TensorSpec", ...], tuple["TensorSpec", ...]]
 """An artifact's inputs and outputs."""

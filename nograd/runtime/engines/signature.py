@@ -6,9 +6,9 @@ from pathlib import Path
 from typing import Any
 
 from nograd.core.engines import engine_row
-from nograd.runtime.config import ModelConfig, TensorSpec
 from nograd.runtime.engines.errors import ArtifactError
 from nograd.runtime.engines.registry import engine
+from nograd.schema.config import ModelConfig, TensorSpec
 
 
 def with_signature(config: ModelConfig, path: Path) -> ModelConfig:

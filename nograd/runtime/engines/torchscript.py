@@ -27,8 +27,8 @@ from nograd.runtime.engines.paths import EnginePath
 from nograd.runtime.handler import ModelHandler
 
 if TYPE_CHECKING:
-    from nograd.runtime.config import TensorSpec
     from nograd.runtime.engines.trace import Traced
+    from nograd.schema.config import TensorSpec
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from typing import Final
 
 import torch
 
-from nograd.runtime.config import ModelConfig
+from nograd.schema.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

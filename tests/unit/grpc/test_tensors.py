@@ -17,7 +17,7 @@ from nograd.grpc import tensors
 from nograd.grpc.generated import grpc_service_pb2 as pb
 from nograd.grpc.tensors import check_inputs, decode_inputs, read_inputs
 from nograd.protocol.limits import MAX_DIMS, OFFLOAD_DECODE_BYTES
-from nograd.runtime.config import ModelConfig
+from nograd.schema.config import ModelConfig
 from nograd.serving.errors import InvalidInput, LimitExceeded
 from nograd.serving.registry import ServedModel
 from nograd.serving.validation import Declared, check_declared

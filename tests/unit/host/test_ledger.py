@@ -15,8 +15,8 @@ import torch
 from nograd.host import ledger as cores_module
 from nograd.host.ledger import CoreLedger, CoreShare, clear_slot, create_ledger
 from nograd.runtime import handler as handler_module
-from nograd.runtime.config import ModelConfig, TensorSpec
 from nograd.runtime.handler import ModelHandler, TensorPart, TorchRunner
+from nograd.schema.config import ModelConfig, TensorSpec
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
+from nograd.formats.triton.api.documents import model_configuration
 from nograd.http import repository
 from nograd.http.app import create_app
 from nograd.http.errors import install_error_handlers
@@ -16,7 +17,6 @@ from nograd.serving.calls import Calls
 from nograd.serving.control import ModelControl
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.registry import State
-from nograd.serving.triton_config import model_configuration
 from nograd.settings import Settings
 from tests.unit.conftest import FIXTURES, plane_for
 

@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 import torch
 
-from nograd.runtime.config import load_config
 from nograd.runtime.handler import ModelHandler, TensorPart, TorchRunner
 from nograd.runtime.loader import build_handler, import_model_module
 from nograd.runtime.speed.guard import sequence_inputs
 from nograd.runtime.speed.mode import Buckets
 from nograd.runtime.speed.path import SpeedModePath
+from nograd.schema.config import load_config
 
 ROOT = Path(__file__).resolve().parents[3]
 MINILM_DIR = ROOT / "models" / "minilm"

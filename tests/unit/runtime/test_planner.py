@@ -91,8 +91,8 @@ def test_the_cap_bounds_the_limit_when_memory_is_plentiful() -> None:
 
 
 def test_profile_of_a_real_linear_model_is_linear_in_rows() -> None:
-    from nograd.runtime.config import ModelConfig
     from nograd.runtime.memory import CpuMemoryProbe
+    from nograd.schema.config import ModelConfig
 
     config = ModelConfig.model_validate(
         {

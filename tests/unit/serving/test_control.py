@@ -13,14 +13,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from nograd.formats.triton.api.documents import repository_index
 from nograd.observability.metrics import Metrics
 from nograd.serving.control import ModelControl
 from nograd.serving.control_calls import load_parameters
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.errors import ControlRefused, InvalidInput, LoadFailed, ModelNotFound
 from nograd.serving.registry import State
-from nograd.serving.triton_config import repository_index
 from nograd.settings import Settings
+from tests.triton_models import FIXTURES as TRITON_FIXTURES
 from tests.unit.conftest import FIXTURES
 
 DIGITS = Path(__file__).resolve().parents[3] / "models" / "digits"
@@ -332,6 +333,22 @@ async def test_poll_loads_new_versions_and_unloads_removed_models(
     await control.poll_once()
     assert "slow" not in plane.models
     assert plane.ready()
+
+
+async def test_a_half_written_triton_config_keeps_its_model_serving(
+    tmp_path: Path, stop: list[DataPlane]
+) -> None:
+    repo = tmp_path / "repo"
+    shutil.copytree(TRITON_FIXTURES / "add_sub", repo / "add_sub")
+    plane, control = await started(repo, model_control="poll")
+    stop.append(plane)
+    assert plane.registry.version_names("add_sub") == ["1"]
+    (repo / "add_sub" / "config.pbtxt").write_text("name: ")  # half written: keeps serving
+    await control.poll_once()
+    assert plane.registry.version_names("add_sub") == ["1"]
+    shutil.rmtree(repo / "add_sub")
+    await control.poll_once()
+    assert "add_sub" not in plane.models
 
 
 async def test_memory_is_planned_again_when_models_load_and_unload(

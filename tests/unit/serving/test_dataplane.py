@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nograd.observability.metrics import Metrics
-from nograd.runtime.config import ConfigError
+from nograd.schema.config import ConfigError
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.errors import LimitExceeded, ModelNotFound, ModelNotReady
 from nograd.settings import Settings

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from nograd.runtime.config import EnsembleStep, ModelConfig, TensorSpec
+from nograd.schema.config import EnsembleStep, ModelConfig, TensorSpec
 from nograd.serving.control_calls import unload_parameters
 from nograd.serving.ensembles import check_ensemble, composing, load_order, settle, waiting_for
 from nograd.serving.errors import InvalidInput

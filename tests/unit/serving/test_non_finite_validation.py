@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nograd.runtime.config import ModelConfig
+from nograd.schema.config import ModelConfig
 from nograd.serving.errors import InvalidInput
 from nograd.serving.registry import ServedModel
 from nograd.serving.validation import validate

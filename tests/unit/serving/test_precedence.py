@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from nograd.interop.triton import read_triton
-from nograd.runtime.config import ModelConfig, load_config
+from nograd.formats.triton.reading.config import read_triton
+from nograd.schema.config import ModelConfig, load_config
 from nograd.serving.precedence import effective_config
 from nograd.settings import Settings
 from tests.e2e.serving import ROOT

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from nograd.runtime.config import ConfigError
+from nograd.schema.config import ConfigError
 from nograd.serving.repository import OVERRIDABLE, read_model, read_wanted, scan
 from tests.unit.conftest import FIXTURES
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nograd.interop.triton import read_triton
-from nograd.runtime.sequence_step import FLAG_END, FLAG_START, SequenceStep
+from nograd.formats.triton.reading.config import read_triton
+from nograd.schema.sequence_step import FLAG_END, FLAG_START, SequenceStep
 from nograd.serving.errors import InvalidInput
 from nograd.serving.registry import ServedModel
 from nograd.serving.sequences import (
@@ -20,7 +20,7 @@ from nograd.serving.sequences import (
     refuse_sequence,
     sequence_request,
 )
-from tests.unit.interop.test_triton_sequences import ACCUMULATOR
+from tests.unit.formats.triton.test_triton_sequences import ACCUMULATOR
 
 
 @pytest.fixture

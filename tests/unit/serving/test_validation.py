@@ -8,8 +8,8 @@ from typing import cast
 import numpy as np
 import pytest
 
-from nograd.runtime.config import ModelConfig
 from nograd.runtime.handler import ModelHandler
+from nograd.schema.config import ModelConfig
 from nograd.serving.errors import InvalidInput, LimitExceeded
 from nograd.serving.registry import ServedModel
 from nograd.serving.validation import (

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from nograd.runtime.config import ConfigError, load_config
 from nograd.runtime.engines import choice
 from nograd.runtime.engines.choice import (
     EngineResult,
@@ -24,6 +23,7 @@ from nograd.runtime.engines.onnx import OnnxPath
 from nograd.runtime.engines.paths import EnginePath, RangePath, share_cores
 from nograd.runtime.handler import TorchRunner
 from nograd.runtime.speed.guard import SpeedCheck
+from nograd.schema.config import ConfigError, load_config
 from tests.unit.runtime.engines.tiny import tiny_folder, tiny_handler
 
 LIMIT = 32

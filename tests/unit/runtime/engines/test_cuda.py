@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from nograd.runtime.config import find_config, load_config
 from nograd.runtime.engines.choice import prepare_engine
 from nograd.runtime.engines.export import export_model
 from nograd.runtime.handler import ModelHandler, TorchRunner
 from nograd.runtime.loader import build_handler
+from nograd.schema.config import find_config, load_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from nograd.cli import export_command
-from nograd.runtime.config import find_config, load_config
 from nograd.runtime.engines.export import ExportError, export_model
 from nograd.runtime.handler import ModelHandler, TorchRunner
 from nograd.runtime.loader import LoadError, build_handler
+from nograd.schema.config import find_config, load_config
 from tests.unit.runtime.engines.tiny import tiny_folder
 
 ROOT = Path(__file__).resolve().parents[4]

@@ -15,13 +15,13 @@ from pydantic import ValidationError
 from nograd.cli import export_command
 from nograd.core import engines as table
 from nograd.core.engines import artifact_engines, engine_choices, engine_row, signature_formats
-from nograd.runtime.config import ConfigError, load_config
 from nograd.runtime.engines import choice, registry
 from nograd.runtime.engines.paths import EnginePath
 from nograd.runtime.engines.registry import Engine, UnknownEngine, engine, every_engine
 from nograd.runtime.handler import TorchRunner
 from nograd.runtime.memory import CudaMemoryProbe, ProcessPeakProbe, probe_for
 from nograd.runtime.planner import profile_handler
+from nograd.schema.config import ConfigError, load_config
 from nograd.settings import Settings
 from tests.unit.runtime.engines import copied_program
 from tests.unit.runtime.engines.tiny import tiny_folder, tiny_handler

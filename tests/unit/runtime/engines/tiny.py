@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from nograd.runtime.config import ModelConfig, load_config
 from nograd.runtime.handler import ModelHandler
 from nograd.runtime.loader import build_handler
+from nograd.schema.config import ModelConfig, load_config
 
 MODEL_CODE = """
 import torch

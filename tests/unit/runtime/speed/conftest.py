@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from nograd.observability.metrics import Metrics
-from nograd.runtime.config import ModelConfig, TensorSpec
 from nograd.runtime.handler import ModelHandler, TensorPart, TorchRunner
 from nograd.runtime.speed import guard as speed
 from nograd.runtime.speed.guard import (
     CheckBatch,
 )
+from nograd.schema.config import ModelConfig, TensorSpec
 
 CPU = torch.device("cpu")
 REAL_COMPILE = torch.compile

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from nograd.runtime.config import ConfigError, load_config
 from nograd.runtime.handler import TorchRunner, _pad_concat, chunk_rows
 from nograd.runtime.speed.guard import (
     check_batches,
@@ -18,6 +17,7 @@ from nograd.runtime.speed.guard import (
 )
 from nograd.runtime.speed.mode import Buckets, mode_for, next_bucket
 from nograd.runtime.speed.path import SpeedModePath, batch_cap
+from nograd.schema.config import ConfigError, load_config
 from tests.unit.runtime.speed.conftest import (
     BASE,
     CPU,

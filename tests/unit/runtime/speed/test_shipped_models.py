@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from nograd.observability.metrics import Metrics
-from nograd.runtime.config import ModelConfig, TensorSpec, load_config
 from nograd.runtime.handler import ModelHandler, TorchRunner
 from nograd.runtime.loader import build_handler
 from nograd.runtime.speed.guard import (
@@ -19,6 +18,7 @@ from nograd.runtime.speed.guard import (
     sequence_inputs,
 )
 from nograd.runtime.speed.path import batch_cap
+from nograd.schema.config import ModelConfig, TensorSpec, load_config
 from nograd.serving.speed_checks import load_accuracy_sample, recorder
 from tests.unit.runtime.speed.conftest import (
     CPU,

@@ -1,0 +1,1 @@
+"""TorchServe's documents and management calls (describe, list, register, scale, unregister)."""

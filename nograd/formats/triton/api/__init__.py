@@ -1,0 +1,1 @@
+"""The documents Triton answers for its models: model configuration and repository index."""

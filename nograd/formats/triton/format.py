@@ -1,0 +1,38 @@
+"""Triton's format as the table's row: a folder with ``config.pbtxt``, or with a model file
+Triton's auto-complete recognises in a numbered version folder."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from nograd.formats.source import ModelSource, Override, shared_config_source
+from nograd.formats.triton.reading.config import is_triton_folder, read_triton
+from nograd.schema.config import ModelConfig, find_config, is_triton_python
+
+
+@dataclass(frozen=True)
+class TritonFormat:
+    """Its runner serves the Python backend; the artifact backends (ONNX, PyTorch) are read into
+    an engine's artifact, which nograd's own runner opens."""
+
+    name: str = "triton"
+    runner: str = "nograd.formats.triton.running.runner:build"
+
+    def recognises(self, entry: Path) -> bool:
+        # A folder with nograd's own config is nograd's, whatever else it holds.
+        return entry.is_dir() and find_config(entry) is None and is_triton_folder(entry)
+
+    def read(
+        self, folder: Path, override: Override | None, versions: Collection[str] | None
+    ) -> ModelSource:
+        # One config.pbtxt for every numbered version folder.
+        return shared_config_source(read_triton(folder), folder, override, versions)
+
+    def serves(self, config: ModelConfig) -> bool:
+        return is_triton_python(config)
+
+
+TRITON: Final = TritonFormat()
