@@ -255,7 +255,7 @@ def log_plan(
             "weights_bytes": p.weights_bytes,
             "engine": _range_label(item),
             "unit": p.unit,
-            "unit_bytes": round(per_unit_bytes(item.fit.model, p.unit, p.reference_length)),
+            "per_unit_bytes": round(per_unit_bytes(item.fit.model, p.unit, p.reference_length)),
             "fit": f"{item.fit.verdict} {100 * item.fit.errors[-1]:+.1f}%",
             "limit": p.limit,
             "share_bytes": p.share_bytes,

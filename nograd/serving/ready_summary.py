@@ -15,7 +15,6 @@ the same models); the others log theirs at DEBUG, naming their worker.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 
 from nograd.host.readings import process_age_s
 from nograd.runtime.devices import device_label
@@ -76,20 +75,20 @@ def log_ready(
     registry: ModelRegistry, *, scan_s: float, load_s: float, worker: int | None = None
 ) -> None:
     """Log the summary of what this process serves (at DEBUG for a worker after the first)."""
-    models: Iterable[ServedModel] = registry.served()
-    rows = [summary_row(model) for model in models]
+    rows = [summary_row(model) for model in registry.served()]
     ready = sum(1 for row in rows if row["state"] == "ready")
     fields: dict[str, object] = {} if worker is None else {"worker": worker}
     since_start = process_age_s()
     if since_start is not None:
         fields["since_start_s"] = round(since_start, 3)
     fields.update(scan_s=round(scan_s, 3), load_s=round(load_s, 3), table=rows)
-    others = sorted(name for name in registry.unloaded if name not in registry.versions)
+    # Under on-demand control most of the repository loads later; each is counted, not listed.
+    others = sum(1 for name in registry.unloaded if name not in registry.versions)
     logger.log(
         logging.INFO if worker in (None, 0) else logging.DEBUG,
         "ready: serving %d of %d model versions%s",
         ready,
         len(rows),
-        f"; not loaded: {', '.join(others)}" if others else "",
+        f"; {others} more in the repository, not loaded" if others else "",
         extra=fields,
     )
