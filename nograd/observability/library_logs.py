@@ -11,6 +11,7 @@ warnings come back, through the same handler and format as nograd's.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -99,6 +100,7 @@ def from_library(filename: str) -> bool:
     return any(path.startswith(folder + os.sep) for folder in _library_dirs())
 
 
+@functools.cache
 def _library_dirs() -> tuple[str, ...]:
     folders = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
     paths = sysconfig.get_paths()

@@ -70,14 +70,14 @@ class Core:
 
     async def open(self) -> None:
         """Read the repository's configs; a malformed one fails the start-up, naming it."""
-        scanning = time.perf_counter()
         await self.control.open()
         self.shared_memory.restore()
+        scanning = time.perf_counter()
         self.control.discover()
+        self._scan_s = time.perf_counter() - scanning
         if self.plane.config_errors:
             await self.control.close()
             raise StartupFailed("; ".join(self.plane.config_errors))
-        self._scan_s = time.perf_counter() - scanning
 
     async def load(self) -> None:
         """Load, warm and plan the start-up set of models, then say what is served."""

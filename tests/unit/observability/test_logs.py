@@ -11,18 +11,14 @@ from typing import Any
 
 import pytest
 
-from nograd.observability.library_logs import (
-    LIBRARY_LOGGERS,
-    MISSING_EXTRAS_LOGGERS,
-    from_library,
-    route_torch_loggers,
-)
 from nograd.observability.logs import LOG_FORMAT_ENV, resolve_format, setup_logging
 
 
 @pytest.fixture(autouse=True)
 def _restore_logging() -> Iterator[None]:
     """setup_logging changes process-wide state; put it back so other tests see pytest's set-up."""
+    from nograd.observability.library_logs import LIBRARY_LOGGERS, MISSING_EXTRAS_LOGGERS
+
     root = logging.getLogger()
     saved_handlers, saved_level = list(root.handlers), root.level
     named = [
@@ -141,59 +137,6 @@ def test_warnings_are_logged_as_json() -> None:
     assert "deprecated knob" in line["message"]
 
 
-def test_setup_twice_keeps_one_handler() -> None:
-    first, second = io.StringIO(), io.StringIO()
-    setup_logging("info", "json", first)
-    setup_logging("info", "json", second)
-    logging.getLogger("nograd.test").info("once")
-    assert first.getvalue() == ""
-    assert len(_lines(second)) == 1
-
-
-def test_text_format_appends_extras() -> None:
-    stream = io.StringIO()
-    setup_logging("info", "text", stream)
-    logging.getLogger("nograd.test").info("loaded", extra={"model": "digits"})
-    text = stream.getvalue()
-    assert "INFO nograd.test: loaded [model=digits]" in text
-    with pytest.raises(json.JSONDecodeError):
-        json.loads(text)
-
-
-class Terminal(io.StringIO):
-    def isatty(self) -> bool:
-        return True
-
-
-def test_text_on_a_terminal_and_json_otherwise_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(LOG_FORMAT_ENV, raising=False)
-    assert resolve_format(None, Terminal()) == "text"
-    assert resolve_format(None, io.StringIO()) == "json"
-    assert resolve_format("json", Terminal()) == "json"
-    terminal = Terminal()
-    setup_logging("info", None, terminal)
-    logging.getLogger("nograd.test").info("read by a person")
-    assert "INFO nograd.test: read by a person" in terminal.getvalue()
-    monkeypatch.setenv(LOG_FORMAT_ENV, "json")
-    assert resolve_format(None, Terminal()) == "json"
-
-
-def test_format_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(LOG_FORMAT_ENV, raising=False)
-    assert resolve_format(None) == "json"
-    monkeypatch.setenv(LOG_FORMAT_ENV, "TEXT")
-    assert resolve_format(None) == "text"
-    assert resolve_format("json") == "json"  # an explicit argument wins over the environment
-    monkeypatch.setenv(LOG_FORMAT_ENV, "xml")
-    with pytest.raises(ValueError, match="'xml'"):
-        resolve_format(None)
-
-
-def test_bad_level_is_named() -> None:
-    with pytest.raises(ValueError, match="'loud'"):
-        setup_logging("loud", "json", io.StringIO())
-
-
 PLAN_ROWS = [
     {"model": "digits", "engine": "onnx", "limit": 64, "weights_bytes": 3 * 2**20},
     {"model": "minilm", "engine": "onnx<=4,eager", "limit": 4096, "weights_bytes": 1536},
@@ -302,6 +245,8 @@ def test_library_code_is_told_from_nograd_and_models() -> None:
 
     import orjson
 
+    from nograd.observability.library_logs import from_library
+
     assert from_library(copyreg.__file__) and from_library(orjson.__file__)
     assert from_library("<frozen importlib._bootstrap>")
     assert not from_library(logging_file())
@@ -314,6 +259,8 @@ def test_torch_loggers_write_through_nograd_handler() -> None:
     import sys
 
     import torch  # noqa: F401  (route_torch_loggers acts once torch is imported)
+
+    from nograd.observability.library_logs import route_torch_loggers
 
     own = logging.getLogger("torch._nograd_test")
     torchs = logging.StreamHandler(sys.stderr)
@@ -334,3 +281,56 @@ def test_torch_loggers_write_through_nograd_handler() -> None:
         own.handlers.clear()
         own.propagate = True
         own.setLevel(logging.NOTSET)
+
+
+def test_setup_twice_keeps_one_handler() -> None:
+    first, second = io.StringIO(), io.StringIO()
+    setup_logging("info", "json", first)
+    setup_logging("info", "json", second)
+    logging.getLogger("nograd.test").info("once")
+    assert first.getvalue() == ""
+    assert len(_lines(second)) == 1
+
+
+def test_text_format_appends_extras() -> None:
+    stream = io.StringIO()
+    setup_logging("info", "text", stream)
+    logging.getLogger("nograd.test").info("loaded", extra={"model": "digits"})
+    text = stream.getvalue()
+    assert "INFO nograd.test: loaded [model=digits]" in text
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(text)
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_text_on_a_terminal_and_json_otherwise_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(LOG_FORMAT_ENV, raising=False)
+    assert resolve_format(None, Terminal()) == "text"
+    assert resolve_format(None, io.StringIO()) == "json"
+    assert resolve_format("json", Terminal()) == "json"
+    terminal = Terminal()
+    setup_logging("info", None, terminal)
+    logging.getLogger("nograd.test").info("read by a person")
+    assert "INFO nograd.test: read by a person" in terminal.getvalue()
+    monkeypatch.setenv(LOG_FORMAT_ENV, "json")
+    assert resolve_format(None, Terminal()) == "json"
+
+
+def test_format_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(LOG_FORMAT_ENV, raising=False)
+    assert resolve_format(None) == "json"
+    monkeypatch.setenv(LOG_FORMAT_ENV, "TEXT")
+    assert resolve_format(None) == "text"
+    assert resolve_format("json") == "json"  # an explicit argument wins over the environment
+    monkeypatch.setenv(LOG_FORMAT_ENV, "xml")
+    with pytest.raises(ValueError, match="'xml'"):
+        resolve_format(None)
+
+
+def test_bad_level_is_named() -> None:
+    with pytest.raises(ValueError, match="'loud'"):
+        setup_logging("loud", "json", io.StringIO())
