@@ -54,6 +54,7 @@ class Server:
             settings,
             shared_dir=None if worker is None else worker.shared_dir,
             cores=None if worker is None else worker.cores,
+            worker=None if worker is None else worker.index,
         )
         counted = None if handoff is None else handoff.closed
         self.http = HttpFront(self.core, counted) if settings.port else None

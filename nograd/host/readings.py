@@ -235,3 +235,18 @@ def status_bytes(path: Path, field: str) -> int | None:
 def resident_bytes(pid: int, proc_root: Path = Path("/proc")) -> int | None:
     """A process's resident memory (VmRSS), or None when it is gone or unreadable."""
     return status_bytes(proc_root / str(pid) / "status", "VmRSS")
+
+
+def process_age_s(proc_root: Path = Path("/proc")) -> float | None:
+    """Seconds since this process started (its start time in ``/proc/self/stat`` against the
+    machine's uptime): the start-up summary counts the imports too, which run before any of
+    nograd's code could start a clock. None where /proc cannot be read."""
+    try:
+        stat = (proc_root / "self" / "stat").read_text()
+        uptime_s = float((proc_root / "uptime").read_text().split()[0])
+        # After the command name (in parentheses, which may hold spaces) come the fields from
+        # the third on; the 22nd, starttime, is in clock ticks since boot.
+        start_ticks = int(stat.rpartition(")")[2].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(0.0, uptime_s - start_ticks / os.sysconf("SC_CLK_TCK"))

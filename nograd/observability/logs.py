@@ -27,6 +27,14 @@ from typing import Any, Final, TextIO, cast, get_args
 
 import orjson
 
+from nograd.observability.library_logs import quiet_libraries
+from nograd.observability.log_tables import (
+    TABLE_FIELD,
+    field_label,
+    field_text,
+    table_rows,
+    text_table,
+)
 from nograd.settings import LogFormat
 
 LOG_FORMATS: Final[tuple[str, ...]] = get_args(LogFormat)
@@ -39,6 +47,8 @@ _RECORD_ATTRIBUTES: Final = frozenset(
     vars(logging.LogRecord("", logging.INFO, "", 0, "", None, None))
 ) | {"message", "asctime", "taskName", "color_message"}
 # ``color_message`` is uvicorn's ANSI-coloured duplicate of its message: noise in a log shipper.
+_FIXED_FIELDS: Final = ("timestamp", "level", "logger", "message")
+"""The fields of every JSON line, which neither an extra nor a table's row may overwrite."""
 
 # Libraries that are chatty at debug level about things an operator of nograd never needs
 # (HTTP connection pools, multipart parsing, file locks of the hub cache).
@@ -118,12 +128,26 @@ class JsonFormatter(logging.Formatter):
             document["exception"] = self.formatException(record.exc_info)
         if record.stack_info:
             document["stack"] = self.formatStack(record.stack_info)
-        try:
-            return orjson.dumps(document, default=str).decode()
-        except TypeError:
-            # orjson refuses a few values outright (ints over 64 bits, non-str keys): never lose
-            # a log line to its payload.
-            return orjson.dumps({key: str(value) for key, value in document.items()}).decode()
+        rows = table_rows(document)
+        if rows is None:
+            return _dumps(document)
+        # A table: one object per row, each with the record's fields and the row's own.
+        del document[TABLE_FIELD]
+        if not rows:
+            return _dumps(document)
+        return "\n".join(
+            _dumps({**document, **{k: v for k, v in row.items() if k not in _FIXED_FIELDS}})
+            for row in rows
+        )
+
+
+def _dumps(document: dict[str, Any]) -> str:
+    try:
+        return orjson.dumps(document, default=str).decode()
+    except TypeError:
+        # orjson refuses a few values outright (ints over 64 bits, non-str keys): never lose
+        # a log line to its payload.
+        return orjson.dumps({str(key): str(value) for key, value in document.items()}).decode()
 
 
 class TextFormatter(logging.Formatter):
@@ -135,11 +159,19 @@ class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
         extras = _extras(record)
-        if not extras:
+        rows = table_rows(extras)
+        if rows is not None:
+            del extras[TABLE_FIELD]
+        if not extras and not rows:
             return line
         first, newline, rest = line.partition("\n")
-        pairs = " ".join(f"{key}={value}" for key, value in extras.items())
-        return f"{first} [{pairs}]{newline}{rest}"
+        if extras:
+            pairs = " ".join(f"{field_label(k)}={field_text(k, v)}" for k, v in extras.items())
+            first = f"{first} [{pairs}]"
+        if rows:
+            # A table: aligned under its message, before a traceback if there is one.
+            first = "\n".join([first, *(f"    {row}" for row in text_table(rows))])
+        return f"{first}{newline}{rest}"
 
 
 def _is_terminal(stream: TextIO) -> bool:
@@ -242,4 +274,6 @@ def setup_logging(
     pin_transport_loggers()
     # torch and friends warn through the warnings module; make those JSON lines too.
     logging.captureWarnings(True)
+    # Libraries' INFO chatter and warnings stay out unless the level is debug.
+    quiet_libraries(numeric_level)
     return handler

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nograd.core.units import format_bytes
 from nograd.host.heap import release_free_memory
 from nograd.runtime.engines.paths import EnginePath, serving_ranges
 from nograd.runtime.handler import ModelHandler, TensorPart, TorchRunner
@@ -24,12 +25,9 @@ from nograd.runtime.memory import (
     CostModel,
     CpuMemoryProbe,
     MemoryProbe,
-    PlanRow,
     Profile,
     batch_limit,
     device_budget,
-    format_bytes,
-    format_plan,
     profile_forward,
     share_budget,
 )
@@ -244,26 +242,28 @@ def per_unit_bytes(cost: CostModel, unit: str, reference_length: int) -> float:
     return cost.per_unit
 
 
-def log_plan(device: str, budget: int, plans: Sequence[ModelPlan]) -> None:
-    """The plan as a table, one line per model and engine range, then each fit's numbers."""
+def log_plan(
+    device: str, budget: int, plans: Sequence[ModelPlan], level: int = logging.INFO
+) -> None:
+    """The plan as a table (one row per model and engine range: why each limit is what it is,
+    on which engine's measurement and how good a fit), then each fit's numbers at debug level;
+    a fit refused, or a model that fits no batch, is a warning whatever ``level``."""
     rows = [
-        PlanRow(
-            p.name,
-            device,
-            p.weights_bytes,
-            per_unit_bytes(item.fit.model, p.unit, p.reference_length),
-            p.limit,
-            p.share_bytes,
-            p.unit,
-            engine=_range_label(item),
-            fit=f"{item.fit.verdict} {100 * item.fit.errors[-1]:+.1f}%",
-        )
+        {
+            "model": p.name,
+            "device": device,
+            "weights_bytes": p.weights_bytes,
+            "engine": _range_label(item),
+            "unit": p.unit,
+            "per_unit_bytes": round(per_unit_bytes(item.fit.model, p.unit, p.reference_length)),
+            "fit": f"{item.fit.verdict} {100 * item.fit.errors[-1]:+.1f}%",
+            "limit": p.limit,
+            "share_bytes": p.share_bytes,
+        }
         for p in plans
         for item in p.cost.ranges
     ]
-    logger.info(
-        "memory plan for %s (budget %s):\n%s", device, format_bytes(budget), format_plan(rows)
-    )
+    logger.log(level, "memory plan for %s", device, extra={"budget_bytes": budget, "table": rows})
     for plan in plans:
         for item in plan.cost.ranges:
             _log_fit(plan.name, item)
@@ -289,7 +289,7 @@ def _log_fit(model: str, item: RangeFit) -> None:
     fit, check = item.fit, item.fit.profile.check_point
     errors = ", ".join(f"{100 * error:+.1f}%" for error in fit.errors)
     logger.log(
-        logging.WARNING if fit.refused else logging.INFO,
+        logging.WARNING if fit.refused else logging.DEBUG,
         "model %s on %s: cost model %.0f B + %.1f B/unit + %.3f B/unit·len; check at rows=%d "
         "len=%d measured %s predicted %s; %s (check errors %s, tolerance %.0f%%)%s",
         model,

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from pathlib import Path
 
 from nograd.formats.torchserve.api.management import TorchServeManagement
 from nograd.formats.torchserve.reading.archives import release_all, sweep
 from nograd.host.ledger import CoreShare
+from nograd.observability.library_logs import route_torch_loggers
 from nograd.observability.metrics import Metrics
 from nograd.observability.stats import Statistics
 from nograd.serving.access import access_of, startup_refusal
@@ -22,6 +24,7 @@ from nograd.serving.control import ModelControl
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.diagnostics import Diagnostics
 from nograd.serving.on_demand import OnDemand
+from nograd.serving.ready_summary import log_ready
 from nograd.serving.shared_memory import SharedMemory, SharedMemoryLimits
 from nograd.settings import Settings
 
@@ -37,8 +40,15 @@ class Core:
         *,
         shared_dir: Path | None = None,
         cores: CoreShare | None = None,
+        worker: int | None = None,
     ) -> None:
+        """``worker``: this process's index among its supervisor's workers (None: a single
+        server), named in the start-up summary, which the first worker logs at INFO."""
+        # torch is imported by now: its loggers write through nograd's handler from here on.
+        route_torch_loggers()
         self.settings = settings
+        self._worker = worker
+        self._scan_s = 0.0
         self.metrics = Metrics(multiprocess_dir=shared_dir)
         self.plane = DataPlane(settings, self.metrics, Statistics(shared_dir), cores=cores)
         self.control = ModelControl(self.plane, shared_dir)
@@ -77,16 +87,21 @@ class Core:
         await asyncio.to_thread(sweep, self.plane.archive_store.cache)
         await self.control.open()
         self.shared_memory.restore()
+        scanning = time.perf_counter()
         self.control.discover()
+        self._scan_s = time.perf_counter() - scanning
         if self.plane.config_errors:
             await self.control.close()
             raise StartupFailed("; ".join(self.plane.config_errors))
 
     async def load(self) -> None:
-        """Load, warm and plan the start-up set of models."""
+        """Load, warm and plan the start-up set of models, then say what is served."""
+        loading = time.perf_counter()
         await self.control.load_startup()
         if self.on_demand is not None:
             self.on_demand.opened()
+        load_s = time.perf_counter() - loading
+        log_ready(self.plane.registry, scan_s=self._scan_s, load_s=load_s, worker=self._worker)
 
     def load_in_background(self) -> None:
         """Load while the fronts already answer: liveness says alive, readiness tells the truth

@@ -97,6 +97,7 @@ class ModelLoader:
         """Per device, the memory first planned (activation budget plus weights)."""
         self._unpacked: dict[int, Path] = {}
         """By version (its id), the unpacked archive it holds (``archives.hold``)."""
+        self._plan_level = logging.DEBUG  # at start-up, the ready summary shows the plan
         self._profiles: dict[tuple[str, str], tuple[tuple[object, ...], RangedCost]] = {}
         """Per model version, the activation cost last measured and what it was measured on:
         a reload of the same files on the same engines and device reuses it (an evicted model
@@ -132,6 +133,7 @@ class ModelLoader:
                     await self._start(model)
                 except Exception as exc:
                     _failed(model, exc, "failed to start")
+        self._plan_level = logging.INFO
         settle_heap()
 
     def _join_cores(self) -> None:
@@ -172,6 +174,7 @@ class ModelLoader:
             imported = sys.modules.get(module_name(config))
             if imported is not previous:
                 model.code = imported
+        model.phases["build"] = time.perf_counter() - started
         # An artifact's signature may have filled in the inputs and outputs.
         model.config = config = handler.config
         if config.triton_config is not None:
@@ -185,6 +188,7 @@ class ModelLoader:
         # is refused leaves fp32 eager serving. Counted as load time.
         if handler.synthetic_inputs:
             sample = load_accuracy_sample(handler, model.directory)
+            choosing = time.perf_counter()
             handler = prepare_engine(
                 handler,
                 self._limit(config),
@@ -193,6 +197,7 @@ class ModelLoader:
                 code=_model_files(model.directory, config),
                 cache_dir=self._settings.engine_cache_dir,
             )
+            model.phases["engines"] = time.perf_counter() - choosing
         if self.cores is not None:
             # The ledger grants each batch a width; ONNX Runtime's pool is fixed per session.
             share_cores(handler.speed_path, self._widths)
@@ -240,6 +245,7 @@ class ModelLoader:
             if known is not None and known[0] == measured_on:
                 model.profile = known[1]
                 continue
+            profiling = time.perf_counter()
             try:
                 model.profile = await loop.run_in_executor(
                     executor, profile_handler, model.handler, probe, cap
@@ -252,6 +258,7 @@ class ModelLoader:
                     model.version,
                     cap,
                 )
+            model.phases["profile"] = time.perf_counter() - profiling
         if fresh:
             self._plan_devices(fresh, [m for m in serving if m.ready])
 
@@ -286,7 +293,7 @@ class ModelLoader:
                 explicit_bytes=self._budget(label, group),
             )
             self._metrics.memory_budget.labels(label).set(budget)
-            log_plan(label, budget, plans)
+            log_plan(label, budget, plans, self._plan_level)
             for plan in plans:
                 model = keyed[plan.name]
                 model.plan = plan

@@ -11,7 +11,7 @@ import asyncio
 import enum
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
@@ -52,6 +52,9 @@ class ServedModel:
     """The model's code as this load imported it, taken out of ``sys.modules`` when freed."""
     load_seconds: float = 0.0
     warmup_seconds: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds each step of its load took (``build``, ``engines``, ``profile``), for the
+    start-up summary (``nograd.serving.ready_summary``)."""
     weights_bytes: int = 0
     resident_bytes: int = 0
     """Under on-demand control on CPU, what this version holds outside its batches as its load

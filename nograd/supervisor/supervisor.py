@@ -38,7 +38,7 @@ from pathlib import Path
 from types import FrameType
 
 from nograd.host.ledger import CoreShare, clear_slot, create_ledger
-from nograd.host.readings import HostMemory, resident_bytes
+from nograd.host.readings import HostMemory, process_age_s, resident_bytes
 from nograd.settings import Settings
 from nograd.supervisor.handoff import (
     QUIET,
@@ -143,10 +143,11 @@ class Supervisor:
                 sock.listen(BACKLOG)
             self._listening = True
             logger.info(
-                "listening on %s (%s) with %d worker processes",
+                "listening on %s (%s) with %d worker processes, %.1fs after the start",
                 self._settings.host,
                 describe_ports(self._sockets),
                 len(self._slots),
+                process_age_s() or 0.0,
             )
             while self._stop_signal is None:
                 self._watch(timeout_s=0.5)
@@ -209,6 +210,7 @@ class Supervisor:
                 "handoff": Handoff(theirs, closed),
                 "supervisor": os.getpid(),
                 "cores": None if self._cores is None else CoreShare(self._cores, slot.index),
+                "index": slot.index,
             },
             name=f"nograd-worker-{slot.index}",
             daemon=False,

@@ -39,6 +39,8 @@ class WorkerContext:
     """Tells the supervisor the models are loaded and warm."""
     cores: CoreShare | None = None
     """This worker's slot in the ledger of CPU cores the workers share (``share_cores``)."""
+    index: int = 0
+    """Its slot among the supervisor's workers (0: the first started)."""
 
 
 class ServeWorker(Protocol):
@@ -63,6 +65,7 @@ def worker_main(
     handoff: Handoff,
     supervisor: int,
     cores: CoreShare | None,
+    index: int = 0,
 ) -> None:
     # A signal to the whole process group (Ctrl+C, ``kill -- -PGID``, systemd) reaches every
     # worker too: workers ignore it and drain on the supervisor's word (``DRAIN_SIGNAL``), so one
@@ -75,7 +78,9 @@ def worker_main(
         settings.log_format,
         keys=settings.api_key_list + settings.operator_key_list,
     )
-    started = load_serve(serve)(settings, WorkerContext(shared_dir, ready.set, cores), handoff)
+    started = load_serve(serve)(
+        settings, WorkerContext(shared_dir, ready.set, cores, index), handoff
+    )
     sys.exit(0 if started else STARTUP_FAILURE)
 
 

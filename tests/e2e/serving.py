@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import re
 import shutil
@@ -15,6 +17,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -39,6 +42,25 @@ class Server:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def records(self) -> list[dict[str, Any]]:
+        """The log's JSON records (its format when not on a terminal), one per line; a table's
+        rows are records of their own (``nograd.observability.log_tables``)."""
+        found = []
+        for line in self.log().splitlines():
+            with contextlib.suppress(json.JSONDecodeError):
+                record = json.loads(line)
+                if isinstance(record, dict):
+                    found.append(record)
+        return found
+
+    def ready_summary(self) -> dict[str, dict[str, Any]]:
+        """The start-up summary's rows by model name (``nograd.serving.ready_summary``)."""
+        return {
+            record["model"]: record
+            for record in self.records()
+            if record["logger"] == "nograd.serving.ready_summary" and "model" in record
+        }
 
 
 def digits_repository(root: Path) -> Path:

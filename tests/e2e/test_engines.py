@@ -17,7 +17,7 @@ from nograd.runtime.engines.export import export_model
 from nograd.runtime.handler import TorchRunner
 from nograd.runtime.loader import build_handler
 from nograd.schema.config import load_config
-from tests.e2e.serving import ROOT, Server, run_server
+from tests.e2e.serving import ROOT, Server, metric_value, run_server
 from tests.e2e.test_server import metrics, output
 
 pytestmark = pytest.mark.e2e
@@ -58,6 +58,7 @@ def test_shipped_models_on_auto_then_a_restart_reuses_the_built_engines(
         for model in ("digits", "minilm"):
             assert f"model {model}: built the onnx engine" in log
             assert f"model {model}: engines measured at load" in log
+        assert_a_start_up_log_a_person_reads(server, {"digits", "minilm"})
         speedups = {
             (labels["model"], labels["mode"])
             for labels, _, _ in metrics(server)["nograd_model_speedup"]
@@ -81,6 +82,35 @@ def test_shipped_models_on_auto_then_a_restart_reuses_the_built_engines(
         assert {("digits", "onnx"), ("minilm", "onnx")} <= again_speedups
         assert digits_labels(again.url, "digits") == eager_server_labels
         np.testing.assert_allclose(embed(again.url, "minilm"), eager_embeddings, atol=1e-5)
+
+
+def assert_a_start_up_log_a_person_reads(server: Server, models: set[str]) -> None:
+    """A fresh start (the engines exported, built, checked and timed) logs nograd's own account
+    only: every line a JSON record, no library's INFO line (ONNX export passes, ...) or stray
+    warning, and at ready one summary naming each model with its engine, limit and memory."""
+    log = server.log()
+    lines = [line for line in log.splitlines() if line.strip()]
+    records = server.records()
+    assert len(records) == len(lines), [line for line in lines if not line.startswith("{")]
+    # nograd's loggers (its models' code included: ``nograd_models.*``) and uvicorn's own lines.
+    own = {"nograd", "nograd_models", "uvicorn"}
+    strays = [r for r in records if r["level"] == "info" and r["logger"].split(".")[0] not in own]
+    assert strays == [], strays
+    assert [r for r in records if r["logger"] == "py.warnings"] == []
+    summary = server.ready_summary()
+    assert set(summary) == models
+    for row in summary.values():
+        assert row["level"] == "info" and row["message"].startswith("ready: serving")
+        assert (row["state"], row["format"], row["device"]) == ("ready", "python", "cpu")
+        measured = f"model {row['model']}: engines measured at load"
+        chosen = {r["message"] for r in records if r["message"].startswith(measured)}
+        assert {message.rsplit("; serving ", 1)[1] for message in chosen} == {row["engine"]}
+        assert row["limit"] == metric_value(server.url, "nograd_batch_limit", model=row["model"])
+        assert row["weights_bytes"] > 0 and row["batch_bytes"] > 0
+        assert row["engines_s"] > 0 and row["profile_s"] > 0
+        assert row["since_start_s"] >= row["load_s"] >= row["engines_s"]
+    # Its details at debug level: the memory plan and each fit are in the summary's rows.
+    assert "memory plan for cpu" not in log
 
 
 def test_exported_folders_serve_the_eager_models_answers(

@@ -86,7 +86,11 @@ def test_small_budget_shrinks_the_limit_and_no_batch_exceeds_it(tmp_path: Path) 
     # digits on eager: the plan's cost model (logged) gives the largest batch whose predicted
     # peak fits 1 MiB: a few dozen samples, where 64 run without a budget.
     repo = repository(tmp_path, ROOT / "models/digits")
-    env = {"NOGRAD_MODEL_REPOSITORY": str(repo), "NOGRAD_MEMORY_BUDGET_BYTES": "1048576"}
+    env = {
+        "NOGRAD_MODEL_REPOSITORY": str(repo),
+        "NOGRAD_MEMORY_BUDGET_BYTES": "1048576",
+        "NOGRAD_LOG_LEVEL": "debug",  # the plan's cost model, logged at debug level
+    }
     with run_server(tmp_path, env) as server:
         found = scrape(server.url)
         assert value(found, "nograd_device_memory_budget_bytes", device="cpu") == 1048576

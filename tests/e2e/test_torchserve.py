@@ -122,7 +122,9 @@ def test_ping_and_models(server: Server) -> None:
     # mnist has a sample request: warmed up and measured, its limit from the memory plan.
     log = server.log()
     assert "model mnist: sample request" in log
-    assert "model mnist on eager: cost model" in log  # measured for the memory plan
+    summary = server.ready_summary()["mnist"]  # measured for the memory plan at start-up
+    assert summary["format"] == "torchserve" and summary["profile_s"] > 0
+    assert summary["batch_bytes"] > 0 and summary["limit"] == mnist["nograd"]["batchLimit"]
     assert "model scale: no usable sample request (none found" in log
     assert 1 <= mnist["nograd"]["batchLimit"] <= 8
 

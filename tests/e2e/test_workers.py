@@ -107,6 +107,22 @@ def test_workers_share_the_port_metrics_and_restarts(tmp_path: Path) -> None:
         # Ready answered, so the supervisor listens: both workers are warm.
         assert "worker 1 ready after" in server.log()
         assert "with 2 worker processes" in server.log()
+        # What is served, said once: by the first worker at INFO, as an aligned table.
+        log = server.log()
+        assert log.count("ready: serving") == 1
+        summary = log.split("INFO nograd.serving.ready_summary: ready: serving 1 of 1")[1]
+        assert summary.startswith(" model versions [worker=0 ")
+        header, rule, digits = summary.splitlines()[1:4]
+        assert header.split()[:7] == [
+            "model",
+            "version",
+            "state",
+            "format",
+            "engine",
+            "device",
+            "limit",
+        ]
+        assert set(rule.strip()) == {"-", " "} and digits.split()[:3] == ["digits", "1", "ready"]
         pids = worker_pids(server)
         assert sorted(pids) == [0, 1] and len(set(pids.values())) == 2
         # The cores are shared batch by batch: each worker may use all of them when alone.

@@ -92,22 +92,21 @@ class EngineTable:
         parts = [f"{name}<={most}" for most, name in self.serving[:-1]]
         return ",".join([*parts, self.serving[-1][1]])
 
-    def lines(self) -> list[str]:
-        """The table as log lines: engine, accuracy, milliseconds per timed batch size."""
-        head = f"{'engine':<21} {'accuracy vs fp32 eager':<40} " + "".join(
-            f"{f'rows={rows}':>11}" for rows in self.rows
-        )
-        out = [head]
+    def log_rows(self) -> list[dict[str, object]]:
+        """The table as log rows: engine, accuracy against fp32 eager, milliseconds per timed
+        batch size (``rows_8_ms``: a batch of 8 rows), and why an engine was refused."""
+        out: list[dict[str, object]] = []
         for result in (self.eager, *self.engines):
-            accuracy = "reference" if result is self.eager else "-"
-            if result.accuracy is not None:
-                accuracy = (
-                    f"max abs {result.accuracy.max_abs_error:.2g}, "
-                    f"min cos {result.accuracy.min_cosine:.6f}"
-                )
-            timing = "".join(f"{1e3 * seconds:>9.2f}ms" for seconds in (result.seconds or ()))
-            refused = f"  refused: {result.refused}" if result.refused else ""
-            out.append(f"{result.engine:<21} {accuracy:<40} {timing}{refused}")
+            accuracy = result.accuracy
+            row: dict[str, object] = {
+                "engine": result.engine,
+                "max_abs_error": None if accuracy is None else accuracy.max_abs_error,
+                "min_cosine": None if accuracy is None else accuracy.min_cosine,
+            }
+            for size, seconds in zip(self.rows, result.seconds or (), strict=False):
+                row[f"rows_{size}_ms"] = round(1e3 * seconds, 3)
+            row["refused"] = result.refused
+            out.append(row)
         return out
 
 
@@ -412,12 +411,12 @@ def _report(
 ) -> None:
     if log:
         logger.info(
-            "model %s: engines measured at load (fastest pass of %d, milliseconds per batch); "
-            "serving %s\n%s",
+            "model %s: engines measured at load (fastest pass of %d, against fp32 eager); "
+            "serving %s",
             table.model,
             SPEED_PASSES,
             table.label,
-            "\n".join(table.lines()),
+            extra={"table": table.log_rows()},
         )
     if report_check is None or table.eager.seconds is None:
         return

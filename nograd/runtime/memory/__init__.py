@@ -8,11 +8,8 @@ against a budget carved out of the device's free memory.
 """
 
 from nograd.runtime.memory.budget import (
-    PlanRow,
     batch_limit,
     device_budget,
-    format_bytes,
-    format_plan,
     share_budget,
 )
 from nograd.runtime.memory.cost import (
@@ -43,14 +40,11 @@ __all__ = [
     "DeviceFreeProbe",
     "LiveTensorTracker",
     "MemoryProbe",
-    "PlanRow",
     "ProcessPeakProbe",
     "Profile",
     "batch_limit",
     "device_budget",
     "fit_cost_model",
-    "format_bytes",
-    "format_plan",
     "is_out_of_memory",
     "probe_for",
     "profile_forward",

@@ -1,10 +1,9 @@
 """Budgets: the device memory given to batches, its share per model, and each model's batch
-limit; the plan table logged at start-up."""
+limit."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from nograd.runtime.memory.cost import Cost
@@ -104,61 +103,3 @@ def batch_limit(model: Cost, share_bytes: int, max_batch_size: int, length: int 
     if max_batch_size < 1:
         raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
     return min(max_batch_size, model.max_rows(share_bytes, length))
-
-
-@dataclass
-class PlanRow:
-    """One line of the startup memory plan: a model, or one engine range of it."""
-
-    model: str
-    device: str
-    weights_bytes: int
-    per_unit_bytes: float
-    limit: int
-    budget_bytes: int
-    unit: str = "sample"
-    engine: str = "eager"
-    """The engine measured for this line, with its range of batch sizes (``onnx<=1``)."""
-    fit: str = ""
-    """How far the engine's fit was trusted: its verdict and its last check's signed error."""
-
-
-def format_bytes(value: float) -> str:
-    """Binary-prefixed size, compact enough for a fixed-width log table."""
-    if not math.isfinite(value):
-        return str(value)
-    size = float(value)
-    for suffix in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(size) < 1024 or suffix == "TiB":
-            return f"{size:.0f} {suffix}" if suffix == "B" else f"{size:.1f} {suffix}"
-        size /= 1024
-    raise AssertionError("unreachable")
-
-
-def format_plan(rows: Sequence[PlanRow]) -> str:
-    """Fixed-width table so operators can see at a glance why a batch limit is what it is, and
-    which engine's measurement (and how good a fit) each range of batch sizes is planned on."""
-    header = ("model", "device", "weights", "engine", "per unit", "fit", "limit", "budget")
-    body = [
-        (
-            row.model,
-            row.device,
-            format_bytes(row.weights_bytes),
-            row.engine,
-            f"{format_bytes(row.per_unit_bytes)}/{row.unit}",
-            row.fit,
-            str(row.limit),
-            format_bytes(row.budget_bytes),
-        )
-        for row in rows
-    ]
-    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
-    # Text columns read left-aligned, numbers right-aligned.
-    align = ["<", "<", ">", "<", ">", "<", ">", ">"]
-
-    def render(line: Sequence[str]) -> str:
-        cells = (f"{cell:{a}{w}}" for cell, a, w in zip(line, align, widths, strict=True))
-        return "  ".join(cells).rstrip()
-
-    rule = "  ".join("-" * w for w in widths)
-    return "\n".join([render(header), rule, *(render(line) for line in body)])

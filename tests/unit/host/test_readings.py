@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from nograd.host.readings import gpu_visible, resident_bytes, usable_cores
+from nograd.host.readings import gpu_visible, process_age_s, resident_bytes, usable_cores
 
 
 def affinity() -> int:
@@ -114,3 +114,16 @@ def test_resident_memory_of_a_process(tmp_path: Path) -> None:
     (tmp_path / "7" / "status").write_text("Name:\tpython\nVmRSS:\t  2048 kB\n")
     assert resident_bytes(7, tmp_path) == 2048 * 1024
     assert resident_bytes(8, tmp_path) is None  # gone
+
+
+def test_process_age_from_its_start_time_and_the_uptime(tmp_path: Path) -> None:
+    ticks = os.sysconf("SC_CLK_TCK")
+    (tmp_path / "self").mkdir()
+    # The command name may hold spaces and parentheses; starttime is the 22nd field.
+    fields = ["S", *(["0"] * 18), str(100 * ticks), "0"]
+    (tmp_path / "self" / "stat").write_text(f"4242 (python -m (x)) {' '.join(fields)}\n")
+    (tmp_path / "uptime").write_text("130.50 240.00\n")
+    assert process_age_s(tmp_path) == pytest.approx(30.5)
+    assert process_age_s(tmp_path / "missing") is None
+    age = process_age_s()  # this process, from the real /proc
+    assert age is not None and 0 < age < 24 * 3600

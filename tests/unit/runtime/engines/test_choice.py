@@ -196,6 +196,12 @@ class _Broken(EnginePath):
         return out
 
 
+def refusals(caplog: pytest.LogCaptureFixture) -> dict[str, str]:
+    """Engine -> why it was refused, from the rows of the logged table of engines."""
+    (record,) = [r for r in caplog.records if "engines measured at load" in r.getMessage()]
+    return {row["engine"]: row["refused"] for row in record.table if row["refused"]}
+
+
 def test_a_wrong_engine_is_refused_and_eager_serves(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -206,7 +212,8 @@ def test_a_wrong_engine_is_refused_and_eager_serves(
     with caplog.at_level(logging.INFO, logger="nograd.runtime.engines.choice"):
         served = prepare_engine(handler, LIMIT, None, None, [], tmp_path / "cache")
     assert served.speed_path is None
-    assert "refused: output 'scores' max abs error 0.1 exceeds accuracy_tolerance" in caplog.text
+    reason = "output 'scores' max abs error 0.1 exceeds accuracy_tolerance"
+    assert reason in refusals(caplog)["onnx"]
 
 
 def test_an_engine_that_cannot_be_built_is_refused_with_the_reason(
@@ -221,7 +228,7 @@ def test_an_engine_that_cannot_be_built_is_refused_with_the_reason(
     with caplog.at_level(logging.INFO, logger="nograd.runtime.engines.choice"):
         served = prepare_engine(handler, LIMIT, None, None, [], tmp_path / "cache")
     assert served.speed_path is None
-    assert "refused: ImportError: no onnxruntime here" in caplog.text
+    assert refusals(caplog)["onnx"] == "ImportError: no onnxruntime here"
 
 
 def test_labels_below_min_match_rate_refuse_an_engine() -> None:
@@ -236,7 +243,7 @@ def test_labels_below_min_match_rate_refuse_an_engine() -> None:
     assert report.problems(1e-4, 0.999, None) == []
 
 
-def test_engine_results_render_as_a_table() -> None:
+def test_engine_results_are_logged_as_table_rows() -> None:
     table = choice.EngineTable(
         "m",
         (1, 32),
@@ -244,10 +251,17 @@ def test_engine_results_render_as_a_table() -> None:
         (EngineResult("onnx", seconds=(0.0005, 0.02)), EngineResult("aoti", refused="boom")),
         ((1, "onnx"), (32, "eager")),
     )
-    lines = table.lines()
-    assert "rows=1" in lines[0] and "rows=32" in lines[0]
-    assert "0.50ms" in lines[2] and "20.00ms" in lines[2]
-    assert lines[3].endswith("refused: boom")
+    eager, onnx, aoti = table.log_rows()
+    assert eager == {
+        "engine": "eager",
+        "max_abs_error": None,
+        "min_cosine": None,
+        "rows_1_ms": 1.0,
+        "rows_32_ms": 10.0,
+        "refused": None,
+    }
+    assert (onnx["rows_1_ms"], onnx["rows_32_ms"]) == (0.5, 20.0)
+    assert aoti["refused"] == "boom" and "rows_1_ms" not in aoti
     assert table.label == "onnx<=1,eager"
 
 

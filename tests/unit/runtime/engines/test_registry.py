@@ -127,11 +127,16 @@ def test_the_plan_logs_the_engine_of_each_range(
         fraction=0.9,
         explicit_bytes=1 << 20,
     )
-    with caplog.at_level(logging.INFO, logger="nograd.runtime.planner"):
+    with caplog.at_level(logging.DEBUG, logger="nograd.runtime.planner"):
         log_plan("cpu", budget, plans)
-    table_line = next(line for line in caplog.text.splitlines() if line.startswith("tiny "))
-    assert table_line.split()[:2] == ["tiny", "cpu"] and "onnx" in table_line.split()
-    assert "model tiny on onnx: cost model" in caplog.text
+    plan = next(r for r in caplog.records if r.getMessage() == "memory plan for cpu")
+    assert plan.levelno == logging.INFO and plan.budget_bytes == 1 << 20
+    (row,) = plan.table
+    assert (row["model"], row["device"], row["engine"]) == ("tiny", "cpu", "onnx")
+    assert row["limit"] == plans[0].limit and row["share_bytes"] == plans[0].share_bytes
+    # Each fit's numbers: at debug level, under the table.
+    fit = next(r for r in caplog.records if "model tiny on onnx: cost model" in r.getMessage())
+    assert fit.levelno == logging.DEBUG
     assert plans[0].fit_rows()[0][0] == "onnx"
 
 
