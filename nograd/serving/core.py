@@ -19,6 +19,7 @@ from nograd.serving.calls import Calls
 from nograd.serving.control import ModelControl
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.diagnostics import Diagnostics
+from nograd.serving.frozen_heap import settle_new_libraries
 from nograd.serving.on_demand import OnDemand
 from nograd.serving.shared_memory import SharedMemory
 from nograd.serving.torchserve_management import TorchServeManagement
@@ -73,10 +74,12 @@ class Core:
             raise StartupFailed("; ".join(self.plane.config_errors))
 
     async def load(self) -> None:
-        """Load, warm and plan the start-up set of models."""
+        """Load, warm and plan the start-up set of models; then freeze the heap with what they
+        and on-demand's warm-ups imported, before any later load (``frozen_heap``)."""
         await self.control.load_startup()
         if self.on_demand is not None:
             self.on_demand.opened()
+        settle_new_libraries()
 
     def load_in_background(self) -> None:
         """Load while the fronts already answer: liveness says alive, readiness tells the truth
