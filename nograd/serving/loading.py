@@ -43,7 +43,13 @@ from nograd.runtime.planner import PlanInput, log_plan, plan_device, profile_han
 from nograd.runtime.speed.path import batch_cap
 from nograd.runtime.triton_warmup import run_warmup, warmup_samples
 from nograd.runtime.warmup import warm_up
-from nograd.serving.frozen_heap import collect_freed, freezes, frozen_since, settle_new_libraries
+from nograd.serving.frozen_heap import (
+    collect_freed,
+    freezes,
+    frozen_since,
+    settle_heap,
+    settle_new_libraries,
+)
 from nograd.serving.precedence import effective_config
 from nograd.serving.registry import ServedModel, State
 from nograd.serving.speed_checks import load_accuracy_sample, recorder
@@ -132,7 +138,10 @@ class ModelLoader:
                     await self._start(model)
                 except Exception as exc:
                     _failed(model, exc, "failed to start")
-        settle_new_libraries()
+        if started_up:
+            settle_new_libraries()
+        else:
+            settle_heap()
 
     async def _build(self, model: ServedModel, device: torch.device, beside_batches: bool) -> None:
         """Load ``model`` on the device's thread, or, on CPU once models serve, on a thread of
