@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -68,6 +70,28 @@ class DeviceThreads:
                     max_workers=1, thread_name_prefix=f"nograd-{label.replace(':', '')}"
                 )
             return self._executors[label]
+
+    async def run_load(
+        self, device: torch.device, load: Callable[[], None], beside_batches: bool
+    ) -> None:
+        """Run a model's ``load`` on the device's thread, or, on CPU once models serve, on a
+        thread of its own that ends with the load, so the batches of the models serving run
+        meanwhile.
+
+        A thread that ends takes its OpenMP team with it: a second team kept alive beside the
+        device thread's would make every later forward's threads sleep sooner. On a GPU the
+        load stays on the device's thread, which owns the current stream and the graphs warm-up
+        captures.
+        """
+        loop = asyncio.get_running_loop()
+        if not beside_batches or device.type != "cpu":
+            await loop.run_in_executor(self.executor(device), load)
+            return
+        own = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nograd-load")
+        try:
+            await loop.run_in_executor(own, load)
+        finally:
+            own.shutdown(wait=False)
 
     def shutdown(self) -> None:
         with self._lock:

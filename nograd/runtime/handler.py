@@ -18,6 +18,10 @@ from typing import Any, ClassVar, Final, Protocol, cast
 import numpy as np
 import torch
 
+# Imported with the server, not by its first load (nograd.serving.frozen_heap: a library a load
+# imports makes the heap freeze again, with that load's model).
+from numpy.random import Generator, default_rng
+
 from nograd.core.datatypes import NUMPY_DTYPES, TABLE
 from nograd.host.ledger import CoreLedger
 from nograd.runtime.memory import is_out_of_memory
@@ -148,7 +152,7 @@ class ModelHandler:
         ``seed`` 0 gives the warmup inputs; the speed modes' accuracy check also draws a
         held-out batch with another seed.
         """
-        generator = np.random.default_rng(seed)
+        generator = default_rng(seed)
         tensors: dict[str, np.ndarray] = {}
         for spec in self.config.inputs + hidden_inputs(self.config.sequence):
             shape = (rows, *(length if d == -1 else d for d in spec.shape))
@@ -392,9 +396,7 @@ def _pad_concat(
     return out
 
 
-def _random_array(
-    generator: np.random.Generator, datatype: str, shape: tuple[int, ...]
-) -> np.ndarray:
+def _random_array(generator: Generator, datatype: str, shape: tuple[int, ...]) -> np.ndarray:
     if datatype == "BOOL":
         return generator.integers(0, 2, size=shape).astype(np.bool_)
     if datatype.startswith(("INT", "UINT")):

@@ -23,6 +23,7 @@ from nograd.serving.calls import Calls
 from nograd.serving.control import ModelControl
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.diagnostics import Diagnostics
+from nograd.serving.frozen_heap import settle_new_libraries
 from nograd.serving.on_demand import OnDemand
 from nograd.serving.ready_summary import log_ready
 from nograd.serving.shared_memory import SharedMemory, SharedMemoryLimits
@@ -95,11 +96,14 @@ class Core:
             raise StartupFailed("; ".join(self.plane.config_errors))
 
     async def load(self) -> None:
-        """Load, warm and plan the start-up set of models, then say what is served."""
+        """Load, warm and plan the start-up set of models, freeze the heap with what they and
+        on-demand's warm-ups imported, before any later load (``frozen_heap``), then say what is
+        served."""
         loading = time.perf_counter()
         await self.control.load_startup()
         if self.on_demand is not None:
             self.on_demand.opened()
+        settle_new_libraries()
         load_s = time.perf_counter() - loading
         log_ready(self.plane.registry, scan_s=self._scan_s, load_s=load_s, worker=self._worker)
 

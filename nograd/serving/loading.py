@@ -1,18 +1,20 @@
 """Loading the repository's models: build, speed mode, warm-up, memory plan, then the batchers.
 
-Each model loads on the thread that will run its batches: torch's OpenMP threads belong to the
-thread that first ran a parallel op (a second team from a loading thread slowed every later
-forward), and on a GPU the current stream and the graphs captured during warm-up belong to it too.
+The start-up set loads on the thread that will run its batches: torch's OpenMP threads belong
+to the thread that first ran a parallel op (a second team kept by a loading thread slowed every
+later forward), and on a GPU the current stream and the graphs captured during warm-up belong to
+it too. A later load on CPU runs on a thread of its own that ends with it, beside the batches of
+the models serving, rather than ahead of them on their thread (:meth:`ModelLoader._build`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import sys
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Final
 
@@ -42,6 +44,13 @@ from nograd.runtime.planner import PlanInput, log_plan, plan_device, profile_han
 from nograd.runtime.speed.path import batch_cap
 from nograd.runtime.warmup import warm_up
 from nograd.schema.config import ConfigError, ModelConfig
+from nograd.serving.frozen_heap import (
+    collect_freed,
+    freezes,
+    frozen_since,
+    settle_heap,
+    settle_new_libraries,
+)
 from nograd.serving.precedence import effective_config
 from nograd.serving.registry import ServedModel, State
 from nograd.serving.speed_checks import load_accuracy_sample, recorder
@@ -115,15 +124,17 @@ class ModelLoader:
         Planning waits for every load so the free memory it budgets already excludes all
         weights; a model that fails at any step is reported and left not ready.
         """
-        loop = asyncio.get_running_loop()
+        started_up = self._joined
         if not self._joined:
             self._joined = True
             self._join_cores()
         for model in models:
             try:
                 device = resolve_device(model.config.device)
-                executor = self.threads.executor(device)
-                await loop.run_in_executor(executor, self._load, model, device)
+                model.heap_mark = freezes()
+                await self.threads.run_load(
+                    device, partial(self._load, model, device), beside_batches=started_up
+                )
             except Exception as exc:
                 _failed(model, exc, "failed to load")
         await self._plan_memory(models, serving)
@@ -134,7 +145,10 @@ class ModelLoader:
                 except Exception as exc:
                     _failed(model, exc, "failed to start")
         self._plan_level = logging.INFO
-        settle_heap()
+        if started_up:
+            settle_new_libraries()
+        else:
+            settle_heap()
 
     def _join_cores(self) -> None:
         share = self._core_share
@@ -333,16 +347,19 @@ class ModelLoader:
 
     async def free(self, model: ServedModel) -> None:
         """Drop an unloaded (or failed) version's model, batcher and code and hand its memory
-        back: its objects to the collector (frozen ones included, :func:`collect_frozen`), the
-        device's cached blocks and the C heap's free pages.
+        back: its objects to the collector (the whole heap only if it was frozen with the rest,
+        :mod:`nograd.serving.frozen_heap`), the device's cached blocks and the C heap's free
+        pages.
 
         The collection runs on the device's thread, after whatever ran there before: that
         thread holds the version's last batch (its finished work item, the batcher and so the
         handler) a moment after the batch answered, until it takes its next work. Collected
-        then, a handler in a cycle would stay reachable, be frozen again, and never be freed.
+        then, a handler in a cycle would stay reachable and, were the heap frozen again, never
+        be freed.
         """
         handler, model.handler, model.batcher = model.handler, None, None
         code, model.code = model.code, None
+        frozen = (handler is not None or code is not None) and frozen_since(model.heap_mark)
         model.state = State.UNLOADED
         device = handler.device if handler is not None else None
         executor = self.threads.executor(device) if device is not None else None
@@ -352,7 +369,7 @@ class ModelLoader:
         if code is not None:
             forget_module(code)
         del code
-        await asyncio.get_running_loop().run_in_executor(executor, release_memory, device)
+        await asyncio.get_running_loop().run_in_executor(executor, release_memory, device, frozen)
         if (unpacked := self._unpacked.pop(id(model), None)) is not None:
             await asyncio.get_running_loop().run_in_executor(None, release, unpacked)
 
@@ -394,11 +411,12 @@ def input_names(part: TensorPart) -> frozenset[str]:
     return frozenset(part.tensors)
 
 
-def release_memory(device: torch.device | None) -> None:
-    """Collect what freed models left (:func:`collect_frozen`), then return the device's cached
-    blocks and the C heap's free pages; off the event loop (the heap's release locks each
-    arena while it walks it)."""
-    collect_frozen()
+def release_memory(device: torch.device | None, frozen: bool) -> None:
+    """Collect what a freed model left (the whole heap when some of it was ``frozen``,
+    :func:`nograd.serving.frozen_heap.collect_freed`), then return the device's cached blocks
+    and the C heap's free pages; off the event loop (the heap's release locks each arena while
+    it walks it)."""
+    collect_freed(frozen)
     if device is not None and device.type == "cuda":
         torch.cuda.empty_cache()
     release_free_memory()
@@ -416,36 +434,6 @@ def _failed(model: ServedModel, exc: Exception, what: str) -> None:
     model.state = State.FAILED
     model.error = f"{what}: {exc}"
     logger.exception("model %s %s", model.name, what)
-
-
-def settle_heap() -> None:
-    """Move everything alive after loading into the collector's permanent generation.
-
-    torch, transformers and the models leave millions of long-lived objects; every full
-    collection walked all of them and, under load, stopped the event loop long enough to set the
-    tail latency. Frozen objects are never scanned again; what requests allocate is still
-    collected. Freezing after every load, not once at start-up, keeps a model loaded later (and
-    the libraries its code imports) out of the full collections too; what that freezes of a
-    model is collected when it is freed (:func:`collect_frozen`).
-    """
-    gc.collect()
-    gc.freeze()
-
-
-def collect_frozen() -> None:
-    """Collect the objects a freed model left unreachable, frozen ones included, then freeze
-    what is left again.
-
-    A model's objects sit in reference cycles (its module, classes and functions; modules and
-    their hooks; an engine's session wrappers), which only the collector frees, and it never
-    looks at frozen objects: without unfreezing first, every unloaded or replaced version
-    stayed resident for good (minilm: 130 to 210 MiB a cycle in one process). It costs one full
-    collection per freed version (170 to 360 ms with digits or minilm loaded, on 2 busy cores),
-    where freezing only once at start-up would cost the models loaded later a walk in every full
-    collection while they serve.
-    """
-    gc.unfreeze()
-    settle_heap()
 
 
 def _model_files(model_dir: Path, config: ModelConfig) -> list[Path]:

@@ -50,6 +50,9 @@ class ServedModel:
     batcher: Batcher[TensorPart, Outputs] | None = None
     code: ModuleType | None = None
     """The model's code as this load imported it, taken out of ``sys.modules`` when freed."""
+    heap_mark: int | None = None
+    """The heap's freezes counted when its load began (``nograd.serving.frozen_heap``): a version
+    loaded since the last freeze is freed without a walk of the whole heap. None: not loaded."""
     load_seconds: float = 0.0
     warmup_seconds: float = 0.0
     phases: dict[str, float] = field(default_factory=dict)

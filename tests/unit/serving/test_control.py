@@ -4,9 +4,11 @@ no request, unload that lets queued requests finish, and the repository poll."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import shutil
+import weakref
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from nograd.serving.control import ModelControl
 from nograd.serving.control_calls import load_parameters
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.errors import ControlRefused, InvalidInput, LoadFailed, ModelNotFound
+from nograd.serving.frozen_heap import settle_heap
 from nograd.serving.registry import State
 from nograd.settings import Settings
 from tests.triton_models import FIXTURES as TRITON_FIXTURES
@@ -163,6 +166,41 @@ async def test_explicit_loads_only_what_is_asked(tmp_path: Path, stop: list[Data
     await control.unload("scaler")  # already unloaded: nothing to do
     with pytest.raises(ModelNotFound, match="not in the repository"):
         await control.load("absent")
+
+
+async def test_a_model_loaded_after_start_up_is_freed_without_unfreezing_the_heap(
+    tmp_path: Path, stop: list[DataPlane]
+) -> None:
+    """An unload or eviction used to unfreeze the heap and walk all of it (torch's objects
+    too), stopping every model of the process; a model loaded after the start-up freeze is
+    freed by collecting the unfrozen heap alone, and freed all the same."""
+    plane, control = await started(
+        scaler_repo(tmp_path, 1), model_control="explicit", load_models="slow"
+    )
+    stop.append(plane)
+    settle_heap()  # as the server does once the start-up set has loaded
+    frozen_at_collections: list[int] = []
+
+    def collecting(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            frozen_at_collections.append(gc.get_freeze_count())
+
+    try:
+        await control.load("scaler")
+        handler = plane.registry.versions["scaler"]["1"].handler
+        assert handler is not None
+        module = weakref.ref(handler.module)
+        del handler
+        gc.callbacks.append(collecting)
+        try:
+            await control.unload("scaler")
+        finally:
+            gc.callbacks.remove(collecting)
+        assert frozen_at_collections, "nothing was collected when the version was freed"
+        assert min(frozen_at_collections) > 0, "the heap was unfrozen to free the version"
+        assert module() is None, "the unloaded version was not freed"
+    finally:
+        gc.unfreeze()
 
 
 async def test_a_load_over_the_cap_of_loaded_versions_is_refused(

@@ -1,44 +1,89 @@
-"""After loading, the heap is frozen so full collections stop walking the models' objects; after
-freeing a model, what it left is collected, frozen or not."""
+"""The heap is frozen so full collections stop walking the libraries' objects; a model loaded
+since the last freeze is freed without unfreezing anything, and what a frozen one left is
+collected all the same."""
 
 from __future__ import annotations
 
 import gc
+import sys
+import types
 import weakref
+from collections.abc import Iterator
 
-from nograd.serving.loading import collect_frozen, settle_heap
+import pytest
+
+from nograd.serving.frozen_heap import (
+    MODEL_CODE,
+    collect_freed,
+    freezes,
+    frozen_since,
+    settle_heap,
+    settle_new_libraries,
+)
+
+
+class Node:
+    other: object = None
+
+
+@pytest.fixture(autouse=True)
+def unfrozen_after() -> Iterator[None]:
+    yield
+    gc.unfreeze()
+
+
+def cycle() -> weakref.ref[Node]:
+    a, b = Node(), Node()
+    a.other, b.other = b, a
+    return weakref.ref(a)
 
 
 def test_settled_heap_is_frozen_and_new_garbage_still_collected() -> None:
+    settle_heap()
+    assert gc.get_freeze_count() > 0
+    ref = cycle()
+    assert gc.collect() >= 2, "a cycle created after the freeze was not collected"
+    assert ref() is None
+
+
+def test_a_frozen_cycle_is_freed_only_by_unfreezing() -> None:
+    a, b = Node(), Node()
+    a.other, b.other = b, a
+    ref = weakref.ref(a)
+    settle_heap()
+    del a, b
+    mark_before = freezes() - 1
+    assert frozen_since(mark_before) and frozen_since(None)
+    collect_freed(frozen=False)
+    assert ref() is not None, "a frozen cycle is never collected: what kept unloaded models"
+    collect_freed(frozen=True)
+    assert ref() is None
+    assert gc.get_freeze_count() > 0, "the heap was not frozen again"
+
+
+def test_a_cycle_made_after_the_freeze_is_freed_without_unfreezing() -> None:
+    settle_heap()
+    mark = freezes()
+    frozen = gc.get_freeze_count()
+    ref = cycle()
+    assert not frozen_since(mark)
+    collect_freed(frozen_since(mark))
+    assert ref() is None
+    assert gc.get_freeze_count() == frozen, "the frozen heap was walked again"
+
+
+def test_only_a_new_library_freezes_the_heap_again() -> None:
+    settle_heap()
+    mark = freezes()
+    model_code = f"{MODEL_CODE}.model.v1"
+    sys.modules[model_code] = types.ModuleType(model_code)
+    library = "nograd_test_library_imported_by_a_load"
     try:
-        settle_heap()
-        assert gc.get_freeze_count() > 0
-
-        class Cycle:
-            other: object = None
-
-        a, b = Cycle(), Cycle()
-        a.other, b.other = b, a
-        del a, b
-        assert gc.collect() >= 2, "a cycle created after the freeze was not collected"
+        settle_new_libraries()
+        assert freezes() == mark, "a model's own code froze the heap"
+        sys.modules[library] = types.ModuleType(library)
+        settle_new_libraries()
+        assert freezes() == mark + 1 and frozen_since(mark)
     finally:
-        gc.unfreeze()
-
-
-def test_collect_frozen_frees_a_cycle_that_was_frozen() -> None:
-    class Node:
-        other: object = None
-
-    try:
-        a, b = Node(), Node()
-        a.other, b.other = b, a
-        ref = weakref.ref(a)
-        settle_heap()
-        del a, b
-        gc.collect()
-        assert ref() is not None, "a frozen cycle is never collected: what kept unloaded models"
-        collect_frozen()
-        assert ref() is None
-        assert gc.get_freeze_count() > 0, "the heap was not frozen again"
-    finally:
-        gc.unfreeze()
+        del sys.modules[model_code]
+        sys.modules.pop(library, None)
