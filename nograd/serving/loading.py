@@ -98,9 +98,9 @@ class ModelLoader:
         self.threads = DeviceThreads()
         """One thread per device, running its models' loads and batches."""
         self.cores: CoreLedger | None = None
+        """Joined at load: the CPU cores shared with the other workers, batch by batch."""
         self._widths: tuple[int, ...] = ()
         """The intra-op widths a batch may be granted when workers share the cores."""
-        """Joined at load: the CPU cores shared with the other workers, batch by batch."""
         self._joined = False
         self._pools: dict[str, int] = {}
         """Per device, the memory first planned (activation budget plus weights)."""
