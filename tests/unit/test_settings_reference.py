@@ -3,6 +3,7 @@ in docs/configuration.md, both generated from the Settings class."""
 
 from __future__ import annotations
 
+import inspect
 import re
 
 import pytest
@@ -153,3 +154,19 @@ def test_the_page_lists_every_setting_in_its_section() -> None:
 def test_a_page_without_its_markers_is_refused() -> None:
     with pytest.raises(ValueError, match="no generated part"):
         with_generated_settings("# Configuration\n")
+
+
+def test_the_class_body_marks_each_section_where_it_starts() -> None:
+    """``# --- Title ---`` above each section's first field, so a reader of the class sees the
+    sections the help shows."""
+    source = inspect.getsource(Settings).splitlines()
+
+    def line_of(text: str) -> int:
+        return next(i for i, line in enumerate(source) if line.strip().startswith(text))
+
+    previous_end = 0
+    for group in SETTING_GROUPS:
+        marker = line_of(f"# --- {group.title} ---")
+        first, last = line_of(f"{group.fields[0]}:"), line_of(f"{group.fields[-1]}:")
+        assert previous_end < marker < first <= last, group.title
+        previous_end = last
