@@ -51,6 +51,7 @@ import shlex
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -292,10 +293,13 @@ def main(argv: list[str] | None = None) -> int:
     json_path.write_bytes(
         orjson.dumps(bench.results, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY)
     )
-    png_path = RESULTS / f"{stamp}.png"
-    plot(bench.results, png_path)
     md_path = RESULTS / f"{stamp}.md"
     md_path.write_text(markdown(bench.results))
+    png_path = RESULTS / f"{stamp}.png"
+    try:
+        plot(bench.results, png_path)
+    except ImportError as exc:  # the bench extra's matplotlib; make bench installs it
+        png_path = Path(f"(no plot: {exc})")
     print(f"results: {json_path}\nplot:    {png_path}\ntables:  {md_path}")
     print(md_path.read_text().split("\n## ", 2)[1] if "\n## " in md_path.read_text() else "")
     return 1 if failures else 0
