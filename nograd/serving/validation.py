@@ -149,15 +149,19 @@ def validate(
     max_rows: int,
     max_text_bytes: int,
     request_id: str | None = None,
+    declared_checked: bool = False,
 ) -> None:
-    """``check_declared`` on the arrays, text lengths within ``max_text_bytes``, and
-    floating-point values finite unless the model's ``reject_non_finite`` is off."""
-    check_declared(
-        model,
-        {name: (datatype_of(array), tuple(array.shape)) for name, array in inputs.items()},
-        max_rows=max_rows,
-        request_id=request_id,
-    )
+    """``check_declared`` on the arrays (unless ``declared_checked``: it passed on what the
+    request declared, before the arrays were decoded to match), text lengths within
+    ``max_text_bytes``, and floating-point values finite unless the model's
+    ``reject_non_finite`` is off."""
+    if not declared_checked:
+        check_declared(
+            model,
+            {name: (datatype_of(array), tuple(array.shape)) for name, array in inputs.items()},
+            max_rows=max_rows,
+            request_id=request_id,
+        )
     for name, array in inputs.items():
         if datatype_of(array) == "BYTES":
             _check_text_lengths(name, array, max_text_bytes)

@@ -240,6 +240,29 @@ async def test_a_grpc_timeout_that_is_no_deadline_is_invalid_argument(tmp_path: 
             assert "grpc-timeout must be 1 to 8 digits" in answer["grpc-message"]
 
 
+async def test_a_timeout_parameter_is_read_as_http_reads_it(tmp_path: Path) -> None:
+    """Triton's ``timeout`` parameter goes through the parser HTTP uses: a value that is no
+    duration is refused in the same words, not passed over."""
+    async with serving(tmp_path) as address, grpc.aio.insecure_channel(address) as channel:
+        infer = stub(channel, "ModelInfer", pb.ModelInferRequest, pb.ModelInferResponse)
+        request = pb.ModelInferRequest(model_name="poison")
+        request.inputs.add(name="x", datatype="FP32", shape=[1, 2])
+        request.raw_input_contents.append(np.ones(2, np.float32).tobytes())
+        request.parameters["timeout"].int64_param = 5_000_000
+        answer = await infer(request, timeout=10, metadata=AUTH)
+        assert answer.model_name == "poison"
+        for value in (-1, "5"):
+            if isinstance(value, int):
+                request.parameters["timeout"].int64_param = value
+            else:
+                request.parameters["timeout"].string_param = value
+            error = await refused(infer, request, metadata=AUTH)
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert error.details() == (
+                f"parameter 'timeout' must be a non-negative integer (µs), got {value!r}"
+            )
+
+
 async def test_a_deadline_already_passed_is_deadline_exceeded(tmp_path: Path) -> None:
     """``0n`` is a valid timeout that has passed: the call is refused, not served without one."""
     async with serving(tmp_path) as address:
