@@ -188,6 +188,16 @@ class ModelConfig(BaseModel):
         return self.format == TORCHSERVE_FORMAT
 
     @property
+    def names_tensors_at_load(self) -> bool:
+        """Whether its inputs and outputs may be left out of its config, named when it loads:
+        an artifact whose engine reads its signature, or code that completes a configuration
+        document of its own (``triton_config``: a Triton Python model's
+        ``auto_complete_config``)."""
+        if self.from_code:
+            return self.triton_config is not None
+        return self.format in signature_formats()
+
+    @property
     def takes_engine(self) -> bool:
         """Whether its forward may run on an engine chosen for it (``engine``,
         ``NOGRAD_ENGINE``): a python model's, or an artifact's that loads as an eager torch
@@ -332,11 +342,6 @@ class ModelConfig(BaseModel):
         return self
 
 
-def is_triton_python(config: ModelConfig) -> bool:
-    """A Triton Python-backend model (``model.py`` defining ``TritonPythonModel``)."""
-    return config.triton_config is not None and config.backend == "python"
-
-
 def chooses_engine(config: ModelConfig) -> bool:
     """Whether the model's forward may run on an engine built from it at load: a python model,
     or an eager-forward artifact (TorchScript) opted in (``engine`` other than eager or its
@@ -369,8 +374,7 @@ def check_engine_fields(config: ModelConfig) -> None:
             f"got {config.engine!r}"
         )
     for kind, specs in (("inputs", config.inputs), ("outputs", config.outputs)):
-        # A Triton Python model may list its tensors in its auto_complete_config instead.
-        if not specs and config.format not in signature_formats() and not is_triton_python(config):
+        if not specs and not config.names_tensors_at_load:
             raise ValueError(
                 f"field '{kind}': required (only {' and '.join(signature_formats())} artifacts "
                 "name their own)"

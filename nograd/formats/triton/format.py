@@ -10,7 +10,7 @@ from typing import Final
 
 from nograd.formats.source import ModelSource, Override, shared_config_source
 from nograd.formats.triton.reading.config import is_triton_folder, read_triton
-from nograd.schema.config import ModelConfig, find_config, is_triton_python
+from nograd.schema.config import ModelConfig, find_config
 
 BATCH_NOTE: Final = (
     "NOTE: Setting a non-zero max_batch_size in the model config requires a batch dimension to "
@@ -46,7 +46,8 @@ class TritonFormat:
         return config.triton_config is not None
 
     def serves(self, config: ModelConfig) -> bool:
-        return is_triton_python(config)
+        # A Python-backend model (``model.py`` defining ``TritonPythonModel``).
+        return self.reads(config) and config.backend == "python"
 
     def label(self, config: ModelConfig) -> str:
         return f"triton/{config.format}"
