@@ -85,7 +85,7 @@ async def predictions_call(
         call.model = calls.label(name)
         try:
             await calls.resident(call, name)
-            model = calls.plane.get(name)
+            model = calls.served(call, name, None)
         except ModelNotFound:
             return _error(404, f"Model not found: {name}")
         missing = _version_missing(model, name, version)

@@ -63,9 +63,11 @@ class Call:
         "bytes_held",
         "held_models",
         "id_given",
+        "inputs_checked",
         "model",
         "protocol",
         "request_id",
+        "served",
         "started",
         "target",
         "timeout_s",
@@ -91,6 +93,12 @@ class Call:
         models (on-demand control)."""
         self.trace_parent: str | None = None
         """The caller's W3C ``traceparent``: the parent of this call's trace, if sampled."""
+        self.served: ServedModel | None = None
+        """The model version the call named, looked up once (``Calls.input_check``, else
+        ``Calls.infer``) and held from that lookup until the call is answered."""
+        self.inputs_checked = False
+        """Whether the inputs its request declares passed the model's check before they were
+        decoded, so that the decoded arrays are not checked against it again."""
 
     def adopt_request_id(self, protocol_id: str | None) -> None:
         """Use the protocol's own id (the V2 ``id``) when the caller sent none of its own."""
@@ -239,12 +247,20 @@ class Calls:
         """The serving core's check of the inputs a request declares (``DataPlane.input_check``:
         the model, the limits, the decoded size), holding that size for ``call`` once passed;
         ``protocol_id`` is the request's own id (the V2 ``id``), which Triton's refusals quote."""
-        check = self.plane.input_check(name, version, protocol_id)
+        check = self.plane.input_check(self.served(call, name, version), protocol_id)
 
         def check_and_hold(declared: Declared) -> None:
             self.hold_bytes(call, check(declared))
+            call.inputs_checked = True
 
         return check_and_hold
+
+    def served(self, call: Call, name: str, version: str | None) -> ServedModel:
+        """The version ``call`` names: looked up (``ModelNotFound`` else) and held once, on the
+        call's first step that needs it; given back when the call closes."""
+        if call.served is None:
+            call.served = self.plane.hold(name, version)
+        return call.served
 
     def take_bytes(self, size: int, name: str | None) -> None:
         """Draw ``size`` bytes of a body (or of decoding it) for model ``name`` from the
@@ -295,7 +311,7 @@ class Calls:
         that took a ``place`` before it, ``Sequences.take_place``); any other model refuses a
         request naming one."""
         call.model = self.label(name)
-        served = self.plane.registry.get(name, version)
+        served = self.served(call, name, version)
         if responder is None and served.config.decoupled:
             where = "ModelInfer RPC" if call.protocol == "grpc" else "HTTP end point"
             raise InvalidInput(f"{where} doesn't support models with decoupled transaction policy")
@@ -308,6 +324,8 @@ class Calls:
                 name,
                 version,
                 inputs,
+                model=served,
+                declared_checked=call.inputs_checked,
                 timeout_s=call.timeout_s,
                 request_id=protocol_id,
                 arrived=call.started,
@@ -342,7 +360,7 @@ class Calls:
 
     def close(self, call: Call, status: int) -> None:
         """The call is answered with ``status`` (its kind's, for every protocol): recorded, and
-        the bytes it held given back."""
+        the bytes and the model version it held given back."""
         self.metrics.inflight.dec()
         if call.held_models and self._on_demand is not None:
             self._on_demand.release(call.held_models)
@@ -350,6 +368,9 @@ class Calls:
         if call.bytes_held:
             self.give_bytes(call.bytes_held)
             call.bytes_held = 0
+        if call.served is not None:
+            self.plane.let_go(call.served)
+            call.served = None
         seconds = time.perf_counter() - call.started
         self.metrics.request_done(call.model, call.protocol, status, seconds)
         if logger.isEnabledFor(logging.DEBUG):

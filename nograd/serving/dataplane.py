@@ -265,6 +265,19 @@ class DataPlane:
     def get(self, name: str, version: str | None = None) -> ServedModel:
         return self.registry.get(name, version)
 
+    def hold(self, name: str, version: str | None = None) -> ServedModel:
+        """The version a request names (``ModelNotFound`` else), held from this lookup until
+        ``let_go``: an unload or reload frees it only once every request holding it is done."""
+        model = self.registry.get(name, version)
+        model.active += 1
+        return model
+
+    def let_go(self, model: ServedModel) -> None:
+        """A request is done with ``model`` (held by ``hold``)."""
+        model.active -= 1
+        if model.active == 0 and model.drained is not None:
+            model.drained.set()
+
     def validate(self, model: ServedModel, inputs: Mapping[str, np.ndarray]) -> None:
         """Names, datatypes, per-sample shapes and row counts against the model's config."""
         validate(
@@ -275,13 +288,11 @@ class DataPlane:
         )
 
     def input_check(
-        self, name: str, version: str | None, request_id: str | None = None
+        self, model: ServedModel, request_id: str | None = None
     ) -> Callable[[Declared], int]:
-        """The check a front runs on a request's inputs as their headers declare them, before
-        decoding any data (``check_declared`` with this server's row limit, then their size
-        decoded within ``max_decoded_bytes``); it returns that size. An unknown model is
-        refused here, before its request's data costs anything."""
-        model = self.registry.get(name, version)
+        """The check a front runs on a request's inputs for ``model`` as their headers declare
+        them, before decoding any data (``check_declared`` with this server's row limit, then
+        their size decoded within ``max_decoded_bytes``); it returns that size."""
         max_rows = self.settings.max_request_rows
         limit = self.settings.max_decoded_bytes
 
@@ -310,13 +321,20 @@ class DataPlane:
         arrived: float | None = None,
         responder: ResponseQueue | None = None,
         sequence: SequenceStep | None = None,
+        model: ServedModel | None = None,
+        declared_checked: bool = False,
     ) -> tuple[ServedModel, Outputs]:
         """Validate, prepare and queue one request (of ``sequence``, its control and state
-        tensors added once the client's inputs passed); ``timeout_s`` overrides the default;
+        tensors added once the client's inputs passed) for version ``model`` of ``name``, when
+        the call already looked it up, else the one ``name`` and ``version`` find;
+        ``declared_checked``: its declared inputs passed ``input_check`` before they were
+        decoded, so only what that check cannot see (texts, values) is validated here;
+        ``timeout_s`` overrides the default;
         ``request_id`` is the protocol's own id, quoted by the refusals that Triton words.
         ``arrived`` (``time.perf_counter``): when its head arrived; the wait bound counts from
         there, so time spent reading, decoding, tokenising or behind a busy event loop counts."""
-        model = self.registry.get(name, version)
+        if model is None:
+            model = self.registry.get(name, version)
         timeout = timeout_s if timeout_s is not None else self.settings.request_timeout_s
         # From its arrival: its wait for an on-demand load and its body's reading count.
         spent = 0.0 if arrived is None else max(0.0, time.perf_counter() - arrived)
@@ -334,15 +352,13 @@ class DataPlane:
         model.active += 1
         try:
             outputs = await self._infer(
-                model, inputs, deadline, request_id, arrived, responder, sequence
+                model, inputs, deadline, request_id, arrived, responder, sequence, declared_checked
             )
         except BaseException as exc:
             self._failed(model, exc, time.perf_counter() - started)
             raise
         finally:
-            model.active -= 1
-            if model.active == 0 and model.drained is not None:
-                model.drained.set()
+            self.let_go(model)
             if large:
                 self.heap_return.finished_large()
             self._inflight -= 1
@@ -371,6 +387,7 @@ class DataPlane:
         arrived: float | None,
         responder: ResponseQueue | None = None,
         sequence: SequenceStep | None = None,
+        declared_checked: bool = False,
     ) -> Outputs:
         name = model.name
         if self._draining:
@@ -384,6 +401,7 @@ class DataPlane:
             max_rows=self.settings.max_request_rows,
             max_text_bytes=self.settings.max_text_bytes,
             request_id=request_id,
+            declared_checked=declared_checked,
         )
         if model.waiting_for is not None:
             return await self._compose(model, inputs, deadline, request_id)

@@ -21,7 +21,7 @@ import numpy as np
 
 from nograd.core.datatypes import TABLE
 from nograd.runtime.handler import Outputs
-from nograd.schema.config import ENSEMBLE_FORMAT, EnsembleStep, ModelConfig, TensorSpec
+from nograd.schema.config import EnsembleStep, ModelConfig, TensorSpec
 from nograd.serving.registry import ModelRegistry, ServedModel, State
 
 logger = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ RunStep = Callable[[EnsembleStep, dict[str, np.ndarray]], Awaitable[Outputs]]
 
 
 def is_ensemble(config: ModelConfig) -> bool:
-    return config.format == ENSEMBLE_FORMAT
+    return config.runs_steps
 
 
 def step_model(registry: ModelRegistry, step: EnsembleStep) -> ServedModel | None:

@@ -21,8 +21,8 @@ from typing import Final
 import torch
 
 from nograd.batching import Batcher, BatchLimit
+from nograd.formats.table import format_warmup
 from nograd.formats.torchserve.reading.archives import hold, origin, release
-from nograd.formats.triton.running.warmup import run_warmup, warmup_samples
 from nograd.host.heap import release_free_memory
 from nograd.host.ledger import CoreLedger, CoreShare
 from nograd.observability.metrics import Metrics
@@ -191,12 +191,11 @@ class ModelLoader:
         model.phases["build"] = time.perf_counter() - started
         # An artifact's signature may have filled in the inputs and outputs.
         model.config = config = handler.config
-        if config.triton_config is not None:
-            # Triton's model_warmup, on the model as its backend runs it; a failure fails the load.
-            folder = model.directory.parent if model.directory.name.isdigit() else model.directory
-            samples = warmup_samples(config, folder)
+        if model.format.warmup is not None:
+            # The format's own warm-up (Triton's model_warmup), on the model as its backend runs
+            # it; a failure fails the load.
             started_warmup = time.perf_counter()
-            run_warmup(handler, samples)
+            format_warmup(model.format.warmup)(handler, model.directory)
             model.warmup_seconds = time.perf_counter() - started_warmup
         # The engine (and the config's speed mode), checked against fp32 eager and timed; what
         # is refused leaves fp32 eager serving. Counted as load time.

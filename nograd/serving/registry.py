@@ -12,10 +12,12 @@ import enum
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from types import ModuleType
 
 from nograd.batching import Batcher
+from nograd.formats.table import Format, reading_format
 from nograd.formats.torchserve.reading.archives import ArchiveStore
 from nograd.runtime.handler import ModelHandler, Outputs, TensorPart
 from nograd.runtime.memory.fits import RangedCost
@@ -84,6 +86,12 @@ class ServedModel:
         """A version found on disk, to load."""
         fingerprint, override = source.fingerprint, source.override
         return cls(source.config, source.directory, fingerprint=fingerprint, override=override)
+
+    @cached_property
+    def format(self) -> Format:
+        """The format that read it (``nograd.formats``): its refusals, warm-up and label apply.
+        Found once: the requests that ask it find it here."""
+        return reading_format(self.config)
 
     @property
     def name(self) -> str:

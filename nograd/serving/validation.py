@@ -69,11 +69,11 @@ def decoded_bytes(declared: Declared) -> int:
 
 
 def triton_batch_refusal(model: ServedModel, rows: int, request_id: str | None) -> str | None:
-    """Triton's refusal of a request with more rows than a Triton model's ``max_batch_size``,
-    word for word (its clients and tests match the text), or None when the rows fit or the model
-    is nograd's (whose requests above its batch limit are split instead)."""
+    """Triton's refusal of a request with more rows than a model's ``max_batch_size``, word for
+    word (its clients and tests match the text), for a format that refuses them (Triton's); None
+    when the rows fit or the model's format splits such requests across batches (nograd's)."""
     config = model.config
-    if config.triton_config is None or not config.batch_dimension:
+    if not model.format.refuses_rows_over_batch_limit or not config.batch_dimension:
         return None
     cap = config.max_batch_size
     if cap is None or rows <= cap:
@@ -149,15 +149,19 @@ def validate(
     max_rows: int,
     max_text_bytes: int,
     request_id: str | None = None,
+    declared_checked: bool = False,
 ) -> None:
-    """``check_declared`` on the arrays, text lengths within ``max_text_bytes``, and
-    floating-point values finite unless the model's ``reject_non_finite`` is off."""
-    check_declared(
-        model,
-        {name: (datatype_of(array), tuple(array.shape)) for name, array in inputs.items()},
-        max_rows=max_rows,
-        request_id=request_id,
-    )
+    """``check_declared`` on the arrays (unless ``declared_checked``: it passed on what the
+    request declared, before the arrays were decoded to match), text lengths within
+    ``max_text_bytes``, and floating-point values finite unless the model's
+    ``reject_non_finite`` is off."""
+    if not declared_checked:
+        check_declared(
+            model,
+            {name: (datatype_of(array), tuple(array.shape)) for name, array in inputs.items()},
+            max_rows=max_rows,
+            request_id=request_id,
+        )
     for name, array in inputs.items():
         if datatype_of(array) == "BYTES":
             _check_text_lengths(name, array, max_text_bytes)

@@ -69,6 +69,13 @@ def warmup_samples(config: ModelConfig, model_folder: Path) -> list[WarmupSample
     return samples
 
 
+def warm_up_model(handler: ModelHandler, model_dir: Path) -> None:
+    """Triton's format's warm-up (``Format.warmup``): the samples of the model's config, their
+    files read from the model's folder (above its numbered version folder), run on ``handler``."""
+    folder = model_dir.parent if model_dir.name.isdigit() else model_dir
+    run_warmup(handler, warmup_samples(handler.config, folder))
+
+
 def run_warmup(handler: ModelHandler, samples: list[WarmupSample]) -> None:
     """Run every sample ``count`` times, as one batch of its requests; the first failure is
     raised as Triton reports it: ``failed to run warmup sample '<name>': <message>``."""
