@@ -369,7 +369,7 @@ class Calls:
             self.give_bytes(call.bytes_held)
             call.bytes_held = 0
         if call.served is not None:
-            self.plane.let_go(call.served)
+            call.served.let_go()
             call.served = None
         seconds = time.perf_counter() - call.started
         self.metrics.request_done(call.model, call.protocol, status, seconds)

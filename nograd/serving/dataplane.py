@@ -20,14 +20,12 @@ from nograd.formats.torchserve.reading.archives import ArchiveStore
 from nograd.host.ledger import CoreLedger, CoreShare
 from nograd.observability.metrics import Metrics
 from nograd.observability.stats import Statistics
-from nograd.observability.tracing import step_trace
 from nograd.protocol.limits import decoded_too_large
 from nograd.runtime.handler import Outputs
-from nograd.schema.config import EnsembleStep
 from nograd.schema.sequence_step import SequenceStep
 from nograd.serving.admission import Admission
 from nograd.serving.device_memory import memory_readings
-from nograd.serving.ensembles import compose, is_ensemble, load_order, settle
+from nograd.serving.ensembles import answer_ensemble, is_ensemble, load_order, settle
 from nograd.serving.errors import (
     Draining,
     InferenceFailed,
@@ -39,7 +37,7 @@ from nograd.serving.heap_return import HeapReturn
 from nograd.serving.loading import ModelLoader
 from nograd.serving.registry import ModelRegistry, ServedModel, State
 from nograd.serving.repository import Wanted, model_names
-from nograd.serving.trace_stamps import ensemble_queued, request_part
+from nograd.serving.trace_stamps import request_part
 from nograd.serving.validation import (
     Declared,
     add_batch_dimension,
@@ -267,16 +265,11 @@ class DataPlane:
 
     def hold(self, name: str, version: str | None = None) -> ServedModel:
         """The version a request names (``ModelNotFound`` else), held from this lookup until
-        ``let_go``: an unload or reload frees it only once every request holding it is done."""
+        ``ServedModel.let_go``: an unload or reload frees it once every request holding it is
+        done."""
         model = self.registry.get(name, version)
-        model.active += 1
+        model.hold()
         return model
-
-    def let_go(self, model: ServedModel) -> None:
-        """A request is done with ``model`` (held by ``hold``)."""
-        model.active -= 1
-        if model.active == 0 and model.drained is not None:
-            model.drained.set()
 
     def validate(self, model: ServedModel, inputs: Mapping[str, np.ndarray]) -> None:
         """Names, datatypes, per-sample shapes and row counts against the model's config."""
@@ -349,7 +342,7 @@ class DataPlane:
         large = self.heap_return.is_large(inputs)
         # Counted from lookup (no await in between): an unload or reload frees this version only
         # once it is answered.
-        model.active += 1
+        model.hold()
         try:
             outputs = await self._infer(
                 model, inputs, deadline, request_id, arrived, responder, sequence, declared_checked
@@ -358,7 +351,7 @@ class DataPlane:
             self._failed(model, exc, time.perf_counter() - started)
             raise
         finally:
-            self.let_go(model)
+            model.let_go()
             if large:
                 self.heap_return.finished_large()
             self._inflight -= 1
@@ -404,7 +397,9 @@ class DataPlane:
             declared_checked=declared_checked,
         )
         if model.waiting_for is not None:
-            return await self._compose(model, inputs, deadline, request_id)
+            return await answer_ensemble(
+                model, inputs, deadline, request_id, self.infer, self.statistics
+            )
         assert model.handler is not None and model.batcher is not None
         if sequence is not None:
             inputs = {**inputs, **sequence.tensors}
@@ -440,29 +435,3 @@ class DataPlane:
             raise InferenceFailed(
                 f"model {name!r} failed on this request: {type(exc).__name__}: {exc}"
             ) from exc
-
-    async def _compose(
-        self,
-        model: ServedModel,
-        inputs: Mapping[str, np.ndarray],
-        deadline: float | None,
-        request_id: str | None,
-    ) -> Outputs:
-        """An ensemble's request, checked against the ensemble's inputs: each step a request of
-        its own to its step model (its batcher, its statistics)."""
-
-        async def run_step(step: EnsembleStep, given: dict[str, np.ndarray]) -> Outputs:
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-            with step_trace(step.model):
-                _, outputs = await self.infer(
-                    step.model, step.version, given, timeout_s=timeout, request_id=request_id
-                )
-            return outputs
-
-        ensemble_queued(model)
-        started = time.perf_counter()
-        outputs = await compose(model.config, inputs, run_step)
-        # Triton counts one execution of the ensemble per request it answers.
-        rows = len(next(iter(inputs.values()))) if model.config.batch_dimension else 1
-        self.statistics.of(model.name).batch_finished(rows, time.perf_counter() - started, True)
-        return outputs

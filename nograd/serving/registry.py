@@ -93,6 +93,16 @@ class ServedModel:
         Found once: the requests that ask it find it here."""
         return reading_format(self.config)
 
+    def hold(self) -> None:
+        """A request holds this version from its lookup until ``let_go``."""
+        self.active += 1
+
+    def let_go(self) -> None:
+        """A request holding this version is done; the last one wakes an unload waiting."""
+        self.active -= 1
+        if self.active == 0 and self.drained is not None:
+            self.drained.set()
+
     @property
     def name(self) -> str:
         return self.config.name
