@@ -9,7 +9,8 @@ import numpy as np
 
 from nograd.core.datatypes import NUMPY_DTYPES, datatype_of, shape_matches
 from nograd.protocol.limits import tensor_decoded_bytes
-from nograd.runtime.handler import ModelHandler, Outputs
+from nograd.runtime.handler import Outputs
+from nograd.runtime.runners import Handler
 from nograd.serving import input_refusals as refusals
 from nograd.serving.errors import InvalidInput, LimitExceeded
 from nograd.serving.registry import ServedModel
@@ -195,7 +196,7 @@ def _non_finite_message(model: str, name: str, array: np.ndarray) -> str:
     )
 
 
-def prepare_in_thread(handler: ModelHandler, inputs: Mapping[str, np.ndarray]) -> bool:
+def prepare_in_thread(handler: Handler, inputs: Mapping[str, np.ndarray]) -> bool:
     """True when ``handler.prepare`` is heavy and this request's text exceeds the inline budget."""
     if not handler.prepare_offload:
         return False
