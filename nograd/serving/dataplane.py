@@ -22,7 +22,7 @@ from nograd.observability.metrics import Metrics
 from nograd.observability.stats import Statistics
 from nograd.observability.tracing import step_trace
 from nograd.protocol.limits import decoded_too_large
-from nograd.runtime.handler import Outputs
+from nograd.runtime.handler import Outputs, TensorPart
 from nograd.schema.config import EnsembleStep
 from nograd.schema.sequence_step import SequenceStep
 from nograd.serving.admission import Admission
@@ -31,7 +31,6 @@ from nograd.serving.ensembles import compose, is_ensemble, load_order, settle
 from nograd.serving.errors import (
     Draining,
     InferenceFailed,
-    InvalidInput,
     ModelNotReady,
     rejection_reason,
 )
@@ -42,10 +41,9 @@ from nograd.serving.repository import Wanted, model_names
 from nograd.serving.trace_stamps import ensemble_queued, request_part
 from nograd.serving.validation import (
     Declared,
-    add_batch_dimension,
     check_declared,
     decoded_bytes,
-    prepare_in_thread,
+    prepared_part,
     remove_batch_dimension,
     squeeze_scalar_samples,
     validate,
@@ -303,7 +301,7 @@ class DataPlane:
         self,
         name: str,
         version: str | None,
-        inputs: Mapping[str, np.ndarray],
+        inputs: Mapping[str, np.ndarray] | TensorPart,
         *,
         timeout_s: float | None = None,
         request_id: str | None = None,
@@ -312,7 +310,9 @@ class DataPlane:
         sequence: SequenceStep | None = None,
     ) -> tuple[ServedModel, Outputs]:
         """Validate, prepare and queue one request (of ``sequence``, its control and state
-        tensors added once the client's inputs passed); ``timeout_s`` overrides the default;
+        tensors added once the client's inputs passed); a ``TensorPart`` is a request the
+        model's runner takes as it came (a TorchServe prediction), queued as it is, with no
+        tensor validation, batch dimension or ``prepare``; ``timeout_s`` overrides the default;
         ``request_id`` is the protocol's own id, quoted by the refusals that Triton words.
         ``arrived`` (``time.perf_counter``): when its head arrived; the wait bound counts from
         there, so time spent reading, decoding, tokenising or behind a busy event loop counts."""
@@ -328,7 +328,9 @@ class DataPlane:
         if self._inflight == 0 and cores is not None:
             cores.set_active(True)
         self._inflight += 1
-        large = self.heap_return.is_large(inputs)
+        large = self.heap_return.is_large(
+            inputs.tensors if isinstance(inputs, TensorPart) else inputs
+        )
         # Counted from lookup (no await in between): an unload or reload frees this version only
         # once it is answered.
         model.active += 1
@@ -350,7 +352,11 @@ class DataPlane:
                 if cores is not None:
                     cores.set_active(False)
                 self._signal_idle()
-        rows = len(next(iter(inputs.values()))) if model.config.batch_dimension is not False else 1
+        if isinstance(inputs, TensorPart):
+            rows = inputs.rows
+        else:
+            batched = model.config.batch_dimension is not False
+            rows = len(next(iter(inputs.values()))) if batched else 1
         stats.request_succeeded(rows, time.perf_counter() - started)
         return model, outputs
 
@@ -365,7 +371,7 @@ class DataPlane:
     async def _infer(
         self,
         model: ServedModel,
-        inputs: Mapping[str, np.ndarray],
+        inputs: Mapping[str, np.ndarray] | TensorPart,
         deadline: float | None,
         request_id: str | None,
         arrived: float | None,
@@ -377,29 +383,21 @@ class DataPlane:
             raise Draining(f"model {name!r} is not ready (server is draining)")
         if not model.ready or (model.waiting_for is None and model.handler is None):
             raise ModelNotReady(f"model {name!r} is not ready ({model.why_not_ready()})")
-        inputs = squeeze_scalar_samples(model, inputs)
-        validate(
-            model,
-            inputs,
-            max_rows=self.settings.max_request_rows,
-            max_text_bytes=self.settings.max_text_bytes,
-            request_id=request_id,
-        )
-        if model.waiting_for is not None:
-            return await self._compose(model, inputs, deadline, request_id)
-        assert model.handler is not None and model.batcher is not None
-        if sequence is not None:
-            inputs = {**inputs, **sequence.tensors}
-        inputs = add_batch_dimension(model, inputs)
-        try:
-            if prepare_in_thread(model.handler, inputs):
-                # Tokenising or decoding a large request costs milliseconds: off the event loop.
-                loop = asyncio.get_running_loop()
-                part = await loop.run_in_executor(None, model.handler.prepare, inputs)
-            else:
-                part = model.handler.prepare(inputs)
-        except ValueError as exc:
-            raise InvalidInput(str(exc)) from exc
+        if isinstance(inputs, TensorPart):
+            part = inputs
+        else:
+            inputs = squeeze_scalar_samples(model, inputs)
+            validate(
+                model,
+                inputs,
+                max_rows=self.settings.max_request_rows,
+                max_text_bytes=self.settings.max_text_bytes,
+                request_id=request_id,
+            )
+            if model.waiting_for is not None:
+                return await self._compose(model, inputs, deadline, request_id)
+            part = await prepared_part(model, inputs, sequence)
+        assert model.batcher is not None
         # A decoupled model's responses, a sequence's step, a trace.
         part = request_part(model, part, responder, sequence)
         try:
