@@ -18,14 +18,14 @@ from typing import Final
 import numpy as np
 
 from nograd.batching import QueueFull
-from nograd.core.handler_messages import HandlerAnswer
+from nograd.core.handler_messages import RAW_FIELD, HandlerAnswer, HandlerRequest
 from nograd.core.responses import ResponseQueue
 from nograd.observability.metrics import UNKNOWN_MODEL, Metrics
 from nograd.observability.trace_file import TraceFile
 from nograd.observability.trace_settings import TraceSetting, TraceSettings
 from nograd.observability.tracing import Tracer
 from nograd.protocol import classification
-from nograd.runtime.handler import Outputs
+from nograd.runtime.handler import Outputs, TensorPart
 from nograd.schema.sequence_step import SequenceStep
 from nograd.serving.access import Access
 from nograd.serving.dataplane import DataPlane
@@ -298,14 +298,13 @@ class Calls:
         inputs: Mapping[str, np.ndarray],
         protocol_id: str | None = None,
         *,
-        handler_answers: bool = False,
         responder: ResponseQueue | None = None,
         sequence: SequenceRequest | None = None,
         place: Place | None = None,
     ) -> tuple[ServedModel, Outputs]:
         """One inference; ``protocol_id`` is the request's own id (the V2 ``id``), if any. A
-        TorchServe handler's answers come as their bodies, unless the caller (the TorchServe
-        front) takes the answers whole (``handler_answers``). A decoupled model's responses go
+        TorchServe handler's answers come as their bodies (``predict`` takes them whole). A
+        decoupled model's responses go
         to ``responder`` (a streaming call's); any other call to one is refused as Triton does.
         A sequence model's request runs as the next of its ``sequence`` (behind the requests
         that took a ``place`` before it, ``Sequences.take_place``); any other model refuses a
@@ -343,7 +342,32 @@ class Calls:
         finally:
             if trace is not None:
                 tracer.end(trace)
-        return model, outputs if handler_answers else answer_bodies(outputs)
+        return model, answer_bodies(outputs)
+
+    async def predict(self, call: Call, name: str, request: HandlerRequest) -> HandlerAnswer:
+        """One TorchServe prediction, its answer whole: the request as the front read it reaches
+        the archive's handler as it came, one row (``DataPlane.infer`` given a part: no tensor
+        validation, batch dimension or re-wrapping on the way)."""
+        call.model = self.label(name)
+        requests = np.empty(1, dtype=np.object_)
+        requests[0] = request
+        part = TensorPart({RAW_FIELD: requests}, 1)
+        tracer = self.tracer
+        trace = tracer.begin(name, call.request_id, call.trace_parent) if tracer.active else None
+        try:
+            _, outputs = await self.plane.infer(
+                name,
+                None,
+                part,
+                timeout_s=call.timeout_s,
+                arrived=call.started,
+                model=call.served,  # looked up once, by ``served``
+            )
+        finally:
+            if trace is not None:
+                tracer.end(trace)
+        answer: HandlerAnswer = outputs["answer"][0]
+        return answer
 
     def failed(self, call: Call, exc: BaseException) -> Kind:
         """The kind of a call's failure; the model or nograd failing is logged with its trace."""

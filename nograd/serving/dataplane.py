@@ -21,7 +21,7 @@ from nograd.host.ledger import CoreLedger, CoreShare
 from nograd.observability.metrics import Metrics
 from nograd.observability.stats import Statistics
 from nograd.protocol.limits import decoded_too_large
-from nograd.runtime.handler import Outputs
+from nograd.runtime.handler import Outputs, TensorPart
 from nograd.schema.sequence_step import SequenceStep
 from nograd.serving.admission import Admission
 from nograd.serving.device_memory import memory_readings
@@ -29,7 +29,6 @@ from nograd.serving.ensembles import answer_ensemble, is_ensemble, load_order, s
 from nograd.serving.errors import (
     Draining,
     InferenceFailed,
-    InvalidInput,
     ModelNotReady,
     rejection_reason,
 )
@@ -40,10 +39,9 @@ from nograd.serving.repository import Wanted, model_names
 from nograd.serving.trace_stamps import request_part
 from nograd.serving.validation import (
     Declared,
-    add_batch_dimension,
     check_declared,
     decoded_bytes,
-    prepare_in_thread,
+    prepared_part,
     remove_batch_dimension,
     squeeze_scalar_samples,
     validate,
@@ -307,7 +305,7 @@ class DataPlane:
         self,
         name: str,
         version: str | None,
-        inputs: Mapping[str, np.ndarray],
+        inputs: Mapping[str, np.ndarray] | TensorPart,
         *,
         timeout_s: float | None = None,
         request_id: str | None = None,
@@ -319,7 +317,9 @@ class DataPlane:
     ) -> tuple[ServedModel, Outputs]:
         """Validate, prepare and queue one request (of ``sequence``, its control and state
         tensors added once the client's inputs passed) for version ``model`` of ``name``, when
-        the call already looked it up, else the one ``name`` and ``version`` find;
+        the call already looked it up, else the one ``name`` and ``version`` find; a
+        ``TensorPart`` is a request the model's runner takes as it came (a TorchServe
+        prediction), queued as it is, with no tensor validation, batch dimension or ``prepare``;
         ``declared_checked``: its declared inputs passed ``input_check`` before they were
         decoded, so only what that check cannot see (texts, values) is validated here;
         ``timeout_s`` overrides the default;
@@ -339,7 +339,9 @@ class DataPlane:
         if self._inflight == 0 and cores is not None:
             cores.set_active(True)
         self._inflight += 1
-        large = self.heap_return.is_large(inputs)
+        large = self.heap_return.is_large(
+            inputs.tensors if isinstance(inputs, TensorPart) else inputs
+        )
         # Counted from lookup (no await in between): an unload or reload frees this version only
         # once it is answered.
         model.hold()
@@ -359,7 +361,11 @@ class DataPlane:
                 if cores is not None:
                     cores.set_active(False)
                 self._signal_idle()
-        rows = len(next(iter(inputs.values()))) if model.config.batch_dimension is not False else 1
+        if isinstance(inputs, TensorPart):
+            rows = inputs.rows
+        else:
+            batched = model.config.batch_dimension is not False
+            rows = len(next(iter(inputs.values()))) if batched else 1
         stats.request_succeeded(rows, time.perf_counter() - started)
         return model, outputs
 
@@ -374,7 +380,7 @@ class DataPlane:
     async def _infer(
         self,
         model: ServedModel,
-        inputs: Mapping[str, np.ndarray],
+        inputs: Mapping[str, np.ndarray] | TensorPart,
         deadline: float | None,
         request_id: str | None,
         arrived: float | None,
@@ -387,32 +393,24 @@ class DataPlane:
             raise Draining(f"model {name!r} is not ready (server is draining)")
         if not model.ready or (model.waiting_for is None and model.handler is None):
             raise ModelNotReady(f"model {name!r} is not ready ({model.why_not_ready()})")
-        inputs = squeeze_scalar_samples(model, inputs)
-        validate(
-            model,
-            inputs,
-            max_rows=self.settings.max_request_rows,
-            max_text_bytes=self.settings.max_text_bytes,
-            request_id=request_id,
-            declared_checked=declared_checked,
-        )
-        if model.waiting_for is not None:
-            return await answer_ensemble(
-                model, inputs, deadline, request_id, self.infer, self.statistics
+        if isinstance(inputs, TensorPart):
+            part = inputs
+        else:
+            inputs = squeeze_scalar_samples(model, inputs)
+            validate(
+                model,
+                inputs,
+                max_rows=self.settings.max_request_rows,
+                max_text_bytes=self.settings.max_text_bytes,
+                request_id=request_id,
+                declared_checked=declared_checked,
             )
-        assert model.handler is not None and model.batcher is not None
-        if sequence is not None:
-            inputs = {**inputs, **sequence.tensors}
-        inputs = add_batch_dimension(model, inputs)
-        try:
-            if prepare_in_thread(model.handler, inputs):
-                # Tokenising or decoding a large request costs milliseconds: off the event loop.
-                loop = asyncio.get_running_loop()
-                part = await loop.run_in_executor(None, model.handler.prepare, inputs)
-            else:
-                part = model.handler.prepare(inputs)
-        except ValueError as exc:
-            raise InvalidInput(str(exc)) from exc
+            if model.waiting_for is not None:
+                return await answer_ensemble(
+                    model, inputs, deadline, request_id, self.infer, self.statistics
+                )
+            part = await prepared_part(model, inputs, sequence)
+        assert model.batcher is not None
         # A decoupled model's responses, a sequence's step, a trace.
         part = request_part(model, part, responder, sequence)
         try:

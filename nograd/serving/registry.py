@@ -19,9 +19,10 @@ from types import ModuleType
 from nograd.batching import Batcher
 from nograd.formats.table import Format, reading_format
 from nograd.formats.torchserve.reading.archives import ArchiveStore
-from nograd.runtime.handler import ModelHandler, Outputs, TensorPart
+from nograd.runtime.handler import Outputs, TensorPart
 from nograd.runtime.memory.fits import RangedCost
 from nograd.runtime.planner import ModelPlan
+from nograd.runtime.runners import Handler
 from nograd.schema.config import ModelConfig, version_order
 from nograd.serving.errors import ControlRefused, ModelNotFound
 from nograd.serving.repository import ModelSource, Override, VersionSource, Wanted, scan
@@ -48,7 +49,7 @@ class ServedModel:
     directory: Path
     state: State = State.LOADING
     error: str | None = None
-    handler: ModelHandler | None = None
+    handler: Handler | None = None
     batcher: Batcher[TensorPart, Outputs] | None = None
     code: ModuleType | None = None
     """The model's code as this load imported it, taken out of ``sys.modules`` when freed."""

@@ -3,13 +3,16 @@ fails only its own request."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 
 import numpy as np
 
 from nograd.core.datatypes import NUMPY_DTYPES, datatype_of, shape_matches
 from nograd.protocol.limits import tensor_decoded_bytes
-from nograd.runtime.handler import ModelHandler, Outputs
+from nograd.runtime.handler import Outputs, TensorPart
+from nograd.runtime.runners import Handler
+from nograd.schema.sequence_step import SequenceStep
 from nograd.serving import input_refusals as refusals
 from nograd.serving.errors import InvalidInput, LimitExceeded
 from nograd.serving.registry import ServedModel
@@ -199,7 +202,7 @@ def _non_finite_message(model: str, name: str, array: np.ndarray) -> str:
     )
 
 
-def prepare_in_thread(handler: ModelHandler, inputs: Mapping[str, np.ndarray]) -> bool:
+def prepare_in_thread(handler: Handler, inputs: Mapping[str, np.ndarray]) -> bool:
     """True when ``handler.prepare`` is heavy and this request's text exceeds the inline budget."""
     if not handler.prepare_offload:
         return False
@@ -216,3 +219,23 @@ def prepare_in_thread(handler: ModelHandler, inputs: Mapping[str, np.ndarray]) -
             if total > INLINE_PREPARE_BYTES:
                 return True
     return False
+
+
+async def prepared_part(
+    model: ServedModel, inputs: Mapping[str, np.ndarray], sequence: SequenceStep | None
+) -> TensorPart:
+    """A validated request as the part its model's handler prepares for the batcher: with its
+    sequence's control and state tensors, and a batch dimension when the model has none; a
+    handler's refusal (``ValueError``) is the client's 400."""
+    assert model.handler is not None
+    if sequence is not None:
+        inputs = {**inputs, **sequence.tensors}
+    inputs = add_batch_dimension(model, inputs)
+    try:
+        if prepare_in_thread(model.handler, inputs):
+            # Tokenising or decoding a large request costs milliseconds: off the event loop.
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(None, model.handler.prepare, inputs)
+        return model.handler.prepare(inputs)
+    except ValueError as exc:
+        raise InvalidInput(str(exc)) from exc

@@ -91,6 +91,8 @@ def export_model(
         handler = build_handler(model_dir.parent, model_dir, config, target_device)
     except LoadError as exc:
         raise ExportError(str(exc)) from exc
+    if not isinstance(handler, ModelHandler):
+        raise ExportError(f"{config_path}: the model runs its batches as its own code, no forward")
     name = f"{config.name}-{to}" + ("-int8" if precision == "int8" else "")
     folder = out if out is not None else model_dir.parent / name
     artifact = folder / f"model{engine_row(engine).suffix}"
