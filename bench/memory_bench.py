@@ -1,13 +1,13 @@
 """Memory benchmark: measured memory per engine, derived batch limits, and serving under a budget.
 
-Part A (in process, nograd's own code paths, as ``nograd/serving/loading.py`` calls them): for
-each shipped model and each engine (eager, ONNX Runtime, torch.export; AOTInductor with
+Part A (in process, nograd's own code paths, as ``nograd/serving/control/loading.py`` calls them):
+for each shipped model and each engine (eager, ONNX Runtime, torch.export; AOTInductor with
 ``--engines``), ``build_handler`` → ``prepare_engine`` with that engine forced →
-``profile_handler``, which measures each engine as it allocates (the process's resident peak on
-CPU) → each range's fit, its verdict and check errors; then ``plan_device`` with explicit
-budgets → the batch limit each budget gives, and the measured peak of a batch at that limit,
-through the same engine's probe (it must stay within the budget): the planned bytes per sample
-(or token) against what a batch really took.
+``profile_handler``, which measures each engine as it allocates (the process's resident peak on CPU)
+→ each range's fit, its verdict and check errors; then ``plan_device`` with explicit budgets → the
+batch limit each budget gives, and the measured peak of a batch at that limit, through the same
+engine's probe (it must stay within the budget): the planned bytes per sample (or token) against
+what a batch really took.
 
 Part B (served by ``nograd`` under wrk, concurrency 32):
 * digits with the default budget vs a small ``NOGRAD_MEMORY_BUDGET_BYTES`` whose limit is 4
@@ -63,7 +63,7 @@ def profile_engine(name: str, engine: str, cache: Path) -> dict[str, Any]:
     from nograd.runtime.memory import probe_for
     from nograd.runtime.planner import PlanInput, per_unit_bytes, plan_device, profile_handler
     from nograd.schema.config import find_config, load_config
-    from nograd.serving.loading import configured_limit
+    from nograd.serving.control.loading import configured_limit
     from nograd.settings import Settings
 
     repository = ROOT / "models"

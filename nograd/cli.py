@@ -13,7 +13,7 @@ from nograd.core.engines import built_engines
 from nograd.host.heap import use_one_arena
 from nograd.host.openmp import SPIN_COUNT, tune_openmp_wait
 from nograd.observability.logs import setup_logging
-from nograd.serving.access import exposure_warnings
+from nograd.serving.calls.access import exposure_warnings
 from nograd.settings import Settings
 from nograd.settings_reference import help_text
 from nograd.supervisor.plan import resolve_workers

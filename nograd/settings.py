@@ -20,7 +20,7 @@ LogFormat = Literal["json", "text"]
 ModelControlMode = Literal["none", "explicit", "poll", "on_demand"]
 OPERATOR_API_GROUPS: tuple[str, ...] = ("model-repository", "shared-memory", "trace", "logging")
 """The API groups that change the server, by Triton's names (``--http-restricted-api``); what
-each holds: ``nograd.serving.access``."""
+each holds: ``nograd.serving.calls.access``."""
 MESSAGE_FRAMING_BYTES = 1024 * 1024
 """Room above the largest request body for a gRPC message's own framing."""
 SIZE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
@@ -131,7 +131,7 @@ class Settings(BaseSettings):
     model's ``nograd_engine`` parameter included: docs/triton.md#engine-choice-opted-in):
     ``eager`` skips building and timing engines at start-up; ``auto``, or one engine of
     ``nograd.core.engines``; empty keeps each config's own. Like every setting a model's config
-    also has, see ``nograd.serving.precedence``."""
+    also has, see ``nograd.serving.calls.precedence``."""
 
     engine_cache: Path | None = None
     """Folder of the engine artifacts built at load (ONNX models, exported programs, AOTInductor

@@ -38,7 +38,7 @@ from nograd.runtime.handler import ModelHandler, TensorPart, TorchRunner  # noqa
 from nograd.runtime.loader import build_handler  # noqa: E402
 from nograd.runtime.speed.guard import apply_speed  # noqa: E402
 from nograd.schema.config import ModelConfig, load_config  # noqa: E402
-from nograd.serving.speed_checks import recorder  # noqa: E402
+from nograd.serving.extensions.speed_checks import recorder  # noqa: E402
 
 DISTURBED_CORES = 0.25
 """A burst during which other processes used more CPU than this is timed again."""

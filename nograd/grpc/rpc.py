@@ -74,7 +74,8 @@ class Method:
 
 
 class ByteBudget(Protocol):
-    """The process's budget of request bytes in flight (``nograd.serving.calls.Calls``)."""
+    """The process's budget of request bytes in flight
+    (``nograd.serving.calls.lifecycle.Calls``)."""
 
     def take_bytes(self, size: int, name: str | None) -> None:
         """Draw ``size`` bytes, or raise ``QueueFull`` (counted) when they do not fit."""

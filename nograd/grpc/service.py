@@ -31,10 +31,9 @@ from nograd.grpc.tensors import (
 from nograd.grpc.versions import requested_version
 from nograd.protocol.request_timeout import PARAMETER as TIMEOUT
 from nograd.protocol.request_timeout import timeout_s
-from nograd.serving import documents
-from nograd.serving.access import LOGGING, MODEL_REPOSITORY, SHARED_MEMORY, TRACE
-from nograd.serving.calls import Call, classified
-from nograd.serving.control_calls import load_model, unload_parameters
+from nograd.serving.calls.access import LOGGING, MODEL_REPOSITORY, SHARED_MEMORY, TRACE
+from nograd.serving.calls.lifecycle import Call, classified
+from nograd.serving.control.control_calls import load_model, unload_parameters
 from nograd.serving.core import Core
 from nograd.serving.errors import (
     DeadlineExceeded,
@@ -43,7 +42,8 @@ from nograd.serving.errors import (
     kind_of,
     retry_after_s,
 )
-from nograd.serving.sequences import Place, sequence_request
+from nograd.serving.extensions import documents
+from nograd.serving.extensions.sequences import Place, sequence_request
 
 logger = logging.getLogger(__name__)
 PROTOCOL: Final = "grpc"
@@ -64,7 +64,7 @@ OPERATOR_RPCS: Final = {
     "TraceSetting": TRACE,
     "LogSettings": LOGGING,
 }
-"""The RPCs of each operator API group (``nograd.serving.access``), as HTTP's routes of it."""
+"""The RPCs of each operator API group (``nograd.serving.calls.access``), as HTTP's routes of it."""
 
 Reply = TypeVar("Reply", bound=Message)
 Unary = Callable[[Any, CallContext], Awaitable[Any]]

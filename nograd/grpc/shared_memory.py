@@ -13,7 +13,7 @@ from google.protobuf.message import Message
 from nograd.grpc.generated import grpc_service_pb2 as pb
 from nograd.grpc.rpc import CallContext
 from nograd.serving.core import Core
-from nograd.serving.cuda_shared_memory import KIND as CUDA
+from nograd.serving.extensions.cuda_shared_memory import KIND as CUDA
 
 Reply = TypeVar("Reply", bound=Message)
 

@@ -25,10 +25,10 @@ from nograd.grpc.generated import grpc_service_pb2 as pb
 from nograd.grpc.rpc import CallContext
 from nograd.grpc.tensors import encode_outputs, sequence_parameters
 from nograd.grpc.versions import requested_version
-from nograd.serving.calls import Call, Calls
+from nograd.serving.calls.lifecycle import Call, Calls
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.errors import Kind, kind_of
-from nograd.serving.sequences import Place, sequence_request
+from nograd.serving.extensions.sequences import Place, sequence_request
 
 PROTOCOL = "grpc"
 TARGET = "/inference.GRPCInferenceService/ModelStreamInfer"

@@ -27,8 +27,8 @@ from nograd.grpc.generated import grpc_service_pb2 as pb
 from nograd.protocol import binary, classification
 from nograd.protocol import shared_memory as shm
 from nograd.protocol.limits import OFFLOAD_DECODE_BYTES, checked_shape
-from nograd.serving.sequences import SEQUENCE_PARAMETERS
-from nograd.serving.validation import Declared
+from nograd.serving.calls.validation import Declared
+from nograd.serving.extensions.sequences import SEQUENCE_PARAMETERS
 
 CONTENTS_FIELD: Final[dict[str, str]] = {
     row.name: row.grpc_contents for row in TABLE if row.grpc_contents is not None

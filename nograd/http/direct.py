@@ -17,7 +17,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from nograd.http import openai, v2
 from nograd.http.exchange import Incoming
 from nograd.http.paths import EMBEDDINGS, infer_target, route_path
-from nograd.serving.calls import Calls
+from nograd.serving.calls.lifecycle import Calls
 
 
 class DirectRoutes:

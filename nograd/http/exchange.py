@@ -1,6 +1,6 @@
-"""An HTTP inference call around the serving core's call lifecycle (``nograd.serving.calls``):
-request ids and deadlines from headers, the body read once, cancellation when the client goes
-away, and the failure's kind answered as an HTTP status.
+"""An HTTP inference call around the serving core's call lifecycle
+(``nograd.serving.calls.lifecycle``): request ids and deadlines from headers, the body read once,
+cancellation when the client goes away, and the failure's kind answered as an HTTP status.
 
 Inference calls are served straight from ASGI (``nograd.http.direct``): an ``Incoming`` decodes the
 headers once and reads the body once, and a ``Reply`` goes out as the two ASGI messages.
@@ -34,7 +34,7 @@ from nograd.protocol.compression import (
     too_large,
 )
 from nograd.protocol.limits import OFFLOAD_DECODE_BYTES, decoded_too_large, json_decoded_bytes
-from nograd.serving.calls import CLIENT_GONE, Call, Calls, safe_request_id
+from nograd.serving.calls.lifecycle import CLIENT_GONE, Call, Calls, safe_request_id
 
 Body = bytes | bytearray | memoryview
 Parsed = TypeVar("Parsed")

@@ -26,7 +26,7 @@ from nograd.http.paths import (
     v2_model,
 )
 from nograd.observability.metrics import UNKNOWN_MODEL, Metrics
-from nograd.serving.calls import Calls
+from nograd.serving.calls.lifecycle import Calls
 from nograd.serving.errors import Forbidden, QueueFull, Unauthenticated
 
 logger = logging.getLogger(__name__)

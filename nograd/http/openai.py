@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from nograd.http.errors import error_headers, openai_error_body
 from nograd.http.exchange import Incoming, Reply, parse_measured, run_call
 from nograd.http.state import calls_of, dataplane_of
-from nograd.serving.calls import Call, Calls
+from nograd.serving.calls.lifecycle import Call, Calls
 from nograd.serving.errors import InferenceFailed
 from nograd.serving.registry import ServedModel
 

@@ -7,7 +7,7 @@ from typing import Final
 
 from starlette.types import Scope
 
-from nograd.serving.access import LOGGING, MODEL_REPOSITORY, SHARED_MEMORY, TRACE
+from nograd.serving.calls.access import LOGGING, MODEL_REPOSITORY, SHARED_MEMORY, TRACE
 
 EMBEDDINGS: Final = "/v1/embeddings"
 OPENAI_PREFIX: Final = "/v1/"
@@ -55,7 +55,7 @@ def route_path(scope: Scope) -> str:
 
 
 def operator_group(path: str) -> str | None:
-    """The operator API group (``nograd.serving.access``) a route path belongs to: model
+    """The operator API group (``nograd.serving.calls.access``) a route path belongs to: model
     control and TorchServe's management API, shared memory, trace, logging; None for any other
     path. Generous on purpose: a path of a group's prefix that no route serves is refused
     like the group's routes, never let through."""

@@ -13,7 +13,7 @@ from nograd.http.errors import error_body
 from nograd.http.state import calls_of, control_of, dataplane_of
 from nograd.protocol.v2 import dumps
 from nograd.protocol.v2_schemas import ERROR_RESPONSES, ErrorResponse, RepositoryIndexEntry
-from nograd.serving.control_calls import load_model, unload_parameters
+from nograd.serving.control.control_calls import load_model, unload_parameters
 from nograd.serving.errors import InvalidInput
 
 router = APIRouter(prefix="/v2", tags=["Model repository"])

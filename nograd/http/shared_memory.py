@@ -14,10 +14,10 @@ from nograd.http.exchange import caller_of
 from nograd.http.state import calls_of
 from nograd.protocol.v2 import dumps, parse_json
 from nograd.protocol.v2_schemas import ERROR_RESPONSES
-from nograd.serving.cuda_shared_memory import KIND as CUDA
-from nograd.serving.cuda_shared_memory import decode_handle
 from nograd.serving.errors import InvalidInput
-from nograd.serving.shared_memory import SharedMemory
+from nograd.serving.extensions.cuda_shared_memory import KIND as CUDA
+from nograd.serving.extensions.cuda_shared_memory import decode_handle
+from nograd.serving.extensions.shared_memory import SharedMemory
 
 router = APIRouter(prefix="/v2", tags=["Shared memory"])
 

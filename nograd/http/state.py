@@ -6,10 +6,10 @@ from fastapi import Request
 
 from nograd.formats.torchserve.api.management import TorchServeManagement
 from nograd.observability.metrics import Metrics
-from nograd.serving.calls import Calls
-from nograd.serving.control import ModelControl
+from nograd.serving.calls.lifecycle import Calls
+from nograd.serving.control.model_control import ModelControl
 from nograd.serving.dataplane import DataPlane
-from nograd.serving.diagnostics import Diagnostics
+from nograd.serving.extensions.diagnostics import Diagnostics
 
 
 def dataplane_of(request: Request) -> DataPlane:

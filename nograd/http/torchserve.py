@@ -22,7 +22,7 @@ from nograd.http.exchange import Incoming, Reply, run_call
 from nograd.http.state import calls_of, dataplane_of, torchserve_of
 from nograd.protocol.torchserve import error_body as ts_error_body
 from nograd.protocol.torchserve import handler_request
-from nograd.serving.calls import Call, Calls
+from nograd.serving.calls.lifecycle import Call, Calls
 from nograd.serving.errors import ModelNotFound
 from nograd.serving.registry import ServedModel
 

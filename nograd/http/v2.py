@@ -47,12 +47,12 @@ from nograd.protocol.v2_schemas import (
     ServerMetadata,
     StatisticsResponse,
 )
-from nograd.serving import documents
-from nograd.serving.calls import Call, Calls, classified
+from nograd.serving.calls.lifecycle import Call, Calls, classified
+from nograd.serving.calls.validation import Declared
 from nograd.serving.dataplane import DataPlane
+from nograd.serving.extensions import documents
+from nograd.serving.extensions.sequences import sequence_request
 from nograd.serving.registry import ServedModel
-from nograd.serving.sequences import sequence_request
-from nograd.serving.validation import Declared
 
 logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v2", tags=["Open Inference Protocol"])

@@ -4,8 +4,8 @@ parameters of an input or a requested output, an input's bytes read from the reg
 as binary tensor data is (BYTES elements with 4-byte length prefixes), an output's bytes written
 into it.
 
-The regions themselves live in the serving core (``nograd.serving.shared_memory``); a front hands
-them in as ``Regions``.
+The regions themselves live in the serving core (``nograd.serving.extensions.shared_memory``); a
+front hands them in as ``Regions``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ BYTE_SIZE: Final = "shared_memory_byte_size"
 
 
 class Regions(Protocol):
-    """The regions one call may use (``nograd.serving.shared_memory.CallerRegions``)."""
+    """The regions one call may use (``nograd.serving.extensions.shared_memory.CallerRegions``)."""
 
     def hold(self, byte_size: int) -> None:
         """Take ``byte_size`` bytes of BYTES inputs about to be copied out (no declared shape

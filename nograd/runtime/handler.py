@@ -17,8 +17,8 @@ from typing import Any, ClassVar, Final, Protocol
 import numpy as np
 import torch
 
-# Imported with the server, not by its first load (nograd.serving.frozen_heap: a library a load
-# imports makes the heap freeze again, with that load's model).
+# Imported with the server, not by its first load (nograd.serving.residency.frozen_heap: a library a
+# load imports makes the heap freeze again, with that load's model).
 from numpy.random import Generator, default_rng
 
 from nograd.core.datatypes import NUMPY_DTYPES, TABLE
@@ -107,7 +107,7 @@ class ModelHandler:
 
     prepare_offload: ClassVar[bool] = False
     """True when ``prepare`` is heavy (tokenising, decoding): the data plane runs it in a thread
-    for requests above ``nograd.serving.validation.INLINE_PREPARE_BYTES``, on the event loop
+    for requests above ``nograd.serving.calls.validation.INLINE_PREPARE_BYTES``, on the event loop
     below."""
 
     def __init__(

@@ -45,7 +45,7 @@ TORCHSERVE_FORMAT = "torchserve"
 its handler runs as TorchServe runs it (``nograd.formats.torchserve.running``)."""
 ENSEMBLE_FORMAT = "ensemble"
 """A Triton ensemble: no model of its own; ``steps`` run other served models
-(``nograd.serving.ensembles``)."""
+(``nograd.serving.extensions.ensembles``)."""
 CompileMode = Literal["default", "reduce-overhead", "max-autotune"]
 CONFIG_NAMES = ("config.toml", "config.yaml", "config.yml")
 _DEVICE_RE = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")

@@ -18,15 +18,15 @@ from nograd.host.ledger import CoreShare
 from nograd.observability.library_logs import route_torch_loggers
 from nograd.observability.metrics import Metrics
 from nograd.observability.stats import Statistics
-from nograd.serving.access import access_of, startup_refusal
-from nograd.serving.calls import Calls
-from nograd.serving.control import ModelControl
+from nograd.serving.calls.access import access_of, startup_refusal
+from nograd.serving.calls.lifecycle import Calls
+from nograd.serving.control.model_control import ModelControl
+from nograd.serving.control.ready_summary import log_ready
 from nograd.serving.dataplane import DataPlane
-from nograd.serving.diagnostics import Diagnostics
-from nograd.serving.frozen_heap import settle_new_libraries
-from nograd.serving.on_demand import OnDemand
-from nograd.serving.ready_summary import log_ready
-from nograd.serving.shared_memory import SharedMemory, SharedMemoryLimits
+from nograd.serving.extensions.diagnostics import Diagnostics
+from nograd.serving.extensions.shared_memory import SharedMemory, SharedMemoryLimits
+from nograd.serving.residency.frozen_heap import settle_new_libraries
+from nograd.serving.residency.on_demand import OnDemand
 from nograd.settings import Settings
 
 

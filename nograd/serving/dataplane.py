@@ -23,21 +23,10 @@ from nograd.observability.stats import Statistics
 from nograd.protocol.limits import decoded_too_large
 from nograd.runtime.handler import Outputs, TensorPart
 from nograd.schema.sequence_step import SequenceStep
-from nograd.serving.admission import Admission
-from nograd.serving.device_memory import memory_readings
-from nograd.serving.ensembles import answer_ensemble, is_ensemble, load_order, settle
-from nograd.serving.errors import (
-    Draining,
-    InferenceFailed,
-    ModelNotReady,
-    rejection_reason,
-)
-from nograd.serving.heap_return import HeapReturn
-from nograd.serving.loading import ModelLoader
-from nograd.serving.registry import ModelRegistry, ServedModel, State
-from nograd.serving.repository import Wanted, model_names
-from nograd.serving.trace_stamps import request_part
-from nograd.serving.validation import (
+from nograd.serving.calls.admission import Admission
+from nograd.serving.calls.heap_return import HeapReturn
+from nograd.serving.calls.trace_stamps import request_part
+from nograd.serving.calls.validation import (
     Declared,
     check_declared,
     decoded_bytes,
@@ -46,6 +35,17 @@ from nograd.serving.validation import (
     squeeze_scalar_samples,
     validate,
 )
+from nograd.serving.control.loading import ModelLoader
+from nograd.serving.control.repository import Wanted, model_names
+from nograd.serving.errors import (
+    Draining,
+    InferenceFailed,
+    ModelNotReady,
+    rejection_reason,
+)
+from nograd.serving.extensions.ensembles import answer_ensemble, is_ensemble, load_order, settle
+from nograd.serving.registry import ModelRegistry, ServedModel, State
+from nograd.serving.residency.device_memory import memory_readings
 from nograd.settings import Settings
 
 logger = logging.getLogger(__name__)

@@ -24,8 +24,8 @@ from nograd.runtime.memory.fits import RangedCost
 from nograd.runtime.planner import ModelPlan
 from nograd.runtime.runners import Handler
 from nograd.schema.config import ModelConfig, version_order
+from nograd.serving.control.repository import ModelSource, Override, VersionSource, Wanted, scan
 from nograd.serving.errors import ControlRefused, ModelNotFound
-from nograd.serving.repository import ModelSource, Override, VersionSource, Wanted, scan
 
 logger = logging.getLogger(__name__)
 
@@ -54,13 +54,14 @@ class ServedModel:
     code: ModuleType | None = None
     """The model's code as this load imported it, taken out of ``sys.modules`` when freed."""
     heap_mark: int | None = None
-    """The heap's freezes counted when its load began (``nograd.serving.frozen_heap``): a version
-    loaded since the last freeze is freed without a walk of the whole heap. None: not loaded."""
+    """The heap's freezes counted when its load began (``nograd.serving.residency.frozen_heap``): a
+    version loaded since the last freeze is freed without a walk of the whole heap. None: not
+    loaded."""
     load_seconds: float = 0.0
     warmup_seconds: float = 0.0
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds each step of its load took (``build``, ``engines``, ``profile``), for the
-    start-up summary (``nograd.serving.ready_summary``)."""
+    start-up summary (``nograd.serving.control.ready_summary``)."""
     weights_bytes: int = 0
     resident_bytes: int = 0
     """Under on-demand control on CPU, what this version holds outside its batches as its load
@@ -70,7 +71,8 @@ class ServedModel:
     profile: RangedCost | None = None
     """The measured activation cost, kept so memory can be planned again when models change."""
     fingerprint: str = ""
-    """The files it was loaded from (``nograd.serving.repository``): a change means a reload."""
+    """The files it was loaded from (``nograd.serving.control.repository``): a change means a
+    reload."""
     active: int = 0
     """Requests holding this version, from lookup to answer: an unloaded version is freed only
     once they are done."""
@@ -79,8 +81,8 @@ class ServedModel:
     override: Override | None = None
     """The load call's config override it was loaded with (recorded for the sibling workers)."""
     waiting_for: Callable[[], str | None] | None = None
-    """An ensemble's readiness (``nograd.serving.ensembles``): why it is not ready (a step
-    model that is not), or None. An ensemble has no batcher of its own."""
+    """An ensemble's readiness (``nograd.serving.extensions.ensembles``): why it is not ready (a
+    step model that is not), or None. An ensemble has no batcher of its own."""
 
     @classmethod
     def of(cls, source: VersionSource) -> ServedModel:

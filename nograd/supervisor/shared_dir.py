@@ -17,9 +17,9 @@ from nograd.observability.stats import STATS_PREFIX
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 CONTROL_FOLDER = "control"
-"""The workers' model control sockets, lock and state (``nograd.serving.peers``)."""
+"""The workers' model control sockets, lock and state (``nograd.serving.control.peers``)."""
 UPLOADS_FOLDER = "uploads"
-"""The models uploaded with load calls (``nograd.serving.uploads``)."""
+"""The models uploaded with load calls (``nograd.serving.control.uploads``)."""
 CORES_FILE = "cores.i64"
 """The shared ledger of CPU cores (``nograd.host.ledger``), in the shared folder."""
 

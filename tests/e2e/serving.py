@@ -55,11 +55,11 @@ class Server:
         return found
 
     def ready_summary(self) -> dict[str, dict[str, Any]]:
-        """The start-up summary's rows by model name (``nograd.serving.ready_summary``)."""
+        """The start-up summary's rows by model name (``nograd.serving.control.ready_summary``)."""
         return {
             record["model"]: record
             for record in self.records()
-            if record["logger"] == "nograd.serving.ready_summary" and "model" in record
+            if record["logger"] == "nograd.serving.control.ready_summary" and "model" in record
         }
 
 

@@ -110,7 +110,7 @@ def test_workers_share_the_port_metrics_and_restarts(tmp_path: Path) -> None:
         # What is served, said once: by the first worker at INFO, as an aligned table.
         log = server.log()
         assert log.count("ready: serving") == 1
-        summary = log.split("INFO nograd.serving.ready_summary: ready: serving 1 of 1")[1]
+        summary = log.split("INFO nograd.serving.control.ready_summary: ready: serving 1 of 1")[1]
         assert summary.startswith(" model versions [worker=0 ")
         header, rule, digits = summary.splitlines()[1:4]
         assert header.split()[:7] == [

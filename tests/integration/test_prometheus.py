@@ -403,6 +403,6 @@ def test_server_logs_are_json_lines(nograd: Server) -> None:
     messages = "\n".join(record["message"] for record in records)
     assert "model digits v1 loaded on cpu" in messages
     # The start-up summary: one record per model, its columns as fields.
-    (summary,) = [r for r in records if r["logger"] == "nograd.serving.ready_summary"]
+    (summary,) = [r for r in records if r["logger"] == "nograd.serving.control.ready_summary"]
     assert (summary["model"], summary["device"], summary["state"]) == ("digits", "cpu", "ready")
     assert summary["limit"] > 0 and summary["weights_bytes"] > 0 and summary["batch_bytes"] > 0

@@ -1,6 +1,6 @@
-"""A faked CUDA runtime behind ``nograd.serving.cuda_shared_memory.CudaMemory``: a client's
-device memory by IPC handle, as every process that opens it sees it, with every copy checked to
-stay inside its allocation."""
+"""A faked CUDA runtime behind ``nograd.serving.extensions.cuda_shared_memory.CudaMemory``: a
+client's device memory by IPC handle, as every process that opens it sees it, with every copy
+checked to stay inside its allocation."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from nograd.serving.access import exposure_warnings, startup_refusal
+from nograd.serving.calls.access import exposure_warnings, startup_refusal
 from nograd.settings import SETTING_GROUPS, Settings
 from tests.e2e.serving import ROOT
 

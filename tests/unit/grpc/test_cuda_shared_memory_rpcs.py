@@ -14,7 +14,7 @@ import pytest
 from nograd.grpc.generated import grpc_service_pb2 as pb
 from nograd.host.cuda_ipc import IPC_HANDLE_SIZE
 from nograd.serving.core import Core
-from nograd.serving.shared_memory import SharedMemory
+from nograd.serving.extensions.shared_memory import SharedMemory
 from nograd.settings import Settings
 from tests.unit.conftest import FIXTURES
 from tests.unit.fake_cuda import FakeDevice, no_gpu

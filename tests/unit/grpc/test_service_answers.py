@@ -25,7 +25,8 @@ from nograd.grpc.failures import client_message, status_code
 from nograd.grpc.generated import grpc_service_pb2 as pb
 from nograd.grpc.server import SERVICE_NAME, GrpcServer
 from nograd.grpc.service import OPERATOR_RPCS
-from nograd.serving import dataplane, validation
+from nograd.serving import dataplane
+from nograd.serving.calls import validation
 from nograd.serving.core import Core
 from nograd.serving.errors import (
     HandlerFailed,

@@ -18,9 +18,9 @@ from nograd.grpc.generated import grpc_service_pb2 as pb
 from nograd.grpc.tensors import check_inputs, decode_inputs, read_inputs
 from nograd.protocol.limits import MAX_DIMS, OFFLOAD_DECODE_BYTES
 from nograd.schema.config import ModelConfig
+from nograd.serving.calls.validation import Declared, check_declared
 from nograd.serving.errors import InvalidInput, LimitExceeded
 from nograd.serving.registry import ServedModel
-from nograd.serving.validation import Declared, check_declared
 
 HOSTILE_ELEMENTS = 15_728_640
 """60 MiB of empty BYTES elements (a 4-byte length prefix each), as an outside attacker sent."""

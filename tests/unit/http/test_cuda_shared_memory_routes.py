@@ -21,7 +21,7 @@ from fastapi import FastAPI
 
 from nograd.host.cuda_ipc import IPC_HANDLE_SIZE
 from nograd.http.app import create_app
-from nograd.serving.shared_memory import SharedMemory
+from nograd.serving.extensions.shared_memory import SharedMemory
 from nograd.settings import Settings
 from tests.unit.conftest import FIXTURES
 from tests.unit.fake_cuda import FakeDevice, no_gpu

@@ -10,7 +10,7 @@ from starlette.types import Message
 
 from nograd.http.exchange import ClientGone, Incoming, Reply, run_call, until_disconnect
 from nograd.observability.metrics import UNKNOWN_MODEL, Metrics
-from nograd.serving.calls import CLIENT_GONE, Call, Calls
+from nograd.serving.calls.lifecycle import CLIENT_GONE, Call, Calls
 from nograd.serving.dataplane import DataPlane
 from nograd.settings import Settings
 

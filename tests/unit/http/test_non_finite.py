@@ -18,7 +18,7 @@ from fastapi import FastAPI
 from nograd.http import openai, v2
 from nograd.http.direct import DirectRoutes
 from nograd.protocol import binary
-from nograd.serving.calls import Calls
+from nograd.serving.calls.lifecycle import Calls
 from nograd.serving.dataplane import DataPlane
 from tests.unit.conftest import FIXTURES, plane_for
 

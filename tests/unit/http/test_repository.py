@@ -13,8 +13,8 @@ from nograd.formats.triton.api.documents import model_configuration
 from nograd.http import repository
 from nograd.http.app import create_app
 from nograd.http.errors import install_error_handlers
-from nograd.serving.calls import Calls
-from nograd.serving.control import ModelControl
+from nograd.serving.calls.lifecycle import Calls
+from nograd.serving.control.model_control import ModelControl
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.registry import State
 from nograd.settings import Settings

@@ -15,8 +15,9 @@ from starlette.types import ASGIApp
 
 from nograd.http import openai, v2
 from nograd.http.direct import DirectRoutes
-from nograd.serving import dataplane, validation
-from nograd.serving.calls import Calls
+from nograd.serving import dataplane
+from nograd.serving.calls import validation
+from nograd.serving.calls.lifecycle import Calls
 from nograd.serving.dataplane import DataPlane
 from tests.unit.conftest import plane_for
 

@@ -13,8 +13,8 @@ from nograd.grpc.failures import CODES
 from nograd.grpc.rpc import Code
 from nograd.http.errors import status_of
 from nograd.observability.metrics import UNKNOWN_MODEL, Metrics
-from nograd.serving.access import MODEL_REPOSITORY, SHARED_MEMORY, TRACE, Access
-from nograd.serving.calls import Calls
+from nograd.serving.calls.access import MODEL_REPOSITORY, SHARED_MEMORY, TRACE, Access
+from nograd.serving.calls.lifecycle import Calls
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.errors import (
     ControlRefused,

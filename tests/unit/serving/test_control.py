@@ -17,12 +17,12 @@ import pytest
 
 from nograd.formats.triton.api.documents import repository_index
 from nograd.observability.metrics import Metrics
-from nograd.serving.control import ModelControl
-from nograd.serving.control_calls import load_parameters
+from nograd.serving.control.control_calls import load_parameters
+from nograd.serving.control.model_control import ModelControl
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.errors import ControlRefused, InvalidInput, LoadFailed, ModelNotFound
-from nograd.serving.frozen_heap import settle_heap
 from nograd.serving.registry import State
+from nograd.serving.residency.frozen_heap import settle_heap
 from nograd.settings import Settings
 from tests.triton_models import FIXTURES as TRITON_FIXTURES
 from tests.unit.conftest import FIXTURES

@@ -17,7 +17,7 @@ import pytest
 from nograd.core.errors import DecodeError
 from nograd.host.cuda_ipc import IPC_HANDLE_SIZE
 from nograd.protocol import shared_memory as shm
-from nograd.serving.cuda_shared_memory import decode_handle
+from nograd.serving.control.peers import Peers
 from nograd.serving.errors import (
     AlreadyExists,
     InvalidInput,
@@ -25,8 +25,8 @@ from nograd.serving.errors import (
     LoadFailed,
     RegionNotFound,
 )
-from nograd.serving.peers import Peers
-from nograd.serving.shared_memory import SharedMemory, SharedMemoryLimits
+from nograd.serving.extensions.cuda_shared_memory import decode_handle
+from nograd.serving.extensions.shared_memory import SharedMemory, SharedMemoryLimits
 from tests.unit.fake_cuda import FakeDevice, no_gpu
 
 HANDLE = b"h" * IPC_HANDLE_SIZE

@@ -11,11 +11,17 @@ from pathlib import Path
 import pytest
 
 from nograd.schema.config import EnsembleStep, ModelConfig, TensorSpec
-from nograd.serving.control_calls import unload_parameters
-from nograd.serving.ensembles import check_ensemble, composing, load_order, settle, waiting_for
+from nograd.serving.control.control_calls import unload_parameters
+from nograd.serving.control.repository import ModelSource, VersionSource
 from nograd.serving.errors import InvalidInput
+from nograd.serving.extensions.ensembles import (
+    check_ensemble,
+    composing,
+    load_order,
+    settle,
+    waiting_for,
+)
 from nograd.serving.registry import ModelRegistry, ServedModel, State, with_step_models
-from nograd.serving.repository import ModelSource, VersionSource
 
 
 def _model(registry: ModelRegistry, config: ModelConfig, state: State = State.READY) -> ServedModel:

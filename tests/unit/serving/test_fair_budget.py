@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from nograd.http import openai, v2
 from nograd.http.direct import DirectRoutes
 from nograd.observability.metrics import Metrics
-from nograd.serving.calls import Calls
+from nograd.serving.calls.lifecycle import Calls
 from nograd.serving.dataplane import DataPlane
 from nograd.settings import Settings
 

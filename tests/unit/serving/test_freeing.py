@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nograd.serving.control import ModelControl
+from nograd.serving.control.model_control import ModelControl
 from nograd.serving.dataplane import DataPlane
 from tests.unit.conftest import plane_for
 

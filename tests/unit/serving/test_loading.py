@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from nograd.serving.frozen_heap import (
+from nograd.serving.residency.frozen_heap import (
     MODEL_CODE,
     collect_freed,
     freezes,

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from nograd.schema.config import ModelConfig
+from nograd.serving.calls.validation import validate
 from nograd.serving.errors import InvalidInput
 from nograd.serving.registry import ServedModel
-from nograd.serving.validation import validate
 
 
 def served(tmp_path: Path, datatype: str = "FP32", **options: object) -> ServedModel:

@@ -9,7 +9,7 @@ import pytest
 
 from nograd.formats.triton.reading.config import read_triton
 from nograd.schema.config import ModelConfig, load_config
-from nograd.serving.precedence import effective_config
+from nograd.serving.calls.precedence import effective_config
 from nograd.settings import Settings
 from tests.e2e.serving import ROOT
 from tests.triton_models import FIXTURES
@@ -22,7 +22,7 @@ def minilm() -> ModelConfig:
 def test_a_set_server_wide_value_replaces_the_models_own_and_is_logged(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="nograd.serving.precedence"):
+    with caplog.at_level(logging.INFO, logger="nograd.serving.calls.precedence"):
         config = effective_config(minilm(), Settings(max_queue_size=4))
     assert config.max_queue_size == 4
     assert (
@@ -35,7 +35,7 @@ def test_an_unset_server_wide_value_leaves_the_models_own(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("NOGRAD_ENGINE", raising=False)
-    with caplog.at_level(logging.INFO, logger="nograd.serving.precedence"):
+    with caplog.at_level(logging.INFO, logger="nograd.serving.calls.precedence"):
         config = effective_config(minilm(), Settings())
     assert config == minilm()
     assert caplog.text == ""
@@ -45,7 +45,7 @@ def test_a_set_value_fills_in_where_the_model_says_nothing_without_a_line(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     own = minilm().model_copy(update={"max_queue_delay_ms": None})
-    with caplog.at_level(logging.INFO, logger="nograd.serving.precedence"):
+    with caplog.at_level(logging.INFO, logger="nograd.serving.calls.precedence"):
         config = effective_config(own, Settings(max_queue_delay_ms=5.0))
     assert config.max_queue_delay_ms == 5.0
     assert "max_queue_delay_ms" not in caplog.text
@@ -66,7 +66,7 @@ def test_a_set_engine_reaches_triton_torchscript_models_and_no_other_artifact(
     engine choice as a python model does, with the line that says so; an ONNX one keeps its
     own runtime."""
     own = read_triton(FIXTURES / "cpu_instance").model_copy(update={"engine": "eager"})
-    with caplog.at_level(logging.INFO, logger="nograd.serving.precedence"):
+    with caplog.at_level(logging.INFO, logger="nograd.serving.calls.precedence"):
         config = effective_config(own, Settings(engine="auto"))
     assert config.engine == "auto"
     assert "model cpu_instance: engine = auto from NOGRAD_ENGINE replaces eager" in caplog.text

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from nograd.serving.ready_summary import log_ready
+from nograd.serving.control.ready_summary import log_ready
 from tests.unit.conftest import plane_for
 
 
@@ -26,7 +26,7 @@ async def test_the_summary_names_each_model_with_its_engine_limit_and_memory(
     plane.discover()
     await plane.load_all()
     try:
-        with caplog.at_level(logging.DEBUG, logger="nograd.serving.ready_summary"):
+        with caplog.at_level(logging.DEBUG, logger="nograd.serving.control.ready_summary"):
             log_ready(plane.registry, scan_s=0.25, load_s=1.5)
             log_ready(plane.registry, scan_s=0.25, load_s=1.5, worker=0)
             log_ready(plane.registry, scan_s=0.25, load_s=1.5, worker=1)

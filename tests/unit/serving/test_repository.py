@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from nograd.schema.config import ConfigError
-from nograd.serving.repository import OVERRIDABLE, read_model, read_wanted, scan
+from nograd.serving.control.repository import OVERRIDABLE, read_model, read_wanted, scan
 from tests.unit.conftest import FIXTURES
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from nograd.serving.errors import LargerThanLimit, NoRoomNow
-from nograd.serving.residency import Residency, Resident, choose_victims
+from nograd.serving.residency.policy import Residency, Resident, choose_victims
 from nograd.settings import Settings
 
 MIB = 1 << 20

@@ -13,13 +13,13 @@ import pytest
 from nograd.formats.triton.reading.config import read_triton
 from nograd.schema.sequence_step import FLAG_END, FLAG_START, SequenceStep
 from nograd.serving.errors import InvalidInput
-from nograd.serving.registry import ServedModel
-from nograd.serving.sequences import (
+from nograd.serving.extensions.sequences import (
     SequenceRequest,
     Sequences,
     refuse_sequence,
     sequence_request,
 )
+from nograd.serving.registry import ServedModel
 from tests.unit.formats.triton.test_triton_sequences import ACCUMULATOR
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nograd.serving.server_paths import without_server_paths
+from nograd.serving.calls.server_paths import without_server_paths
 
 
 def test_a_path_under_a_server_folder_is_written_from_it(tmp_path: Path) -> None:
@@ -32,7 +32,7 @@ def test_a_symbolic_link_to_a_server_folder_is_left_out_too(tmp_path: Path) -> N
 def test_other_absolute_paths_and_traceback_frames_keep_their_last_name() -> None:
     text = (
         'Traceback: File "/usr/lib/python3.11/importlib/__init__.py", line 126, in import_module'
-        " ; cannot open /srv/secret/weights.pt (see /opt/nograd/serving/loading.py)"
+        " ; cannot open /srv/secret/weights.pt (see /opt/nograd/serving/control/loading.py)"
     )
     shown = without_server_paths(text, [])
     assert "/usr" not in shown and "/srv" not in shown and "/opt" not in shown

@@ -18,8 +18,8 @@ from nograd.formats.torchserve.running.handler import ArchiveHandler
 from nograd.observability.metrics import Metrics
 from nograd.protocol.torchserve import handler_request
 from nograd.serving import dataplane as dataplane_module
-from nograd.serving.calls import Call, Calls
-from nograd.serving.control import ModelControl
+from nograd.serving.calls.lifecycle import Call, Calls
+from nograd.serving.control.model_control import ModelControl
 from nograd.serving.dataplane import DataPlane
 from nograd.settings import Settings
 

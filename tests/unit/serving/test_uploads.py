@@ -9,9 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from nograd.serving.errors import InvalidInput, PollFailed
-from nograd.serving.registry import ModelRegistry
-from nograd.serving.uploads import (
+from nograd.serving.control.uploads import (
     STAGING_FOLDER,
     Upload,
     UploadBounds,
@@ -19,6 +17,8 @@ from nograd.serving.uploads import (
     UploadsFull,
     file_content,
 )
+from nograd.serving.errors import InvalidInput, PollFailed
+from nograd.serving.registry import ModelRegistry
 
 CONFIG = '{"backend": "python", "max_batch_size": 0}'
 

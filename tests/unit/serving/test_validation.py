@@ -11,15 +11,15 @@ import pytest
 
 from nograd.runtime.handler import ModelHandler
 from nograd.schema.config import ModelConfig
-from nograd.serving.errors import InvalidInput, LimitExceeded
-from nograd.serving.registry import ServedModel
-from nograd.serving.validation import (
+from nograd.serving.calls.validation import (
     INLINE_PREPARE_BYTES,
     check_declared,
     prepare_in_thread,
     squeeze_scalar_samples,
     validate,
 )
+from nograd.serving.errors import InvalidInput, LimitExceeded
+from nograd.serving.registry import ServedModel
 from tests.unit.formats.scaled.format import SCALED
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from nograd.serving.uploads import UPLOADS_FOLDER
+from nograd.serving.control.uploads import UPLOADS_FOLDER
 from nograd.supervisor.shared_dir import CONTROL_FOLDER, MULTIPROC_ENV, prepare_shared_dir
 
 

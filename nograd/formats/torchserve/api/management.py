@@ -19,18 +19,18 @@ from typing import Any, Final
 from nograd.formats.torchserve.api.documents import archive_of
 from nograd.formats.torchserve.reading.archives import SUFFIX, describe
 from nograd.schema.config import ConfigError
-from nograd.serving.control import ModelControl
+from nograd.serving.calls.server_paths import without_server_paths
+from nograd.serving.control.model_control import ModelControl
+from nograd.serving.control.repository import archive_path, model_folder, read_archive_source
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.errors import ControlRefused, InvalidInput, LoadFailed, ModelNotFound
-from nograd.serving.repository import archive_path, model_folder, read_archive_source
-from nograd.serving.server_paths import without_server_paths
 
 logger = logging.getLogger(__name__)
 
 ACCEPTED: Final = "Processing worker updates..."
 """TorchServe's answer (202) to a call that is not ``synchronous``."""
 PEER_OP: Final = "torchserve-workers"
-"""The sibling workers' call that records a model's workers (``nograd.serving.peers``)."""
+"""The sibling workers' call that records a model's workers (``nograd.serving.control.peers``)."""
 Workers = tuple[int, int]
 """A model's ``minWorkers`` and ``maxWorkers``."""
 

@@ -3,7 +3,7 @@ the config (``ValidateEnsembleSchedulingConfig`` in Triton's ``model_config_util
 step names a model and maps inputs and outputs, each ensemble tensor is written once, every
 ensemble output can be computed from the inputs (a cycle cannot), and no tensor is left unused.
 The messages are Triton's, word for word. The checks that need the step models' own configs
-run when the ensemble loads (``nograd.serving.ensembles``)."""
+run when the ensemble loads (``nograd.serving.extensions.ensembles``)."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from nograd.formats.torchserve.reading.archives import (
     sweep,
 )
 from nograd.schema.config import ConfigError
-from nograd.serving.repository import files_bytes, read_archive_source
+from nograd.serving.control.repository import files_bytes, read_archive_source
 
 MANIFEST = {"model": {"modelName": "m", "modelVersion": "1.0", "handler": "h.py"}}
 

@@ -13,7 +13,7 @@ from google.protobuf import json_format, text_format
 from nograd.formats.triton.reading.config import is_triton_folder, read_triton
 from nograd.formats.triton.reading.generated import model_config_pb2
 from nograd.schema.config import ConfigError
-from nograd.serving.repository import read_model, scan
+from nograd.serving.control.repository import read_model, scan
 from tests.triton_models import FIXTURES, ROOT
 
 

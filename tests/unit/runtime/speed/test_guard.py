@@ -21,7 +21,7 @@ from nograd.runtime.speed.guard import (
     time_batches,
 )
 from nograd.runtime.speed.mode import mode_for
-from nograd.serving.speed_checks import recorder
+from nograd.serving.extensions.speed_checks import recorder
 from tests.unit.runtime.speed.conftest import (
     CPU,
     REAL_COMPILE,

@@ -19,7 +19,7 @@ from nograd.runtime.speed.guard import (
 )
 from nograd.runtime.speed.path import batch_cap
 from nograd.schema.config import ModelConfig, TensorSpec, load_config
-from nograd.serving.speed_checks import load_accuracy_sample, recorder
+from nograd.serving.extensions.speed_checks import load_accuracy_sample, recorder
 from tests.unit.runtime.speed.conftest import (
     CPU,
     Tiny,

@@ -27,9 +27,9 @@ from typing import Final
 
 from nograd.formats.triton.reading.config import CONFIG_FILE
 from nograd.formats.triton.reading.config_json import ConfigTooDeep, config_text
+from nograd.serving.control.repository import ModelSource, Override, VersionSource, Wanted
 from nograd.serving.errors import ControlRefused, InvalidInput, ModelNotFound, PollFailed
 from nograd.serving.registry import ModelRegistry
-from nograd.serving.repository import ModelSource, Override, VersionSource, Wanted
 from nograd.settings import Settings
 
 logger = logging.getLogger(__name__)

@@ -30,9 +30,9 @@ from nograd.runtime.engines.onnx import warm_onnx_runtime
 from nograd.runtime.memory import device_budget, probe_for
 from nograd.runtime.planner import warm_memory_probe
 from nograd.schema.config import ModelConfig, version_order
-from nograd.serving.control import ModelControl
+from nograd.serving.control.model_control import ModelControl
+from nograd.serving.control.repository import files_bytes, find_source, holds_model
 from nograd.serving.dataplane import DataPlane
-from nograd.serving.ensembles import composing, step_models
 from nograd.serving.errors import (
     InvalidInput,
     LoadFailed,
@@ -41,9 +41,9 @@ from nograd.serving.errors import (
     NoRoomNow,
     TooManyLoads,
 )
+from nograd.serving.extensions.ensembles import composing, step_models
 from nograd.serving.registry import LOADING_ON_DEMAND, NOT_LOADED_YET, ServedModel
-from nograd.serving.repository import files_bytes, find_source, holds_model
-from nograd.serving.residency import Residency, mib
+from nograd.serving.residency.policy import Residency, mib
 from nograd.settings import Settings
 
 logger = logging.getLogger(__name__)

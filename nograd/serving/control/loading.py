@@ -44,18 +44,18 @@ from nograd.runtime.runners import Handler, batch_runner
 from nograd.runtime.speed.path import batch_cap
 from nograd.runtime.warmup import warm_up
 from nograd.schema.config import ConfigError, ModelConfig
-from nograd.serving.frozen_heap import (
+from nograd.serving.calls.precedence import effective_config
+from nograd.serving.calls.trace_stamps import TracedRunner
+from nograd.serving.control.uploads import repository_of
+from nograd.serving.extensions.speed_checks import load_accuracy_sample, recorder
+from nograd.serving.registry import ServedModel, State
+from nograd.serving.residency.frozen_heap import (
     collect_freed,
     freezes,
     frozen_since,
     settle_heap,
     settle_new_libraries,
 )
-from nograd.serving.precedence import effective_config
-from nograd.serving.registry import ServedModel, State
-from nograd.serving.speed_checks import load_accuracy_sample, recorder
-from nograd.serving.trace_stamps import TracedRunner
-from nograd.serving.uploads import repository_of
 from nograd.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -345,8 +345,8 @@ class ModelLoader:
     async def free(self, model: ServedModel) -> None:
         """Drop an unloaded (or failed) version's model, batcher and code and hand its memory
         back: its objects to the collector (the whole heap only if it was frozen with the rest,
-        :mod:`nograd.serving.frozen_heap`), the device's cached blocks and the C heap's free
-        pages.
+        :mod:`nograd.serving.residency.frozen_heap`), the device's cached blocks and the C heap's
+        free pages.
 
         The collection runs on the device's thread, after whatever ran there before: that
         thread holds the version's last batch (its finished work item, the batcher and so the
@@ -410,9 +410,9 @@ def input_names(part: TensorPart) -> frozenset[str]:
 
 def release_memory(device: torch.device | None, frozen: bool) -> None:
     """Collect what a freed model left (the whole heap when some of it was ``frozen``,
-    :func:`nograd.serving.frozen_heap.collect_freed`), then return the device's cached blocks
-    and the C heap's free pages; off the event loop (the heap's release locks each arena while
-    it walks it)."""
+    :func:`nograd.serving.residency.frozen_heap.collect_freed`), then return the device's cached
+    blocks and the C heap's free pages; off the event loop (the heap's release locks each arena
+    while it walks it)."""
     collect_freed(frozen)
     if device is not None and device.type == "cuda":
         torch.cuda.empty_cache()

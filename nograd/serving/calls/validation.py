@@ -13,7 +13,7 @@ from nograd.protocol.limits import tensor_decoded_bytes
 from nograd.runtime.handler import Outputs, TensorPart
 from nograd.runtime.runners import Handler
 from nograd.schema.sequence_step import SequenceStep
-from nograd.serving import input_refusals as refusals
+from nograd.serving.calls import input_refusals as refusals
 from nograd.serving.errors import InvalidInput, LimitExceeded
 from nograd.serving.registry import ServedModel
 

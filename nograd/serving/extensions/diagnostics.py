@@ -1,9 +1,10 @@
 """Triton's trace and logging extensions for every front: the trace setting (global or one
 model's) and the log settings, read and changed while the server runs, alike in every worker.
 
-A change is checked, applied here, then passed to the sibling workers (``nograd.serving.peers``)
-so that whichever worker a later request lands on traces and logs the same way. Traces go to
-Triton's trace file or, in the ``opentelemetry`` mode, to an OTLP collector.
+A change is checked, applied here, then passed to the sibling workers
+(``nograd.serving.control.peers``) so that whichever worker a later request lands on traces and logs
+the same way. Traces go to Triton's trace file or, in the ``opentelemetry`` mode, to an OTLP
+collector.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from nograd.observability.trace_settings import (
     document,
 )
 from nograd.observability.tracing import Tracer, TraceSink
+from nograd.serving.control.peers import Peers
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.errors import (
     InvalidInput,
@@ -31,7 +33,6 @@ from nograd.serving.errors import (
     ModelNotFound,
     Unsupported,
 )
-from nograd.serving.peers import Peers
 from nograd.settings import Settings
 
 PEER_OP: Final = "diagnostics"

@@ -21,12 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from nograd.schema.config import ModelConfig, check_model_name, version_order
-from nograd.serving.dataplane import DataPlane
-from nograd.serving.ensembles import composing, step_models, used_by_ensemble
-from nograd.serving.errors import ControlRefused, InvalidInput, LoadFailed, ModelNotFound
-from nograd.serving.peers import Peers, Served
-from nograd.serving.registry import ServedModel
-from nograd.serving.repository import (
+from nograd.serving.control.peers import Peers, Served
+from nograd.serving.control.repository import (
     ModelSource,
     Override,
     always_resident,
@@ -37,7 +33,11 @@ from nograd.serving.repository import (
     model_names,
     scan,
 )
-from nograd.serving.uploads import Uploads
+from nograd.serving.control.uploads import Uploads
+from nograd.serving.dataplane import DataPlane
+from nograd.serving.errors import ControlRefused, InvalidInput, LoadFailed, ModelNotFound
+from nograd.serving.extensions.ensembles import composing, step_models, used_by_ensemble
+from nograd.serving.registry import ServedModel
 
 logger = logging.getLogger(__name__)
 

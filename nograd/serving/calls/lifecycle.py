@@ -27,7 +27,8 @@ from nograd.observability.tracing import Tracer
 from nograd.protocol import classification
 from nograd.runtime.handler import Outputs, TensorPart
 from nograd.schema.sequence_step import SequenceStep
-from nograd.serving.access import Access
+from nograd.serving.calls.access import Access
+from nograd.serving.calls.validation import Declared
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.errors import (
     DecodedTooLarge,
@@ -40,11 +41,10 @@ from nograd.serving.errors import (
     is_server_fault,
     kind_of,
 )
-from nograd.serving.on_demand import OnDemand
+from nograd.serving.extensions.sequences import Place, SequenceRequest, Sequences, refuse_sequence
+from nograd.serving.extensions.shared_memory import SHARED, CallerRegions, SharedMemory
 from nograd.serving.registry import ServedModel
-from nograd.serving.sequences import Place, SequenceRequest, Sequences, refuse_sequence
-from nograd.serving.shared_memory import SHARED, CallerRegions, SharedMemory
-from nograd.serving.validation import Declared
+from nograd.serving.residency.on_demand import OnDemand
 
 logger = logging.getLogger("nograd.requests")
 
@@ -355,13 +355,10 @@ class Calls:
         tracer = self.tracer
         trace = tracer.begin(name, call.request_id, call.trace_parent) if tracer.active else None
         try:
+            # The version ``served`` looked up and holds.
+            model, timeout, arrived = call.served, call.timeout_s, call.started
             _, outputs = await self.plane.infer(
-                name,
-                None,
-                part,
-                timeout_s=call.timeout_s,
-                arrived=call.started,
-                model=call.served,  # looked up once, by ``served``
+                name, None, part, timeout_s=timeout, arrived=arrived, model=model
             )
         finally:
             if trace is not None:

@@ -25,8 +25,8 @@ from nograd.observability.stats import Statistics
 from nograd.observability.tracing import step_trace
 from nograd.runtime.handler import Outputs
 from nograd.schema.config import EnsembleStep, ModelConfig, TensorSpec
+from nograd.serving.calls.trace_stamps import ensemble_queued
 from nograd.serving.registry import ModelRegistry, ServedModel, State
-from nograd.serving.trace_stamps import ensemble_queued
 
 logger = logging.getLogger(__name__)
 TRITON_TYPES: Final[dict[str, str]] = {row.name: row.triton for row in TABLE}

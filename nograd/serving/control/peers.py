@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from nograd.serving.repository import Override
+from nograd.serving.control.repository import Override
 
 logger = logging.getLogger(__name__)
 

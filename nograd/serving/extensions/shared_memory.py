@@ -4,8 +4,8 @@ inputs and written for outputs by either front, with every bound checked before 
 
 With several workers a registration must hold in every worker (a client's next request may land
 on any): the worker that takes a call applies it, then has its siblings apply it over the model
-control channel (``nograd.serving.peers``) under the server-wide control lock, and records the
-registrations in the shared state, which a worker started later (a restart after a crash) opens
+control channel (``nograd.serving.control.peers``) under the server-wide control lock, and records
+the registrations in the shared state, which a worker started later (a restart after a crash) opens
 before it serves. A sibling that cannot open a region undoes the whole registration.
 
 Regions belong to their caller (``SharedMemoryLimits``): the id of the API key that registered
@@ -14,9 +14,10 @@ unregisters only its own. A client may shrink its object after registering (``ft
 nothing is mapped, every copy is a ``pread``/``pwrite`` on the region's one file descriptor, so
 a shrunk object is a short read answered 400, never a SIGBUS.
 
-CUDA regions (``nograd.serving.cuda_shared_memory``) share the table and its names with system
-regions, as in Triton: a name is registered as one kind or the other, an input or output names a
-region of either kind, and the status and unregister calls of one kind leave the other alone.
+CUDA regions (``nograd.serving.extensions.cuda_shared_memory``) share the table and its names with
+system regions, as in Triton: a name is registered as one kind or the other, an input or output
+names a region of either kind, and the status and unregister calls of one kind leave the other
+alone.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from nograd.host.cuda_ipc import CudaUnavailable, cuda_runtime
-from nograd.serving import cuda_shared_memory as cuda
+from nograd.serving.control.peers import Peers
 from nograd.serving.errors import (
     AlreadyExists,
     InvalidInput,
@@ -39,8 +40,8 @@ from nograd.serving.errors import (
     RegionNotFound,
     Unsupported,
 )
-from nograd.serving.peers import Peers
-from nograd.serving.system_region import SYSTEM, Kind, Region, open_region
+from nograd.serving.extensions import cuda_shared_memory as cuda
+from nograd.serving.extensions.system_region import SYSTEM, Kind, Region, open_region
 
 logger = logging.getLogger(__name__)
 

@@ -11,11 +11,11 @@ from typing import Final, NamedTuple
 
 from nograd.formats.triton.reading.config_json import TOO_DEEP
 from nograd.schema.config import check_model_name
-from nograd.serving.control import ModelControl
+from nograd.serving.calls.server_paths import without_server_paths
+from nograd.serving.control.model_control import ModelControl
+from nograd.serving.control.repository import Override
+from nograd.serving.control.uploads import FILE_PREFIX, Upload, UploadsFull, file_content
 from nograd.serving.errors import InvalidInput, LoadFailed, ModelNotFound, PollFailed
-from nograd.serving.repository import Override
-from nograd.serving.server_paths import without_server_paths
-from nograd.serving.uploads import FILE_PREFIX, Upload, UploadsFull, file_content
 
 logger = logging.getLogger(__name__)
 
