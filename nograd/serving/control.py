@@ -396,8 +396,11 @@ class ModelControl:
     # ------------------------------------------------------------------ index
     def index(self) -> list[ServedModel | tuple[str, str]]:
         """The repository index's rows (``ModelRegistry.index``), archives included."""
-        names = model_names(self.root) + archive_names(self.root, self._plane.archive_store)
-        return self._plane.registry.index(names)
+        return self._plane.registry.index(self.repository_names())
+
+    def repository_names(self) -> list[str]:
+        """Every model the repository holds, in folders and in archives."""
+        return model_names(self.root) + archive_names(self.root, self._plane.archive_store)
 
     # ------------------------------------------------------------------ poll
     async def poll_forever(self) -> None:

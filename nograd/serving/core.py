@@ -25,6 +25,7 @@ from nograd.serving.dataplane import DataPlane
 from nograd.serving.diagnostics import Diagnostics
 from nograd.serving.frozen_heap import settle_new_libraries
 from nograd.serving.on_demand import OnDemand
+from nograd.serving.placement import Placement
 from nograd.serving.ready_summary import log_ready
 from nograd.serving.shared_memory import SharedMemory, SharedMemoryLimits
 from nograd.settings import Settings
@@ -65,6 +66,9 @@ class Core:
             OnDemand(self.control, self.plane, self.metrics)
             if settings.model_control == "on_demand"
             else None
+        )
+        self.placement = Placement(
+            self.control, self.plane.registry, self.on_demand, settings.worker_count
         )
         self.diagnostics = Diagnostics(settings, self.plane, self.control.peers)
         self.calls = Calls(

@@ -116,6 +116,11 @@ class OnDemand:
             len(self.residency.resident),
         )
 
+    @property
+    def loading(self) -> frozenset[str]:
+        """The models whose load is under way or waiting its turn in this worker."""
+        return frozenset(self._loads)
+
     # ------------------------------------------------------------------ requests
     def hold(self, name: str) -> tuple[str, ...]:
         """A request for ``name`` arrived: neither it nor, for an ensemble, its step models are
@@ -123,12 +128,18 @@ class OnDemand:
         names = (name, *self._steps(name))
         for each in names:
             self.residency.hold(each)
+            self._count_holds(each)
         return names
 
     def release(self, names: tuple[str, ...]) -> None:
         freed = [self.residency.release(each) for each in names]
+        for each in names:
+            self._count_holds(each)
         if any(freed):
             self._released.set()
+
+    def _count_holds(self, name: str) -> None:
+        self._metrics.model_inflight.labels(name).set(self.residency.holds.get(name, 0))
 
     async def ensure(self, held: tuple[str, ...], time_left_s: float | None = None) -> None:
         """Return once the model ``hold`` returned ``held`` for is resident with its step
@@ -186,6 +197,7 @@ class OnDemand:
             )
         task = asyncio.create_task(self._load(name), name=f"load-{name}")
         self._loads[name] = task
+        self._metrics.model_loading.labels(name).set(1)
         self._load_started[name] = time.perf_counter()
         task.add_done_callback(self._loaded)
 
@@ -237,6 +249,7 @@ class OnDemand:
         if self._loads.get(name) is task:
             del self._loads[name]
             self._load_started.pop(name, None)
+            self._metrics.model_loading.labels(name).set(0)
         if not task.cancelled():
             task.exception()
 
@@ -445,6 +458,9 @@ class OnDemand:
         self._count()
 
     def _count(self) -> None:
+        """Publish the resident set: how many, what each holds, the limit and the room left."""
         self._metrics.models_resident.set(len(self.residency.resident))
+        self._metrics.memory_limit.set(self.residency.limit)
+        self._metrics.memory_free.set(max(0, self.residency.limit - self.residency.used))
         for entry in self.residency.resident.values():
             self._metrics.resident_bytes.labels(entry.name).set(entry.bytes)
