@@ -20,5 +20,5 @@ router = APIRouter(prefix="/nograd", tags=["Placement"])
     response_model=dict[str, Any],
 )
 async def placement(request: Request) -> Response:
-    document = placement_of(request).document()
+    document = await placement_of(request).document()
     return Response(content=dumps(document), media_type="application/json")

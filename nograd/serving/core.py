@@ -68,7 +68,11 @@ class Core:
             else None
         )
         self.placement = Placement(
-            self.control, self.plane.registry, self.on_demand, settings.worker_count
+            self.control,
+            self.plane.registry,
+            self.on_demand,
+            settings.worker_count,
+            self.control.peers,
         )
         self.diagnostics = Diagnostics(settings, self.plane, self.control.peers)
         self.calls = Calls(

@@ -6,8 +6,8 @@ resident models hold of it and the room left.
 Triton's repository index answers name, version, state and reason, and nothing more; nograd does
 not add fields to Triton's answers, so this view has a route of its own. It is bounded by the
 repository (one row per model) and holds nothing per client. With several workers each keeps a
-resident set of its own within its part of the limit: the view is that of the worker answering
-the call, while ``/metrics`` adds all workers up (``nograd_memory_*_bytes``).
+resident set of its own within its part of the limit: the worker that takes the call asks its
+siblings for theirs and adds them up, as ``/metrics`` does.
 """
 
 from __future__ import annotations
@@ -18,12 +18,17 @@ from typing import Any, Final
 
 from nograd.serving.control import ModelControl
 from nograd.serving.on_demand import OnDemand
+from nograd.serving.peers import Peers
 from nograd.serving.registry import ModelRegistry, ServedModel, State
 from nograd.serving.residency import Residency
 
 RESIDENT: Final = "resident"
 LOADING: Final = "loading"
 NOT_RESIDENT: Final = "not_resident"
+PEER_OP: Final = "placement"
+SIBLING_WAIT_S: Final = 5.0
+"""How long the worker answering waits for each sibling's view; one that has not answered by
+then (stopping, or its event loop stalled) is left out and the answer says so."""
 
 
 @dataclass(frozen=True)
@@ -84,14 +89,15 @@ def _residence(
 def placement_document(
     rows: Iterable[ModelPlacement], limit: int | None, model_control: str, workers: int
 ) -> dict[str, Any]:
-    """The JSON answer of ``GET /nograd/placement``: the memory limit of the worker answering
-    (None without one: only on-demand control keeps models within a limit), what the resident
-    models hold of it and what is free, and each model's row."""
+    """One worker's view, as ``GET /nograd/placement`` answers it: its memory limit (None
+    without one: only on-demand control keeps models within a limit), what the resident models
+    hold of it and what is free, and each model's row."""
     models = list(rows)
     used = sum(row.bytes for row in models if row.state == RESIDENT)
     return {
         "model_control": model_control,
         "workers": workers,
+        "workers_answered": 1,
         "memory": {
             "limit_bytes": limit,
             "used_bytes": used,
@@ -105,14 +111,47 @@ def placement_document(
                 "queue_depth": row.queue_depth,
                 "in_flight": row.in_flight,
                 "pinned": row.pinned,
+                "resident_workers": int(row.state == RESIDENT),
             }
             for row in models
         ],
     }
 
 
+def combined(documents: list[dict[str, Any]]) -> dict[str, Any]:
+    """The whole server's view from each worker's (``placement_document``): limits, bytes,
+    queues and requests added up; a model is resident where any worker holds it (counted in
+    ``resident_workers``), else loading where any loads it."""
+    first, *others = documents
+    if not others:
+        return first
+    memory = {
+        key: None if first["memory"][key] is None else sum(d["memory"][key] for d in documents)
+        for key in first["memory"]
+    }
+    rows: dict[str, dict[str, Any]] = {}
+    for document in documents:
+        for row in document["models"]:
+            seen = rows.get(row["name"])
+            if seen is None:
+                rows[row["name"]] = dict(row)
+                continue
+            for key in ("bytes", "queue_depth", "in_flight", "resident_workers"):
+                seen[key] += row[key]
+            seen["pinned"] = seen["pinned"] or row["pinned"]
+            states = {seen["state"], row["state"]}
+            seen["state"] = next(s for s in (RESIDENT, LOADING, NOT_RESIDENT) if s in states)
+    return {
+        **first,
+        "workers_answered": sum(d["workers_answered"] for d in documents),
+        "memory": memory,
+        "models": [rows[name] for name in sorted(rows)],
+    }
+
+
 class Placement:
-    """The placement view of one worker, read when a balancer or an operator asks."""
+    """The placement view of the server, read when a balancer or an operator asks: this
+    worker's, with its siblings' added (``peers``: None in a server of one process)."""
 
     def __init__(
         self,
@@ -120,13 +159,23 @@ class Placement:
         registry: ModelRegistry,
         on_demand: OnDemand | None,
         workers: int,
+        peers: Peers | None = None,
     ) -> None:
         self._control = control
         self._registry = registry
         self._on_demand = on_demand
         self._workers = workers
+        self._peers = peers
+        if peers is not None:
+            peers.answers[PEER_OP] = lambda _: self.worker_document()
 
-    def document(self) -> dict[str, Any]:
+    async def document(self) -> dict[str, Any]:
+        own = self.worker_document()
+        if self._peers is None:
+            return own
+        return combined([own, *await self._peers.gather({"op": PEER_OP}, SIBLING_WAIT_S)])
+
+    def worker_document(self) -> dict[str, Any]:
         names = self._control.repository_names()
         pinned = self._control.pinned
         mode = self._control.mode

@@ -38,7 +38,11 @@ async def test_the_served_model_is_resident_with_its_bytes(plane: DataPlane) -> 
         answer = await client.get("/nograd/placement")
     assert answer.status_code == 200, answer.text
     document = answer.json()
-    assert (document["model_control"], document["workers"]) == (control.mode, 1)
+    assert (document["model_control"], document["workers"], document["workers_answered"]) == (
+        control.mode,
+        1,
+        1,
+    )
     models = {row["name"]: row for row in document["models"]}
     poison = plane.registry.models["poison"]
     assert models["poison"] == {
@@ -48,6 +52,7 @@ async def test_the_served_model_is_resident_with_its_bytes(plane: DataPlane) -> 
         "queue_depth": 0,
         "in_flight": 0,
         "pinned": False,
+        "resident_workers": 1,
     }
     assert (models["slow"]["state"], models["slow"]["bytes"]) == ("not_resident", 0)
     assert document["memory"] == {

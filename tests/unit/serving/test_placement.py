@@ -6,11 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from nograd.schema.config import ModelConfig
+from nograd.serving.peers import Peers
 from nograd.serving.placement import (
     LOADING,
     NOT_RESIDENT,
     RESIDENT,
     ModelPlacement,
+    combined,
     model_placements,
     placement_document,
 )
@@ -92,8 +94,69 @@ def test_the_document_adds_up_the_resident_bytes_against_the_limit() -> None:
         "queue_depth": 2,
         "in_flight": 3,
         "pinned": False,
+        "resident_workers": 1,
     }
     over = placement_document(rows, 8 * MIB, "on_demand", 2)
     assert over["memory"]["free_bytes"] == 0  # a first load measured more than it was given
     unlimited = placement_document(rows, None, "none", 1)
     assert unlimited["memory"] == {"limit_bytes": None, "used_bytes": 16 * MIB, "free_bytes": None}
+
+
+def test_the_workers_views_add_up_to_the_servers() -> None:
+    first = placement_document(
+        [
+            ModelPlacement("a", RESIDENT, 10 * MIB, 1, 2, False),
+            ModelPlacement("b", NOT_RESIDENT, 0, 0, 0, False),
+        ],
+        32 * MIB,
+        "on_demand",
+        2,
+    )
+    second = placement_document(
+        [
+            ModelPlacement("a", RESIDENT, 11 * MIB, 0, 1, False),
+            ModelPlacement("b", LOADING, 0, 0, 4, False),
+        ],
+        32 * MIB,
+        "on_demand",
+        2,
+    )
+    server = combined([first, second])
+    assert (server["workers"], server["workers_answered"]) == (2, 2)
+    assert server["memory"] == {
+        "limit_bytes": 64 * MIB,
+        "used_bytes": 21 * MIB,
+        "free_bytes": 43 * MIB,
+    }
+    a, b = server["models"]
+    assert (a["state"], a["bytes"], a["queue_depth"], a["in_flight"], a["resident_workers"]) == (
+        RESIDENT,
+        21 * MIB,
+        1,
+        3,
+        2,
+    )
+    assert (b["state"], b["in_flight"], b["resident_workers"]) == (LOADING, 4, 0)
+    assert combined([first]) is first
+    assert first["models"][0]["bytes"] == 10 * MIB  # the workers' own views are left as they were
+
+
+async def test_a_worker_gathers_its_siblings_answers(tmp_path: Path) -> None:
+    async def apply(call: dict[str, object]) -> str | None:
+        return None
+
+    workers = [Peers(tmp_path, apply) for _ in range(3)]
+    for number, peers in enumerate(workers):
+        peers._path = peers.directory / f"{number}.sock"  # three workers in one test process
+        peers.answers["placement"] = lambda call, number=number: {"worker": number, **call}
+        await peers.start()
+    try:
+        answers = await workers[0].gather({"op": "placement"}, timeout_s=5)
+        assert sorted(a["worker"] for a in answers) == [1, 2]
+        assert all(a["op"] == "placement" for a in answers)
+        await workers[2].stop()  # a worker that stopped is left out
+        assert [a["worker"] for a in await workers[0].gather({"op": "placement"}, 5)] == [1]
+        assert await workers[1].broadcast({"op": "load"}) == {}  # control calls as before
+    finally:
+        for peers in workers:
+            await peers.stop()
