@@ -139,7 +139,10 @@ class OnDemand:
             self._released.set()
 
     def _count_holds(self, name: str) -> None:
-        self._metrics.model_inflight.labels(name).set(self.residency.holds.get(name, 0))
+        """Publish the requests holding ``name``, a model this worker loaded or loads: a name
+        no model has gets no series of its own (it is answered 404)."""
+        if name in self._loads or name in self.residency.measured:
+            self._metrics.model_inflight.labels(name).set(self.residency.holds.get(name, 0))
 
     async def ensure(self, held: tuple[str, ...], time_left_s: float | None = None) -> None:
         """Return once the model ``hold`` returned ``held`` for is resident with its step
@@ -198,6 +201,7 @@ class OnDemand:
         task = asyncio.create_task(self._load(name), name=f"load-{name}")
         self._loads[name] = task
         self._metrics.model_loading.labels(name).set(1)
+        self._count_holds(name)
         self._load_started[name] = time.perf_counter()
         task.add_done_callback(self._loaded)
 
