@@ -14,7 +14,15 @@ from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from nograd import __version__
-from nograd.http import diagnostics, openai, repository, shared_memory, torchserve, v2
+from nograd.http import (
+    diagnostics,
+    openai,
+    placement,
+    repository,
+    shared_memory,
+    torchserve,
+    v2,
+)
 from nograd.http.direct import DirectRoutes
 from nograd.http.errors import install_error_handlers
 from nograd.http.middleware import (
@@ -73,6 +81,7 @@ def build_app(core: Core, lifespan: Lifespan | None = None) -> FastAPI:
     app.state.calls = core.calls
     app.state.torchserve = core.torchserve
     app.state.diagnostics = core.diagnostics
+    app.state.placement = core.placement
     install_error_handlers(app)
     app.add_middleware(DirectRoutes, calls=core.calls)
     # Starlette wraps the last-added middleware outermost. From the outside in: auth and
@@ -98,6 +107,7 @@ def build_app(core: Core, lifespan: Lifespan | None = None) -> FastAPI:
     app.add_middleware(UnexpectedErrorMiddleware)
     app.include_router(v2.router)
     app.include_router(repository.router)
+    app.include_router(placement.router)
     app.include_router(shared_memory.router)
     app.include_router(diagnostics.router)
     app.include_router(openai.router)

@@ -22,7 +22,12 @@ _GROUP_PREFIXES: Final = (
     ("/v2/trace/", TRACE),
     ("/models/", MODEL_REPOSITORY),  # TorchServe's management API
 )
-_GROUP_PATHS: Final = {"/v2/logging": LOGGING, "/models": MODEL_REPOSITORY}
+PLACEMENT: Final = "/nograd/placement"
+_GROUP_PATHS: Final = {
+    "/v2/logging": LOGGING,
+    "/models": MODEL_REPOSITORY,
+    PLACEMENT: MODEL_REPOSITORY,  # what the repository index tells, and more
+}
 
 
 def v2_model(path: str) -> tuple[str, str | None, str] | None:

@@ -10,6 +10,7 @@ from nograd.serving.calls.lifecycle import Calls
 from nograd.serving.control.model_control import ModelControl
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.extensions.diagnostics import Diagnostics
+from nograd.serving.residency.placement import Placement
 
 
 def dataplane_of(request: Request) -> DataPlane:
@@ -46,3 +47,9 @@ def diagnostics_of(request: Request) -> Diagnostics:
     diagnostics = request.app.state.diagnostics
     assert isinstance(diagnostics, Diagnostics)
     return diagnostics
+
+
+def placement_of(request: Request) -> Placement:
+    placement = request.app.state.placement
+    assert isinstance(placement, Placement)
+    return placement

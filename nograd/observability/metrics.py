@@ -251,6 +251,35 @@ class Metrics:
             registry=r,
             multiprocess_mode="livesum",
         )
+        self.memory_limit = Gauge(
+            "nograd_memory_limit_bytes",
+            "The memory limit resident models are kept within under on-demand control "
+            "(NOGRAD_MEMORY_LIMIT_BYTES): each worker's part, all workers together.",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.memory_free = Gauge(
+            "nograd_memory_free_bytes",
+            "Room left under the memory limit beside the resident models: what a model may "
+            "hold and load without an eviction (all workers together).",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.model_loading = Gauge(
+            "nograd_model_loading",
+            "Loads of the model on demand under way or waiting their turn (all workers).",
+            ["model"],
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.model_inflight = Gauge(
+            "nograd_model_inflight_requests",
+            "Requests holding the model under on-demand control: waiting for its load, queued, "
+            "running or being answered (all workers).",
+            ["model"],
+            registry=r,
+            multiprocess_mode="livesum",
+        )
         self.batch_predicted_bytes = Histogram(
             "nograd_batch_predicted_bytes",
             "Predicted peak activation bytes of each batch.",

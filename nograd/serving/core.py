@@ -27,6 +27,7 @@ from nograd.serving.extensions.diagnostics import Diagnostics
 from nograd.serving.extensions.shared_memory import SharedMemory, SharedMemoryLimits
 from nograd.serving.residency.frozen_heap import settle_new_libraries
 from nograd.serving.residency.on_demand import OnDemand
+from nograd.serving.residency.placement import Placement
 from nograd.settings import Settings
 
 
@@ -65,6 +66,13 @@ class Core:
             OnDemand(self.control, self.plane, self.metrics)
             if settings.model_control == "on_demand"
             else None
+        )
+        self.placement = Placement(
+            self.control,
+            self.plane.registry,
+            self.on_demand,
+            settings.worker_count,
+            self.control.peers,
         )
         self.diagnostics = Diagnostics(settings, self.plane, self.control.peers)
         self.calls = Calls(

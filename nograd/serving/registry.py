@@ -8,6 +8,7 @@ serving change only this.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 from collections.abc import Callable, Iterable
@@ -105,6 +106,13 @@ class ServedModel:
         self.active -= 1
         if self.active == 0 and self.drained is not None:
             self.drained.set()
+
+    async def all_let_go(self, timeout_s: float) -> None:
+        """Return once no request holds this version, or after ``timeout_s``."""
+        if self.active:
+            self.drained = asyncio.Event()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.drained.wait(), timeout_s)
 
     @property
     def name(self) -> str:

@@ -248,6 +248,44 @@ def test_grpc_requests_load_models_too(server: Server) -> None:
         grpc_answer_of(server.grpc_address, index)
 
 
+def placement_of(client: httpx.Client) -> tuple[dict[str, int], dict[str, dict[str, object]]]:
+    answer = client.get("/nograd/placement")
+    assert answer.status_code == 200, answer.text
+    document = answer.json()
+    return document["memory"], {row["name"]: row for row in document["models"]}
+
+
+def test_placement_and_metrics_show_a_model_loaded_on_demand_then_evicted(
+    server: Server,
+) -> None:
+    url = server.url
+    with httpx.Client(base_url=url, timeout=60) as client:
+        answer_of(client, 5)
+        memory, models = placement_of(client)
+        assert set(models) >= {f"m{i}" for i in range(MODELS)} | {"huge", "broken"}
+        held = models["m5"]
+        assert held["state"] == "resident", held
+        assert MODEL_MIB << 20 <= int(str(held["bytes"])) <= LIMIT_MIB << 20, held
+        assert (held["queue_depth"], held["in_flight"], held["pinned"]) == (0, 0, False)
+        resident = [row for row in models.values() if row["state"] == "resident"]
+        assert memory["limit_bytes"] == LIMIT_MIB << 20
+        assert memory["used_bytes"] == sum(int(str(row["bytes"])) for row in resident)
+        assert memory["free_bytes"] == max(0, memory["limit_bytes"] - memory["used_bytes"])
+        assert metric_value(url, "nograd_model_resident_bytes", model="m5") == held["bytes"]
+        assert metric_value(url, "nograd_memory_limit_bytes") == LIMIT_MIB << 20
+        assert metric_value(url, "nograd_memory_free_bytes") == memory["free_bytes"]
+        assert metric_value(url, "nograd_model_inflight_requests", model="m5") == 0
+
+        for index in range(MODELS - 1):  # more than the limit holds: m5 goes first
+            answer_of(client, index)
+        memory, models = placement_of(client)
+        assert (models["m5"]["state"], models["m5"]["bytes"]) == ("not_resident", 0)
+        assert metric_value(url, "nograd_model_resident_bytes", model="m5") == 0
+        assert metric_value(url, "nograd_model_loading", model="m5") == 0
+        assert metric_value(url, "nograd_memory_free_bytes") == memory["free_bytes"]
+        assert memory["used_bytes"] <= LIMIT_MIB << 20
+
+
 @pytest.mark.slow
 def test_two_workers_each_keep_their_part_and_grpc_loads_too(
     tmp_path_factory: pytest.TempPathFactory,
@@ -282,3 +320,13 @@ def test_two_workers_each_keep_their_part_and_grpc_loads_too(
         # Each worker holds the pinned model and at most one other (20 MiB each).
         assert metric_value(running.url, "nograd_models_resident") <= 4
         assert metric_value(running.url, "nograd_model_evictions_total", reason="memory") >= 1
+        # Whichever worker answers, the placement is the whole server's, as /metrics is.
+        limit = (2 * LIMIT_MIB - 2 * MODEL_MIB) << 20
+        memory, models = placement_of(client)
+        assert (
+            memory["limit_bytes"] == limit == metric_value(running.url, "nograd_memory_limit_bytes")
+        )
+        assert memory["free_bytes"] == metric_value(running.url, "nograd_memory_free_bytes")
+        assert models["m3"]["pinned"] and models["m3"]["resident_workers"] == 2, models["m3"]
+        held = metric_value(running.url, "nograd_model_resident_bytes", model="m3")
+        assert models["m3"]["bytes"] == held > 0

@@ -36,6 +36,7 @@ SIMPLE_CONFIG = (FIXTURES / "simple" / "config.pbtxt").read_text()
 
 OPERATOR_ROUTES = (
     ("model-repository", "POST", "/v2/repository/index"),
+    ("model-repository", "GET", "/nograd/placement"),
     ("model-repository", "POST", "/v2/repository/models/simple/load"),
     ("model-repository", "POST", "/v2/repository/models/simple/unload"),
     ("model-repository", "GET", "/models"),
@@ -110,6 +111,11 @@ def test_every_operator_route_is_forbidden_to_an_inference_key(server: Server) -
         assert client.post(path, headers=INFERENCE, json=upload).status_code == 403
         # The operator key opens them; the inference key still infers.
         assert client.post("/v2/repository/index", headers=OPERATOR).status_code == 200
+        placement = client.get("/nograd/placement", headers=OPERATOR)
+        assert placement.status_code == 200, placement.text
+        assert {"name": "simple", "state": "resident"}.items() <= placement.json()["models"][
+            0
+        ].items()
         assert client.get("/v2/logging", headers=OPERATOR).json()["log_error"] is True
         assert client.get("/v2/systemsharedmemory/status", headers=OPERATOR).status_code == 200
     answer = _http(server).infer("simple", _inputs(triton_http), headers=INFERENCE)

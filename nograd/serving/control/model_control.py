@@ -13,7 +13,6 @@ starts later (a restart after a crash) loads that state before it takes connecti
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -26,11 +25,10 @@ from nograd.serving.control.repository import (
     ModelSource,
     Override,
     always_resident,
-    archive_names,
     find_source,
     folder_gone,
     holds_model,
-    model_names,
+    repository_names,
     scan,
 )
 from nograd.serving.control.uploads import Uploads
@@ -383,10 +381,7 @@ class ModelControl:
         registry = self._plane.registry
         registry.remove(model, reason)
         deadline = time.monotonic() + self._settings.drain_timeout_s
-        if model.active:
-            model.drained = asyncio.Event()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(model.drained.wait(), self._settings.drain_timeout_s)
+        await model.all_let_go(self._settings.drain_timeout_s)
         if model.batcher is not None:
             await model.batcher.stop(max(0.0, deadline - time.monotonic()))
         self._plane.mark_ready(model.name)
@@ -396,8 +391,10 @@ class ModelControl:
     # ------------------------------------------------------------------ index
     def index(self) -> list[ServedModel | tuple[str, str]]:
         """The repository index's rows (``ModelRegistry.index``), archives included."""
-        names = model_names(self.root) + archive_names(self.root, self._plane.archive_store)
-        return self._plane.registry.index(names)
+        return self._plane.registry.index(self.repository_names())
+
+    def repository_names(self) -> list[str]:
+        return repository_names(self.root, self._plane.archive_store)
 
     # ------------------------------------------------------------------ poll
     async def poll_forever(self) -> None:

@@ -37,6 +37,8 @@ Served = dict[str, dict[str, Override | None]]
 """Models by name, each with its versions and the override each was loaded with."""
 Handler = Callable[[dict[str, Any]], Awaitable[str | None]]
 """Applies one control call in this worker; the error, or None when applied."""
+Answerer = Callable[[dict[str, Any]], dict[str, Any]]
+"""Answers a call that reads this worker's state (and changes nothing) with a JSON document."""
 
 
 class Peers:
@@ -47,6 +49,8 @@ class Peers:
         self._apply = apply
         self.routes: dict[str, Handler] = {}
         """Handlers of other parts of the core, by the ``op`` of the calls they take."""
+        self.answers: dict[str, Answerer] = {}
+        """Readers of this worker's state, by the ``op`` of the calls they answer (``gather``)."""
         self._server: asyncio.Server | None = None
         self._path = self.directory / f"{os.getpid()}{SOCKET_SUFFIX}"
 
@@ -66,13 +70,18 @@ class Peers:
             line = await reader.readline()
             if not line:
                 return
+            reply: dict[str, Any] = {"error": None}
             try:
                 call = json.loads(line)
-                error = await self.routes.get(str(call.get("op")), self._apply)(call)
+                answerer = self.answers.get(str(call.get("op")))
+                if answerer is not None:
+                    reply["answer"] = answerer(call)
+                else:
+                    reply["error"] = await self.routes.get(str(call.get("op")), self._apply)(call)
             except Exception as exc:
                 logger.exception("control call from a sibling worker failed")
-                error = f"{type(exc).__name__}: {exc}"
-            writer.write(json.dumps({"error": error}).encode() + b"\n")
+                reply["error"] = f"{type(exc).__name__}: {exc}"
+            writer.write(json.dumps(reply).encode() + b"\n")
             await writer.drain()
         finally:
             writer.close()
@@ -80,9 +89,7 @@ class Peers:
     async def broadcast(self, call: dict[str, Any]) -> dict[str, str]:
         """Send ``call`` to every sibling and wait until each applied it; the errors by worker
         (process id). A socket no process listens on is a worker that died: skipped."""
-        siblings = [
-            p for p in self.directory.glob(f"*{SOCKET_SUFFIX}") if p.resolve() != self._path
-        ]
+        siblings = self._siblings()
         replies = await asyncio.gather(*(self._send(path, call) for path in siblings))
         return {
             f"worker pid {path.name.removesuffix(SOCKET_SUFFIX)}": error
@@ -90,7 +97,29 @@ class Peers:
             if error is not None
         }
 
+    async def gather(self, call: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
+        """Every sibling's answer to ``call``, a reading call (``answers``); a sibling that
+        does not answer within ``timeout_s``, or fails to, is left out."""
+        siblings = self._siblings()
+        replies = await asyncio.gather(*(self._exchange(p, call, timeout_s) for p in siblings))
+        answers = [reply.get("answer") for reply in replies if isinstance(reply, dict)]
+        return [answer for answer in answers if isinstance(answer, dict)]
+
+    def _siblings(self) -> list[Path]:
+        return [p for p in self.directory.glob(f"*{SOCKET_SUFFIX}") if p.resolve() != self._path]
+
     async def _send(self, path: Path, call: dict[str, Any]) -> str | None:
+        reply = await self._exchange(path, call, REPLY_TIMEOUT_S)
+        if reply is None or isinstance(reply, str):
+            return reply
+        error = reply.get("error")
+        return None if error is None else str(error)
+
+    async def _exchange(
+        self, path: Path, call: dict[str, Any], timeout_s: float
+    ) -> dict[str, Any] | str | None:
+        """The sibling's reply to ``call``; None when no process listens there (a worker that
+        died), or why there is no reply."""
         try:
             reader, writer = await asyncio.open_unix_connection(str(path))
         except (ConnectionRefusedError, FileNotFoundError):
@@ -99,15 +128,15 @@ class Peers:
         try:
             writer.write(json.dumps(call).encode() + b"\n")
             await writer.drain()
-            line = await asyncio.wait_for(reader.readline(), REPLY_TIMEOUT_S)
+            line = await asyncio.wait_for(reader.readline(), timeout_s)
         except (OSError, TimeoutError) as exc:
             return f"no answer: {type(exc).__name__}: {exc}"
         finally:
             writer.close()
         if not line:
             return "closed the connection before answering (it may have stopped)"
-        error = json.loads(line).get("error")
-        return None if error is None else str(error)
+        reply = json.loads(line)
+        return reply if isinstance(reply, dict) else "an answer that is no JSON object"
 
     @contextlib.asynccontextmanager
     async def exclusive(self) -> AsyncIterator[None]:

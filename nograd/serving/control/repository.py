@@ -259,6 +259,11 @@ def model_names(root: Path) -> list[str]:
     return [name for _, name in _configs(root) if name is not None]
 
 
+def repository_names(root: Path, store: ArchiveStore) -> list[str]:
+    """Every model the repository holds, in folders and in archives."""
+    return model_names(root) + archive_names(root, store)
+
+
 def find_source(
     root: Path,
     store: ArchiveStore,

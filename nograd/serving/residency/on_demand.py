@@ -29,7 +29,6 @@ from nograd.runtime.devices import resolve_device
 from nograd.runtime.engines.onnx import warm_onnx_runtime
 from nograd.runtime.memory import device_budget, probe_for
 from nograd.runtime.planner import warm_memory_probe
-from nograd.schema.config import ModelConfig, version_order
 from nograd.serving.control.model_control import ModelControl
 from nograd.serving.control.repository import files_bytes, find_source, holds_model
 from nograd.serving.dataplane import DataPlane
@@ -41,8 +40,8 @@ from nograd.serving.errors import (
     NoRoomNow,
     TooManyLoads,
 )
-from nograd.serving.extensions.ensembles import composing, step_models
 from nograd.serving.registry import LOADING_ON_DEMAND, NOT_LOADED_YET, ServedModel
+from nograd.serving.residency.on_disk import OnDisk
 from nograd.serving.residency.policy import Residency, mib
 from nograd.settings import Settings
 
@@ -76,6 +75,7 @@ class OnDemand:
         self._registry = plane.registry
         self._plane = plane
         self._metrics = metrics
+        self._on_disk = OnDisk(self._root, self._store, self._registry)
         self.residency = Residency(
             process_limit(settings), grace_s=settings.eviction_grace_ms / 1e3
         )
@@ -116,19 +116,33 @@ class OnDemand:
             len(self.residency.resident),
         )
 
+    @property
+    def loading(self) -> frozenset[str]:
+        """The models whose load is under way or waiting its turn in this worker."""
+        return frozenset(self._loads)
+
     # ------------------------------------------------------------------ requests
     def hold(self, name: str) -> tuple[str, ...]:
         """A request for ``name`` arrived: neither it nor, for an ensemble, its step models are
         evicted until ``release`` of the names returned (the model first, then its steps)."""
-        names = (name, *self._steps(name))
+        names = (name, *self._on_disk.steps(name))
         for each in names:
             self.residency.hold(each)
+            self._count_holds(each)
         return names
 
     def release(self, names: tuple[str, ...]) -> None:
         freed = [self.residency.release(each) for each in names]
+        for each in names:
+            self._count_holds(each)
         if any(freed):
             self._released.set()
+
+    def _count_holds(self, name: str) -> None:
+        """Publish the requests holding ``name``, a model this worker loaded or loads: a name
+        no model has gets no series of its own (it is answered 404)."""
+        if name in self._loads or name in self.residency.measured:
+            self._metrics.model_inflight.labels(name).set(self.residency.holds.get(name, 0))
 
     async def ensure(self, held: tuple[str, ...], time_left_s: float | None = None) -> None:
         """Return once the model ``hold`` returned ``held`` for is resident with its step
@@ -186,6 +200,8 @@ class OnDemand:
             )
         task = asyncio.create_task(self._load(name), name=f"load-{name}")
         self._loads[name] = task
+        self._metrics.model_loading.labels(name).set(1)
+        self._count_holds(name)
         self._load_started[name] = time.perf_counter()
         task.add_done_callback(self._loaded)
 
@@ -202,33 +218,9 @@ class OnDemand:
         finally:
             self._metrics.load_wait.labels(name).observe(time.perf_counter() - started)
 
-    def _steps(self, name: str) -> list[str]:
-        """The step models of ``name``, nested ensembles' included: as served, or as its
-        config on disk says when it is not resident (none for a plain model)."""
-        if name in self._registry.versions:
-            return step_models(self._registry, name)
-        configs = self._configs_on_disk(name)
-        return composing(configs, {name}, self._configs_on_disk) if configs else []
-
     def described(self, name: str, version: str | None) -> ServedModel | None:
-        """A model of the repository that is not resident, as its config on disk describes it
-        (not ready, nothing loaded): its metadata, config and readiness are answered from it
-        without loading it. None when the repository has no such model or version."""
-        try:
-            source = find_source(self._root, self._store, name)
-        except (ModelNotFound, InvalidInput):
-            return None
-        if version is None and source.versions:
-            version = max(source.versions, key=version_order)
-        found = source.versions.get(version) if version is not None else None
-        return ServedModel.of(found) if found is not None else None
-
-    def _configs_on_disk(self, name: str) -> list[ModelConfig] | None:
-        try:
-            source = find_source(self._root, self._store, name)
-        except (ModelNotFound, InvalidInput):
-            return None
-        return [version.config for version in source.versions.values()]
+        """A model that is not resident as its config on disk describes it (``OnDisk``)."""
+        return self._on_disk.described(name, version)
 
     def _loaded(self, task: asyncio.Task[None]) -> None:
         """A load ended: the next request for its model starts anew (its waiters have the
@@ -237,6 +229,7 @@ class OnDemand:
         if self._loads.get(name) is task:
             del self._loads[name]
             self._load_started.pop(name, None)
+            self._metrics.model_loading.labels(name).set(0)
         if not task.cancelled():
             task.exception()
 
@@ -445,6 +438,9 @@ class OnDemand:
         self._count()
 
     def _count(self) -> None:
+        """Publish the resident set: how many, what each holds, the limit and the room left."""
         self._metrics.models_resident.set(len(self.residency.resident))
+        self._metrics.memory_limit.set(self.residency.limit)
+        self._metrics.memory_free.set(max(0, self.residency.limit - self.residency.used))
         for entry in self.residency.resident.values():
             self._metrics.resident_bytes.labels(entry.name).set(entry.bytes)
