@@ -40,7 +40,8 @@ from nograd.runtime.loader import (
 )
 from nograd.runtime.memory import device_budget, probe_for
 from nograd.runtime.memory.fits import RangedCost
-from nograd.runtime.planner import PlanInput, log_plan, plan_device, profile_handler
+from nograd.runtime.planner import PlanInput, log_plan, plan_device
+from nograd.runtime.remembered_profile import profile_or_recall
 from nograd.runtime.speed.path import batch_cap
 from nograd.runtime.warmup import warm_up
 from nograd.schema.config import ConfigError, ModelConfig
@@ -261,8 +262,10 @@ class ModelLoader:
                 continue
             profiling = time.perf_counter()
             try:
+                code = _model_files(model.directory, model.config)
+                cache = self._settings.engine_cache_dir
                 model.profile = await loop.run_in_executor(
-                    executor, profile_handler, model.handler, probe, cap
+                    executor, profile_or_recall, model.handler, probe, cap, code, cache
                 )
                 self._profiles[(model.name, model.version)] = (measured_on, model.profile)
             except Exception:

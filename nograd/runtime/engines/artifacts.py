@@ -108,6 +108,16 @@ def cached(cache_dir: Path, label: str, name: str, key: str, build: Callable[[Pa
         return build(target)
 
 
+def write_text_atomically(target: Path, text: str) -> None:
+    """``text`` into ``target`` through ``replace_atomically``: a reader finds the old file or
+    the whole new one, and two processes writing the same record at once each write their own."""
+
+    def write(temporary: Path) -> None:
+        temporary.write_text(text, "utf-8")
+
+    replace_atomically(target, write)
+
+
 def artifact_file(cache_dir: Path, label: str, name: str, key: str) -> Path:
     """Where engine ``name``'s artifact of ``label`` with content ``key`` lies in the cache."""
     return cache_file(cache_dir, f"{label}-{name}-{key}{engine_row(name).suffix}")

@@ -19,7 +19,12 @@ from typing import Any, Final
 
 import torch
 
-from nograd.runtime.engines.artifacts import cache_file, onnxruntime_version, tensor_bytes
+from nograd.runtime.engines.artifacts import (
+    cache_file,
+    onnxruntime_version,
+    tensor_bytes,
+    write_text_atomically,
+)
 from nograd.runtime.handler import ModelHandler
 from nograd.runtime.speed.accuracy import AccuracyReport, OutputDelta
 
@@ -83,17 +88,15 @@ def remember(
     cache_dir: Path, label: str, key: str, table: dict[str, Any], artifacts: dict[str, Path]
 ) -> None:
     """Write the record atomically; a cache that cannot be written only costs the next load."""
+    document = {
+        "format": FORMAT,
+        "table": table,
+        "artifacts": {name: str(file) for name, file in artifacts.items()},
+    }
     try:
-        path = _record_path(cache_dir, label, key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        document = {
-            "format": FORMAT,
-            "table": table,
-            "artifacts": {name: str(file) for name, file in artifacts.items()},
-        }
-        temporary = path.with_name(f".{path.name}.tmp")
-        temporary.write_text(json.dumps(document), "utf-8")
-        temporary.replace(path)
+        # A temporary file of its own: two processes remembering the same choice at once each
+        # rename a whole record into place.
+        write_text_atomically(_record_path(cache_dir, label, key), json.dumps(document))
     except OSError as exc:
         logger.warning("engine cache: could not remember the engine choice (%s)", exc)
 
