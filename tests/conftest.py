@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 # gRPC off by default in tests: servers the suite starts side by side would all want port 8001.
 # Tests of gRPC set NOGRAD_GRPC_PORT to a free port.
@@ -13,6 +16,15 @@ os.environ.setdefault("NOGRAD_GRPC_PORT", "0")
 # keeps answers bit-for-bit the same across batch sizes, which several tests compare. The engine
 # tests (tests/unit/runtime/engines, tests/e2e/test_engines.py) set their own.
 os.environ.setdefault("NOGRAD_ENGINE", "eager")
+
+# One engine cache for the whole run, every parallel worker's servers included (they inherit this
+# environment): a server of models an earlier one served opens its engines and plans from its
+# memory profiles instead of measuring them again, and no run reads what an earlier run left.
+# Tests of the cache itself (a cold start, a restart reusing it) set their own.
+if "NOGRAD_ENGINE_CACHE" not in os.environ:
+    _ENGINE_CACHE = tempfile.mkdtemp(prefix="nograd-test-engines-")
+    os.environ["NOGRAD_ENGINE_CACHE"] = _ENGINE_CACHE
+    atexit.register(shutil.rmtree, _ENGINE_CACHE, ignore_errors=True)
 
 
 # Imported after the defaults above are set: the e2e helpers read no settings at import.
@@ -35,3 +47,4 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 @pytest.fixture(scope="session")
 def server_url(server: Server) -> str:
     return server.url
+
