@@ -48,3 +48,49 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 def server_url(server: Server) -> str:
     return server.url
 
+
+SERIAL: frozenset[str] = frozenset(
+    {
+        # Memory bounds: a server's growth, peak or budget measured against a bound, which a
+        # neighbour's load moves (slower batches hold more requests, the free memory differs).
+        "tests/e2e/test_body_budget.py",
+        "tests/e2e/test_grpc_unsent_answers.py",
+        "tests/e2e/test_memory.py",
+        "tests/e2e/test_memory_engines.py",
+        "tests/e2e/test_memory_return.py",
+        "tests/e2e/test_model_control_memory.py",
+        "tests/e2e/test_on_demand.py",
+        "tests/e2e/test_on_demand_many.py",
+        "tests/e2e/test_on_demand_thrash.py",
+        # Latency, overload and time bounds of a second or less: timeouts to the second, a tail
+        # latency, a refusal "at once", a stop within seconds.
+        "tests/e2e/test_connections.py",
+        "tests/e2e/test_grpc_connections.py",
+        "tests/e2e/test_on_demand_routes.py",
+        "tests/e2e/test_overload.py",
+        "tests/e2e/test_overload_minilm.py",
+        "tests/e2e/test_reliability.py",
+        "tests/e2e/test_stop_signals.py",
+        "tests/e2e/test_trace_otlp_down.py",
+        "tests/e2e/test_workers.py",
+        "tests/integration/test_perf_analyzer.py",
+        "tests/integration/test_prometheus.py",
+        "tests/unit/batching/test_batcher.py",
+        "tests/unit/batching/test_shedding.py",
+        "tests/unit/grpc/test_tensors.py",
+        "tests/unit/http/test_admission.py",
+        "tests/unit/protocol/test_limits.py",
+    }
+)
+"""Test files whose bounds hold only on a machine no other test loads: marked ``serial``, which
+``make test`` runs after the parallel pass, one test at a time. Bounds of several seconds on a
+refusal (``test_grpc``, ``test_model_uploads``) hold beside one other test and stay parallel."""
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the ``SERIAL`` files' tests before ``-m`` selects by marker."""
+    root = config.rootpath
+    for item in items:
+        if item.path.relative_to(root).as_posix() in SERIAL:
+            item.add_marker(pytest.mark.serial)
