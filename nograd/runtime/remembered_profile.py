@@ -3,10 +3,10 @@ loaded again (a restart, a reload, an on-demand load after an eviction) is plann
 record instead of running its profiling batches again: on CPU they are most of a start's work.
 
 The record is keyed by everything the measurement depends on: what the engine choice is keyed by
-(versions, device type, config, code and weights by value, the batch cap), nograd's version and
-the record's layout, the device's name, the engines serving each range of batch sizes and the
-intra-op threads the batches ran with. Any change profiles again, and so does a record that
-cannot be read or is of another layout.
+(torch's version and ONNX Runtime's where it serves, the device type, config, code and weights by
+value, the batch cap), nograd's version and the record's layout, the device's name, the engines
+serving each range of batch sizes and the intra-op threads the batches ran with. Any change
+profiles again, and so does a record that cannot be read or is of another layout.
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ from typing import Any, Final
 import torch
 
 from nograd import __version__
-from nograd.runtime.engines.artifacts import cache_file, write_text_atomically
+from nograd.core.engines import ENGINES
+from nograd.runtime.engines.artifacts import cache_file, onnxruntime_version, write_text_atomically
 from nograd.runtime.engines.errors import ArtifactError
 from nograd.runtime.engines.paths import serving_ranges
-from nograd.runtime.engines.remembered import choice_key
+from nograd.runtime.engines.remembered import model_key
 from nograd.runtime.handler import ModelHandler
 from nograd.runtime.memory import CheckPoint, CostModel, MemoryProbe, Profile
 from nograd.runtime.memory.fits import RangedCost, RangeFit, Verdict, VerifiedFit
@@ -43,10 +44,14 @@ def profile_key(handler: ModelHandler, cap: int, code: Sequence[Path]) -> str:
     device = handler.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     engines = [(most, engine.name) for most, engine in serving_ranges(handler)]
+    # ONNX Runtime's version only where it serves: reading it imports it, tens of MiB that a
+    # model served by torch alone would otherwise carry (and count as its memory).
+    onnx = {row.name for row in ENGINES if row.suffix == ".onnx"}
+    libraries = [onnxruntime_version()] if onnx & {name for _, name in engines} else []
     for part in (
         str(FORMAT),
         __version__,
-        choice_key(handler, cap, code),
+        model_key(handler, cap, code, libraries),
         name,
         json.dumps(engines),
         str(torch.get_num_threads()),

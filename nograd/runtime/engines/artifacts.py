@@ -81,13 +81,18 @@ def cache_key(name: str, traced: Traced, code: Iterable[Path], device: torch.dev
     for tensor_name in sorted(tensors):
         tensor = tensors[tensor_name]
         if isinstance(tensor, torch.Tensor):
-            digest.update(tensor_name.encode() + tensor_bytes(tensor))
+            hash_tensor(digest, tensor_name, tensor)
     return digest.hexdigest()[:24]
 
 
-def tensor_bytes(tensor: torch.Tensor) -> bytes:
+def hash_tensor(digest: hashlib._Hash, name: str, tensor: torch.Tensor) -> None:
+    """Feed ``name`` and the tensor's bytes to ``digest``, read in place: a load hashing its
+    weights copies none of a CPU model's (a copy would stay in the heap and count as the model's
+    memory); another device's tensor is copied to the host one at a time."""
+    digest.update(name.encode())
     flat = tensor.detach().cpu().contiguous().reshape(-1)
-    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+    if flat.numel():
+        digest.update(flat.view(torch.uint8).numpy().data)
 
 
 def cached(cache_dir: Path, label: str, name: str, key: str, build: Callable[[Path], Path]) -> Path:

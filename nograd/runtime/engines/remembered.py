@@ -21,8 +21,8 @@ import torch
 
 from nograd.runtime.engines.artifacts import (
     cache_file,
+    hash_tensor,
     onnxruntime_version,
-    tensor_bytes,
     write_text_atomically,
 )
 from nograd.runtime.handler import ModelHandler
@@ -44,12 +44,20 @@ class Remembered:
 
 def choice_key(handler: ModelHandler, limit: int, code: Sequence[Path]) -> str:
     """What the choice depends on, known before any export."""
+    return model_key(handler, limit, code, (onnxruntime_version(),))
+
+
+def model_key(
+    handler: ModelHandler, limit: int, code: Sequence[Path], libraries: Sequence[str]
+) -> str:
+    """The model as loaded: torch's version and ``libraries``' (the versions of what else ran
+    it), the device type, its config, the batch limit, its code and its weights by value."""
     digest = hashlib.sha256()
     config = handler.config.model_dump(mode="json")
     for part in (
         str(FORMAT),
         torch.__version__,
-        onnxruntime_version(),
+        *libraries,
         handler.device.type,
         json.dumps(config, sort_keys=True, default=str),
         str(limit),
@@ -61,7 +69,7 @@ def choice_key(handler: ModelHandler, limit: int, code: Sequence[Path]) -> str:
     for name in sorted(state):
         tensor = state[name]
         if isinstance(tensor, torch.Tensor):
-            digest.update(name.encode() + tensor_bytes(tensor))
+            hash_tensor(digest, name, tensor)
     return digest.hexdigest()[:24]
 
 
