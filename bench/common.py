@@ -156,6 +156,8 @@ class Server:
     """The peer system (``bench.peers``) this server is, when its route or body format differs
     from nograd's V2 JSON; None for nograd and the baselines that share its route."""
     log_path: Path | None = None
+    cwd: Path = ROOT
+    """Where the server starts: another revision's checkout runs its own ``python -m nograd``."""
     process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -181,7 +183,7 @@ class Server:
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
                 pinned(command, self.cpus),
-                cwd=ROOT,
+                cwd=self.cwd,
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -51,6 +51,7 @@ def measure(model: str, engines: tuple[str, ...]) -> list[dict[str, Any]]:
     folder = ROOT / "models" / model
     config = load_config(folder / "config.toml", override={"channels_last": False})
     handler = build_handler(ROOT / "models", folder, config, torch.device("cpu"))
+    assert isinstance(handler, ModelHandler), "a torch model's engines are measured"
     batches = _batches(handler, config.batch_unit == "tokens")
     runner = TorchRunner(handler)
     reference = [runner.run_batch(parts) for _, parts in batches]

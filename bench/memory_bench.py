@@ -58,8 +58,8 @@ def profile_models(
 def profile_engine(name: str, engine: str, cache: Path) -> dict[str, Any]:
     from nograd.runtime.engines.choice import prepare_engine
     from nograd.runtime.engines.paths import engine_weights_bytes, serving_ranges
-    from nograd.runtime.handler import TorchRunner
-    from nograd.runtime.loader import build_handler, locate, weights_bytes
+    from nograd.runtime.handler import ModelHandler, TorchRunner
+    from nograd.runtime.loader import build_handler, locate
     from nograd.runtime.memory import probe_for
     from nograd.runtime.planner import PlanInput, per_unit_bytes, plan_device, profile_handler
     from nograd.schema.config import find_config, load_config
@@ -73,12 +73,13 @@ def profile_engine(name: str, engine: str, cache: Path) -> dict[str, Any]:
     # Forced: served whatever its speed against eager, so every engine's memory is measured.
     config = load_config(path, override={"engine": engine, "min_speedup": 0})
     handler = build_handler(repository, repository / name, config, device)
+    assert isinstance(handler, ModelHandler), "a torch model's engines are measured"
     cap = configured_limit(config, Settings().max_batch_size)
     code = [locate(repository / name, config.module)]
     handler = prepare_engine(handler, cap, None, None, code, cache)
     probe = probe_for(device)
     cost = profile_handler(handler, probe, cap)
-    weights = weights_bytes(handler.module) + engine_weights_bytes(handler.speed_path)
+    weights = handler.weights_bytes + engine_weights_bytes(handler.speed_path)
     tokens = config.batch_unit == "tokens"
     unit = "token" if tokens else "sample"
     entry: dict[str, Any] = {

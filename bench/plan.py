@@ -36,6 +36,8 @@ class Plan:
     attempts: int  # per measured run, while other processes disturb it
     quiet_wait_s: float  # per attempt, waiting for a quiet machine
     quiet_budget_s: float  # in all
+    base_revision: str | None = None  # the revisions phase's base (``--base``)
+    revision_workers: str = "1"  # NOGRAD_WORKERS of both servers in the revisions phase
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Plan:
@@ -62,4 +64,6 @@ class Plan:
             attempts=args.attempts if args.attempts is not None else (1 if quick else 3),
             quiet_wait_s=args.quiet_wait,
             quiet_budget_s=args.quiet_budget,
+            base_revision=getattr(args, "base", None),
+            revision_workers=getattr(args, "revision_workers", "1"),
         )

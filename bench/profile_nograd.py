@@ -162,7 +162,7 @@ def _profile_model(name: str, batch: int, workload: str) -> dict[str, Any]:
 
     from bench import workloads
     from bench.common import ROOT
-    from nograd.runtime.handler import split_rows
+    from nograd.runtime.handler import ModelHandler, split_rows
     from nograd.runtime.loader import build_handler
     from nograd.schema.config import find_config, load_config
 
@@ -170,6 +170,7 @@ def _profile_model(name: str, batch: int, workload: str) -> dict[str, Any]:
     path = find_config(repository / name)
     assert path is not None
     handler = build_handler(repository, repository / name, load_config(path), torch.device("cpu"))
+    assert isinstance(handler, ModelHandler), "profiled through collate, forward and to_numpy"
     bodies = workloads.make(workload, count=max(batch, 64)).bodies
     entry: dict[str, Any] = {"batch": batch}
     # nograd's codec on one request body and one answer, in µs (run on one thread here).

@@ -32,6 +32,10 @@ process is stopped in a ``finally``):
 10. speed levers (``bench.levers``), issue 3's memory benchmark (``bench.memory_bench``) and
    torch.profiler on nograd's batch path (``bench.profile_nograd``).
 
+On request only (``--phases revisions --base REV``): this checkout's nograd against the same
+server at revision REV, both up together, answers compared, then paired rounds on digits, minilm
+and TorchServe's MNIST archive at concurrency 1 and the headline (``bench.phases.revisions``).
+
 Results: ``bench/results/<timestamp>.json``, ``.png`` (latency vs throughput) and ``.md`` (the
 tables BENCHMARKS.md quotes). ``--quick`` is a ~5-minute smoke run of the same kinds of
 measurement.
@@ -47,6 +51,7 @@ import shlex
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -63,6 +68,7 @@ from bench.phases import (
     peers,
     profiling,
     residency,
+    revisions,
     single,
 )
 from bench.plan import PAIRED_ROUNDS, Plan
@@ -93,6 +99,8 @@ ALL_PHASES = (
     "memory",
     "torch_profile",
 )
+ON_REQUEST = ("revisions",)
+"""Phases a run makes only when ``--phases`` names them."""
 
 
 def count_steps(plan: Plan) -> int:
@@ -138,6 +146,9 @@ def count_steps(plan: Plan) -> int:
     steps += 3 + one_sample + plan.paired_rounds * 2 * 5 * one_sample
     steps += int(plan.levers) + int(plan.compile) + int(plan.memory) + int(plan.profile)
     steps += 4  # residency: build, cold and resident, a working set that fits, one that does not
+    # revisions: the checkout, the repository, two servers, an answer check per workload, then
+    # per round both servers on three workloads at two concurrencies
+    steps += 4 + 3 + plan.paired_rounds * 3 * 2 * 2
     return steps
 
 
@@ -190,6 +201,18 @@ def command_line() -> argparse.ArgumentParser:
         help=f"rounds of the paired, engines, peers and grpc phases (default {PAIRED_ROUNDS}; "
         "2 with --quick)",
     )
+    parser.add_argument(
+        "--base",
+        default=None,
+        metavar="REV",
+        help="the revisions phase: the git revision this checkout's nograd is paired against",
+    )
+    parser.add_argument(
+        "--revision-workers",
+        default="1",
+        metavar="N",
+        help="NOGRAD_WORKERS of both servers in the revisions phase (default 1)",
+    )
     parser.add_argument("--skip-levers", action="store_true")
     parser.add_argument("--skip-compile", action="store_true")
     parser.add_argument("--skip-memory", action="store_true")
@@ -197,7 +220,7 @@ def command_line() -> argparse.ArgumentParser:
     parser.add_argument(
         "--phases",
         default=None,
-        help="comma-separated subset of: " + ",".join(ALL_PHASES),
+        help="comma-separated subset of: " + ",".join(ALL_PHASES + ON_REQUEST),
     )
     return parser
 
@@ -238,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         "peers": peers.phase_peers,
         "archives": archives.phase_archives,
         "residency": residency.phase_residency,
+        "revisions": revisions.phase_revisions,
         "grpc": over_grpc.phase_grpc,
         "levers": profiling.phase_levers,
         "memory": profiling.phase_memory,
@@ -269,10 +293,13 @@ def main(argv: list[str] | None = None) -> int:
     json_path.write_bytes(
         orjson.dumps(bench.results, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY)
     )
-    png_path = RESULTS / f"{stamp}.png"
-    plot(bench.results, png_path)
     md_path = RESULTS / f"{stamp}.md"
     md_path.write_text(markdown(bench.results))
+    png_path = RESULTS / f"{stamp}.png"
+    try:
+        plot(bench.results, png_path)
+    except ImportError as exc:  # the bench extra's matplotlib; make bench installs it
+        png_path = Path(f"(no plot: {exc})")
     print(f"results: {json_path}\nplot:    {png_path}\ntables:  {md_path}")
     print(md_path.read_text().split("\n## ", 2)[1] if "\n## " in md_path.read_text() else "")
     return 1 if failures else 0

@@ -1,4 +1,5 @@
-"""``nograd`` / ``python -m nograd``: command-line flags map one-to-one onto the Settings fields."""
+"""``nograd`` / ``python -m nograd``: command-line flags map one-to-one onto the Settings fields;
+``--help`` lists them by section (``nograd.settings_reference``)."""
 
 from __future__ import annotations
 
@@ -14,17 +15,23 @@ from nograd.host.openmp import SPIN_COUNT, tune_openmp_wait
 from nograd.observability.logs import setup_logging
 from nograd.serving.access import exposure_warnings
 from nograd.settings import Settings
+from nograd.settings_reference import help_text
 from nograd.supervisor.plan import resolve_workers
 from nograd.supervisor.supervisor import supervise
 
 SERVE_WORKER = "nograd.server:serve_worker"
 """What each worker process serves with; named, so the supervisor process never imports it."""
+HELP_FLAGS = frozenset({"-h", "--help"})
 
 
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["export"]:
         sys.exit(export_command(args[1:]))
+    if HELP_FLAGS.intersection(args):
+        # Ours, not the flag parser's: its help knows no sections and no variable names.
+        print(help_text(), end="")
+        sys.exit(0)
     # Before any thread allocates: the memory plan measures batches in the resident set.
     use_one_arena()
     settings = Settings(_cli_parse_args=argv if argv is not None else True, _cli_prog_name="nograd")

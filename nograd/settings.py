@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, NamedTuple
 
 from pydantic import BeforeValidator, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -42,7 +42,11 @@ ByteSize = Annotated[int, BeforeValidator(parse_size)]
 
 
 class Settings(BaseSettings):
-    """Server-wide settings. Per-model knobs live in each model's config file."""
+    """Server-wide settings. Per-model knobs live in each model's config file.
+
+    The fields stand in the sections of ``SETTING_GROUPS``, in its order: ``nograd --help`` and
+    docs/configuration.md show them so (``nograd.settings_reference``).
+    """
 
     model_config = SettingsConfigDict(
         env_prefix="NOGRAD_",
@@ -51,6 +55,8 @@ class Settings(BaseSettings):
         validate_default=True,
         cli_kebab_case=True,
     )
+
+    # --- Network ---
 
     host: str = "0.0.0.0"
     """Address the HTTP server binds to."""
@@ -62,6 +68,12 @@ class Settings(BaseSettings):
     """TCP port of the gRPC server (the Open Inference Protocol's gRPC service, on the same
     address as HTTP); 0 turns gRPC off. With several workers the supervisor listens on it and
     hands each connection to a worker, as for HTTP."""
+
+    server_name: str = Field(default="nograd", min_length=1, max_length=64)
+    """The name server metadata reports (``GET /v2``, gRPC ``ServerMetadata``); ``triton`` for
+    clients and scripts that check the server is Triton."""
+
+    # --- Models and repository ---
 
     model_repository: Path = Path("models")
     """Folder holding one sub-folder per model (config file, code, weights)."""
@@ -79,34 +91,14 @@ class Settings(BaseSettings):
     every model; empty loads none. With ``on_demand``: the models always resident (loaded at
     start-up, never evicted), as a config's ``resident = "always"``."""
 
-    memory_limit_bytes: ByteSize | None = Field(default=None, gt=0)
-    """With ``model_control = on_demand``: bytes the resident models and their batches may hold
-    (each model as measured at its load; batches share what they leave; resident models make
-    room for a load's passing peak too), all workers together (each worker keeps its own
-    resident set within an equal part); ``256MiB`` style accepted. Unset: what the memory plan
-    measures as usable (``memory_fraction`` of the device's free memory at start-up)."""
-
-    warm_evicted_bytes: ByteSize = Field(default=512 << 20, ge=0)
-    """With ``model_control = on_demand``: the files of the models each worker evicted last, up
-    to this many bytes together, are kept in the page cache (the kernel is asked to read back
-    what it dropped), so loading one again reads memory rather than the disk; ``0``: none."""
+    repository_poll_s: float = Field(default=5.0, gt=0.0, le=3600.0)
+    """With ``model_control = poll``: seconds between two looks at the repository."""
 
     max_loaded_models: int | None = Field(default=None, ge=1)
     """With ``model_control = explicit``: most model versions loaded at once (each version of a
     model counts, the start-up set included); a load call that would pass it is refused with
     400 naming the cap, before it reads a weight. Unset: no cap beyond the repository's
     versions."""
-
-    eviction_grace_ms: float = Field(default=1000.0, ge=0.0, le=3_600_000.0)
-    """Under ``model_control = on_demand``: a model asked for within this time (from its last
-    request's arrival or answer) is not evicted to make room for another. A load that only such
-    models could make room for waits, within the room wait (``max_queue_wait_s``), for their
-    grace to pass, and past it is refused 503; 0: least recently used, however recently."""
-
-    max_pending_loads: int = Field(default=8, ge=1, le=1024)
-    """Under ``model_control = on_demand``: most loads of different models one worker keeps
-    under way or waiting their turn (they run one at a time); a request needing one more gets
-    503 with Retry-After the time the loads ahead are expected to take."""
 
     model_uploads: bool = False
     """With ``model_control = explicit``: load calls may carry the model's files (Triton's
@@ -125,21 +117,6 @@ class Settings(BaseSettings):
     being written or loaded count too); a load call whose files would pass it is refused with
     400 naming this setting, before they are written."""
 
-    repository_poll_s: float = Field(default=5.0, gt=0.0, le=3600.0)
-    """With ``model_control = poll``: seconds between two looks at the repository."""
-
-    engine: str = ""
-    """Replaces the ``engine`` of every python and TorchScript model's config when set (``eager``
-    skips building and timing engines at start-up; ``auto``, or one engine of
-    ``nograd.core.engines``); empty keeps each config's own. Like every setting a model's config
-    also has, see ``nograd.serving.precedence``."""
-
-    engine_cache: Path | None = None
-    """Folder of the engine artifacts built at load (ONNX models, exported programs, AOTInductor
-    packages), the engine choices and the memory profiles measured at load, reused by every later
-    start while the model's code and weights are unchanged.
-    Unset: ``$XDG_CACHE_HOME/nograd/engines``, or ``~/.cache/nograd/engines``."""
-
     max_archive_bytes: ByteSize = Field(default=4 * 1024**3, ge=1024)
     """Largest total a TorchServe archive (``.mar``) may unpack to (when a version loads from
     it): its members' declared sizes are summed before anything is written, and the bytes are
@@ -149,12 +126,48 @@ class Settings(BaseSettings):
     max_archive_members: int = Field(default=10_000, ge=1)
     """Most files and folders a TorchServe archive may hold; more refuses the archive unread."""
 
-    server_name: str = Field(default="nograd", min_length=1, max_length=64)
-    """The name server metadata reports (``GET /v2``, gRPC ``ServerMetadata``); ``triton`` for
-    clients and scripts that check the server is Triton."""
+    engine: str = ""
+    """Replaces the ``engine`` of every python and TorchScript model's config when set (a Triton
+    model's ``nograd_engine`` parameter included: docs/triton.md#engine-choice-opted-in):
+    ``eager`` skips building and timing engines at start-up; ``auto``, or one engine of
+    ``nograd.core.engines``; empty keeps each config's own. Like every setting a model's config
+    also has, see ``nograd.serving.precedence``."""
 
-    log_level: LogLevel = "info"
-    """Log level of nograd and uvicorn."""
+    engine_cache: Path | None = None
+    """Folder of the engine artifacts built at load (ONNX models, exported programs, AOTInductor
+    packages), the engine choices and the memory profiles measured at load, reused by every later
+    start while the model's code and weights are unchanged.
+    Unset: ``$XDG_CACHE_HOME/nograd/engines``, or ``~/.cache/nograd/engines``."""
+
+    warmup: bool = True
+    """Run warmup forwards before a model reports ready."""
+
+    # --- Models loaded on demand ---
+
+    memory_limit_bytes: ByteSize | None = Field(default=None, gt=0)
+    """With ``model_control = on_demand``: bytes the resident models and their batches may hold
+    (each model as measured at its load; batches share what they leave; resident models make
+    room for a load's passing peak too), all workers together (each worker keeps its own
+    resident set within an equal part); ``256MiB`` style accepted. Unset: what the memory plan
+    measures as usable (``memory_fraction`` of the device's free memory at start-up)."""
+
+    warm_evicted_bytes: ByteSize = Field(default=512 << 20, ge=0)
+    """With ``model_control = on_demand``: the files of the models each worker evicted last, up
+    to this many bytes together, are kept in the page cache (the kernel is asked to read back
+    what it dropped), so loading one again reads memory rather than the disk; ``0``: none."""
+
+    eviction_grace_ms: float = Field(default=1000.0, ge=0.0, le=3_600_000.0)
+    """Under ``model_control = on_demand``: a model asked for within this time (from its last
+    request's arrival or answer) is not evicted to make room for another. A load that only such
+    models could make room for waits, within the room wait (``max_queue_wait_s``), for their
+    grace to pass, and past it is refused 503; 0: least recently used, however recently."""
+
+    max_pending_loads: int = Field(default=8, ge=1, le=1024)
+    """Under ``model_control = on_demand``: most loads of different models one worker keeps
+    under way or waiting their turn (they run one at a time); a request needing one more gets
+    503 with Retry-After the time the loads ahead are expected to take."""
+
+    # --- Batching and memory ---
 
     max_batch_size: int = Field(default=32, ge=1, le=65536)
     """Largest batch (samples). Set, it replaces every model's own ``max_batch_size`` (logged
@@ -166,7 +179,7 @@ class Settings(BaseSettings):
     one."""
 
     max_queue_size: int = Field(default=1024, ge=1)
-    """Bound on requests queued per model; beyond it requests are refused. Set, it replaces
+    """Bound on requests queued per model; beyond it requests get 503. Set, it replaces
     every model's own (logged per model at load); unset, 1024 is the default for models
     without one."""
 
@@ -176,12 +189,9 @@ class Settings(BaseSettings):
 
     memory_budget_bytes: int | None = Field(default=None, gt=0)
     """Explicit per-device activation budget in bytes, for all workers together; overrides
-    memory_fraction."""
+    ``memory_fraction``."""
 
-    torch_threads: int | None = Field(default=None, ge=1)
-    """Intra-op threads for CPU forwards, fixed, per worker; unset: the cores this process may
-    use (affinity and cgroup CPU quota), shared among the workers batch by batch
-    (``share_cores``) or divided among them."""
+    # --- Workers and processes ---
 
     workers: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = "auto"
     """Server processes sharing the port, each with its own copy of every model. More than one
@@ -191,21 +201,27 @@ class Settings(BaseSettings):
     visible, the second started only if another copy of the models (as the first one holds them
     once warm) fits in the memory left; one otherwise."""
 
+    torch_threads: int | None = Field(default=None, ge=1)
+    """Intra-op threads for CPU forwards, fixed, per worker; unset: the cores this process may
+    use (affinity and cgroup CPU quota), shared among the workers batch by batch
+    (``share_cores``) or divided among them."""
+
     share_cores: bool = True
     """With several workers and ``torch_threads`` unset: each CPU batch runs on every core the
     other workers' batches leave free (all of them when those are idle), never more in total.
     Off: a fixed share each, cores divided by workers. Always off with ``model_control =
     on_demand``, where an ONNX model would hold a session (its weights included) per width."""
 
-    warmup: bool = True
-    """Run warmup forwards before a model reports ready."""
+    drain_timeout_s: float = Field(default=30.0, ge=0)
+    """On SIGTERM or a first Ctrl+C, how long accepted requests may take to finish before the
+    process exits."""
 
-    log_format: LogFormat | None = None
-    """Log line format: one JSON object per line (for log shippers), or plain text. Unset:
-    text when stderr is a terminal, JSON otherwise."""
+    # --- Requests and admission ---
 
     request_timeout_s: float | None = Field(default=None, gt=0)
-    """Default deadline of an inference request; one still queued when it passes gets 504."""
+    """Default deadline of an inference request; one still queued when it passes gets 504. A
+    request sets its own with the V2 ``timeout`` parameter (microseconds) or the
+    ``X-Request-Timeout`` header (seconds)."""
 
     max_requests_in_flight: int = Field(default=256, ge=1)
     """Most inference requests one server process holds at once, from their headers to their
@@ -238,6 +254,34 @@ class Settings(BaseSettings):
     request at both limits (``max_request_bytes + max_decoded_bytes``, and 1 MiB of gRPC
     framing)."""
 
+    max_request_rows: int = Field(default=4096, ge=1)
+    """Most rows (samples) one inference request may carry; more get 422."""
+
+    max_text_bytes: int = Field(default=64 * 1024, ge=1)
+    """Longest single text (BYTES element) accepted; longer ones get 422."""
+
+    max_queued_responses: int = Field(default=64, ge=1)
+    """Most responses of one request to a decoupled model waiting to be sent: the model's
+    ``send`` waits while this many are queued, until one is sent or the call ends."""
+
+    max_sequences: int = Field(default=1024, ge=1)
+    """Most sequences under way at once per sequence model (Triton's ``sequence_batching``);
+    a request starting one more gets 503 until one ends or is released idle."""
+
+    max_sequence_id_bytes: int = Field(default=256, ge=1, le=65536)
+    """Longest string sequence id (correlation id, UTF-8 bytes) a request may name; a longer
+    one gets 400. Triton documents no bound; nograd keeps each id as long as its sequence lives."""
+
+    # --- Connections ---
+
+    max_connections: int = Field(default=1024, ge=1)
+    """Most connections one server process (each worker of several) holds open on each of
+    its HTTP and gRPC ports; one more is answered at once (HTTP: 503 with Retry-After; gRPC: a
+    GOAWAY, UNAVAILABLE to the client) and closed, before its request is read. Real
+    clients keep pools of tens of keep-alive connections; the cap bounds the file descriptors
+    and memory that many idle or slow ones can take (the process's open-file limit is raised
+    to fit when it can be)."""
+
     header_timeout_s: float = Field(default=10.0, gt=0, le=3600)
     """Longest a request's head (request line and headers) may take to arrive, from its first
     byte (from the connection's opening, for its first request); past it the connection gets
@@ -253,14 +297,6 @@ class Settings(BaseSettings):
     """Largest request head (request line and headers) accepted; a larger one gets 431 and the
     connection is closed. 32 KiB holds long bearer tokens and cookies with room to spare, twice
     what Node.js and h11 allow by default."""
-
-    max_connections: int = Field(default=1024, ge=1)
-    """Most connections one server process (each worker of several) holds open on each of
-    its HTTP and gRPC ports; one more is answered at once (HTTP: 503 with Retry-After; gRPC: a
-    GOAWAY, UNAVAILABLE to the client) and closed, before its request is read. Real
-    clients keep pools of tens of keep-alive connections; the cap bounds the file descriptors
-    and memory that many idle or slow ones can take (the process's open-file limit is raised
-    to fit when it can be)."""
 
     grpc_max_concurrent_streams: int = Field(default=256, ge=1, le=2**31 - 1)
     """Most streams (calls) one gRPC connection holds open at once, advertised to the client as
@@ -293,19 +329,33 @@ class Settings(BaseSettings):
     (``ENHANCE_YOUR_CALM``) and what it held freed. A connection whose client reads nothing
     from the socket this long is closed."""
 
-    max_queued_responses: int = Field(default=64, ge=1)
-    """Most responses of one request to a decoupled model waiting to be sent: the model's
-    ``send`` waits while this many are queued, until one is sent or the call ends."""
+    # --- Keys and access ---
 
-    max_request_rows: int = Field(default=4096, ge=1)
-    """Most rows (samples) one inference request may carry; more get 422."""
+    api_keys: SecretStr | None = None
+    """Comma-separated API keys; when set, inference, metadata and management routes need
+    ``Authorization: Bearer <key>`` (or an operator key); they do not open the operator groups
+    (``operator_apis``). Never logged."""
 
-    max_text_bytes: int = Field(default=64 * 1024, ge=1)
-    """Longest single text (BYTES element) accepted; longer ones get 422."""
+    operator_api_keys: SecretStr | None = None
+    """Comma-separated operator keys: the only keys the operator API groups (``operator_apis``)
+    take, and accepted wherever an API key is. With API keys set and no operator key, the
+    operator groups are refused to every caller (403, PERMISSION_DENIED). Never logged."""
 
-    max_sequences: int = Field(default=1024, ge=1)
-    """Most sequences under way at once per sequence model (Triton's ``sequence_batching``);
-    a request starting one more gets 503 until one ends or is released idle."""
+    operator_apis: str = ",".join(OPERATOR_API_GROUPS)
+    """Comma-separated API groups that need an operator key, by Triton's names:
+    ``model-repository`` (load, unload, uploads, repository index, TorchServe's management API),
+    ``shared-memory`` (registering, unregistering and status of regions), ``trace`` and
+    ``logging`` (their settings). Empty: API keys open every group, as before operator keys
+    existed."""
+
+    auth_health: bool = False
+    """Also require an API key on health: HTTP's ``/v2/health/*``; gRPC's ``ServerLive``,
+    ``ServerReady`` and grpc.health.v1."""
+
+    auth_metrics: bool = False
+    """Also require an API key on /metrics (and on the metrics port)."""
+
+    # --- Shared memory ---
 
     shared_memory: bool = True
     """Serve Triton's shared-memory extensions (system and CUDA regions). Off: their routes and
@@ -327,31 +377,16 @@ class Settings(BaseSettings):
     (``nograd_`` for instance); empty: any object in /dev/shm the server may open. A key
     outside it gets the same answer as a missing object."""
 
-    max_sequence_id_bytes: int = Field(default=256, ge=1, le=65536)
-    """Longest string sequence id (correlation id, UTF-8 bytes) a request may name; a longer
-    one gets 400. Triton documents no bound; nograd keeps each id as long as its sequence lives."""
+    # --- Logs, metrics and traces ---
 
-    drain_timeout_s: float = Field(default=30.0, ge=0)
-    """On SIGTERM, how long accepted requests may take to finish before the process exits."""
+    log_level: LogLevel = "info"
+    """Log level of nograd and uvicorn. Below ``debug`` the libraries' own INFO lines and
+    warnings are held back; ``debug`` brings them back."""
 
-    api_keys: SecretStr | None = None
-    """Comma-separated API keys; when set, inference and metadata routes need ``Authorization:
-    Bearer <key>`` (or an operator key); not the operator groups' (``operator_apis``)."""
-
-    operator_api_keys: SecretStr | None = None
-    """Comma-separated operator keys: the only keys the operator API groups (``operator_apis``)
-    take, and accepted wherever an API key is. With API keys set and no operator key, the
-    operator groups are refused to every caller (403, PERMISSION_DENIED). Never logged."""
-
-    operator_apis: str = ",".join(OPERATOR_API_GROUPS)
-    """Comma-separated API groups that need an operator key (``OPERATOR_API_GROUPS``). Empty:
-    API keys open every group, as before operator keys existed."""
-
-    auth_health: bool = False
-    """Also require an API key on the health routes."""
-
-    auth_metrics: bool = False
-    """Also require an API key on /metrics."""
+    log_format: LogFormat | None = None
+    """Log line format: one JSON object per line (for log shippers; a table, such as the
+    start-up summary, one object per row), or plain text (tables aligned). Unset: text when
+    stderr is a terminal, JSON otherwise."""
 
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
     """Serve /metrics on this separate port as well (e.g. one not exposed outside the pod)."""
@@ -511,3 +546,136 @@ class Settings(BaseSettings):
                 "health checks, and health calls for inference on every connection"
             )
         return self
+
+
+class SettingGroup(NamedTuple):
+    """One section of the settings, as ``nograd --help`` and docs/configuration.md show it."""
+
+    title: str
+    about: str
+    """What the section's settings decide, in a sentence; pages named as ``docs/<page>.md``."""
+    fields: tuple[str, ...]
+
+
+SETTING_GROUPS: tuple[SettingGroup, ...] = (
+    SettingGroup(
+        "Network",
+        "Where the server listens, and the name it reports.",
+        ("host", "port", "grpc_port", "server_name"),
+    ),
+    SettingGroup(
+        "Models and repository",
+        "What is served (docs/models.md), how the set changes while serving "
+        "(docs/protocols.md#model-control-load-unload-hot-reload), and the engines the models run "
+        "on (docs/engines.md).",
+        (
+            "model_repository",
+            "model_control",
+            "load_models",
+            "repository_poll_s",
+            "max_loaded_models",
+            "model_uploads",
+            "max_uploads",
+            "max_upload_bytes",
+            "max_archive_bytes",
+            "max_archive_members",
+            "engine",
+            "engine_cache",
+            "warmup",
+        ),
+    ),
+    SettingGroup(
+        "Models loaded on demand",
+        "With ``model_control = on_demand``: the memory the resident models share, and what is "
+        "evicted when (docs/residency.md).",
+        ("memory_limit_bytes", "warm_evicted_bytes", "eviction_grace_ms", "max_pending_loads"),
+    ),
+    SettingGroup(
+        "Batching and memory",
+        "Server-wide batch limits, each replacing every model's own when set "
+        "(docs/configuration.md#server-wide-settings-and-a-models-own), and the memory batches may "
+        "use (docs/batching.md#batches-sized-to-fit-device-memory).",
+        (
+            "max_batch_size",
+            "max_queue_delay_ms",
+            "max_queue_size",
+            "memory_fraction",
+            "memory_budget_bytes",
+        ),
+    ),
+    SettingGroup(
+        "Workers and processes",
+        "The server processes, the cores their forwards use, and the stop (docs/workers.md).",
+        ("workers", "torch_threads", "share_cores", "drain_timeout_s"),
+    ),
+    SettingGroup(
+        "Requests and admission",
+        "What one request may carry, and when the server refuses one more at once "
+        "(docs/reliability.md#what-a-client-can-make-the-server-hold).",
+        (
+            "request_timeout_s",
+            "max_requests_in_flight",
+            "max_queue_wait_s",
+            "max_request_bytes",
+            "max_decoded_bytes",
+            "max_body_bytes_in_flight",
+            "max_request_rows",
+            "max_text_bytes",
+            "max_queued_responses",
+            "max_sequences",
+            "max_sequence_id_bytes",
+        ),
+    ),
+    SettingGroup(
+        "Connections",
+        "What a client's connections may hold, and how long they may stall, over HTTP and gRPC "
+        "(docs/reliability.md#slow-clients-and-connection-limits).",
+        (
+            "max_connections",
+            "header_timeout_s",
+            "body_timeout_s",
+            "max_header_bytes",
+            "grpc_max_concurrent_streams",
+            "grpc_max_health_calls",
+            "grpc_max_health_watches",
+            "grpc_max_unsent_stream_bytes",
+            "grpc_max_unsent_connection_bytes",
+            "grpc_unsent_timeout_s",
+        ),
+    ),
+    SettingGroup(
+        "Keys and access",
+        "The bearer keys of the APIs and of the operator API groups "
+        "(docs/protocols.md#operator-keys).",
+        ("api_keys", "operator_api_keys", "operator_apis", "auth_health", "auth_metrics"),
+    ),
+    SettingGroup(
+        "Shared memory",
+        "Triton's shared-memory extensions (docs/reliability.md#shared-memory).",
+        ("shared_memory", "max_shared_memory_regions", "shared_memory_key_prefix"),
+    ),
+    SettingGroup(
+        "Logs, metrics and traces",
+        "What the server logs (docs/deployment.md#logs) and exports (docs/metrics.md); the trace "
+        "settings are the start-up values the trace extension changes at run time "
+        "(docs/protocols.md#trace-and-logging-extensions).",
+        (
+            "log_level",
+            "log_format",
+            "metrics_port",
+            "trace_mode",
+            "trace_file",
+            "trace_level",
+            "trace_rate",
+            "trace_count",
+            "trace_log_frequency",
+            "trace_file_max_bytes",
+            "trace_max_files",
+            "otlp_endpoint",
+            "otlp_export_delay_ms",
+            "otlp_max_queue_size",
+            "otlp_timeout_s",
+        ),
+    ),
+)
+"""Every setting in exactly one section, in the order of the class body (a test holds both)."""

@@ -112,7 +112,7 @@ def phase_archives(bench: Bench) -> None:
             bench.note(record["refused"])
             return
         bench.step("archives: compare answers")
-        check = compare_answers(_answers(nograd, wl), _answers(torchserve, wl))
+        check = compare_answers(answers_of(nograd, wl), answers_of(torchserve, wl))
         record["check"] = check
         if check["same"] != check["requests"]:
             record["refused"] = f"answers differ from nograd's: {check['first_difference']}"
@@ -136,7 +136,7 @@ def _send(server: Server, wl: workloads.Workload, body: bytes) -> Answer:
     )
 
 
-def _answers(server: Server, wl: workloads.Workload) -> list[Answer]:
+def answers_of(server: Server, wl: workloads.Workload) -> list[Answer]:
     """``server``'s answer to every body of the workload, ``CHECK_THREADS`` at a time."""
     with ThreadPoolExecutor(CHECK_THREADS) as pool:
         return list(pool.map(lambda body: _send(server, wl, body), wl.bodies))

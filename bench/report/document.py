@@ -13,6 +13,7 @@ from bench.report.paired import paired_section
 from bench.report.peers import peers_section
 from bench.report.profile import profile_section
 from bench.report.residency import residency_section
+from bench.report.revisions import revisions_section
 from bench.report.runs import (
     closed_loop_section,
     every_run_section,
@@ -32,6 +33,7 @@ def markdown(results: dict[str, Any]) -> str:
     c = plan["concurrency"]
     tag = f"{results['meta']['cores']} cores"
     parts = header_section(results)
+    parts += revisions_section(results, tag)
     parts += peers_section(results, tag)
     parts += archives_section(results, tag)
     parts += residency_section(results, tag)

@@ -308,7 +308,7 @@ class MiniLMHandler(ModelHandler):
 
     def __init__(
         self,
-        module: torch.nn.Module,
+        module: torch.nn.Module | None,
         config: ModelConfig,
         device: torch.device,
         tokenizer: Tokenizer,
@@ -376,7 +376,8 @@ class MiniLMHandler(ModelHandler):
         self, batch: Mapping[str, torch.Tensor], packed: bool
     ) -> Mapping[str, torch.Tensor]:
         mask = batch["attention_mask"]
-        embedding = self.module(*(batch[name] for name in TOKEN_TENSORS), packed=packed)
+        encoder = self.eager_module()
+        embedding = encoder(*(batch[name] for name in TOKEN_TENSORS), packed=packed)
         return {EMBEDDING_OUTPUT: embedding, TOKEN_COUNT_OUTPUT: mask.sum(dim=1, keepdim=True)}
 
 
@@ -421,17 +422,18 @@ def build_handler(
     model_dir: Path,
     config: ModelConfig,
     device: torch.device,
-    module: torch.nn.Module | None = None,
+    engine: object | None = None,
 ) -> MiniLMHandler:
     """Called by the server; the loader then moves the module to ``device``.
 
-    ``module`` is given when an artifact (an ONNX file, an exported program) runs the forward:
-    this handler then only tokenises and names the outputs, and the BERT weights are not loaded.
+    ``engine`` is given when an artifact (an ONNX file, an exported program) runs the forward:
+    this handler then only tokenises and names the outputs, has no eager module, and the BERT
+    weights are not loaded.
     """
     del model_dir  # Weights and tokenizer live in the package; nothing else is needed here.
     _check_config(config)
     source = package_model_dir()
     max_length = max_seq_length(source)
     tokenizer = load_tokenizer(source, max_length)
-    encoder = module if module is not None else PackedEncoder(load_bert(source)).eval()
+    encoder = None if engine is not None else PackedEncoder(load_bert(source)).eval()
     return MiniLMHandler(encoder, config, device, tokenizer, max_length)

@@ -37,6 +37,9 @@ class EngineRow:
     buildable: bool = True
     """nograd builds its artifact from a python model (``engine``, ``nograd export --to``); False:
     a format nograd only serves as it is brought."""
+    eager_forward: bool = False
+    """Its artifact loads as a torch module, which may stand as the eager forward that other
+    engines are built from and checked against (a config of that format may opt in to one)."""
 
 
 ENGINES: Final[tuple[EngineRow, ...]] = (
@@ -55,7 +58,12 @@ ENGINES: Final[tuple[EngineRow, ...]] = (
         auto_default=True,
     ),
     EngineRow("onnx-int8", ".onnx", "nograd.runtime.engines.onnx:ONNX_INT8", int8_of="onnx"),
-    EngineRow("torchscript", ".pt", "nograd.runtime.engines.torchscript:TORCHSCRIPT"),
+    EngineRow(
+        "torchscript",
+        ".pt",
+        "nograd.runtime.engines.torchscript:TORCHSCRIPT",
+        eager_forward=True,
+    ),
 )
 
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import functools
 import importlib
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import Final, Protocol, runtime_checkable
+from typing import Final, Protocol, cast, runtime_checkable
 
 from nograd.formats.source import ModelSource, Override
 from nograd.schema.config import ModelConfig
@@ -43,12 +43,42 @@ class Format(Protocol):
         ``function(repository, model_dir, config, device)``; imported only where models run."""
         ...
 
+    @property
+    def warmup(self) -> str | None:
+        """``module:function`` run on a model of this format once it is built, called as
+        ``function(handler, model_dir)`` (a failure fails the load); None: the format has no
+        warm-up of its own."""
+        ...
+
+    @property
+    def refuses_rows_over_batch_limit(self) -> bool:
+        """Whether a request with more rows than the model's ``max_batch_size`` is refused (as
+        Triton does), rather than split across batches (as nograd's own models are)."""
+        ...
+
+    @property
+    def shape_refusal_note(self) -> str:
+        """What this format's server adds to a shape refusal for a model with a batch
+        dimension; empty for none."""
+        ...
+
     def recognises(self, entry: Path) -> bool:
         """Whether ``entry`` (a folder or file directly in the repository) is one of its models."""
         ...
 
+    def reads(self, config: ModelConfig) -> bool:
+        """Whether ``config`` was read from one of its entries, so that the format's refusals,
+        warm-up and label apply to the model (a config this format reads may still be served by
+        another's runner, as Triton's ONNX models are by nograd's)."""
+        ...
+
     def serves(self, config: ModelConfig) -> bool:
-        """Whether ``config`` was read by this format, so that its runner builds the model."""
+        """Whether its runner builds the model of ``config`` (one it read, or one read into its
+        kind by another format)."""
+        ...
+
+    def label(self, config: ModelConfig) -> str:
+        """What a model of this format was served from, as the start-up summary names it."""
         ...
 
 
@@ -87,6 +117,26 @@ def every_format() -> tuple[Format, ...]:
 def format_of(entry: Path) -> Format | None:
     """The format of repository entry ``entry``; None when no format recognises it."""
     return next((fmt for fmt in every_format() if fmt.recognises(entry)), None)
+
+
+def reading_format(config: ModelConfig) -> Format:
+    """The format that read ``config``: whose refusals, warm-up and label apply to its model."""
+    for fmt in every_format():
+        if fmt.reads(config):
+            return fmt
+    raise UnknownFormat(f"model {config.name!r}: no format reads format {config.format!r}")
+
+
+Warmup = Callable[..., None]
+"""A format's warm-up, ``function(handler, model_dir)``: typed loosely, as this table knows no
+handler (the runtime's)."""
+
+
+@functools.cache
+def format_warmup(row: str) -> Warmup:
+    """The warm-up function row ``row`` (``Format.warmup``) names, imported on first use."""
+    module_name, _, attribute = row.partition(":")
+    return cast(Warmup, getattr(importlib.import_module(module_name), attribute))
 
 
 def serving_format(config: ModelConfig) -> Format:

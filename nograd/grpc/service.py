@@ -6,7 +6,6 @@ through the same serving core, so one batch may mix HTTP and gRPC requests. Serv
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Awaitable, Callable
 from typing import Any, Final, TypeVar
 
@@ -22,7 +21,16 @@ from nograd.grpc.generated import grpc_service_pb2 as pb
 from nograd.grpc.rpc import CallContext
 from nograd.grpc.shared_memory import SharedMemoryRpcs
 from nograd.grpc.stream_infer import StreamInferRpcs
-from nograd.grpc.tensors import class_counts, encode_outputs, read_inputs, sequence_parameters
+from nograd.grpc.tensors import (
+    class_counts,
+    encode_outputs,
+    plain,
+    read_inputs,
+    sequence_parameters,
+)
+from nograd.grpc.versions import requested_version
+from nograd.protocol.request_timeout import PARAMETER as TIMEOUT
+from nograd.protocol.request_timeout import timeout_s
 from nograd.serving import documents
 from nograd.serving.access import LOGGING, MODEL_REPOSITORY, SHARED_MEMORY, TRACE
 from nograd.serving.calls import Call, classified
@@ -30,7 +38,6 @@ from nograd.serving.control_calls import load_model, unload_parameters
 from nograd.serving.core import Core
 from nograd.serving.errors import (
     DeadlineExceeded,
-    InvalidInput,
     Kind,
     ModelNotFound,
     kind_of,
@@ -42,32 +49,6 @@ logger = logging.getLogger(__name__)
 PROTOCOL: Final = "grpc"
 EXTENSIONS: Final = list(documents.EXTENSIONS)
 METHOD_PREFIX: Final = "/inference.GRPCInferenceService/"
-
-_VERSION_PREFIX: Final = re.compile(r"[ \t\n\v\f\r]*([+-]?[0-9]+)")
-"""What C's ``std::stol`` reads of a version string, as Triton's ``GetModelVersionFromString``
-reads it (leading blanks, a sign, digits; the rest ignored)."""
-_LONG_MAX: Final = 2**63 - 1
-
-
-def requested_version(text: str) -> str | None:
-    """A call's ``model_version`` as Triton reads it: empty is the model's default (None), else
-    the number its digits begin with; one that is no number, or a negative one, is refused with
-    Triton's words (its explicit-content example client checks them)."""
-    if not text:
-        return None
-    found = _VERSION_PREFIX.match(text)
-    digits = found[1].lstrip("+-").lstrip("0") if found is not None else ""
-    if found is None or len(digits) > len(str(_LONG_MAX)) or abs(int(found[1])) > _LONG_MAX:
-        raise InvalidInput(
-            f"failed to get model version from specified version string '{text}' (details: "
-            "stol), version should be an integral value > 0"
-        )
-    version = int(found[1])
-    if version < 0:
-        raise InvalidInput(
-            f"invalid model version specified '{text}' , version should be an integral value > 0"
-        )
-    return str(version)
 
 
 OPERATOR_RPCS: Final = {
@@ -295,9 +276,8 @@ class InferenceService(DiagnosticsRpcs, SharedMemoryRpcs, StreamInferRpcs):
             if remaining is not None and remaining <= 0:
                 raise DeadlineExceeded("the call's deadline (grpc-timeout) passed before it ran")
             call.timeout_s = remaining
-            parameter = request.parameters.get("timeout")
-            if parameter is not None and parameter.int64_param > 0:
-                call.shorten_deadline(parameter.int64_param / 1e6)
+            # Triton's ``timeout`` parameter: the request's deadline, before its model loads.
+            call.shorten_deadline(timeout_s(plain(request.parameters).get(TIMEOUT)))
             sequence = sequence_request(sequence_parameters(request))
             name, version = request.model_name, requested_version(request.model_version)
             await calls.resident(call, name)

@@ -24,7 +24,8 @@ from nograd.grpc.failures import client_message
 from nograd.grpc.generated import grpc_service_pb2 as pb
 from nograd.grpc.rpc import CallContext
 from nograd.grpc.tensors import encode_outputs, sequence_parameters
-from nograd.serving.calls import Calls
+from nograd.grpc.versions import requested_version
+from nograd.serving.calls import Call, Calls
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.errors import Kind, kind_of
 from nograd.serving.sequences import Place, sequence_request
@@ -74,10 +75,11 @@ class StreamInferRpcs:
             room.release()
 
         async def serve(request: Any, place: Place | None) -> None:
-            if not self._decoupled(request):
-                await answers.put(await self._stream_one(request, context, place))
+            call = self._calls.open(PROTOCOL, TARGET)
+            if not self._decoupled(call, request):
+                await answers.put(await self._stream_one(call, request, context, place))
                 return
-            async for answer in self._stream_decoupled(request, context, place):
+            async for answer in self._stream_decoupled(call, request, context, place):
                 await answers.put(answer)
 
         async def take() -> None:
@@ -106,27 +108,31 @@ class StreamInferRpcs:
         """The request's place among its sequence's requests, taken as the stream reads it;
         None when it names none (a request refused here is refused again when served)."""
         try:
-            model = self._plane.registry.get(request.model_name, request.model_version or None)
             sequence = sequence_request(sequence_parameters(request))
+            if not sequence.id:
+                return None  # the model is looked up once, when the request is served
+            model = self._plane.get(request.model_name, requested_version(request.model_version))
         except Exception:
             return None
         return self._calls.sequences.take_place(model, sequence)
 
-    def _decoupled(self, request: Any) -> bool:
+    def _decoupled(self, call: Call, request: Any) -> bool:
+        """Whether the request's model answers 0..n responses; the version found is the one
+        ``call`` serves (``Calls.served``)."""
         try:
-            model = self._plane.registry.get(request.model_name, request.model_version or None)
+            name, version = request.model_name, requested_version(request.model_version)
+            model = self._calls.served(call, name, version)
         except Exception:
             return False  # refused as ModelInfer refuses it
         return model.config.decoupled
 
     async def _stream_decoupled(
-        self, request: Any, context: CallContext, place: Place | None
+        self, call: Call, request: Any, context: CallContext, place: Place | None
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         """A decoupled model's 0..n responses to one request, each sent as it comes; with
         Triton's ``triton_enable_empty_final_response``, each says whether it is the last and
         the final flag without a response is sent too."""
         calls = self._calls
-        call = calls.open(PROTOCOL, TARGET)
         call.model = calls.label(request.model_name)
         flagged = request.parameters.get("triton_enable_empty_final_response")
         mark_final = flagged is not None and flagged.bool_param
@@ -158,10 +164,9 @@ class StreamInferRpcs:
             calls.close(call, 200 if kind is None else kind.status)
 
     async def _stream_one(
-        self, request: Any, context: CallContext, place: Place | None
+        self, call: Call, request: Any, context: CallContext, place: Place | None
     ) -> pb.ModelStreamInferResponse:
         calls = self._calls
-        call = calls.open(PROTOCOL, TARGET)
         call.model = calls.label(request.model_name)
         kind: Kind | None = Kind.CLIENT_GONE
         try:

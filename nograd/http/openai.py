@@ -205,7 +205,7 @@ async def _embeddings(calls: Calls, call: Call, body: EmbeddingRequest) -> bytes
     """The response body; raises on any error."""
     texts = _texts(body)
     await calls.resident(call, body.model)
-    spec = _as_embeddings_model(calls.plane.get(body.model))
+    spec = _as_embeddings_model(calls.served(call, body.model, None))
     if body.dimensions is not None and body.dimensions != spec.dimensions:
         raise _ClientError(
             400,

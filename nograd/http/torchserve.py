@@ -7,11 +7,10 @@ from __future__ import annotations
 import json
 from typing import Any, Final
 
-import numpy as np
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel
 
-from nograd.core.handler_messages import RAW_FIELD, HandlerAnswer
+from nograd.core.handler_messages import HandlerAnswer
 from nograd.formats.torchserve.api.documents import (
     DescribeDefaults,
     archive_of,
@@ -85,7 +84,7 @@ async def predictions_call(
         call.model = calls.label(name)
         try:
             await calls.resident(call, name)
-            model = calls.plane.get(name)
+            model = calls.served(call, name, None)
         except ModelNotFound:
             return _error(404, f"Model not found: {name}")
         missing = _version_missing(model, name, version)
@@ -94,10 +93,7 @@ async def predictions_call(
         if archive_of(model) is None:
             return _error(400, f"Model {name} is not a TorchServe archive; use /v2/models/{name}")
         body = await incoming.body()
-        inputs = np.empty(1, dtype=np.object_)
-        inputs[0] = handler_request(body, incoming.headers)
-        _, outputs = await calls.infer(call, name, None, {RAW_FIELD: inputs}, handler_answers=True)
-        answer: HandlerAnswer = outputs["answer"][0]
+        answer = await calls.predict(call, name, handler_request(body, incoming.headers))
         if answer.failed:
             return _handler_failure(answer)
         return Reply(answer.status, answer.body, answer.content_type)

@@ -10,7 +10,6 @@ import numpy as np
 from fastapi import APIRouter, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
-from nograd.core.errors import DecodeError
 from nograd.http.errors import error_body, error_headers
 from nograd.http.exchange import (
     Incoming,
@@ -25,6 +24,8 @@ from nograd.http.state import calls_of, dataplane_of
 from nograd.protocol import binary
 from nograd.protocol import shared_memory as shm
 from nograd.protocol.limits import OFFLOAD_DECODE_BYTES
+from nograd.protocol.request_timeout import PARAMETER as TIMEOUT
+from nograd.protocol.request_timeout import timeout_s
 from nograd.protocol.v2 import (
     InferRequest,
     declared_inputs,
@@ -209,16 +210,6 @@ def _placed_inputs(document: Any) -> list[tuple[Any, Mapping[str, Any]]]:
     return [(datatype, parameters) for datatype, parameters in each if isinstance(parameters, dict)]
 
 
-def _timeout_s(parameters: Mapping[str, Any]) -> float | None:
-    """Triton's per-request ``timeout`` parameter, in microseconds; 0 or absent: the default."""
-    value = parameters.get("timeout")
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise DecodeError(f"parameter 'timeout' must be a non-negative integer (µs), got {value!r}")
-    return value / 1e6 if value else None
-
-
 ENSEMBLE_PARAMETERS: Final = {"sequence_id": 0, "sequence_start": False, "sequence_end": False}
 
 
@@ -268,7 +259,7 @@ async def infer_call(incoming: Incoming, calls: Calls, name: str, version: str |
             # Triton's ``timeout`` parameter: the request's deadline, before its model loads.
             parameters = document.get("parameters") if isinstance(document, dict) else None
             if isinstance(parameters, dict):
-                call.shorten_deadline(_timeout_s(parameters))
+                call.shorten_deadline(timeout_s(parameters.get(TIMEOUT)))
             await calls.resident(call, name)
             call.model = calls.label(name)
 
@@ -283,7 +274,6 @@ async def infer_call(incoming: Incoming, calls: Calls, name: str, version: str |
             regions,
         )
         call.adopt_request_id(decoded.id)
-        call.shorten_deadline(_timeout_s(decoded.parameters))
         sequence = sequence_request(decoded.parameters)
         model, outputs = await calls.infer(
             call, name, version, decoded.inputs, decoded.id, sequence=sequence

@@ -3,17 +3,16 @@
 ``ModelHandler`` is the default for plain tensor models; a model folder may subclass it (for
 example to tokenise text in ``prepare``) by exposing ``build_handler`` in its module.
 ``TorchRunner`` adapts a handler to the batcher's ``Runner`` protocol. A speed mode (see
-``nograd/runtime/speed/``) plugs in as the handler's ``speed_path``: fixed batch shapes to pad to
-and
-the forward to call.
+``nograd/runtime/speed/``) or an engine plugs in as the handler's ``speed_path``: fixed batch
+shapes to pad to and the forward to call. Models that are not torch forwards run their batches
+themselves (``nograd.runtime.runners.RequestRunner``).
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Final, Protocol, cast
+from typing import Any, ClassVar, Final, Protocol
 
 import numpy as np
 import torch
@@ -23,7 +22,6 @@ import torch
 from numpy.random import Generator, default_rng
 
 from nograd.core.datatypes import NUMPY_DTYPES, TABLE
-from nograd.host.ledger import CoreLedger
 from nograd.runtime.memory import is_out_of_memory
 from nograd.schema.config import ModelConfig, TensorSpec
 from nograd.schema.sequence_config import hidden_inputs, state_outputs
@@ -34,10 +32,6 @@ Outputs = dict[str, np.ndarray]
 TORCH_DTYPES: Final[dict[str, torch.dtype]] = {
     row.name: getattr(torch, row.torch) for row in TABLE if row.torch is not None
 }
-WIDE_FORWARD_S: Final = 0.003
-"""With shared cores, a batch runs on more than one thread only when the model's last batch took
-this long: sub-millisecond forwards gain nothing from a second thread, whose spinning between ops
-takes the core the event loop and the client need."""
 PRECISION_DTYPES: Final[dict[str, torch.dtype]] = {
     "fp32": torch.float32,
     "bf16": torch.bfloat16,
@@ -107,18 +101,21 @@ class ModelHandler:
     a batch of tokens at this length. Sequence models set it; others leave it None."""
 
     synthetic_inputs: bool = True
-    """False when ``example`` cannot make inputs the model reads, or for code that is opaque and
-    may act on what it receives (a TorchServe handler without a sample request; Triton's Python
-    backend): such a model runs on requests only, never on synthetic batches (no warm-up, memory
-    profile or engine choice), and its batch limit is its config's."""
+    """False when ``example`` cannot make inputs the model reads: such a model runs on requests
+    only, never on synthetic batches (no warm-up, memory profile or engine choice), and its batch
+    limit is its config's (as a ``RequestRunner``'s is by default)."""
 
     prepare_offload: ClassVar[bool] = False
     """True when ``prepare`` is heavy (tokenising, decoding): the data plane runs it in a thread
     for requests above ``nograd.serving.validation.INLINE_PREPARE_BYTES``, on the event loop
     below."""
 
-    def __init__(self, module: torch.nn.Module, config: ModelConfig, device: torch.device) -> None:
+    def __init__(
+        self, module: torch.nn.Module | None, config: ModelConfig, device: torch.device
+    ) -> None:
         self.module = module
+        """The eager forward's module; None when an engine holds the weights and runs every
+        batch (an artifact, or the engines chosen at load serving every batch size)."""
         self.config = config
         self.device = device
         self.compute_dtype = torch.float32
@@ -136,15 +133,13 @@ class ModelHandler:
     # ----------------------------------------------------------------- request path (any thread)
     def prepare(self, inputs: Mapping[str, np.ndarray]) -> TensorPart:
         """Model-specific conversion of validated inputs; runs before queueing, off the device."""
-        rows = len(next(iter(inputs.values())))
-        return TensorPart(dict(inputs), rows, self._length_of(inputs))
+        return tensor_part(inputs, self._inputs.values())
 
-    def _length_of(self, inputs: Mapping[str, np.ndarray]) -> int:
-        for name, spec in self._inputs.items():
-            for axis, dim in enumerate(spec.shape):
-                if dim == -1 and name in inputs:  # an optional input may be left out
-                    return int(inputs[name].shape[axis + 1])
-        return 1
+    @property
+    def weights_bytes(self) -> int:
+        """Bytes held by the module's parameters and buffers: what the model costs before any
+        batch (0 without a module: its engine's weights are counted with the engine)."""
+        return 0 if self.module is None else module_bytes(self.module)
 
     def example(self, rows: int, length: int = 1, seed: int = 0) -> TensorPart:
         """Synthetic inputs for warmup and memory profiling; variable dimensions get ``length``.
@@ -160,15 +155,8 @@ class ModelHandler:
         return self.prepare(tensors)
 
     # ----------------------------------------------------------------- device thread
-    def run_requests(self, parts: Sequence[TensorPart]) -> list[Outputs | BaseException] | None:
-        """Each part's outcome when the model takes the batch's requests as they came (Triton's
-        Python backend), a failure answering its own request only; None (the default): the batch
-        runs as one forward (``collate``, ``forward``, ``to_numpy``)."""
-        return None
-
     def close(self) -> None:
-        """Release what the model holds beyond its memory (Triton's ``finalize``), when its
-        version is freed."""
+        """Release what the model holds beyond its memory, when its version is freed."""
 
     def collate(self, parts: Sequence[TensorPart]) -> dict[str, torch.Tensor]:
         """Concatenate parts along the batch dimension, padding variable dimensions with zeros.
@@ -202,8 +190,17 @@ class ModelHandler:
         return batch
 
     def forward(self, batch: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
-        result = self.module(**batch)
+        result = self.eager_module()(**batch)
         return self._name_outputs(result)
+
+    def eager_module(self) -> torch.nn.Module:
+        """The module the eager forward runs; an error for a model whose engine runs every
+        batch (no eager module)."""
+        if self.module is None:
+            raise RuntimeError(
+                f"model {self.config.name!r} has no eager module: its engine runs every batch"
+            )
+        return self.module
 
     def traced_forward(self, batch: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         """The forward an engine's artifact captures (``nograd/runtime/engines/``): the same
@@ -244,48 +241,37 @@ class ModelHandler:
         return arrays
 
 
-class TorchRunner:
+class RunnerBase:
+    """What every runner of a model's batches does alike: a part's row slices joined back, out of
+    memory recognised, the device's cached blocks handed back after one."""
+
+    device: torch.device
+
+    def concat(self, results: Sequence[Outputs]) -> Outputs:
+        return concat_outputs(results)
+
+    def is_out_of_memory(self, exc: BaseException) -> bool:
+        return is_out_of_memory(exc)
+
+    def release_memory(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+class TorchRunner(RunnerBase):
     """The batcher's ``Runner`` for torch: collate, forward under inference_mode, fan out.
 
     ``path``: the forward to run, when not the handler's own ``speed_path`` (the engine choice
     times, and the memory plan measures, one engine at a time without touching the handler).
+    Sharing the cores with other workers is ``nograd.runtime.runners.SharedCoresRunner``'s.
     """
 
-    def __init__(
-        self,
-        handler: ModelHandler,
-        cores: CoreLedger | None = None,
-        path: SpeedPath | None = None,
-    ) -> None:
+    def __init__(self, handler: ModelHandler, path: SpeedPath | None = None) -> None:
         self.handler = handler
         self.device = handler.device
         self._path = path
-        self._cores = cores if handler.device.type == "cpu" else None
-        self._seconds = float("inf")
-        """This model's last batch, timed when cores are shared; unknown counts as long."""
 
     def run_batch(self, parts: Sequence[TensorPart]) -> list[Outputs]:
-        cores = self._cores
-        if cores is None:
-            return self._run_batch(parts)
-        # Several workers share the cores (nograd/host/ledger.py): this batch's width is what
-        # the others leave free. A forward too short to gain from more threads keeps one.
-        threads = cores.acquire(None if self._seconds >= WIDE_FORWARD_S else 1)
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
-        started = time.perf_counter()
-        try:
-            return self._run_batch(parts)
-        finally:
-            cores.release()
-            self._seconds = time.perf_counter() - started
-
-    def _run_batch(self, parts: Sequence[TensorPart]) -> list[Outputs]:
-        answered = self.handler.run_requests(parts)
-        if answered is not None:
-            # A failed request's exception stands in its place: the batcher's recovery gives
-            # each part its own outcome, so the others are answered.
-            return cast(list[Outputs], answered)
         rows = [part.rows for part in parts]
         fast = self._fast()
         most = None if fast is None else fast.max_rows
@@ -308,15 +294,27 @@ class TorchRunner:
     def _fast(self) -> SpeedPath | None:
         return self.handler.speed_path if self._path is None else self._path
 
-    def concat(self, results: Sequence[Outputs]) -> Outputs:
-        return {name: np.concatenate([r[name] for r in results]) for name in results[0]}
 
-    def is_out_of_memory(self, exc: BaseException) -> bool:
-        return is_out_of_memory(exc)
+def tensor_part(inputs: Mapping[str, np.ndarray], specs: Iterable[TensorSpec]) -> TensorPart:
+    """Validated inputs as one request's part: its rows, and as its length the first variable
+    dimension of a declared input it carries (1 when none)."""
+    rows = len(next(iter(inputs.values())))
+    for spec in specs:
+        for axis, dim in enumerate(spec.shape):
+            if dim == -1 and spec.name in inputs:  # an optional input may be left out
+                return TensorPart(dict(inputs), rows, int(inputs[spec.name].shape[axis + 1]))
+    return TensorPart(dict(inputs), rows, 1)
 
-    def release_memory(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+
+def concat_outputs(results: Sequence[Outputs]) -> Outputs:
+    """The outputs of consecutive row slices of one part, as one part's."""
+    return {name: np.concatenate([r[name] for r in results]) for name in results[0]}
+
+
+def module_bytes(module: torch.nn.Module) -> int:
+    """Bytes held by a module's parameters and buffers."""
+    tensors = [*module.parameters(), *module.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def chunk_rows(parts: Sequence[TensorPart], most: int) -> list[list[TensorPart]]:

@@ -24,6 +24,7 @@ from nograd.runtime.engines.registry import open_engine
 from nograd.runtime.engines.signature import with_signature
 from nograd.runtime.engines.torchscript import ScriptedForward, TorchScriptPath
 from nograd.runtime.handler import ModelHandler
+from nograd.runtime.runners import Handler
 from nograd.runtime.shapes import ShapedHandler, needs_shaping
 from nograd.runtime.string_tensors import StringTensorHandler, has_strings
 from nograd.schema.config import ModelConfig, chooses_engine
@@ -41,7 +42,7 @@ class FormatRunner(Protocol):
 
     def __call__(
         self, repository: Path, model_dir: Path, config: ModelConfig, device: torch.device
-    ) -> ModelHandler: ...
+    ) -> Handler: ...
 
 
 def inside(root: Path, path: Path) -> Path:
@@ -115,7 +116,7 @@ def load_weights(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
 
 def build_handler(
     repository: Path, model_dir: Path, config: ModelConfig, device: torch.device
-) -> ModelHandler:
+) -> Handler:
     """The handler of the model ``config`` describes, built by the runner of the format that
     read it (``nograd.formats.table``): the runtime names no format."""
     return _runner(serving_format(config).runner)(repository, model_dir, config, device)
@@ -130,11 +131,11 @@ def _runner(row: str) -> FormatRunner:
 
 def build_artifact_handler(
     repository: Path, model_dir: Path, config: ModelConfig, device: torch.device
-) -> ModelHandler:
+) -> Handler:
     """The artifact, checked against ``artifact_sha256`` and opened by its engine; the handler
-    is the model code's ``build_handler(..., module=...)`` when ``module`` exists (its pre- and
-    post-processing), else the default one. The config's missing inputs and outputs are read
-    from the artifact."""
+    is the model code's ``build_handler(..., engine=...)`` when ``module`` exists (its pre- and
+    post-processing), else the default one, with no eager module: the engine holds the weights
+    and runs every batch. The config's missing inputs and outputs are read from the artifact."""
     assert config.artifact is not None  # the config refuses an artifact format without one
     path = inside(repository, locate(model_dir, config.artifact))
     if not path.is_file():
@@ -153,26 +154,24 @@ def build_artifact_handler(
             f"{path}: cannot load the {config.format} artifact: {type(exc).__name__}: "
             f"{first[0] if first else ''}"
         ) from exc
-    # The engine holds the weights; the handler's module is an empty placeholder.
-    placeholder = torch.nn.Module()
     code_path = locate(model_dir, config.module)
     if code_path.is_file():
         code = import_model_module(repository, model_dir, config)
         factory = getattr(code, "build_handler", None)
-        if factory is None or "module" not in inspect.signature(factory).parameters:
+        if factory is None or "engine" not in inspect.signature(factory).parameters:
             raise LoadError(
                 f"{code_path}: with format {config.format!r} the model code only supplies the "
-                "handler: define build_handler(model_dir, config, device, module)"
+                "handler: define build_handler(model_dir, config, device, engine)"
             )
-        handler = cast(ModelHandler, factory(model_dir, config, device, module=placeholder))
+        handler = cast(ModelHandler, factory(model_dir, config, device, engine=engine))
     elif has_strings(config):
         # No handler of its own turns its strings into tensors (a tokenizer): the model reads
         # them itself.
         return _string_handler(path, engine, config, device)
     elif needs_shaping(config):
-        handler = ShapedHandler(placeholder, config, device)
+        handler = ShapedHandler(None, config, device)
     else:
-        handler = ModelHandler(placeholder, config, device)
+        handler = ModelHandler(None, config, device)
     try:
         engine.check_inputs(handler)
     except ArtifactError as exc:
@@ -189,7 +188,7 @@ def build_artifact_handler(
 
 def _string_handler(
     path: Path, engine: object, config: ModelConfig, device: torch.device
-) -> ModelHandler:
+) -> StringTensorHandler:
     """A model with BYTES tensors: ONNX Runtime on numpy arrays, the only engine that takes
     strings (torch holds none)."""
     if not isinstance(engine, OnnxPath):
@@ -201,9 +200,3 @@ def _string_handler(
         return StringTensorHandler(engine, config, device)
     except ArtifactError as exc:
         raise LoadError(f"{path}: {exc}") from exc
-
-
-def weights_bytes(module: torch.nn.Module) -> int:
-    """Bytes held by parameters and buffers: what the model costs before any batch."""
-    tensors = [*module.parameters(), *module.buffers()]
-    return sum(t.numel() * t.element_size() for t in tensors)

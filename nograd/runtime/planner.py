@@ -20,7 +20,7 @@ import torch
 from nograd.core.units import format_bytes
 from nograd.host.heap import release_free_memory
 from nograd.runtime.engines.paths import EnginePath, serving_ranges
-from nograd.runtime.handler import ModelHandler, TensorPart, TorchRunner
+from nograd.runtime.handler import TensorPart
 from nograd.runtime.memory import (
     CostModel,
     CpuMemoryProbe,
@@ -40,6 +40,7 @@ from nograd.runtime.memory.fits import (
     VerifiedFit,
     verified_profile,
 )
+from nograd.runtime.runners import Handler, batch_runner
 
 logger = logging.getLogger(__name__)
 
@@ -103,19 +104,19 @@ class ModelPlan:
 @dataclass(frozen=True)
 class PlanInput:
     name: str
-    handler: ModelHandler
+    handler: Handler
     weights_bytes: int
     cap: int
     """``max_batch_size`` (samples) or ``max_batch_tokens`` (tokens): the limit's ceiling."""
 
 
-def max_sequence_length(handler: ModelHandler) -> int:
+def max_sequence_length(handler: Handler) -> int:
     """The longest sequence a token model reads (its truncation length), for budgeting: what the
     handler states, or a BERT-sized default for one that states none."""
     return handler.max_length or DEFAULT_MAX_SEQUENCE
 
 
-def profile_handler(handler: ModelHandler, probe: MemoryProbe, cap: int) -> RangedCost:
+def profile_handler(handler: Handler, probe: MemoryProbe, cap: int) -> RangedCost:
     """Peak activation bytes over a grid of batch shapes, fitted and checked, for each engine that
     serves a range of the handler's batch sizes; ``probe`` is the device's. Runs on the caller's
     (device) thread."""
@@ -132,11 +133,11 @@ def profile_handler(handler: ModelHandler, probe: MemoryProbe, cap: int) -> Rang
 
 
 def _profile_engine(
-    handler: ModelHandler, engine: EnginePath, probe: MemoryProbe, cap: int
+    handler: Handler, engine: EnginePath, probe: MemoryProbe, cap: int
 ) -> VerifiedFit:
     """``engine`` measured through its own probe over every batch size of the grid: a fit over
     sizes outside its range too is still that engine's cost, and needs no narrower grid."""
-    runner = TorchRunner(handler, path=engine)
+    runner = batch_runner(handler, path=engine)
     measured = engine.memory_probe(probe)
     ready: dict[tuple[int, int], list[TensorPart]] = {}
 

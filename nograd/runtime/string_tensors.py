@@ -4,9 +4,10 @@ run on numpy arrays, never through torch, which holds no strings.
 ONNX Runtime's Python API takes a string tensor as a numpy object array of ``str`` and gives one
 back; requests carry ``bytes``. The handler turns each request's BYTES into ``str`` (UTF-8,
 refusing what is not, before it queues), joins the requests the batcher took into one batch per
-input, runs the session once and gives each request its rows, its BYTES outputs as ``bytes``.
-Strings mean what the model reads in them, so it runs on requests (and Triton's ``model_warmup``)
-only: no synthetic batches, its batch limit its config's (``synthetic_inputs`` False).
+input, runs the session once and gives each request its rows, its BYTES outputs as ``bytes``: a
+``RequestRunner``, no torch anywhere on the way. Strings mean what the model reads in them, so it
+runs on requests (and Triton's ``model_warmup``) only: no synthetic batches, its batch limit its
+config's.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import torch
 from nograd.core.datatypes import NUMPY_DTYPES
 from nograd.runtime.engines.errors import ArtifactError
 from nograd.runtime.engines.onnx import OnnxPath
-from nograd.runtime.handler import ModelHandler, Outputs, TensorPart, split_rows
+from nograd.runtime.handler import Outputs, TensorPart, split_rows
+from nograd.runtime.runners import RequestRunner
 from nograd.schema.config import ModelConfig, TensorSpec
 
 
@@ -28,13 +30,11 @@ def has_strings(config: ModelConfig) -> bool:
     return any(spec.datatype == "BYTES" for spec in (*config.inputs, *config.outputs))
 
 
-class StringTensorHandler(ModelHandler):
+class StringTensorHandler(RequestRunner):
     """Runs an ONNX model's batches on host arrays through ``OnnxPath.run_arrays``."""
 
-    synthetic_inputs = False
-
     def __init__(self, engine: OnnxPath, config: ModelConfig, device: torch.device) -> None:
-        super().__init__(torch.nn.Module(), config, device)
+        super().__init__(config, device)
         inputs = sorted(spec.name for spec in config.inputs)
         if inputs != sorted(engine.inputs):
             raise ArtifactError(
@@ -45,7 +45,6 @@ class StringTensorHandler(ModelHandler):
             raise ArtifactError(f"the model gives no output named {missing}")
         self.engine = engine
         self.speed_path = engine
-        self.speed_mode = engine.name
 
     def prepare(self, inputs: Mapping[str, np.ndarray]) -> TensorPart:
         """BYTES inputs as object arrays of ``str``: a request whose bytes are not UTF-8 is
@@ -56,7 +55,7 @@ class StringTensorHandler(ModelHandler):
                 converted[spec.name] = as_text(spec.name, converted[spec.name])
         return super().prepare(converted)
 
-    def run_requests(self, parts: Sequence[TensorPart]) -> list[Outputs | BaseException]:
+    def run_batch(self, parts: Sequence[TensorPart]) -> list[Outputs]:
         """The parts' rows joined into one run; each part gets its own rows back."""
         unbatched = self.config.batch_dimension is False
         if unbatched and len(parts) != 1:
@@ -80,7 +79,7 @@ class StringTensorHandler(ModelHandler):
             if spec.reshape is not None:
                 array = array.reshape(array.shape[0], *spec.shape)
             outputs[spec.name] = _declared(array, spec)
-        return list(split_rows(outputs, [part.rows for part in parts]))
+        return split_rows(outputs, [part.rows for part in parts])
 
 
 def as_text(name: str, array: np.ndarray) -> np.ndarray:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import logging
 
-from nograd.runtime.handler import ModelHandler, TorchRunner
 from nograd.runtime.memory import is_out_of_memory
+from nograd.runtime.runners import Handler, batch_runner
 
 logger = logging.getLogger(__name__)
 
 
-def warmup_shapes(handler: ModelHandler, limit: int) -> list[tuple[int, int]]:
+def warmup_shapes(handler: Handler, limit: int) -> list[tuple[int, int]]:
     """A few (rows, length) pairs spanning the batch range the model will see."""
     if handler.config.batch_unit == "tokens":
         lengths = sorted({8, 32, 128})
@@ -20,14 +20,14 @@ def warmup_shapes(handler: ModelHandler, limit: int) -> list[tuple[int, int]]:
     return [(rows, 1) for rows in sizes]
 
 
-def warm_up(handler: ModelHandler, limit: int, rounds: int = 2) -> None:
+def warm_up(handler: Handler, limit: int, rounds: int = 2) -> None:
     """Run the warmup shapes; a batch that runs out of memory is skipped, not fatal.
 
     Running out of memory at a large warmup batch says the configured cap is too high for the
     device, which the memory plan and the batcher's OOM recovery handle; only a single sample
     that cannot run makes the model unservable.
     """
-    runner = TorchRunner(handler)
+    runner = batch_runner(handler)
     for _ in range(rounds):
         for rows, length in warmup_shapes(handler, limit):
             try:

@@ -23,6 +23,7 @@ from nograd.core.engines import (
     auto_defaults,
     built_engines,
     engine_choices,
+    engine_row,
     int8_variant,
     signature_formats,
 )
@@ -42,9 +43,6 @@ as in the engine table (``nograd.core.engines``)."""
 TORCHSERVE_FORMAT = "torchserve"
 """A TorchServe model archive (``.mar``), unpacked by ``nograd.formats.torchserve.reading``:
 its handler runs as TorchServe runs it (``nograd.formats.torchserve.running``)."""
-TORCHSCRIPT_FORMAT = "torchscript"
-"""A TorchScript ``model.pt`` (Triton's PyTorch backend); runs as it is unless its ``engine``
-opts in to an engine built from it (``chooses_engine``)."""
 ENSEMBLE_FORMAT = "ensemble"
 """A Triton ensemble: no model of its own; ``steps`` run other served models
 (``nograd.serving.ensembles``)."""
@@ -173,6 +171,41 @@ class ModelConfig(BaseModel):
     """A V2 inference request body (JSON) inside the model folder, e.g. ``sample.json``: real
     inputs the accuracy check compares on too, as synthetic ones may miss the model's real range."""
 
+    @property
+    def from_code(self) -> bool:
+        """Its ``module`` builds the torch model (format ``python``); every other format brings
+        an engine's artifact, an archive's handler or an ensemble's steps."""
+        return self.format == PYTHON_FORMAT
+
+    @property
+    def runs_steps(self) -> bool:
+        """An ensemble: no model of its own, its ``steps`` run other served models."""
+        return self.format == ENSEMBLE_FORMAT
+
+    @property
+    def runs_own_handler(self) -> bool:
+        """An archive whose handler runs as its own server runs it: no artifact, no engine."""
+        return self.format == TORCHSERVE_FORMAT
+
+    @property
+    def names_tensors_at_load(self) -> bool:
+        """Whether its inputs and outputs may be left out of its config, named when it loads:
+        an artifact whose engine reads its signature, or code that completes a configuration
+        document of its own (``triton_config``: a Triton Python model's
+        ``auto_complete_config``)."""
+        if self.from_code:
+            return self.triton_config is not None
+        return self.format in signature_formats()
+
+    @property
+    def takes_engine(self) -> bool:
+        """Whether its forward may run on an engine chosen for it (``engine``,
+        ``NOGRAD_ENGINE``): a python model's, or an artifact's that loads as an eager torch
+        module (TorchScript, Triton's PyTorch backend; the engine table's ``eager_forward``)."""
+        if self.from_code:
+            return True
+        return self.format in artifact_engines() and engine_row(self.format).eager_forward
+
     @field_validator("name")
     @classmethod
     def _name_valid(cls, name: str) -> str:
@@ -254,7 +287,7 @@ class ModelConfig(BaseModel):
     @model_validator(mode="after")
     def _optional_inputs_served(self) -> ModelConfig:
         optional = [spec.name for spec in self.inputs if spec.optional]
-        if optional and self.format != PYTHON_FORMAT:
+        if optional and not self.from_code:
             raise ValueError(
                 f"input(s) {optional}: 'optional' inputs are served for Python-backend models "
                 f"only, not format {self.format!r}: its batches run as one forward that takes "
@@ -309,34 +342,25 @@ class ModelConfig(BaseModel):
         return self
 
 
-def is_triton_python(config: ModelConfig) -> bool:
-    """A Triton Python-backend model (``model.py`` defining ``TritonPythonModel``)."""
-    return config.triton_config is not None and config.backend == "python"
-
-
 def chooses_engine(config: ModelConfig) -> bool:
     """Whether the model's forward may run on an engine built from it at load: a python model,
-    or a TorchScript one opted in (``engine`` other than eager or its own), whose TorchScript
-    module is then the eager forward the engines are checked against."""
-    if config.format == PYTHON_FORMAT:
+    or an eager-forward artifact (TorchScript) opted in (``engine`` other than eager or its
+    own), whose module is then the eager forward the engines are checked against."""
+    if config.from_code:
         return True
-    return config.format == TORCHSCRIPT_FORMAT and config.engine not in (
-        None,
-        EAGER,
-        TORCHSCRIPT_FORMAT,
-    )
+    return config.takes_engine and config.engine not in (None, EAGER, config.format)
 
 
 def check_engine_fields(config: ModelConfig) -> None:
     """The format, artifact, engine and precision fields agree; each error names the field."""
-    python = config.format == PYTHON_FORMAT
-    if (config.format == ENSEMBLE_FORMAT) != bool(config.steps):
+    python = config.from_code
+    if config.runs_steps != bool(config.steps):
         raise ValueError("field 'steps': an ensemble lists its steps, and only an ensemble does")
-    if config.format == ENSEMBLE_FORMAT:
+    if config.runs_steps:
         if config.artifact is not None or config.engine is not None:
             raise ValueError("field 'format': an ensemble runs other models, no file of its own")
         return
-    if config.format == TORCHSERVE_FORMAT:
+    if config.runs_own_handler:
         if config.artifact is not None or config.engine is not None:
             raise ValueError("field 'format': a TorchServe archive runs its own handler")
         return
@@ -350,8 +374,7 @@ def check_engine_fields(config: ModelConfig) -> None:
             f"got {config.engine!r}"
         )
     for kind, specs in (("inputs", config.inputs), ("outputs", config.outputs)):
-        # A Triton Python model may list its tensors in its auto_complete_config instead.
-        if not specs and config.format not in signature_formats() and not is_triton_python(config):
+        if not specs and not config.names_tensors_at_load:
             raise ValueError(
                 f"field '{kind}': required (only {' and '.join(signature_formats())} artifacts "
                 "name their own)"

@@ -18,14 +18,14 @@ from typing import Final
 import numpy as np
 
 from nograd.batching import QueueFull
-from nograd.core.handler_messages import HandlerAnswer
+from nograd.core.handler_messages import RAW_FIELD, HandlerAnswer, HandlerRequest
 from nograd.core.responses import ResponseQueue
 from nograd.observability.metrics import UNKNOWN_MODEL, Metrics
 from nograd.observability.trace_file import TraceFile
 from nograd.observability.trace_settings import TraceSetting, TraceSettings
 from nograd.observability.tracing import Tracer
 from nograd.protocol import classification
-from nograd.runtime.handler import Outputs
+from nograd.runtime.handler import Outputs, TensorPart
 from nograd.schema.sequence_step import SequenceStep
 from nograd.serving.access import Access
 from nograd.serving.dataplane import DataPlane
@@ -63,9 +63,11 @@ class Call:
         "bytes_held",
         "held_models",
         "id_given",
+        "inputs_checked",
         "model",
         "protocol",
         "request_id",
+        "served",
         "started",
         "target",
         "timeout_s",
@@ -91,6 +93,12 @@ class Call:
         models (on-demand control)."""
         self.trace_parent: str | None = None
         """The caller's W3C ``traceparent``: the parent of this call's trace, if sampled."""
+        self.served: ServedModel | None = None
+        """The model version the call named, looked up once (``Calls.input_check``, else
+        ``Calls.infer``) and held from that lookup until the call is answered."""
+        self.inputs_checked = False
+        """Whether the inputs its request declares passed the model's check before they were
+        decoded, so that the decoded arrays are not checked against it again."""
 
     def adopt_request_id(self, protocol_id: str | None) -> None:
         """Use the protocol's own id (the V2 ``id``) when the caller sent none of its own."""
@@ -239,12 +247,20 @@ class Calls:
         """The serving core's check of the inputs a request declares (``DataPlane.input_check``:
         the model, the limits, the decoded size), holding that size for ``call`` once passed;
         ``protocol_id`` is the request's own id (the V2 ``id``), which Triton's refusals quote."""
-        check = self.plane.input_check(name, version, protocol_id)
+        check = self.plane.input_check(self.served(call, name, version), protocol_id)
 
         def check_and_hold(declared: Declared) -> None:
             self.hold_bytes(call, check(declared))
+            call.inputs_checked = True
 
         return check_and_hold
+
+    def served(self, call: Call, name: str, version: str | None) -> ServedModel:
+        """The version ``call`` names: looked up (``ModelNotFound`` else) and held once, on the
+        call's first step that needs it; given back when the call closes."""
+        if call.served is None:
+            call.served = self.plane.hold(name, version)
+        return call.served
 
     def take_bytes(self, size: int, name: str | None) -> None:
         """Draw ``size`` bytes of a body (or of decoding it) for model ``name`` from the
@@ -282,20 +298,19 @@ class Calls:
         inputs: Mapping[str, np.ndarray],
         protocol_id: str | None = None,
         *,
-        handler_answers: bool = False,
         responder: ResponseQueue | None = None,
         sequence: SequenceRequest | None = None,
         place: Place | None = None,
     ) -> tuple[ServedModel, Outputs]:
         """One inference; ``protocol_id`` is the request's own id (the V2 ``id``), if any. A
-        TorchServe handler's answers come as their bodies, unless the caller (the TorchServe
-        front) takes the answers whole (``handler_answers``). A decoupled model's responses go
+        TorchServe handler's answers come as their bodies (``predict`` takes them whole). A
+        decoupled model's responses go
         to ``responder`` (a streaming call's); any other call to one is refused as Triton does.
         A sequence model's request runs as the next of its ``sequence`` (behind the requests
         that took a ``place`` before it, ``Sequences.take_place``); any other model refuses a
         request naming one."""
         call.model = self.label(name)
-        served = self.plane.registry.get(name, version)
+        served = self.served(call, name, version)
         if responder is None and served.config.decoupled:
             where = "ModelInfer RPC" if call.protocol == "grpc" else "HTTP end point"
             raise InvalidInput(f"{where} doesn't support models with decoupled transaction policy")
@@ -308,6 +323,8 @@ class Calls:
                 name,
                 version,
                 inputs,
+                model=served,
+                declared_checked=call.inputs_checked,
                 timeout_s=call.timeout_s,
                 request_id=protocol_id,
                 arrived=call.started,
@@ -325,7 +342,32 @@ class Calls:
         finally:
             if trace is not None:
                 tracer.end(trace)
-        return model, outputs if handler_answers else answer_bodies(outputs)
+        return model, answer_bodies(outputs)
+
+    async def predict(self, call: Call, name: str, request: HandlerRequest) -> HandlerAnswer:
+        """One TorchServe prediction, its answer whole: the request as the front read it reaches
+        the archive's handler as it came, one row (``DataPlane.infer`` given a part: no tensor
+        validation, batch dimension or re-wrapping on the way)."""
+        call.model = self.label(name)
+        requests = np.empty(1, dtype=np.object_)
+        requests[0] = request
+        part = TensorPart({RAW_FIELD: requests}, 1)
+        tracer = self.tracer
+        trace = tracer.begin(name, call.request_id, call.trace_parent) if tracer.active else None
+        try:
+            _, outputs = await self.plane.infer(
+                name,
+                None,
+                part,
+                timeout_s=call.timeout_s,
+                arrived=call.started,
+                model=call.served,  # looked up once, by ``served``
+            )
+        finally:
+            if trace is not None:
+                tracer.end(trace)
+        answer: HandlerAnswer = outputs["answer"][0]
+        return answer
 
     def failed(self, call: Call, exc: BaseException) -> Kind:
         """The kind of a call's failure; the model or nograd failing is logged with its trace."""
@@ -342,7 +384,7 @@ class Calls:
 
     def close(self, call: Call, status: int) -> None:
         """The call is answered with ``status`` (its kind's, for every protocol): recorded, and
-        the bytes it held given back."""
+        the bytes and the model version it held given back."""
         self.metrics.inflight.dec()
         if call.held_models and self._on_demand is not None:
             self._on_demand.release(call.held_models)
@@ -350,6 +392,9 @@ class Calls:
         if call.bytes_held:
             self.give_bytes(call.bytes_held)
             call.bytes_held = 0
+        if call.served is not None:
+            call.served.let_go()
+            call.served = None
         seconds = time.perf_counter() - call.started
         self.metrics.request_done(call.model, call.protocol, status, seconds)
         if logger.isEnabledFor(logging.DEBUG):

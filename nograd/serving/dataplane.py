@@ -20,18 +20,15 @@ from nograd.formats.torchserve.reading.archives import ArchiveStore
 from nograd.host.ledger import CoreLedger, CoreShare
 from nograd.observability.metrics import Metrics
 from nograd.observability.stats import Statistics
-from nograd.observability.tracing import step_trace
 from nograd.protocol.limits import decoded_too_large
-from nograd.runtime.handler import Outputs
-from nograd.schema.config import EnsembleStep
+from nograd.runtime.handler import Outputs, TensorPart
 from nograd.schema.sequence_step import SequenceStep
 from nograd.serving.admission import Admission
 from nograd.serving.device_memory import memory_readings
-from nograd.serving.ensembles import compose, is_ensemble, load_order, settle
+from nograd.serving.ensembles import answer_ensemble, is_ensemble, load_order, settle
 from nograd.serving.errors import (
     Draining,
     InferenceFailed,
-    InvalidInput,
     ModelNotReady,
     rejection_reason,
 )
@@ -39,13 +36,12 @@ from nograd.serving.heap_return import HeapReturn
 from nograd.serving.loading import ModelLoader
 from nograd.serving.registry import ModelRegistry, ServedModel, State
 from nograd.serving.repository import Wanted, model_names
-from nograd.serving.trace_stamps import ensemble_queued, request_part
+from nograd.serving.trace_stamps import request_part
 from nograd.serving.validation import (
     Declared,
-    add_batch_dimension,
     check_declared,
     decoded_bytes,
-    prepare_in_thread,
+    prepared_part,
     remove_batch_dimension,
     squeeze_scalar_samples,
     validate,
@@ -265,6 +261,14 @@ class DataPlane:
     def get(self, name: str, version: str | None = None) -> ServedModel:
         return self.registry.get(name, version)
 
+    def hold(self, name: str, version: str | None = None) -> ServedModel:
+        """The version a request names (``ModelNotFound`` else), held from this lookup until
+        ``ServedModel.let_go``: an unload or reload frees it once every request holding it is
+        done."""
+        model = self.registry.get(name, version)
+        model.hold()
+        return model
+
     def validate(self, model: ServedModel, inputs: Mapping[str, np.ndarray]) -> None:
         """Names, datatypes, per-sample shapes and row counts against the model's config."""
         validate(
@@ -275,13 +279,11 @@ class DataPlane:
         )
 
     def input_check(
-        self, name: str, version: str | None, request_id: str | None = None
+        self, model: ServedModel, request_id: str | None = None
     ) -> Callable[[Declared], int]:
-        """The check a front runs on a request's inputs as their headers declare them, before
-        decoding any data (``check_declared`` with this server's row limit, then their size
-        decoded within ``max_decoded_bytes``); it returns that size. An unknown model is
-        refused here, before its request's data costs anything."""
-        model = self.registry.get(name, version)
+        """The check a front runs on a request's inputs for ``model`` as their headers declare
+        them, before decoding any data (``check_declared`` with this server's row limit, then
+        their size decoded within ``max_decoded_bytes``); it returns that size."""
         max_rows = self.settings.max_request_rows
         limit = self.settings.max_decoded_bytes
 
@@ -303,20 +305,29 @@ class DataPlane:
         self,
         name: str,
         version: str | None,
-        inputs: Mapping[str, np.ndarray],
+        inputs: Mapping[str, np.ndarray] | TensorPart,
         *,
         timeout_s: float | None = None,
         request_id: str | None = None,
         arrived: float | None = None,
         responder: ResponseQueue | None = None,
         sequence: SequenceStep | None = None,
+        model: ServedModel | None = None,
+        declared_checked: bool = False,
     ) -> tuple[ServedModel, Outputs]:
         """Validate, prepare and queue one request (of ``sequence``, its control and state
-        tensors added once the client's inputs passed); ``timeout_s`` overrides the default;
+        tensors added once the client's inputs passed) for version ``model`` of ``name``, when
+        the call already looked it up, else the one ``name`` and ``version`` find; a
+        ``TensorPart`` is a request the model's runner takes as it came (a TorchServe
+        prediction), queued as it is, with no tensor validation, batch dimension or ``prepare``;
+        ``declared_checked``: its declared inputs passed ``input_check`` before they were
+        decoded, so only what that check cannot see (texts, values) is validated here;
+        ``timeout_s`` overrides the default;
         ``request_id`` is the protocol's own id, quoted by the refusals that Triton words.
         ``arrived`` (``time.perf_counter``): when its head arrived; the wait bound counts from
         there, so time spent reading, decoding, tokenising or behind a busy event loop counts."""
-        model = self.registry.get(name, version)
+        if model is None:
+            model = self.registry.get(name, version)
         timeout = timeout_s if timeout_s is not None else self.settings.request_timeout_s
         # From its arrival: its wait for an on-demand load and its body's reading count.
         spent = 0.0 if arrived is None else max(0.0, time.perf_counter() - arrived)
@@ -328,21 +339,21 @@ class DataPlane:
         if self._inflight == 0 and cores is not None:
             cores.set_active(True)
         self._inflight += 1
-        large = self.heap_return.is_large(inputs)
+        large = self.heap_return.is_large(
+            inputs.tensors if isinstance(inputs, TensorPart) else inputs
+        )
         # Counted from lookup (no await in between): an unload or reload frees this version only
         # once it is answered.
-        model.active += 1
+        model.hold()
         try:
             outputs = await self._infer(
-                model, inputs, deadline, request_id, arrived, responder, sequence
+                model, inputs, deadline, request_id, arrived, responder, sequence, declared_checked
             )
         except BaseException as exc:
             self._failed(model, exc, time.perf_counter() - started)
             raise
         finally:
-            model.active -= 1
-            if model.active == 0 and model.drained is not None:
-                model.drained.set()
+            model.let_go()
             if large:
                 self.heap_return.finished_large()
             self._inflight -= 1
@@ -350,7 +361,11 @@ class DataPlane:
                 if cores is not None:
                     cores.set_active(False)
                 self._signal_idle()
-        rows = len(next(iter(inputs.values()))) if model.config.batch_dimension is not False else 1
+        if isinstance(inputs, TensorPart):
+            rows = inputs.rows
+        else:
+            batched = model.config.batch_dimension is not False
+            rows = len(next(iter(inputs.values()))) if batched else 1
         stats.request_succeeded(rows, time.perf_counter() - started)
         return model, outputs
 
@@ -365,41 +380,37 @@ class DataPlane:
     async def _infer(
         self,
         model: ServedModel,
-        inputs: Mapping[str, np.ndarray],
+        inputs: Mapping[str, np.ndarray] | TensorPart,
         deadline: float | None,
         request_id: str | None,
         arrived: float | None,
         responder: ResponseQueue | None = None,
         sequence: SequenceStep | None = None,
+        declared_checked: bool = False,
     ) -> Outputs:
         name = model.name
         if self._draining:
             raise Draining(f"model {name!r} is not ready (server is draining)")
         if not model.ready or (model.waiting_for is None and model.handler is None):
             raise ModelNotReady(f"model {name!r} is not ready ({model.why_not_ready()})")
-        inputs = squeeze_scalar_samples(model, inputs)
-        validate(
-            model,
-            inputs,
-            max_rows=self.settings.max_request_rows,
-            max_text_bytes=self.settings.max_text_bytes,
-            request_id=request_id,
-        )
-        if model.waiting_for is not None:
-            return await self._compose(model, inputs, deadline, request_id)
-        assert model.handler is not None and model.batcher is not None
-        if sequence is not None:
-            inputs = {**inputs, **sequence.tensors}
-        inputs = add_batch_dimension(model, inputs)
-        try:
-            if prepare_in_thread(model.handler, inputs):
-                # Tokenising or decoding a large request costs milliseconds: off the event loop.
-                loop = asyncio.get_running_loop()
-                part = await loop.run_in_executor(None, model.handler.prepare, inputs)
-            else:
-                part = model.handler.prepare(inputs)
-        except ValueError as exc:
-            raise InvalidInput(str(exc)) from exc
+        if isinstance(inputs, TensorPart):
+            part = inputs
+        else:
+            inputs = squeeze_scalar_samples(model, inputs)
+            validate(
+                model,
+                inputs,
+                max_rows=self.settings.max_request_rows,
+                max_text_bytes=self.settings.max_text_bytes,
+                request_id=request_id,
+                declared_checked=declared_checked,
+            )
+            if model.waiting_for is not None:
+                return await answer_ensemble(
+                    model, inputs, deadline, request_id, self.infer, self.statistics
+                )
+            part = await prepared_part(model, inputs, sequence)
+        assert model.batcher is not None
         # A decoupled model's responses, a sequence's step, a trace.
         part = request_part(model, part, responder, sequence)
         try:
@@ -422,29 +433,3 @@ class DataPlane:
             raise InferenceFailed(
                 f"model {name!r} failed on this request: {type(exc).__name__}: {exc}"
             ) from exc
-
-    async def _compose(
-        self,
-        model: ServedModel,
-        inputs: Mapping[str, np.ndarray],
-        deadline: float | None,
-        request_id: str | None,
-    ) -> Outputs:
-        """An ensemble's request, checked against the ensemble's inputs: each step a request of
-        its own to its step model (its batcher, its statistics)."""
-
-        async def run_step(step: EnsembleStep, given: dict[str, np.ndarray]) -> Outputs:
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-            with step_trace(step.model):
-                _, outputs = await self.infer(
-                    step.model, step.version, given, timeout_s=timeout, request_id=request_id
-                )
-            return outputs
-
-        ensemble_queued(model)
-        started = time.perf_counter()
-        outputs = await compose(model.config, inputs, run_step)
-        # Triton counts one execution of the ensemble per request it answers.
-        rows = len(next(iter(inputs.values()))) if model.config.batch_dimension else 1
-        self.statistics.of(model.name).batch_finished(rows, time.perf_counter() - started, True)
-        return outputs

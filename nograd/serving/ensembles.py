@@ -14,25 +14,32 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Final
 
 import numpy as np
 
 from nograd.core.datatypes import TABLE
+from nograd.observability.stats import Statistics
+from nograd.observability.tracing import step_trace
 from nograd.runtime.handler import Outputs
-from nograd.schema.config import ENSEMBLE_FORMAT, EnsembleStep, ModelConfig, TensorSpec
+from nograd.schema.config import EnsembleStep, ModelConfig, TensorSpec
 from nograd.serving.registry import ModelRegistry, ServedModel, State
+from nograd.serving.trace_stamps import ensemble_queued
 
 logger = logging.getLogger(__name__)
 TRITON_TYPES: Final[dict[str, str]] = {row.name: row.triton for row in TABLE}
 
 RunStep = Callable[[EnsembleStep, dict[str, np.ndarray]], Awaitable[Outputs]]
 """Runs one step's request on its model (the data plane's inference): its outputs by name."""
+Infer = Callable[..., Awaitable[tuple[ServedModel, Outputs]]]
+"""The data plane's inference: (name, version, inputs, timeout_s=, request_id=) to the version
+that answered and its outputs."""
 
 
 def is_ensemble(config: ModelConfig) -> bool:
-    return config.format == ENSEMBLE_FORMAT
+    return config.runs_steps
 
 
 def step_model(registry: ModelRegistry, step: EnsembleStep) -> ServedModel | None:
@@ -340,3 +347,31 @@ async def compose(
         for task in running:
             task.cancel()
     return {spec.name: tensors[spec.name] for spec in config.outputs}
+
+
+async def answer_ensemble(
+    model: ServedModel,
+    inputs: Mapping[str, np.ndarray],
+    deadline: float | None,
+    request_id: str | None,
+    infer: Infer,
+    statistics: Statistics,
+) -> Outputs:
+    """An ensemble's request, checked against the ensemble's inputs: each step a request of its
+    own to its step model (its batcher, its statistics), within the request's deadline."""
+
+    async def run_step(step: EnsembleStep, given: dict[str, np.ndarray]) -> Outputs:
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        with step_trace(step.model):
+            _, outputs = await infer(
+                step.model, step.version, given, timeout_s=timeout, request_id=request_id
+            )
+        return outputs
+
+    ensemble_queued(model)
+    started = time.perf_counter()
+    outputs = await compose(model.config, inputs, run_step)
+    # Triton counts one execution of the ensemble per request it answers.
+    rows = len(next(iter(inputs.values()))) if model.config.batch_dimension else 1
+    statistics.of(model.name).batch_finished(rows, time.perf_counter() - started, True)
+    return outputs

@@ -9,14 +9,6 @@ from collections.abc import Sequence
 from nograd.schema.config import TensorSpec
 from nograd.serving.registry import ServedModel
 
-BATCH_NOTE = (
-    "NOTE: Setting a non-zero max_batch_size in the model config requires a batch dimension to "
-    "be prepended to each input shape. If you want to specify the full shape including the batch "
-    "dim in your input dims config, try setting max_batch_size to zero. See the model "
-    "configuration docs for more info on max_batch_size."
-)
-"""What Triton adds to a shape refusal for a model with a batch dimension."""
-
 
 def request_label(request_id: str | None) -> str:
     return f"[request id: {request_id or '<id_unknown>'}] "
@@ -66,7 +58,7 @@ def shape(
     """The shape the model takes, batch dimension first (-1) where it has one, and the one sent."""
     batched = model.config.batch_dimension is not False
     expected = [-1, *spec.shape] if batched else list(spec.shape)
-    note = BATCH_NOTE if batched and model.config.triton_config is not None else ""
+    note = model.format.shape_refusal_note if batched else ""
 
     def dims(values: Sequence[int]) -> str:
         return "[" + ",".join(str(v) for v in values) + "]"

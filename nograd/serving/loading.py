@@ -21,8 +21,8 @@ from typing import Final
 import torch
 
 from nograd.batching import Batcher, BatchLimit
+from nograd.formats.table import format_warmup
 from nograd.formats.torchserve.reading.archives import hold, origin, release
-from nograd.formats.triton.running.warmup import run_warmup, warmup_samples
 from nograd.host.heap import release_free_memory
 from nograd.host.ledger import CoreLedger, CoreShare
 from nograd.observability.metrics import Metrics
@@ -30,18 +30,18 @@ from nograd.observability.stats import FanOutObserver, Statistics
 from nograd.runtime.devices import DeviceThreads, configure_threads, device_label, resolve_device
 from nograd.runtime.engines.choice import prepare_engine
 from nograd.runtime.engines.paths import engine_weights_bytes, serving_ranges, share_cores
-from nograd.runtime.handler import ModelHandler, Outputs, TensorPart, TorchRunner
+from nograd.runtime.handler import ModelHandler, Outputs, TensorPart
 from nograd.runtime.loader import (
     build_handler,
     forget_module,
     locate,
     module_name,
-    weights_bytes,
 )
 from nograd.runtime.memory import device_budget, probe_for
 from nograd.runtime.memory.fits import RangedCost
 from nograd.runtime.planner import PlanInput, log_plan, plan_device
 from nograd.runtime.remembered_profile import profile_or_recall
+from nograd.runtime.runners import Handler, batch_runner
 from nograd.runtime.speed.path import batch_cap
 from nograd.runtime.warmup import warm_up
 from nograd.schema.config import ConfigError, ModelConfig
@@ -192,16 +192,15 @@ class ModelLoader:
         model.phases["build"] = time.perf_counter() - started
         # An artifact's signature may have filled in the inputs and outputs.
         model.config = config = handler.config
-        if config.triton_config is not None:
-            # Triton's model_warmup, on the model as its backend runs it; a failure fails the load.
-            folder = model.directory.parent if model.directory.name.isdigit() else model.directory
-            samples = warmup_samples(config, folder)
+        if model.format.warmup is not None:
+            # The format's own warm-up (Triton's model_warmup), on the model as its backend runs
+            # it; a failure fails the load.
             started_warmup = time.perf_counter()
-            run_warmup(handler, samples)
+            format_warmup(model.format.warmup)(handler, model.directory)
             model.warmup_seconds = time.perf_counter() - started_warmup
         # The engine (and the config's speed mode), checked against fp32 eager and timed; what
         # is refused leaves fp32 eager serving. Counted as load time.
-        if handler.synthetic_inputs:
+        if isinstance(handler, ModelHandler) and handler.synthetic_inputs:
             sample = load_accuracy_sample(handler, model.directory)
             choosing = time.perf_counter()
             handler = prepare_engine(
@@ -218,9 +217,7 @@ class ModelLoader:
             share_cores(handler.speed_path, self._widths)
         model.load_seconds = time.perf_counter() - started
         self._metrics.model_load.labels(model.name).set(model.load_seconds)
-        model.weights_bytes = weights_bytes(handler.module) + engine_weights_bytes(
-            handler.speed_path
-        )
+        model.weights_bytes = handler.weights_bytes + engine_weights_bytes(handler.speed_path)
         self._metrics.weights_bytes.labels(model.name).set(model.weights_bytes)
         if self._settings.warmup and handler.synthetic_inputs:
             started = time.perf_counter()
@@ -391,7 +388,7 @@ class ModelLoader:
         delay_ms = config.max_queue_delay_ms
         batcher: Batcher[TensorPart, Outputs] = Batcher(
             model.name,
-            TracedRunner(TorchRunner(model.handler, self.cores)),
+            TracedRunner(batch_runner(model.handler, self.cores)),
             self.threads.executor(model.handler.device),
             limit,
             max_queue_delay_s=(self._settings.max_queue_delay_ms if delay_ms is None else delay_ms)
@@ -425,7 +422,7 @@ def release_memory(device: torch.device | None, frozen: bool) -> None:
     release_free_memory()
 
 
-def _close(model: ServedModel, handler: ModelHandler) -> None:
+def _close(model: ServedModel, handler: Handler) -> None:
     """The model's own clean-up (Triton's ``finalize``); its failure is logged, not raised."""
     try:
         handler.close()

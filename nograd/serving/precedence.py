@@ -13,16 +13,13 @@ from __future__ import annotations
 import logging
 from typing import Final
 
-from nograd.schema.config import PYTHON_FORMAT, TORCHSCRIPT_FORMAT, ModelConfig
+from nograd.schema.config import ModelConfig
 from nograd.settings import Settings
 
 logger = logging.getLogger(__name__)
 
 SERVER_WIDE: Final = ("max_batch_size", "max_queue_delay_ms", "max_queue_size", "engine")
 """Settings of ``Settings`` that a model's config also sets, under the same name."""
-ENGINE_FORMATS: Final = (PYTHON_FORMAT, TORCHSCRIPT_FORMAT)
-"""Formats an explicitly set ``NOGRAD_ENGINE`` applies to: python models, and TorchScript ones
-(Triton's PyTorch backend), whose module is then the eager forward engines are built from."""
 
 
 def effective_config(config: ModelConfig, settings: Settings) -> ModelConfig:
@@ -33,8 +30,10 @@ def effective_config(config: ModelConfig, settings: Settings) -> ModelConfig:
         if name not in settings.model_fields_set:
             continue
         value = getattr(settings, name)
-        if name == "engine" and (not value or config.format not in ENGINE_FORMATS):
-            continue  # empty: keep each config's own; other formats have one engine only
+        if name == "engine" and (not value or not config.takes_engine):
+            # Empty: keep each config's own. Set, it applies to the models an engine may be
+            # chosen for (``ModelConfig.takes_engine``); the others have one engine only.
+            continue
         own = getattr(config, name)
         if own is not None and own != value:
             logger.info(

@@ -25,10 +25,9 @@ logger = logging.getLogger(__name__)
 
 
 def model_format(model: ServedModel) -> str:
-    """What the model was served from: nograd's own folder format (``python``, an engine's
-    artifact), or a Triton model folder (``triton/...``)."""
-    config = model.config
-    return f"triton/{config.format}" if config.triton_config is not None else config.format
+    """What the model was served from, as its format names it: nograd's own folder format
+    (``python``, an engine's artifact), or a Triton model folder (``triton/...``)."""
+    return model.format.label(model.config)
 
 
 def engine_label(model: ServedModel) -> str | None:

@@ -12,14 +12,17 @@ import enum
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from types import ModuleType
 
 from nograd.batching import Batcher
+from nograd.formats.table import Format, reading_format
 from nograd.formats.torchserve.reading.archives import ArchiveStore
-from nograd.runtime.handler import ModelHandler, Outputs, TensorPart
+from nograd.runtime.handler import Outputs, TensorPart
 from nograd.runtime.memory.fits import RangedCost
 from nograd.runtime.planner import ModelPlan
+from nograd.runtime.runners import Handler
 from nograd.schema.config import ModelConfig, version_order
 from nograd.serving.errors import ControlRefused, ModelNotFound
 from nograd.serving.repository import ModelSource, Override, VersionSource, Wanted, scan
@@ -46,7 +49,7 @@ class ServedModel:
     directory: Path
     state: State = State.LOADING
     error: str | None = None
-    handler: ModelHandler | None = None
+    handler: Handler | None = None
     batcher: Batcher[TensorPart, Outputs] | None = None
     code: ModuleType | None = None
     """The model's code as this load imported it, taken out of ``sys.modules`` when freed."""
@@ -84,6 +87,22 @@ class ServedModel:
         """A version found on disk, to load."""
         fingerprint, override = source.fingerprint, source.override
         return cls(source.config, source.directory, fingerprint=fingerprint, override=override)
+
+    @cached_property
+    def format(self) -> Format:
+        """The format that read it (``nograd.formats``): its refusals, warm-up and label apply.
+        Found once: the requests that ask it find it here."""
+        return reading_format(self.config)
+
+    def hold(self) -> None:
+        """A request holds this version from its lookup until ``let_go``."""
+        self.active += 1
+
+    def let_go(self) -> None:
+        """A request holding this version is done; the last one wakes an unload waiting."""
+        self.active -= 1
+        if self.active == 0 and self.drained is not None:
+            self.drained.set()
 
     @property
     def name(self) -> str:

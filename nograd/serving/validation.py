@@ -3,13 +3,16 @@ fails only its own request."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 
 import numpy as np
 
 from nograd.core.datatypes import NUMPY_DTYPES, datatype_of, shape_matches
 from nograd.protocol.limits import tensor_decoded_bytes
-from nograd.runtime.handler import ModelHandler, Outputs
+from nograd.runtime.handler import Outputs, TensorPart
+from nograd.runtime.runners import Handler
+from nograd.schema.sequence_step import SequenceStep
 from nograd.serving import input_refusals as refusals
 from nograd.serving.errors import InvalidInput, LimitExceeded
 from nograd.serving.registry import ServedModel
@@ -69,11 +72,11 @@ def decoded_bytes(declared: Declared) -> int:
 
 
 def triton_batch_refusal(model: ServedModel, rows: int, request_id: str | None) -> str | None:
-    """Triton's refusal of a request with more rows than a Triton model's ``max_batch_size``,
-    word for word (its clients and tests match the text), or None when the rows fit or the model
-    is nograd's (whose requests above its batch limit are split instead)."""
+    """Triton's refusal of a request with more rows than a model's ``max_batch_size``, word for
+    word (its clients and tests match the text), for a format that refuses them (Triton's); None
+    when the rows fit or the model's format splits such requests across batches (nograd's)."""
     config = model.config
-    if config.triton_config is None or not config.batch_dimension:
+    if not model.format.refuses_rows_over_batch_limit or not config.batch_dimension:
         return None
     cap = config.max_batch_size
     if cap is None or rows <= cap:
@@ -149,15 +152,19 @@ def validate(
     max_rows: int,
     max_text_bytes: int,
     request_id: str | None = None,
+    declared_checked: bool = False,
 ) -> None:
-    """``check_declared`` on the arrays, text lengths within ``max_text_bytes``, and
-    floating-point values finite unless the model's ``reject_non_finite`` is off."""
-    check_declared(
-        model,
-        {name: (datatype_of(array), tuple(array.shape)) for name, array in inputs.items()},
-        max_rows=max_rows,
-        request_id=request_id,
-    )
+    """``check_declared`` on the arrays (unless ``declared_checked``: it passed on what the
+    request declared, before the arrays were decoded to match), text lengths within
+    ``max_text_bytes``, and floating-point values finite unless the model's
+    ``reject_non_finite`` is off."""
+    if not declared_checked:
+        check_declared(
+            model,
+            {name: (datatype_of(array), tuple(array.shape)) for name, array in inputs.items()},
+            max_rows=max_rows,
+            request_id=request_id,
+        )
     for name, array in inputs.items():
         if datatype_of(array) == "BYTES":
             _check_text_lengths(name, array, max_text_bytes)
@@ -195,7 +202,7 @@ def _non_finite_message(model: str, name: str, array: np.ndarray) -> str:
     )
 
 
-def prepare_in_thread(handler: ModelHandler, inputs: Mapping[str, np.ndarray]) -> bool:
+def prepare_in_thread(handler: Handler, inputs: Mapping[str, np.ndarray]) -> bool:
     """True when ``handler.prepare`` is heavy and this request's text exceeds the inline budget."""
     if not handler.prepare_offload:
         return False
@@ -212,3 +219,23 @@ def prepare_in_thread(handler: ModelHandler, inputs: Mapping[str, np.ndarray]) -
             if total > INLINE_PREPARE_BYTES:
                 return True
     return False
+
+
+async def prepared_part(
+    model: ServedModel, inputs: Mapping[str, np.ndarray], sequence: SequenceStep | None
+) -> TensorPart:
+    """A validated request as the part its model's handler prepares for the batcher: with its
+    sequence's control and state tensors, and a batch dimension when the model has none; a
+    handler's refusal (``ValueError``) is the client's 400."""
+    assert model.handler is not None
+    if sequence is not None:
+        inputs = {**inputs, **sequence.tensors}
+    inputs = add_batch_dimension(model, inputs)
+    try:
+        if prepare_in_thread(model.handler, inputs):
+            # Tokenising or decoding a large request costs milliseconds: off the event loop.
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(None, model.handler.prepare, inputs)
+        return model.handler.prepare(inputs)
+    except ValueError as exc:
+        raise InvalidInput(str(exc)) from exc

@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from nograd.serving.access import exposure_warnings, startup_refusal
-from nograd.settings import Settings
+from nograd.settings import SETTING_GROUPS, Settings
 from tests.e2e.serving import ROOT
 
 
@@ -60,8 +60,11 @@ def test_cli_help_lists_every_setting() -> None:
         text=True,
         check=True,
     )
+    for group in SETTING_GROUPS:
+        assert f"\n{group.title}:\n" in result.stdout
     for field in Settings.model_fields:
-        assert "--" + field.replace("_", "-") in result.stdout
+        assert f"  --{field.replace('_', '-')} <" in result.stdout
+        assert f"[env: NOGRAD_{field.upper()}=]" in result.stdout
 
 
 def test_either_front_may_be_off_but_not_both() -> None:

@@ -19,6 +19,9 @@ class NogradFormat:
 
     name: str = "nograd"
     runner: str = "nograd.formats.nograd.running:build"
+    warmup: str | None = None
+    refuses_rows_over_batch_limit: bool = False
+    shape_refusal_note: str = ""
 
     def recognises(self, entry: Path) -> bool:
         return entry.is_dir() and find_config(entry) is not None
@@ -28,8 +31,14 @@ class NogradFormat:
     ) -> ModelSource:
         return read_folder(folder, override, versions)
 
+    def reads(self, config: ModelConfig) -> bool:
+        return True
+
     def serves(self, config: ModelConfig) -> bool:
         return True
+
+    def label(self, config: ModelConfig) -> str:
+        return config.format
 
 
 NOGRAD: Final = NogradFormat()

@@ -17,6 +17,7 @@ from nograd.runtime.loader import (
     load_weights,
     locate,
 )
+from nograd.runtime.runners import Handler
 from nograd.schema.config import PYTHON_FORMAT, ModelConfig
 
 
@@ -26,9 +27,7 @@ class _HandlerFactory(Protocol):
     ) -> ModelHandler: ...
 
 
-def build(
-    repository: Path, model_dir: Path, config: ModelConfig, device: torch.device
-) -> ModelHandler:
+def build(repository: Path, model_dir: Path, config: ModelConfig, device: torch.device) -> Handler:
     """Build the model, load its weights, move it to its device (fp32), set eval mode; or, for
     an artifact format, open the artifact with the handler its code supplies."""
     if config.format != PYTHON_FORMAT:
@@ -51,10 +50,13 @@ def build(
             except RuntimeError as exc:
                 raise LoadError(f"{model_dir / config.weights}: {exc}") from exc
         handler = ModelHandler(module, config, device)
-    handler.module.to(device)
+    eager = handler.module
+    if eager is None:
+        raise LoadError(f"{model_dir / config.module}: build_handler gave a handler with no module")
+    eager.to(device)
     # Weights stay fp32 here: ``precision`` is a speed mode (nograd/runtime/speed/) that casts
     # only after comparing its outputs with this fp32 eager model.
-    handler.module.eval()
-    for parameter in handler.module.parameters():
+    eager.eval()
+    for parameter in eager.parameters():
         parameter.requires_grad_(False)
     return handler

@@ -17,12 +17,21 @@ class TorchServeFormat:
 
     name: str = "torchserve"
     runner: str = "nograd.formats.torchserve.running.runner:build"
+    warmup: str | None = None
+    refuses_rows_over_batch_limit: bool = False
+    shape_refusal_note: str = ""
 
     def recognises(self, entry: Path) -> bool:
         return entry.is_file() and entry.suffix == SUFFIX
 
+    def reads(self, config: ModelConfig) -> bool:
+        return config.format == TORCHSERVE_FORMAT
+
     def serves(self, config: ModelConfig) -> bool:
         return config.format == TORCHSERVE_FORMAT
+
+    def label(self, config: ModelConfig) -> str:
+        return config.format
 
 
 TORCHSERVE: Final = TorchServeFormat()

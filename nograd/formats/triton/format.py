@@ -10,7 +10,15 @@ from typing import Final
 
 from nograd.formats.source import ModelSource, Override, shared_config_source
 from nograd.formats.triton.reading.config import is_triton_folder, read_triton
-from nograd.schema.config import ModelConfig, find_config, is_triton_python
+from nograd.schema.config import ModelConfig, find_config
+
+BATCH_NOTE: Final = (
+    "NOTE: Setting a non-zero max_batch_size in the model config requires a batch dimension to "
+    "be prepended to each input shape. If you want to specify the full shape including the batch "
+    "dim in your input dims config, try setting max_batch_size to zero. See the model "
+    "configuration docs for more info on max_batch_size."
+)
+"""What Triton adds to a shape refusal for a model with a batch dimension."""
 
 
 @dataclass(frozen=True)
@@ -20,6 +28,9 @@ class TritonFormat:
 
     name: str = "triton"
     runner: str = "nograd.formats.triton.running.runner:build"
+    warmup: str | None = "nograd.formats.triton.running.warmup:warm_up_model"
+    refuses_rows_over_batch_limit: bool = True
+    shape_refusal_note: str = BATCH_NOTE
 
     def recognises(self, entry: Path) -> bool:
         # A folder with nograd's own config is nograd's, whatever else it holds.
@@ -31,8 +42,15 @@ class TritonFormat:
         # One config.pbtxt for every numbered version folder.
         return shared_config_source(read_triton(folder), folder, override, versions)
 
+    def reads(self, config: ModelConfig) -> bool:
+        return config.triton_config is not None
+
     def serves(self, config: ModelConfig) -> bool:
-        return is_triton_python(config)
+        # A Python-backend model (``model.py`` defining ``TritonPythonModel``).
+        return self.reads(config) and config.backend == "python"
+
+    def label(self, config: ModelConfig) -> str:
+        return f"triton/{config.format}"
 
 
 TRITON: Final = TritonFormat()

@@ -400,7 +400,7 @@ def _install(handler: ModelHandler, opened: dict[str, EnginePath], table: Engine
             opened[name].take_turns()
     if table.eager.engine not in names:
         # Eager serves no batch: its weights, casts and layouts go (the engines hold their own).
-        handler.module = torch.nn.Module()
+        handler.module = None
         handler.compute_dtype = torch.float32
         handler.memory_format = torch.contiguous_format
     handler.speed_mode = table.label

@@ -29,7 +29,6 @@ from nograd.runtime.speed.guard import check_batches, run_all
 from nograd.runtime.speed.mode import mode_for
 from nograd.schema.config import (
     CONFIG_NAMES,
-    PYTHON_FORMAT,
     ConfigError,
     ModelConfig,
     find_config,
@@ -84,7 +83,7 @@ def export_model(
         config = load_config(config_path)
     except ConfigError as exc:
         raise ExportError(str(exc)) from exc
-    if config.format != PYTHON_FORMAT:
+    if not config.from_code:
         raise ExportError(f"{config_path}: already a {config.format} artifact")
     engine = variant
     target_device = torch.device(device)
@@ -92,6 +91,8 @@ def export_model(
         handler = build_handler(model_dir.parent, model_dir, config, target_device)
     except LoadError as exc:
         raise ExportError(str(exc)) from exc
+    if not isinstance(handler, ModelHandler):
+        raise ExportError(f"{config_path}: the model runs its batches as its own code, no forward")
     name = f"{config.name}-{to}" + ("-int8" if precision == "int8" else "")
     folder = out if out is not None else model_dir.parent / name
     artifact = folder / f"model{engine_row(engine).suffix}"

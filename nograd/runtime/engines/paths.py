@@ -14,6 +14,7 @@ from nograd.host.heap import release_free_memory
 from nograd.runtime.engines.errors import ArtifactError
 from nograd.runtime.handler import ModelHandler, SpeedPath
 from nograd.runtime.memory import MemoryProbe, ProcessPeakProbe
+from nograd.runtime.runners import Handler
 
 
 class EnginePath:
@@ -119,6 +120,16 @@ class EagerPath(EnginePath):
         """The handler's own forward takes what it collates."""
 
 
+class OwnCodePath(EnginePath):
+    """A model running its batches as its own code (``RequestRunner``), as it is: eager to the
+    memory plan and the ready summary, with nothing of nograd's to forward through."""
+
+    name = EAGER
+
+    def __init__(self) -> None:
+        super().__init__((), ())
+
+
 class RangePath:
     """Several engines, each running the batches of a range of row counts it was timed fastest
     at; eager's range runs the handler's own forward (with its speed mode's path, if any)."""
@@ -162,7 +173,7 @@ class RangePath:
         return engine.forward(batch)
 
 
-def serving_ranges(handler: ModelHandler) -> tuple[tuple[int | None, EnginePath], ...]:
+def serving_ranges(handler: Handler) -> tuple[tuple[int | None, EnginePath], ...]:
     """What runs a handler's batches: (largest rows, engine) per range of batch sizes, ascending;
     None for the last range, which takes every larger batch."""
     path = handler.speed_path
@@ -172,6 +183,8 @@ def serving_ranges(handler: ModelHandler) -> tuple[tuple[int | None, EnginePath]
         return tuple(ranges)
     if isinstance(path, EnginePath):
         return ((None, path),)
+    if not isinstance(handler, ModelHandler):
+        return ((None, OwnCodePath()),)
     return ((None, EagerPath(handler, path)),)
 
 

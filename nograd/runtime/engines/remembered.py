@@ -65,7 +65,7 @@ def model_key(
         digest.update(part.encode() + b"\0")
     for path in code:
         digest.update(path.read_bytes() if path.is_file() else b"")
-    state = handler.module.state_dict()
+    state = handler.eager_module().state_dict()
     for name in sorted(state):
         tensor = state[name]
         if isinstance(tensor, torch.Tensor):

@@ -24,7 +24,7 @@ class TracedForward(torch.nn.Module):
     def __init__(self, handler: ModelHandler) -> None:
         super().__init__()
         self.handler = handler
-        self.model = handler.module  # registered, so export sees the weights as parameters
+        self.model = handler.eager_module()  # registered, so export sees the weights as parameters
         self.outputs = tuple(spec.name for spec in handler.config.outputs)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -195,12 +195,12 @@ def _build(handler: ModelHandler, plan: SpeedMode, warm_shapes: int) -> SpeedMod
     """Turn the fp32 eager handler into ``plan``'s mode (before any forward compiles it)."""
     dtype = PRECISION_DTYPES[plan.precision]
     if plan.casts_weights:
-        handler.module.to(dtype)
+        handler.eager_module().to(dtype)
         handler.compute_dtype = dtype
     if plan.channels_last:
         _set_memory_format(handler, torch.channels_last)
     if plan.compile:
-        handler.module = _compile(handler.module, plan, warm_shapes)
+        handler.module = _compile(handler.eager_module(), plan, warm_shapes)
     autocast = dtype if plan.autocast else None
     if plan.buckets is None and autocast is None and not plan.cuda_graphs:
         return None
@@ -212,7 +212,7 @@ def _build(handler: ModelHandler, plan: SpeedMode, warm_shapes: int) -> SpeedMod
 def _set_memory_format(handler: ModelHandler, memory_format: torch.memory_format) -> None:
     """The weights (4-D ones; others have no such layout) and the inputs ``collate`` builds."""
     # Module.to takes memory_format at run time; its typed overloads leave it out.
-    to = cast(Callable[..., torch.nn.Module], handler.module.to)
+    to = cast(Callable[..., torch.nn.Module], handler.eager_module().to)
     to(memory_format=memory_format)
     handler.memory_format = memory_format
 
@@ -308,9 +308,9 @@ def apply_speed(
     reference = run_all(runner, batches)
     fp32_seconds = time_batches(runner, warmup) if plan.min_speedup > 0 else None
     original = _Original(
-        handler.module,
+        handler.eager_module(),
         handler.compute_dtype,
-        _Snapshot.take(handler.module, handler.device.type == "cuda")
+        _Snapshot.take(handler.eager_module(), handler.device.type == "cuda")
         if plan.casts_weights
         else None,
     )

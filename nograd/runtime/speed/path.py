@@ -10,6 +10,7 @@ from typing import Final
 import torch
 
 from nograd.runtime.handler import ModelHandler
+from nograd.runtime.runners import Handler
 from nograd.runtime.speed.mode import Buckets, Shape
 
 GRAPH_WARMUP_RUNS: Final = 3
@@ -135,7 +136,7 @@ class SpeedModePath:
         return torch.autocast(device_type=self._handler.device.type, dtype=self._autocast_dtype)
 
 
-def batch_cap(handler: ModelHandler) -> int | None:
+def batch_cap(handler: Handler) -> int | None:
     """Largest batch worth forming, in the model's batch unit, or None when nothing caps it.
 
     With fixed shapes, a batch above the largest bucket runs as several forwards, so the data

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from nograd.formats import table
-from nograd.formats.table import Format, every_format, format_of, serving_format
+from nograd.formats.table import Format, every_format, format_of, reading_format, serving_format
 from nograd.formats.triton.reading.config import read_triton
 from nograd.observability.metrics import Metrics
 from nograd.schema.config import ModelConfig, load_config
@@ -42,6 +42,23 @@ def test_a_config_is_served_by_the_format_that_read_it() -> None:
     assert serving_format(read_triton(TRITON / "densenet_onnx")).name == "nograd"
     own = load_config(ROOT / "models" / "digits" / "config.toml")
     assert serving_format(own).name == "nograd"
+
+
+def test_a_config_is_read_by_the_format_whose_entry_it_came_from() -> None:
+    # Triton's ONNX model is served by nograd's runner, yet its refusals, warm-up and label are
+    # Triton's: the format that read it answers them.
+    onnx = read_triton(TRITON / "densenet_onnx")
+    assert reading_format(onnx).name == "triton"
+    assert reading_format(onnx).refuses_rows_over_batch_limit
+    assert reading_format(onnx).shape_refusal_note.startswith("NOTE: Setting a non-zero")
+    assert reading_format(onnx).label(onnx) == "triton/onnx"
+    archive = ModelConfig(name="m", inputs=(), outputs=(), format="torchserve", weights=None)
+    assert reading_format(archive).name == "torchserve"
+    own = load_config(ROOT / "models" / "digits" / "config.toml")
+    assert reading_format(own).name == "nograd"
+    assert not reading_format(own).refuses_rows_over_batch_limit
+    assert reading_format(own).warmup is None
+    assert reading_format(own).label(own) == "python"
 
 
 @pytest.fixture

@@ -25,6 +25,7 @@ from nograd.grpc.failures import client_message, status_code
 from nograd.grpc.generated import grpc_service_pb2 as pb
 from nograd.grpc.server import SERVICE_NAME, GrpcServer
 from nograd.grpc.service import OPERATOR_RPCS
+from nograd.serving import dataplane, validation
 from nograd.serving.core import Core
 from nograd.serving.errors import (
     HandlerFailed,
@@ -238,6 +239,75 @@ async def test_a_grpc_timeout_that_is_no_deadline_is_invalid_argument(tmp_path: 
             answer = await _raw_call(address, f"/{SERVICE_NAME}/ModelInfer", extra, request)
             assert answer["grpc-status"] == str(grpc.StatusCode.INVALID_ARGUMENT.value[0]), value
             assert "grpc-timeout must be 1 to 8 digits" in answer["grpc-message"]
+
+
+async def test_a_request_finds_its_model_once_whether_called_or_streamed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ModelInfer and a stream's request each look their version up once (held until answered)
+    and check the inputs they declare once, before decoding."""
+    repo = tmp_path / "repo"
+    shutil.copytree(FIXTURES / "poison", repo / "poison")
+    core = Core(Settings(model_repository=repo, warmup=False))
+    lookups: list[str] = []
+    checks: list[str] = []
+    get, check_declared = core.plane.registry.get, validation.check_declared
+
+    def counted_get(name: str, version: str | None = None) -> Any:
+        lookups.append(name)
+        return get(name, version)
+
+    def counted_check(model: Any, *args: Any, **kwargs: Any) -> None:
+        checks.append(model.name)
+        check_declared(model, *args, **kwargs)
+
+    monkeypatch.setattr(core.plane.registry, "get", counted_get)
+    monkeypatch.setattr(validation, "check_declared", counted_check)
+    monkeypatch.setattr(dataplane, "check_declared", counted_check)
+    request = pb.ModelInferRequest(model_name="poison", id="q")
+    request.inputs.add(name="x", datatype="FP32", shape=[1, 2])
+    request.raw_input_contents.append(np.ones(2, np.float32).tobytes())
+    async with front(core) as address, grpc.aio.insecure_channel(address) as channel:
+        infer = stub(channel, "ModelInfer", pb.ModelInferRequest, pb.ModelInferResponse)
+        assert (await infer(request, timeout=10)).model_name == "poison"
+        assert (lookups, checks) == (["poison"], ["poison"])
+        lookups.clear()
+        checks.clear()
+        stream = channel.stream_stream(
+            f"/{SERVICE_NAME}/ModelStreamInfer",
+            request_serializer=pb.ModelInferRequest.SerializeToString,
+            response_deserializer=pb.ModelStreamInferResponse.FromString,
+        )
+        call = stream(timeout=10)
+        await call.write(request)
+        await call.done_writing()
+        answer = await call.read()
+        assert answer.infer_response.model_name == "poison", answer.error_message
+        assert (lookups, checks) == (["poison"], ["poison"])
+        assert core.plane.get("poison").active == 0
+
+
+async def test_a_timeout_parameter_is_read_as_http_reads_it(tmp_path: Path) -> None:
+    """Triton's ``timeout`` parameter goes through the parser HTTP uses: a value that is no
+    duration is refused in the same words, not passed over."""
+    async with serving(tmp_path) as address, grpc.aio.insecure_channel(address) as channel:
+        infer = stub(channel, "ModelInfer", pb.ModelInferRequest, pb.ModelInferResponse)
+        request = pb.ModelInferRequest(model_name="poison")
+        request.inputs.add(name="x", datatype="FP32", shape=[1, 2])
+        request.raw_input_contents.append(np.ones(2, np.float32).tobytes())
+        request.parameters["timeout"].int64_param = 5_000_000
+        answer = await infer(request, timeout=10, metadata=AUTH)
+        assert answer.model_name == "poison"
+        for value in (-1, "5"):
+            if isinstance(value, int):
+                request.parameters["timeout"].int64_param = value
+            else:
+                request.parameters["timeout"].string_param = value
+            error = await refused(infer, request, metadata=AUTH)
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert error.details() == (
+                f"parameter 'timeout' must be a non-negative integer (µs), got {value!r}"
+            )
 
 
 async def test_a_deadline_already_passed_is_deadline_exceeded(tmp_path: Path) -> None:

@@ -14,8 +14,9 @@ import torch
 
 from nograd.host import ledger as cores_module
 from nograd.host.ledger import CoreLedger, CoreShare, clear_slot, create_ledger
-from nograd.runtime import handler as handler_module
-from nograd.runtime.handler import ModelHandler, TensorPart, TorchRunner
+from nograd.runtime import runners as runners_module
+from nograd.runtime.handler import ModelHandler, TensorPart
+from nograd.runtime.runners import SharedCoresRunner, batch_runner
 from nograd.schema.config import ModelConfig, TensorSpec
 
 
@@ -157,7 +158,7 @@ class Slow(torch.nn.Module):
         return x * 2
 
 
-def runner_with(ledger: CoreLedger, seconds: float) -> tuple[TorchRunner, Slow]:
+def runner_with(ledger: CoreLedger, seconds: float) -> tuple[SharedCoresRunner, Slow]:
     module = Slow(seconds)
     config = ModelConfig(
         name="slow",
@@ -165,7 +166,9 @@ def runner_with(ledger: CoreLedger, seconds: float) -> tuple[TorchRunner, Slow]:
         inputs=(TensorSpec(name="x", datatype="FP32", shape=(2,)),),
         outputs=(TensorSpec(name="y", datatype="FP32", shape=(2,)),),
     )
-    return TorchRunner(ModelHandler(module, config, torch.device("cpu")), ledger), module
+    runner = batch_runner(ModelHandler(module, config, torch.device("cpu")), ledger)
+    assert isinstance(runner, SharedCoresRunner)
+    return runner, module
 
 
 def part() -> TensorPart:
@@ -189,7 +192,7 @@ def test_the_runner_sets_each_batchs_threads_from_the_ledger(
 
         # Any real forward is short next to a minute: the first batch (not yet timed) is wide,
         # the next one, after a "short" forward, narrow; a busy machine cannot flip it.
-        monkeypatch.setattr(handler_module, "WIDE_FORWARD_S", 60.0)
+        monkeypatch.setattr(runners_module, "WIDE_FORWARD_S", 60.0)
         quick, fast_module = runner_with(a, seconds=0.0)
         quick.run_batch([part()])
         quick.run_batch([part()])

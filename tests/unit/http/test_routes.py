@@ -15,6 +15,7 @@ from starlette.types import ASGIApp
 
 from nograd.http import openai, v2
 from nograd.http.direct import DirectRoutes
+from nograd.serving import dataplane, validation
 from nograd.serving.calls import Calls
 from nograd.serving.dataplane import DataPlane
 from tests.unit.conftest import plane_for
@@ -72,3 +73,46 @@ async def test_the_routes_answer_errors_in_each_protocol_s_shape(plane: DataPlan
     assert embeddings.status_code == 404
     assert embeddings.json()["error"]["param"] == "model"
     assert len(embeddings.headers["x-request-id"]) == 32
+
+
+async def test_an_inference_looks_its_model_up_once_and_checks_its_inputs_once(
+    plane: DataPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The version a request names is found once and held until it is answered; the inputs it
+    declares are checked once, before they are decoded (not again on the decoded arrays)."""
+    lookups: list[str] = []
+    checks: list[str] = []
+    get, check_declared = plane.registry.get, validation.check_declared
+
+    def counted_get(name: str, version: str | None = None) -> Any:
+        lookups.append(name)
+        return get(name, version)
+
+    def counted_check(model: Any, *args: Any, **kwargs: Any) -> None:
+        checks.append(model.name)
+        check_declared(model, *args, **kwargs)
+
+    monkeypatch.setattr(plane.registry, "get", counted_get)
+    monkeypatch.setattr(validation, "check_declared", counted_check)
+    monkeypatch.setattr(dataplane, "check_declared", counted_check)
+    direct = DirectRoutes(routers_only(plane), routers_only(plane).state.calls)
+    for app in (routers_only(plane), direct):
+        lookups.clear()
+        checks.clear()
+        answer = await post(app, "/v2/models/poison/infer", INFER)
+        assert answer.status_code == 200
+        assert (lookups, checks) == (["poison"], ["poison"])
+        wrong = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 3], "data": [1, 2, 3]}]}
+        refused = await post(app, "/v2/models/poison/infer", wrong)
+        assert refused.status_code == 400 and "unexpected shape for input 'x'" in refused.text
+        assert plane.get("poison").active == 0  # every version held is given back
+
+
+async def test_a_timeout_parameter_that_is_no_duration_is_refused(plane: DataPlane) -> None:
+    app = routers_only(plane)
+    body = {**INFER, "parameters": {"timeout": -1}}
+    answer = await post(app, "/v2/models/poison/infer", body)
+    assert answer.status_code == 400
+    assert (
+        answer.json()["error"] == "parameter 'timeout' must be a non-negative integer (µs), got -1"
+    )

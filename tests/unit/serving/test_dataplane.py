@@ -130,12 +130,12 @@ def test_a_front_s_header_check_refuses_and_counts_as_infer_does(tmp_path: Path)
     after: the same message, a V2 statistics failure and ``rejected{reason="too_large"}``."""
     plane = plane_for(tmp_path, "poison", max_request_rows=2)
     plane.discover()
-    check = plane.input_check("poison", None)
+    check = plane.input_check(plane.get("poison"))
     check({"x": ("FP32", (2, 2))})
     with pytest.raises(LimitExceeded, match=r"input 'x' has 3 rows, more than the limit of 2"):
         check({"x": ("FP32", (3, 2))})
     with pytest.raises(ModelNotFound):
-        plane.input_check("nope", None)
+        plane.hold("nope")
     assert plane.metrics.rejected.labels("poison", "too_large")._value.get() == 1
     fails = plane.statistics.of("poison").document("poison", "1")["inference_stats"]["fail"]
     assert fails["count"] == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import cast
 
@@ -19,6 +20,7 @@ from nograd.serving.validation import (
     squeeze_scalar_samples,
     validate,
 )
+from tests.unit.formats.scaled.format import SCALED
 
 
 def test_text_longer_than_the_limit_is_refused(tmp_path: Path) -> None:
@@ -186,3 +188,29 @@ def test_optional_inputs_are_refused_outside_the_python_backend() -> None:
                 "outputs": [{"name": "Y", "datatype": "FP32", "shape": [2]}],
             }
         )
+
+
+def test_a_format_that_refuses_rows_over_the_limit_is_answered_in_its_words(
+    tmp_path: Path,
+) -> None:
+    """The refusal of rows above ``max_batch_size`` and the shape refusal's note are the format's
+    answers, not a test of which format read the model: a new format sets them in its row."""
+    config = ModelConfig.model_validate(
+        {
+            "name": "scaled",
+            "backend": SCALED.name,
+            "weights": None,
+            "max_batch_size": 2,
+            "inputs": [{"name": "x", "datatype": "FP32", "shape": [2]}],
+            "outputs": [{"name": "y", "datatype": "FP32", "shape": [2]}],
+        }
+    )
+    model = ServedModel(config, tmp_path)
+    check_declared(model, {"x": ("FP32", (3, 2))}, max_rows=8)  # split, as nograd's are
+    model.format = dataclasses.replace(
+        SCALED, refuses_rows_over_batch_limit=True, shape_refusal_note="NOTE: batched."
+    )
+    with pytest.raises(InvalidInput, match="batch-size must be <= 2 for 'scaled'"):
+        check_declared(model, {"x": ("FP32", (3, 2))}, max_rows=8)
+    with pytest.raises(InvalidInput, match=r"Expected \[-1,2\], got \[1,3\]\. NOTE: batched\.$"):
+        check_declared(model, {"x": ("FP32", (1, 3))}, max_rows=8)

@@ -1,6 +1,7 @@
-"""A TorchServe handler as nograd's ``ModelHandler``: each request a ``HandlerRequest`` (its
-fields and headers), each batch one ``handle(data, context)`` call on the device thread, each
-answer encoded as TorchServe sends it.
+"""A TorchServe handler as the batcher's runner (a ``RequestRunner``): each request a
+``HandlerRequest`` (its fields and headers), each batch one ``handle(data, context)`` call on the
+device thread, as TorchServe calls it (no ``inference_mode`` of nograd's around it), each answer
+encoded as TorchServe sends it.
 
 The handler is found as TorchServe's model loader finds it: a file of the archive
 (``handler.py`` or ``handler.py:function``) or a default handler by name. A module with the
@@ -39,8 +40,9 @@ from nograd.formats.torchserve.running.ts.utils.util import (
     PredictionException,
     list_classes_from_module,
 )
-from nograd.runtime.handler import ModelHandler, Outputs, TensorPart
+from nograd.runtime.handler import Outputs, TensorPart, module_bytes, split_rows
 from nograd.runtime.memory import is_out_of_memory
+from nograd.runtime.runners import RequestRunner
 from nograd.schema.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -54,13 +56,12 @@ class ArchiveLoadError(Exception):
     """An archive's handler that cannot be loaded; the message names the file and why."""
 
 
-class ArchiveHandler(ModelHandler):
+class ArchiveHandler(RequestRunner):
     """Runs a TorchServe handler on batches of ``HandlerRequest``s; with a sample request,
     ``example`` repeats it, so the model is warmed up and measured for memory like any other."""
 
     def __init__(
         self,
-        module: torch.nn.Module,
         config: ModelConfig,
         device: torch.device,
         entry: Entry,
@@ -68,12 +69,11 @@ class ArchiveHandler(ModelHandler):
         code: dict[str, ModuleType],
         folder: Path,
     ) -> None:
-        super().__init__(module, config, device)
+        super().__init__(config, device)
         self.folder = folder
         """The unpacked archive: on the path while ``handle`` runs, for its lazy imports."""
         self.sample: HandlerRequest | None = None
         """The request warm-up and memory measurement repeat (``use_sample``)."""
-        self.synthetic_inputs = False
         self.entry = entry
         self.context = context
         self.code = code
@@ -121,18 +121,12 @@ class ArchiveHandler(ModelHandler):
         array[:] = items
         return TensorPart({RAW_FIELD: array}, len(items))
 
-    def collate(self, parts: Sequence[TensorPart]) -> dict[str, Any]:
-        return {RAW_FIELD: [item for part in parts for item in part.tensors[RAW_FIELD]]}
-
-    def forward(self, batch: Mapping[str, Any]) -> Mapping[str, Any]:
-        requests: list[HandlerRequest] = batch[RAW_FIELD]
-        answers = self._handle(requests)
-        array = np.empty(len(answers), dtype=np.object_)
-        array[:] = answers
-        return {"answer": array}
-
-    def to_numpy(self, outputs: Mapping[str, Any], rows: int | None = None) -> Outputs:
-        return {"answer": outputs["answer"]}
+    def run_batch(self, parts: Sequence[TensorPart]) -> list[Outputs]:
+        """Every part's requests in one ``handle`` call; each part gets its own answers."""
+        requests = [item for part in parts for item in part.tensors[RAW_FIELD]]
+        answers = np.empty(len(requests), dtype=np.object_)
+        answers[:] = self._handle(requests)
+        return split_rows({"answer": answers}, [part.rows for part in parts])
 
     def _handle(self, requests: list[HandlerRequest]) -> list[HandlerAnswer]:
         """One ``handle`` call for the batch, failing every request as TorchServe does: a
@@ -254,10 +248,11 @@ def _build(model_dir: Path, config: ModelConfig, device: torch.device) -> Archiv
                 f"{model_dir}: handler {handler!r} failed to initialise: {type(exc).__name__}: "
                 f"{exc}"
             ) from exc
+    runner = ArchiveHandler(config, device, entry, context, code, model_dir)
     model = getattr(service, "model", None)
-    if not isinstance(model, torch.nn.Module):
-        model = torch.nn.Module()
-    return ArchiveHandler(model, config, device, entry, context, code, model_dir)
+    if isinstance(model, torch.nn.Module):
+        runner.weights_bytes = module_bytes(model)
+    return runner
 
 
 def _handler_module(model_dir: Path, handler: str) -> tuple[ModuleType, str]:

@@ -7,14 +7,14 @@ from pathlib import Path
 import torch
 
 from nograd.formats.torchserve.running.handler import ArchiveLoadError, build_archive_handler
-from nograd.runtime.handler import ModelHandler
 from nograd.runtime.loader import LoadError
+from nograd.runtime.runners import RequestRunner
 from nograd.schema.config import ModelConfig
 
 
 def build(
     repository: Path, model_dir: Path, config: ModelConfig, device: torch.device
-) -> ModelHandler:
+) -> RequestRunner:
     """The archive's handler as TorchServe runs it; an archive that cannot load is a
     ``LoadError`` naming why."""
     try:

@@ -12,14 +12,14 @@ from nograd.formats.triton.running.python_backend.handler import (
     model_class,
     register_utils,
 )
-from nograd.runtime.handler import ModelHandler
 from nograd.runtime.loader import LoadError, import_model_module, locate
+from nograd.runtime.runners import RequestRunner
 from nograd.schema.config import ModelConfig
 
 
 def build(
     repository: Path, model_dir: Path, config: ModelConfig, device: torch.device
-) -> ModelHandler:
+) -> RequestRunner:
     """A Triton Python-backend model: its ``model.py`` imported under this version's own name
     (with nograd's ``triton_python_backend_utils``), its config auto-completed by the model when
     it says how, then ``initialize``d."""

@@ -19,7 +19,8 @@ import numpy as np
 
 from nograd.core.datatypes import TABLE
 from nograd.formats.triton.running.python_backend.utils import deserialize_bytes_tensor
-from nograd.runtime.handler import ModelHandler, TensorPart, TorchRunner
+from nograd.runtime.handler import TensorPart
+from nograd.runtime.runners import Handler, batch_runner
 from nograd.schema.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -69,10 +70,17 @@ def warmup_samples(config: ModelConfig, model_folder: Path) -> list[WarmupSample
     return samples
 
 
-def run_warmup(handler: ModelHandler, samples: list[WarmupSample]) -> None:
+def warm_up_model(handler: Handler, model_dir: Path) -> None:
+    """Triton's format's warm-up (``Format.warmup``): the samples of the model's config, their
+    files read from the model's folder (above its numbered version folder), run on ``handler``."""
+    folder = model_dir.parent if model_dir.name.isdigit() else model_dir
+    run_warmup(handler, warmup_samples(handler.config, folder))
+
+
+def run_warmup(handler: Handler, samples: list[WarmupSample]) -> None:
     """Run every sample ``count`` times, as one batch of its requests; the first failure is
     raised as Triton reports it: ``failed to run warmup sample '<name>': <message>``."""
-    runner = TorchRunner(handler)
+    runner = batch_runner(handler)
     for sample in samples:
         for iteration in range(1, sample.count + 1):
             logger.info(

@@ -20,6 +20,9 @@ class ScaledFormat:
 
     name: str = "scaled"
     runner: str = "tests.unit.formats.scaled.running:build"
+    warmup: str | None = None
+    refuses_rows_over_batch_limit: bool = False
+    shape_refusal_note: str = ""
 
     def recognises(self, entry: Path) -> bool:
         return (entry / FACTOR_FILE).is_file()
@@ -40,8 +43,14 @@ class ScaledFormat:
         )
         return shared_config_source(config, folder, override, versions)
 
+    def reads(self, config: ModelConfig) -> bool:
+        return config.backend == self.name
+
     def serves(self, config: ModelConfig) -> bool:
         return config.backend == self.name
+
+    def label(self, config: ModelConfig) -> str:
+        return self.name
 
 
 SCALED: Final = ScaledFormat()

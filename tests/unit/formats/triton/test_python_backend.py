@@ -14,8 +14,10 @@ import torch
 from nograd.core.errors import ModelAnswered
 from nograd.formats.triton.reading.config import read_triton
 from nograd.formats.triton.running.python_backend import utils
-from nograd.runtime.handler import TensorPart, TorchRunner
+from nograd.formats.triton.running.python_backend.handler import PythonBackendHandler
+from nograd.runtime.handler import ModelHandler, TensorPart
 from nograd.runtime.loader import build_handler
+from nograd.runtime.runners import batch_runner
 from tests.triton_models import FIXTURES, TALLY_CONFIG, TALLY_MODEL
 
 
@@ -91,18 +93,28 @@ class TritonPythonModel:
 
 
 @pytest.fixture
-def python_model(tmp_path: Path) -> TorchRunner:
+def python_model(tmp_path: Path) -> PythonBackendHandler:
     folder = tmp_path / "repo" / "doubled"
     (folder / "1").mkdir(parents=True)
     (folder / "config.pbtxt").write_text('backend: "python"\n')
     (folder / "1" / "model.py").write_text(MODEL)
     config = read_triton(folder).model_copy(update={"version": "1"})
     handler = build_handler(tmp_path / "repo", folder / "1", config, torch.device("cpu"))
-    return TorchRunner(handler)
+    assert isinstance(handler, PythonBackendHandler)
+    return handler
 
 
-def test_auto_complete_initialize_and_one_execute_per_batch(python_model: TorchRunner) -> None:
-    handler = python_model.handler
+def test_a_python_model_is_the_batchers_runner_itself(python_model: PythonBackendHandler) -> None:
+    """No torch module stands behind it and no torch runner asks it whether to run a batch."""
+    assert not isinstance(python_model, ModelHandler)
+    assert batch_runner(python_model) is python_model
+    assert python_model.weights_bytes == 0
+
+
+def test_auto_complete_initialize_and_one_execute_per_batch(
+    python_model: PythonBackendHandler,
+) -> None:
+    handler = python_model
     config = handler.config
     assert (config.max_batch_size, config.batch_dimension) == (4, True)
     assert [spec.name for spec in config.inputs] == ["X"]
@@ -124,7 +136,7 @@ def test_auto_complete_initialize_and_one_execute_per_batch(python_model: TorchR
     assert module.CALLS[-1] == "finalized"
 
 
-def test_execute_raising_fails_its_whole_batch(python_model: TorchRunner) -> None:
+def test_execute_raising_fails_its_whole_batch(python_model: PythonBackendHandler) -> None:
     outcomes = python_model.run_batch(_parts([1, 2], [500, 0]))
     assert all(isinstance(outcome, ModelAnswered) for outcome in outcomes)
     assert "Failed to process the request(s) for model 'doubled', message: " in str(outcomes[0])
@@ -138,7 +150,7 @@ def test_examples_load_as_separate_modules(tmp_path: Path) -> None:
         handlers.append(build_handler(FIXTURES, FIXTURES / name / "1", config, torch.device("cpu")))
     a = np.array([[1.0, 2.0, 3.0, 4.0]], dtype=np.float32)  # one request, its batch axis added
     for handler in handlers:
-        (answer,) = TorchRunner(handler).run_batch([TensorPart({"INPUT0": a, "INPUT1": a}, 1)])
+        (answer,) = batch_runner(handler).run_batch([TensorPart({"INPUT0": a, "INPUT1": a}, 1)])
         np.testing.assert_array_equal(answer["OUTPUT0"], 2 * a)
         np.testing.assert_array_equal(answer["OUTPUT1"], 0 * a)
     assert type(handlers[0].model).__module__ != type(handlers[1].model).__module__  # type: ignore[attr-defined]
@@ -155,9 +167,7 @@ def test_a_python_model_keys_its_state_by_the_sequence_s_correlation_id(tmp_path
     (folder / "config.pbtxt").write_text(config_text)
     (folder / "1" / "model.py").write_text(TALLY_MODEL)
     config = read_triton(folder).model_copy(update={"version": "1"})
-    runner = TorchRunner(
-        build_handler(tmp_path / "repo", folder / "1", config, torch.device("cpu"))
-    )
+    runner = build_handler(tmp_path / "repo", folder / "1", config, torch.device("cpu"))
 
     def part(value: int, sequence_id: int | str, flags: int = 0) -> TensorPart:
         controls = {"START": flags & FLAG_START, "END": flags & FLAG_END, "READY": 1}
@@ -170,4 +180,4 @@ def test_a_python_model_keys_its_state_by_the_sequence_s_correlation_id(tmp_path
     assert [int(answer["OUTPUT"][0, 0]) for answer in answers] == [8, 3]  # type: ignore[index]
     # START, END, READY, flags(), and the key being the correlation id.
     assert answers[1]["CONTROLS"].tolist() == [[0, 1, 1, FLAG_END, 1]]  # type: ignore[index]
-    assert set(runner.handler.model.sums) == {7}  # type: ignore[attr-defined]
+    assert set(runner.model.sums) == {7}  # type: ignore[attr-defined]

@@ -1,10 +1,10 @@
-"""A Triton Python-backend model (``model.py`` defining ``TritonPythonModel``) as a handler:
-``initialize`` at load, the batcher's requests handed to ``execute`` together, one response per
-request, ``finalize`` when the version is freed.
+"""A Triton Python-backend model (``model.py`` defining ``TritonPythonModel``) as the batcher's
+runner: ``initialize`` at load, the batcher's requests handed to ``execute`` together, one response
+per request, ``finalize`` when the version is freed.
 
 Its ``execute`` is opaque code that may act on what it receives, so nograd runs it on requests
-only: no synthetic warm-up, memory profile or engine choice (``synthetic_inputs`` is False); its
-batch limit is its config's ``max_batch_size``, which Triton holds it to as well.
+only (a ``RequestRunner``): no synthetic warm-up, memory profile or engine choice; its batch limit
+is its config's ``max_batch_size``, which Triton holds it to as well.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import inspect
 import json
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import numpy as np
 import torch
@@ -23,8 +23,10 @@ from nograd.core.datatypes import TABLE
 from nograd.core.errors import ModelAnswered
 from nograd.core.responses import Response
 from nograd.formats.triton.running.python_backend import utils
-from nograd.runtime.handler import ModelHandler, Outputs, TensorPart
+from nograd.runtime.handler import Outputs, TensorPart
+from nograd.runtime.runners import RequestRunner
 from nograd.schema.config import ModelConfig, TensorSpec
+from nograd.schema.sequence_config import state_outputs
 
 UTILS_MODULE: Final = "triton_python_backend_utils"
 """The name Triton's Python models import the backend's utilities by."""
@@ -97,16 +99,14 @@ def _spec(tensor: Mapping[str, Any]) -> TensorSpec:
     return TensorSpec(name=str(tensor["name"]), datatype=datatype, shape=shape)
 
 
-class PythonBackendHandler(ModelHandler):
+class PythonBackendHandler(RequestRunner):
     """Runs a ``TritonPythonModel``: each request of a batch an ``InferenceRequest`` of its own
     tensors (BYTES as object arrays of bytes, never through torch)."""
-
-    synthetic_inputs = False
 
     def __init__(
         self, model: Any, config: ModelConfig, device: torch.device, model_dir: str
     ) -> None:
-        super().__init__(torch.nn.Module(), config, device)
+        super().__init__(config, device)
         self.model = model
         kind = "GPU" if device.type == "cuda" else "CPU"
         self.args = {
@@ -124,11 +124,16 @@ class PythonBackendHandler(ModelHandler):
         if initialize is not None:
             initialize(dict(self.args))
 
-    def run_requests(self, parts: Sequence[TensorPart]) -> list[Outputs | BaseException]:
+    def run_batch(self, parts: Sequence[TensorPart]) -> list[Outputs]:
         """One ``execute`` over every part, each part one request; an error response, or
-        ``execute`` raising, fails those requests with the model's own message."""
+        ``execute`` raising, fails those requests with the model's own message (the exception
+        in a request's place answers that request alone)."""
+        return cast(list[Outputs], self._execute(parts))
+
+    def _execute(self, parts: Sequence[TensorPart]) -> list[Outputs | BaseException]:
         unbatched = self.config.batch_dimension is False
-        outputs = [spec.name for spec in self._outputs]
+        declared = self.config.outputs + state_outputs(self.config.sequence)
+        outputs = [spec.name for spec in declared]
         version = int(self.config.version) if self.config.version.isdigit() else -1
         requests = [
             utils.InferenceRequest(

@@ -1,0 +1,155 @@
+"""The revisions phase: this checkout's nograd against the same server at a base revision
+(``--base``), both up together on one repository (the shipped models and TorchServe's MNIST
+archive), their answers compared body for body, then paired rounds at concurrency 1 and the
+headline concurrency. A change meant to leave the figures alone (a refactor) shows its ratios
+here, measured minutes apart on the same machine."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from bench.common import PYTHON, RESULTS, ROOT, Server, nograd_server
+from bench.peers.torchserve_archives import DIGITS, build_mnist
+from bench.phases.archives import Answer, answers_of
+from bench.phases.peers import NOGRAD, measure_rounds
+from bench.session import Bench
+
+BASE = "nograd-base"
+WORKLOADS = ("digits", "minilm-1", "mnist-png")
+SHIPPED = ("digits", "minilm")
+GIT_TIMEOUT_S = 120
+REL_TOL = 1e-4
+"""Numbers in two answers agree within this: the same engine may round differently run to run."""
+
+
+def _close(a: Any, b: Any) -> bool:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, float | int) and isinstance(b, float | int):
+        return math.isclose(a, b, rel_tol=REL_TOL, abs_tol=REL_TOL)
+    return bool(a == b)
+
+
+def same_answer(a: Answer, b: Answer) -> bool:
+    """The same status, and the same body: as JSON with numbers within ``REL_TOL`` where both
+    parse, byte for byte otherwise."""
+    if a[0] != b[0]:
+        return False
+    try:
+        return _close(json.loads(a[1]), json.loads(b[1]))
+    except ValueError:
+        return a[1] == b[1]
+
+
+def compare(this: list[Answer], base: list[Answer]) -> dict[str, Any]:
+    """How many answers agree, and the first disagreement (index, both answers) if any."""
+    differ = [i for i, pair in enumerate(zip(this, base, strict=True)) if not same_answer(*pair)]
+    first = None
+    if differ:
+        i = differ[0]
+        first = {
+            "index": i,
+            NOGRAD: [this[i][0], this[i][1][:200].decode(errors="replace")],
+            BASE: [base[i][0], base[i][1][:200].decode(errors="replace")],
+        }
+    return {"requests": len(this), "same": len(this) - len(differ), "first_difference": first}
+
+
+def _git(*args: str) -> str:
+    out = subprocess.run(
+        ["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=GIT_TIMEOUT_S, check=True
+    )
+    return out.stdout.strip()
+
+
+def _link_or_copy(source: str, target: str) -> None:
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
+def repository(folder: Path) -> Path:
+    """The shipped models (hard links where the file system allows: nograd refuses model files
+    that resolve outside its repository, so no symbolic links) and ``mnist.mar`` built by the
+    real ``torch-model-archiver``, with the sample nograd warms an archive up with."""
+    root = folder / "repository"
+    root.mkdir(parents=True, exist_ok=True)
+    for name in SHIPPED:
+        if not (root / name).exists():
+            shutil.copytree(ROOT / "models" / name, root / name, copy_function=_link_or_copy)
+    build_mnist(root, folder / "work")
+    (root / "mnist.sample.png").write_bytes(DIGITS["0"])
+    return root
+
+
+def base_server(checkout: Path, root: Path, cpus: str | None, env: dict[str, str]) -> Server:
+    """``python -m nograd`` started in the base revision's checkout, so its own code is imported
+    (the current directory comes first on ``sys.path``, and spawned workers inherit the path)."""
+    server = nograd_server(root, cpus, env)
+    server.name = BASE
+    server.command = [PYTHON, "-m", "nograd"]
+    server.cwd = checkout
+    server.env = {**server.env, "PYTHONPATH": str(checkout)}
+    return server
+
+
+def phase_revisions(bench: Bench) -> None:
+    record: dict[str, Any] = {"base": bench.plan.base_revision, "runs": []}
+    bench.results["revisions"] = record
+    if bench.plan.base_revision is None:
+        record["refused"] = "no base revision: pass --base REV"
+        bench.note(record["refused"])
+        return
+    folder = RESULTS / f"{bench.stamp}-revisions"
+    # Outside this checkout: its own tools (mypy, pytest) would walk a copy of the code.
+    checkout = Path(tempfile.mkdtemp(prefix="nograd-base-")) / "base"
+    record["base_commit"] = _git("rev-parse", f"{bench.plan.base_revision}^{{commit}}")
+    record["this_commit"] = _git("rev-parse", "HEAD")
+    record["this_dirty"] = bool(_git("status", "--porcelain", "--untracked-files=no"))
+    bench.step(f"revisions: check out {record['base_commit'][:12]}")
+    _git("worktree", "add", "--detach", str(checkout), record["base_commit"])
+    workers = bench.plan.revision_workers
+    record["workers"] = workers
+    with contextlib.ExitStack() as stack:
+        stack.callback(_git, "worktree", "remove", "--force", str(checkout))
+        bench.step("revisions: build the repository")
+        root = repository(folder)
+        cpus = bench.plan.server_cpus
+        # One engine cache: the second server opens the engines the first chose, so the rounds
+        # compare the serving code, not two draws of the engine choice.
+        env = {"NOGRAD_WORKERS": workers, "NOGRAD_ENGINE_CACHE": str(folder / "engines")}
+        systems: list[tuple[str, Server]] = []
+        for name, server in (
+            (NOGRAD, nograd_server(root, cpus, env)),
+            (BASE, base_server(checkout, root, cpus, env)),
+        ):
+            bench.step(f"revisions: start {name}")
+            systems.append((name, stack.enter_context(server)))
+        everyone = [server for _, server in systems]
+        checks: dict[str, Any] = {}
+        for name in WORKLOADS:
+            wl = bench.workload(name)
+            bench.bodies.setdefault(name, wl.write_bodies(RESULTS / "bodies"))
+            bench.step(f"revisions: compare answers ({name})")
+            this, base = (answers_of(server, wl) for server in everyone)
+            checks[name] = compare(this, base)
+        record["check"] = checks
+        differ = {n: c for n, c in checks.items() if c["same"] != c["requests"]}
+        if differ:
+            record["refused"] = f"answers differ between the revisions: {differ}"[:600]
+            bench.note(record["refused"])
+            return
+        lineup = {name: systems for name in WORKLOADS}
+        concurrencies = sorted({1, bench.plan.concurrency}, reverse=True)
+        record["runs"] = measure_rounds(bench, lineup, everyone, concurrencies, "revisions")
