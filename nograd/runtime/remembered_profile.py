@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -25,11 +24,10 @@ from nograd.core.engines import ENGINES
 from nograd.runtime.engines.artifacts import cache_file, onnxruntime_version, write_text_atomically
 from nograd.runtime.engines.errors import ArtifactError
 from nograd.runtime.engines.paths import serving_ranges
-from nograd.runtime.engines.remembered import model_key
-from nograd.runtime.handler import ModelHandler
 from nograd.runtime.memory import CheckPoint, CostModel, MemoryProbe, Profile
 from nograd.runtime.memory.fits import RangedCost, RangeFit, Verdict, VerifiedFit
 from nograd.runtime.planner import profile_handler
+from nograd.runtime.runners import Handler
 
 logger = logging.getLogger(__name__)
 
@@ -37,22 +35,24 @@ FORMAT: Final = 1
 """The record's layout (and the profiling method's): a record of another is profiled again."""
 
 
-def profile_key(handler: ModelHandler, cap: int, code: Sequence[Path]) -> str:
-    """What the handler's measured activation cost depends on; runs on the device's thread, after
-    its engines are installed."""
+def profile_key(handler: Handler, loaded_as: str) -> str:
+    """What the handler's measured activation cost depends on: ``loaded_as`` (``model_key``, taken
+    at load before its engines were installed, when the eager module still held the weights) and
+    what serves it now. Runs on the device's thread, after its engines are installed."""
     digest = hashlib.sha256()
     device = handler.device
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     engines = [(most, engine.name) for most, engine in serving_ranges(handler)]
     # ONNX Runtime's version only where it serves: reading it imports it, tens of MiB that a
     # model served by torch alone would otherwise carry (and count as its memory).
     onnx = {row.name for row in ENGINES if row.suffix == ".onnx"}
-    libraries = [onnxruntime_version()] if onnx & {name for _, name in engines} else []
+    library = onnxruntime_version() if onnx & {engine for _, engine in engines} else ""
     for part in (
         str(FORMAT),
         __version__,
-        model_key(handler, cap, code, libraries),
-        name,
+        loaded_as,
+        library,
+        device_name,
         json.dumps(engines),
         str(torch.get_num_threads()),
     ):
@@ -61,13 +61,17 @@ def profile_key(handler: ModelHandler, cap: int, code: Sequence[Path]) -> str:
 
 
 def profile_or_recall(
-    handler: ModelHandler, probe: MemoryProbe, cap: int, code: Sequence[Path], cache_dir: Path
+    handler: Handler, probe: MemoryProbe, cap: int, loaded_as: str, cache_dir: Path
 ) -> RangedCost:
     """The handler's cost as remembered for the same key, or profiled now (``profile_handler``)
-    and remembered; runs on the device's thread, as profiling does."""
+    and remembered; runs on the device's thread, as profiling does. A model with no
+    ``loaded_as`` (one that is not a torch module, whose weights were not hashed) is profiled and
+    not remembered."""
+    if not loaded_as:
+        return profile_handler(handler, probe, cap)
     config = handler.config
     label = f"{config.name}-v{config.version}"
-    key = profile_key(handler, cap, code)
+    key = profile_key(handler, loaded_as)
     known = recall(cache_dir, label, key)
     if known is not None:
         logger.info(

@@ -10,11 +10,15 @@ import pytest
 import torch
 
 from nograd.runtime import remembered_profile
+from nograd.runtime.engines import choice
+from nograd.runtime.engines.choice import prepare_engine
+from nograd.runtime.engines.remembered import model_key
 from nograd.runtime.handler import ModelHandler
 from nograd.runtime.memory import CpuMemoryProbe
 from nograd.runtime.memory.fits import RangedCost
 from nograd.runtime.planner import profile_handler
 from nograd.runtime.remembered_profile import cost_document, cost_from, profile_or_recall
+from tests.unit.runtime.engines.test_choice import scripted
 from tests.unit.runtime.engines.tiny import tiny_folder, tiny_handler
 
 CAP = 32
@@ -38,10 +42,14 @@ def spy(monkeypatch: pytest.MonkeyPatch) -> ProfileSpy:
     return counting
 
 
+def profile(handler: ModelHandler, code: list[Path], cache: Path, cap: int = CAP) -> RangedCost:
+    """As a load plans it: the model's key taken first, then its profile remembered or made."""
+    loaded_as = model_key(handler, cap, code, ())
+    return profile_or_recall(handler, CpuMemoryProbe(), cap, loaded_as, cache)
+
+
 def load(root: Path, cache: Path, cap: int = CAP) -> RangedCost:
-    handler = tiny_handler(root)
-    code = [tiny_folder(root) / "model.py"]
-    return profile_or_recall(handler, CpuMemoryProbe(), cap, code, cache)
+    return profile(tiny_handler(root), [tiny_folder(root) / "model.py"], cache, cap)
 
 
 def test_a_second_load_plans_from_the_record_without_profiling(
@@ -64,13 +72,13 @@ def test_changed_weights_code_or_cap_profile_again(tmp_path: Path, spy: ProfileS
     with torch.no_grad():
         next(changed.module.parameters()).add_(1.0)
     code = [tiny_folder(tmp_path) / "model.py"]
-    profile_or_recall(changed, CpuMemoryProbe(), CAP, code, cache)
+    profile(changed, code, cache)
     assert spy.calls == 2
     load(tmp_path, cache, cap=CAP // 2)
     assert spy.calls == 3
     handler = tiny_handler(tmp_path)
     code[0].write_text(code[0].read_text() + "\n# another revision\n")
-    profile_or_recall(handler, CpuMemoryProbe(), CAP, code, cache)
+    profile(handler, code, cache)
     assert spy.calls == 4
 
 
@@ -94,3 +102,27 @@ def test_a_record_of_another_layout_or_unreadable_is_profiled_again(
 def test_the_record_round_trips_every_fit(tmp_path: Path) -> None:
     cost = profile_handler(tiny_handler(tmp_path), CpuMemoryProbe(), CAP)
     assert cost_from(cost_document(cost)) == cost
+
+
+def test_a_model_without_a_key_is_profiled_every_time(tmp_path: Path, spy: ProfileSpy) -> None:
+    handler = tiny_handler(tmp_path)
+    for _ in range(2):
+        profile_or_recall(handler, CpuMemoryProbe(), CAP, "", tmp_path / "cache")
+    assert spy.calls == 2
+    assert not (tmp_path / "cache").exists()
+
+
+def test_a_model_whose_engine_serves_every_batch_is_remembered(
+    tmp_path: Path, spy: ProfileSpy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its eager weights are gone once the engine serves: the key taken before still holds."""
+    monkeypatch.setattr(choice, "time_parts", scripted((1.0, 1.0, 1.0), (0.5, 0.5, 0.5)))
+    cache = tmp_path / "cache"
+    code = [tiny_folder(tmp_path, 'engine = "onnx"') / "model.py"]
+    for _ in range(2):
+        handler = tiny_handler(tmp_path, 'engine = "onnx"')
+        loaded_as = model_key(handler, CAP, code, ())
+        handler = prepare_engine(handler, CAP, None, None, code, cache)
+        assert handler.module is None and handler.speed_mode == "onnx"
+        profile_or_recall(handler, CpuMemoryProbe(), CAP, loaded_as, cache)
+    assert spy.calls == 1
