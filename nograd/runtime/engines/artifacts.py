@@ -27,10 +27,16 @@ _CHUNK: Final = 1 << 20
 
 def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
+    hash_file(digest, path)
+    return digest.hexdigest()
+
+
+def hash_file(digest: hashlib._Hash, path: Path) -> None:
+    """Feed the file's bytes to ``digest`` a chunk at a time: an artifact of hundreds of MiB is
+    never held whole (a load would count it as its model's memory)."""
     with path.open("rb") as stream:
         while chunk := stream.read(_CHUNK):
             digest.update(chunk)
-    return digest.hexdigest()
 
 
 def verify_sha256(path: Path, expected: str | None) -> None:

@@ -21,6 +21,7 @@ import torch
 
 from nograd.runtime.engines.artifacts import (
     cache_file,
+    hash_file,
     hash_tensor,
     onnxruntime_version,
     write_text_atomically,
@@ -51,7 +52,9 @@ def model_key(
     handler: ModelHandler, limit: int, code: Sequence[Path], libraries: Sequence[str]
 ) -> str:
     """The model as loaded: torch's version and ``libraries``' (the versions of what else ran
-    it), the device type, its config, the batch limit, its code and its weights by value."""
+    it), the device type, its config, the batch limit, its code and its weights by value (an
+    artifact model, which has no eager module, has its weights in its artifact, one of
+    ``code``)."""
     digest = hashlib.sha256()
     config = handler.config.model_dump(mode="json")
     for part in (
@@ -64,8 +67,9 @@ def model_key(
     ):
         digest.update(part.encode() + b"\0")
     for path in code:
-        digest.update(path.read_bytes() if path.is_file() else b"")
-    state = handler.eager_module().state_dict()
+        if path.is_file():
+            hash_file(digest, path)
+    state = handler.module.state_dict() if handler.module is not None else {}
     for name in sorted(state):
         tensor = state[name]
         if isinstance(tensor, torch.Tensor):
