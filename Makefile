@@ -32,6 +32,7 @@ run: install
 # Two passes: the tests that bound no time or memory on two workers (most wait on a server they
 # started), then the `serial` ones alone (tests/conftest.py lists them); the wall time at the end.
 # A pass that PYTEST_ARGS leaves without a test (pytest's exit 5) does not fail the target.
+# TEST_WORKERS=0 runs the first pass in one process too.
 TEST_WORKERS ?= 2
 
 test: install-dev
