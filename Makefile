@@ -29,8 +29,19 @@ install-dev: $(VENV)/.installed-dev
 run: install
 	$(BIN)/nograd
 
+# Two passes: the tests that bound no time or memory on two workers (most wait on a server they
+# started), then the `serial` ones alone (tests/conftest.py lists them); the wall time at the end.
+# A pass that PYTEST_ARGS leaves without a test (pytest's exit 5) does not fail the target.
+# TEST_WORKERS=0 runs the first pass in one process too.
+TEST_WORKERS ?= 2
+
 test: install-dev
-	$(BIN)/python -m pytest -m "not slow" --durations=25 $(PYTEST_ARGS)
+	@started=$$(date +%s); \
+	$(BIN)/python -m pytest -m "not slow and not serial" -n $(TEST_WORKERS) --dist loadfile \
+		--durations=25 $(PYTEST_ARGS); parallel=$$?; \
+	$(BIN)/python -m pytest -m "serial and not slow" --durations=25 $(PYTEST_ARGS); serial=$$?; \
+	echo "make test: $$(( $$(date +%s) - started ))s wall (parallel pass exit $$parallel, serial pass exit $$serial)"; \
+	for code in $$parallel $$serial; do [ $$code -eq 0 ] || [ $$code -eq 5 ] || exit $$code; done
 
 test-slow: install-dev
 	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)

@@ -135,7 +135,8 @@ class Settings(BaseSettings):
 
     engine_cache: Path | None = None
     """Folder of the engine artifacts built at load (ONNX models, exported programs, AOTInductor
-    packages), reused by every later start while the model's code and weights are unchanged.
+    packages), the engine choices and the memory profiles measured at load, reused by every later
+    start while the model's code and weights are unchanged.
     Unset: ``$XDG_CACHE_HOME/nograd/engines``, or ``~/.cache/nograd/engines``."""
 
     warmup: bool = True

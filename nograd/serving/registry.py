@@ -71,6 +71,10 @@ class ServedModel:
     plan: ModelPlan | None = None
     profile: RangedCost | None = None
     """The measured activation cost, kept so memory can be planned again when models change."""
+    loaded_as: str = ""
+    """What its torch module was loaded as (``nograd.runtime.engines.remembered.model_key``),
+    taken before its engines were installed: its memory profile is remembered under it. Empty:
+    not remembered."""
     fingerprint: str = ""
     """The files it was loaded from (``nograd.serving.control.repository``): a change means a
     reload."""

@@ -75,6 +75,8 @@ def test_shipped_models_on_auto_then_a_restart_reuses_the_built_engines(
         assert "engines measured at load" not in log
         for model in ("digits", "minilm"):
             assert f"model {model}: engines as chosen at an earlier load" in log
+            # The memory plan's profile too: planned from the record, not measured again.
+            assert f"model {model}: memory profile as measured at an earlier load" in log
         again_speedups = {
             (labels["model"], labels["mode"])
             for labels, _, _ in metrics(again)["nograd_model_speedup"]

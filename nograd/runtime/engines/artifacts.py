@@ -27,10 +27,16 @@ _CHUNK: Final = 1 << 20
 
 def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
+    hash_file(digest, path)
+    return digest.hexdigest()
+
+
+def hash_file(digest: hashlib._Hash, path: Path) -> None:
+    """Feed the file's bytes to ``digest`` a chunk at a time: an artifact of hundreds of MiB is
+    never held whole (a load would count it as its model's memory)."""
     with path.open("rb") as stream:
         while chunk := stream.read(_CHUNK):
             digest.update(chunk)
-    return digest.hexdigest()
 
 
 def verify_sha256(path: Path, expected: str | None) -> None:
@@ -81,13 +87,18 @@ def cache_key(name: str, traced: Traced, code: Iterable[Path], device: torch.dev
     for tensor_name in sorted(tensors):
         tensor = tensors[tensor_name]
         if isinstance(tensor, torch.Tensor):
-            digest.update(tensor_name.encode() + tensor_bytes(tensor))
+            hash_tensor(digest, tensor_name, tensor)
     return digest.hexdigest()[:24]
 
 
-def tensor_bytes(tensor: torch.Tensor) -> bytes:
+def hash_tensor(digest: hashlib._Hash, name: str, tensor: torch.Tensor) -> None:
+    """Feed ``name`` and the tensor's bytes to ``digest``, read in place: a load hashing its
+    weights copies none of a CPU model's (a copy would stay in the heap and count as the model's
+    memory); another device's tensor is copied to the host one at a time."""
+    digest.update(name.encode())
     flat = tensor.detach().cpu().contiguous().reshape(-1)
-    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+    if flat.numel():
+        digest.update(flat.view(torch.uint8).numpy().data)
 
 
 def cached(cache_dir: Path, label: str, name: str, key: str, build: Callable[[Path], Path]) -> Path:
@@ -106,6 +117,16 @@ def cached(cache_dir: Path, label: str, name: str, key: str, build: Callable[[Pa
         if target.is_file():
             return target
         return build(target)
+
+
+def write_text_atomically(target: Path, text: str) -> None:
+    """``text`` into ``target`` through ``replace_atomically``: a reader finds the old file or
+    the whole new one, and two processes writing the same record at once each write their own."""
+
+    def write(temporary: Path) -> None:
+        temporary.write_text(text, "utf-8")
+
+    replace_atomically(target, write)
 
 
 def artifact_file(cache_dir: Path, label: str, name: str, key: str) -> Path:

@@ -19,7 +19,13 @@ from typing import Any, Final
 
 import torch
 
-from nograd.runtime.engines.artifacts import cache_file, onnxruntime_version, tensor_bytes
+from nograd.runtime.engines.artifacts import (
+    cache_file,
+    hash_file,
+    hash_tensor,
+    onnxruntime_version,
+    write_text_atomically,
+)
 from nograd.runtime.handler import ModelHandler
 from nograd.runtime.speed.accuracy import AccuracyReport, OutputDelta
 
@@ -39,24 +45,35 @@ class Remembered:
 
 def choice_key(handler: ModelHandler, limit: int, code: Sequence[Path]) -> str:
     """What the choice depends on, known before any export."""
+    return model_key(handler, limit, code, (onnxruntime_version(),))
+
+
+def model_key(
+    handler: ModelHandler, limit: int, code: Sequence[Path], libraries: Sequence[str]
+) -> str:
+    """The model as loaded: torch's version and ``libraries``' (the versions of what else ran
+    it), the device type, its config, the batch limit, its code and its weights by value (an
+    artifact model, which has no eager module, has its weights in its artifact, one of
+    ``code``)."""
     digest = hashlib.sha256()
     config = handler.config.model_dump(mode="json")
     for part in (
         str(FORMAT),
         torch.__version__,
-        onnxruntime_version(),
+        *libraries,
         handler.device.type,
         json.dumps(config, sort_keys=True, default=str),
         str(limit),
     ):
         digest.update(part.encode() + b"\0")
     for path in code:
-        digest.update(path.read_bytes() if path.is_file() else b"")
-    state = handler.eager_module().state_dict()
+        if path.is_file():
+            hash_file(digest, path)
+    state = handler.module.state_dict() if handler.module is not None else {}
     for name in sorted(state):
         tensor = state[name]
         if isinstance(tensor, torch.Tensor):
-            digest.update(name.encode() + tensor_bytes(tensor))
+            hash_tensor(digest, name, tensor)
     return digest.hexdigest()[:24]
 
 
@@ -83,17 +100,15 @@ def remember(
     cache_dir: Path, label: str, key: str, table: dict[str, Any], artifacts: dict[str, Path]
 ) -> None:
     """Write the record atomically; a cache that cannot be written only costs the next load."""
+    document = {
+        "format": FORMAT,
+        "table": table,
+        "artifacts": {name: str(file) for name, file in artifacts.items()},
+    }
     try:
-        path = _record_path(cache_dir, label, key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        document = {
-            "format": FORMAT,
-            "table": table,
-            "artifacts": {name: str(file) for name, file in artifacts.items()},
-        }
-        temporary = path.with_name(f".{path.name}.tmp")
-        temporary.write_text(json.dumps(document), "utf-8")
-        temporary.replace(path)
+        # A temporary file of its own: two processes remembering the same choice at once each
+        # rename a whole record into place.
+        write_text_atomically(_record_path(cache_dir, label, key), json.dumps(document))
     except OSError as exc:
         logger.warning("engine cache: could not remember the engine choice (%s)", exc)
 

@@ -30,6 +30,7 @@ from nograd.observability.stats import FanOutObserver, Statistics
 from nograd.runtime.devices import DeviceThreads, configure_threads, device_label, resolve_device
 from nograd.runtime.engines.choice import prepare_engine
 from nograd.runtime.engines.paths import engine_weights_bytes, serving_ranges, share_cores
+from nograd.runtime.engines.remembered import model_key
 from nograd.runtime.handler import ModelHandler, Outputs, TensorPart
 from nograd.runtime.loader import (
     build_handler,
@@ -39,7 +40,8 @@ from nograd.runtime.loader import (
 )
 from nograd.runtime.memory import device_budget, probe_for
 from nograd.runtime.memory.fits import RangedCost
-from nograd.runtime.planner import PlanInput, log_plan, plan_device, profile_handler
+from nograd.runtime.planner import PlanInput, log_plan, plan_device
+from nograd.runtime.remembered_profile import profile_or_recall
 from nograd.runtime.runners import Handler, batch_runner
 from nograd.runtime.speed.path import batch_cap
 from nograd.runtime.warmup import warm_up
@@ -202,12 +204,14 @@ class ModelLoader:
         if isinstance(handler, ModelHandler) and handler.synthetic_inputs:
             sample = load_accuracy_sample(handler, model.directory)
             choosing = time.perf_counter()
+            code = _model_files(model.directory, config)
+            model.loaded_as = model_key(handler, self._limit(config), code, ())
             handler = prepare_engine(
                 handler,
                 self._limit(config),
                 sample,
                 recorder(self._metrics),
-                code=_model_files(model.directory, config),
+                code=code,
                 cache_dir=self._settings.engine_cache_dir,
             )
             model.phases["engines"] = time.perf_counter() - choosing
@@ -258,8 +262,9 @@ class ModelLoader:
                 continue
             profiling = time.perf_counter()
             try:
+                loaded_as, cache = model.loaded_as, self._settings.engine_cache_dir
                 model.profile = await loop.run_in_executor(
-                    executor, profile_handler, model.handler, probe, cap
+                    executor, profile_or_recall, model.handler, probe, cap, loaded_as, cache
                 )
                 self._profiles[(model.name, model.version)] = (measured_on, model.profile)
             except Exception:

@@ -10,8 +10,8 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from nograd.serving.calls.heap_return import HeapReturn, input_bytes
 from nograd.serving.calls import heap_return
+from nograd.serving.calls.heap_return import HeapReturn, input_bytes
 
 
 def texts(count: int, size: int) -> dict[str, np.ndarray]:

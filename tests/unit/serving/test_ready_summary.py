@@ -16,7 +16,9 @@ from tests.unit.conftest import plane_for
 async def test_the_summary_names_each_model_with_its_engine_limit_and_memory(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    plane = plane_for(tmp_path, "poison", "slow")
+    # An engine cache of its own: the run's shared one may hold poison's profile from an earlier
+    # test, and this load is to measure it (``profile_s`` below).
+    plane = plane_for(tmp_path, "poison", "slow", engine_cache=tmp_path / "engines")
     broken = tmp_path / "repo" / "broken"
     shutil.copytree(tmp_path / "repo" / "poison", broken)
     (broken / "config.toml").write_text(
