@@ -1,8 +1,8 @@
 """The revisions phase: this checkout's nograd against the same server at a base revision
-(``--base``), both up together on one repository (the shipped models and TorchServe's MNIST
-archive), their answers compared body for body, then paired rounds at concurrency 1 and the
-headline concurrency. A change meant to leave the figures alone (a refactor) shows its ratios
-here, measured minutes apart on the same machine."""
+(``--base``), both up together, each on its own revision's shipped models and both on one
+TorchServe MNIST archive, their answers compared body for body, then paired rounds at
+concurrency 1 and the headline concurrency. A change meant to leave the figures alone (a
+refactor) shows its ratios here, measured minutes apart on the same machine."""
 
 from __future__ import annotations
 
@@ -79,16 +79,17 @@ def _link_or_copy(source: str, target: str) -> None:
         shutil.copy2(source, target)
 
 
-def repository(folder: Path) -> Path:
-    """The shipped models (hard links where the file system allows: nograd refuses model files
-    that resolve outside its repository, so no symbolic links) and ``mnist.mar`` built by the
-    real ``torch-model-archiver``, with the sample nograd warms an archive up with."""
-    root = folder / "repository"
+def repository(folder: Path, label: str, checkout: Path, archive: Path) -> Path:
+    """A revision's own shipped models (its code reads them as that revision wrote them; hard
+    links where the file system allows: nograd refuses model files that resolve outside its
+    repository, so no symbolic links), and the one ``mnist.mar`` with the sample nograd warms an
+    archive up with."""
+    root = folder / f"repository-{label}"
     root.mkdir(parents=True, exist_ok=True)
     for name in SHIPPED:
         if not (root / name).exists():
-            shutil.copytree(ROOT / "models" / name, root / name, copy_function=_link_or_copy)
-    build_mnist(root, folder / "work")
+            shutil.copytree(checkout / "models" / name, root / name, copy_function=_link_or_copy)
+    _link_or_copy(str(archive), str(root / archive.name))
     (root / "mnist.sample.png").write_bytes(DIGITS["0"])
     return root
 
@@ -123,16 +124,16 @@ def phase_revisions(bench: Bench) -> None:
     record["workers"] = workers
     with contextlib.ExitStack() as stack:
         stack.callback(_git, "worktree", "remove", "--force", str(checkout))
-        bench.step("revisions: build the repository")
-        root = repository(folder)
+        bench.step("revisions: build the repositories")
+        archive = build_mnist(folder / "store", folder / "work")
         cpus = bench.plan.server_cpus
-        # One engine cache: the second server opens the engines the first chose, so the rounds
-        # compare the serving code, not two draws of the engine choice.
+        # One engine cache: where a model is the same in both revisions, the second server
+        # opens the engines the first chose, so the rounds compare the serving code.
         env = {"NOGRAD_WORKERS": workers, "NOGRAD_ENGINE_CACHE": str(folder / "engines")}
         systems: list[tuple[str, Server]] = []
         for name, server in (
-            (NOGRAD, nograd_server(root, cpus, env)),
-            (BASE, base_server(checkout, root, cpus, env)),
+            (NOGRAD, nograd_server(repository(folder, NOGRAD, ROOT, archive), cpus, env)),
+            (BASE, base_server(checkout, repository(folder, BASE, checkout, archive), cpus, env)),
         ):
             bench.step(f"revisions: start {name}")
             systems.append((name, stack.enter_context(server)))

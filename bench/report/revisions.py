@@ -68,8 +68,8 @@ def revisions_section(results: dict[str, Any], tag: str) -> list[str]:
     checks = record.get("check") or {}
     agreed = ", ".join(f"{n} {c['same']}/{c['requests']}" for n, c in checks.items())
     out.append(
-        f"nograd at {this} and at {base}, both up together on one repository (the shipped models "
-        f"and TorchServe's MNIST archive), one engine cache, `NOGRAD_WORKERS="
+        f"nograd at {this} and at {base}, both up together, each on its own revision's shipped "
+        "models and both on one TorchServe MNIST archive, one engine cache, `NOGRAD_WORKERS="
         f"{record.get('workers', '–')}` each. Answers agreeing: {agreed or '–'}. Load: wrk, "
         "paired rounds (the other server paused, order reversed each round); medians over the "
         "rounds, ratios the medians of the per-round ratios."
