@@ -38,6 +38,7 @@ class Plan:
     quiet_budget_s: float  # in all
     base_revision: str | None = None  # the revisions phase's base (``--base``)
     revision_workers: str = "1"  # NOGRAD_WORKERS of both servers in the revisions phase
+    revision_workloads: tuple[str, ...] = ("digits", "minilm-1", "mnist-png")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Plan:
@@ -66,4 +67,7 @@ class Plan:
             quiet_budget_s=args.quiet_budget,
             base_revision=getattr(args, "base", None),
             revision_workers=getattr(args, "revision_workers", "1"),
+            revision_workloads=tuple(
+                getattr(args, "revision_workloads", "digits,minilm-1,mnist-png").split(",")
+            ),
         )

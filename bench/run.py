@@ -147,8 +147,9 @@ def count_steps(plan: Plan) -> int:
     steps += int(plan.levers) + int(plan.compile) + int(plan.memory) + int(plan.profile)
     steps += 4  # residency: build, cold and resident, a working set that fits, one that does not
     # revisions: the checkout, the repository, two servers, an answer check per workload, then
-    # per round both servers on three workloads at two concurrencies
-    steps += 4 + 3 + plan.paired_rounds * 3 * 2 * 2
+    # per round both servers on each workload at two concurrencies
+    revised = len(plan.revision_workloads)
+    steps += 4 + revised + plan.paired_rounds * revised * 2 * 2
     return steps
 
 
@@ -212,6 +213,12 @@ def command_line() -> argparse.ArgumentParser:
         default="1",
         metavar="N",
         help="NOGRAD_WORKERS of both servers in the revisions phase (default 1)",
+    )
+    parser.add_argument(
+        "--revision-workloads",
+        default="digits,minilm-1,mnist-png",
+        metavar="W,...",
+        help="the revisions phase's workloads (default digits,minilm-1,mnist-png)",
     )
     parser.add_argument("--skip-levers", action="store_true")
     parser.add_argument("--skip-compile", action="store_true")

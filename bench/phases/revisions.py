@@ -23,7 +23,6 @@ from bench.phases.peers import NOGRAD, measure_rounds
 from bench.session import Bench
 
 BASE = "nograd-base"
-WORKLOADS = ("digits", "minilm-1", "mnist-png")
 SHIPPED = ("digits", "minilm")
 GIT_TIMEOUT_S = 120
 REL_TOL = 1e-4
@@ -139,7 +138,7 @@ def phase_revisions(bench: Bench) -> None:
             systems.append((name, stack.enter_context(server)))
         everyone = [server for _, server in systems]
         checks: dict[str, Any] = {}
-        for name in WORKLOADS:
+        for name in bench.plan.revision_workloads:
             wl = bench.workload(name)
             bench.bodies.setdefault(name, wl.write_bodies(RESULTS / "bodies"))
             bench.step(f"revisions: compare answers ({name})")
@@ -151,6 +150,6 @@ def phase_revisions(bench: Bench) -> None:
             record["refused"] = f"answers differ between the revisions: {differ}"[:600]
             bench.note(record["refused"])
             return
-        lineup = {name: systems for name in WORKLOADS}
+        lineup = {name: systems for name in bench.plan.revision_workloads}
         concurrencies = sorted({1, bench.plan.concurrency}, reverse=True)
         record["runs"] = measure_rounds(bench, lineup, everyone, concurrencies, "revisions")
