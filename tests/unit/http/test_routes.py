@@ -16,7 +16,8 @@ from starlette.types import ASGIApp
 from nograd.http import openai, v2
 from nograd.http.direct import DirectRoutes
 from nograd.serving import dataplane
-from nograd.serving.calls.lifecycle import Calls, validation
+from nograd.serving.calls import validation
+from nograd.serving.calls.lifecycle import Calls
 from nograd.serving.dataplane import DataPlane
 from tests.unit.conftest import plane_for
 
