@@ -25,8 +25,6 @@ from nograd.grpc.failures import client_message, status_code
 from nograd.grpc.generated import grpc_service_pb2 as pb
 from nograd.grpc.server import SERVICE_NAME, GrpcServer
 from nograd.grpc.service import OPERATOR_RPCS
-from nograd.serving import dataplane
-from nograd.serving.calls import validation
 from nograd.serving.core import Core
 from nograd.serving.errors import (
     HandlerFailed,
@@ -38,7 +36,7 @@ from nograd.serving.errors import (
     kind_of,
 )
 from nograd.settings import Settings
-from tests.unit.conftest import FIXTURES
+from tests.unit.conftest import FIXTURES, count_lookups_and_checks
 
 KEY = "unit-grpc-key-0123456789"
 AUTH = (("authorization", f"Bearer {KEY}"),)
@@ -250,21 +248,7 @@ async def test_a_request_finds_its_model_once_whether_called_or_streamed(
     repo = tmp_path / "repo"
     shutil.copytree(FIXTURES / "poison", repo / "poison")
     core = Core(Settings(model_repository=repo, warmup=False))
-    lookups: list[str] = []
-    checks: list[str] = []
-    get, check_declared = core.plane.registry.get, validation.check_declared
-
-    def counted_get(name: str, version: str | None = None) -> Any:
-        lookups.append(name)
-        return get(name, version)
-
-    def counted_check(model: Any, *args: Any, **kwargs: Any) -> None:
-        checks.append(model.name)
-        check_declared(model, *args, **kwargs)
-
-    monkeypatch.setattr(core.plane.registry, "get", counted_get)
-    monkeypatch.setattr(validation, "check_declared", counted_check)
-    monkeypatch.setattr(dataplane, "check_declared", counted_check)
+    lookups, checks = count_lookups_and_checks(monkeypatch, core.plane)
     request = pb.ModelInferRequest(model_name="poison", id="q")
     request.inputs.add(name="x", datatype="FP32", shape=[1, 2])
     request.raw_input_contents.append(np.ones(2, np.float32).tobytes())

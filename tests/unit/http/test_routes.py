@@ -15,11 +15,9 @@ from starlette.types import ASGIApp
 
 from nograd.http import openai, v2
 from nograd.http.direct import DirectRoutes
-from nograd.serving import dataplane
-from nograd.serving.calls import validation
 from nograd.serving.calls.lifecycle import Calls
 from nograd.serving.dataplane import DataPlane
-from tests.unit.conftest import plane_for
+from tests.unit.conftest import count_lookups_and_checks, plane_for
 
 
 @pytest.fixture
@@ -81,21 +79,7 @@ async def test_an_inference_looks_its_model_up_once_and_checks_its_inputs_once(
 ) -> None:
     """The version a request names is found once and held until it is answered; the inputs it
     declares are checked once, before they are decoded (not again on the decoded arrays)."""
-    lookups: list[str] = []
-    checks: list[str] = []
-    get, check_declared = plane.registry.get, validation.check_declared
-
-    def counted_get(name: str, version: str | None = None) -> Any:
-        lookups.append(name)
-        return get(name, version)
-
-    def counted_check(model: Any, *args: Any, **kwargs: Any) -> None:
-        checks.append(model.name)
-        check_declared(model, *args, **kwargs)
-
-    monkeypatch.setattr(plane.registry, "get", counted_get)
-    monkeypatch.setattr(validation, "check_declared", counted_check)
-    monkeypatch.setattr(dataplane, "check_declared", counted_check)
+    lookups, checks = count_lookups_and_checks(monkeypatch, plane)
     direct = DirectRoutes(routers_only(plane), routers_only(plane).state.calls)
     for app in (routers_only(plane), direct):
         lookups.clear()
