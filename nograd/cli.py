@@ -21,6 +21,9 @@ from nograd.supervisor.supervisor import supervise
 
 SERVE_WORKER = "nograd.server:serve_worker"
 """What each worker process serves with; named, so the supervisor process never imports it."""
+SERVE_ENGINE = "nograd.server:serve_engine"
+SERVE_FRONT = "nograd.front.server:serve_front"
+"""The engine process and each front process (``NOGRAD_FRONTS``)."""
 HELP_FLAGS = frozenset({"-h", "--help"})
 
 
@@ -42,6 +45,17 @@ def main(argv: list[str] | None = None) -> None:
     )
     for warning in exposure_warnings(settings):
         logging.getLogger("nograd").warning("%s", warning)
+    if settings.fronts:
+        if settings.workers != "auto" and settings.worker_count > 1:
+            logging.getLogger("nograd").error(
+                "NOGRAD_WORKERS=%d with NOGRAD_FRONTS=%d: the fronts forward to one engine "
+                "process that holds every model once; unset NOGRAD_WORKERS",
+                settings.worker_count,
+                settings.fronts,
+            )
+            sys.exit(2)
+        engine = settings.model_copy(update={"workers": 1})
+        sys.exit(supervise(engine, SERVE_ENGINE, front=SERVE_FRONT))
     settings, planned = resolve_workers(settings)
     if settings.worker_count > 1:
         # The supervisor never imports torch; each worker process loads the models.

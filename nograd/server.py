@@ -23,7 +23,10 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import Final
 
+from nograd.bridge.host import BridgeHost
 from nograd.grpc.server import GrpcServer
+from nograd.http.app import build_app
+from nograd.http.listener import loop_factory
 from nograd.http.server import HttpFront
 from nograd.observability.metrics_port import serve_metrics_port
 from nograd.serving.core import Core, StartupFailed
@@ -46,7 +49,11 @@ class Server:
         settings: Settings,
         worker: WorkerContext | None = None,
         handoff: Handoff | None = None,
+        *,
+        engine: bool = False,
     ) -> None:
+        """``engine``: the engine process of fronts (``NOGRAD_FRONTS``): its HTTP calls come
+        from the front processes over the bridge, its gRPC connections from the supervisor."""
         self._settings = settings
         self._worker = worker
         self._handoff = handoff
@@ -57,7 +64,11 @@ class Server:
             worker=None if worker is None else worker.index,
         )
         counted = None if handoff is None else handoff.closed
-        self.http = HttpFront(self.core, counted) if settings.port else None
+        self.http = HttpFront(self.core, counted) if settings.port and not engine else None
+        self.bridge: BridgeHost | None = None
+        if engine:
+            assert worker is not None and worker.engine_socket is not None
+            self.bridge = BridgeHost(build_app(self.core), worker.engine_socket)
         self.grpc = GrpcServer(self.core, counted) if settings.grpc_port else None
         self._inbox: Inbox | None = None
         self._stops = StopSignals()
@@ -67,7 +78,7 @@ class Server:
 
     def run(self) -> bool:
         """Serve until stopped; False when the start-up failed."""
-        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        with asyncio.Runner(loop_factory=loop_factory()) as runner:
             return runner.run(self.serve())
 
     async def serve(self) -> bool:
@@ -116,6 +127,8 @@ class Server:
         """A worker: warm before its supervisor hands it a connection."""
         assert self._worker is not None and self._handoff is not None and self._loop is not None
         await self.core.load()
+        if self.bridge is not None:
+            await self.bridge.start()
         factories = {}
         if self.http is not None:
             await self.http.start(None)
@@ -172,6 +185,9 @@ class Server:
             self._inbox.report_quiet()
             remaining = max(0.0, deadline - time.monotonic())
             idle = await self._inbox.wait_ended(remaining) and await self._until_quiet(deadline)
+            if self.bridge is not None and idle:
+                # The engine: the fronts finish their own drains with calls still to forward.
+                idle = await self._until_fronts_gone(deadline)
         logger.info(
             "drain finished in %.2fs%s; shutting down",
             time.monotonic() - started,
@@ -192,8 +208,20 @@ class Server:
             await asyncio.sleep(QUIET_POLL_S)
         return False
 
+    async def _until_fronts_gone(self, deadline: float) -> bool:
+        """Serve the fronts' calls until every front has closed its connection (it exits once
+        it holds no request), or the deadline."""
+        assert self.bridge is not None
+        while self.bridge.connections or self._holds_requests():
+            if self._forced or time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(QUIET_POLL_S)
+        return True
+
     def _holds_requests(self) -> bool:
         if not self.core.plane.idle:
+            return True
+        if self.bridge is not None and self.bridge.open_streams:
             return True
         if self._inbox is not None and self._inbox.adopting:
             return True
@@ -207,19 +235,11 @@ class Server:
             await self.http.stop(force=forced)
         if self.grpc is not None:
             await self.grpc.stop(grace_s=0.0 if forced else GRPC_GRACE_S)
+        if self.bridge is not None:
+            await self.bridge.stop()
         if self._inbox is not None:
             self._inbox.close()
         await self.core.close(force=forced)
-
-
-def _loop_factory() -> type[asyncio.AbstractEventLoop] | None:
-    """uvloop where it is installed (uvicorn's choice too), else asyncio's own loop."""
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    loop_class: type[asyncio.AbstractEventLoop] = uvloop.Loop
-    return loop_class
 
 
 def serve(settings: Settings) -> bool:
@@ -230,3 +250,9 @@ def serve(settings: Settings) -> bool:
 def serve_worker(settings: Settings, context: WorkerContext, handoff: Handoff) -> bool:
     """One worker process of several: serves the connections the supervisor hands it."""
     return Server(settings, context, handoff).run()
+
+
+def serve_engine(settings: Settings, context: WorkerContext, handoff: Handoff) -> bool:
+    """The engine process of fronts: every model loaded once, HTTP calls from the front
+    processes, gRPC connections from the supervisor."""
+    return Server(settings, context, handoff, engine=True).run()

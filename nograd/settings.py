@@ -201,6 +201,12 @@ class Settings(BaseSettings):
     visible, the second started only if another copy of the models (as the first one holds them
     once warm) fits in the memory left; one otherwise."""
 
+    fronts: int = Field(default=0, ge=0, le=64)
+    """HTTP front processes beside one engine process: the engine loads every model once, runs
+    every batch and serves gRPC; the fronts hold the HTTP connections and forward each call to
+    it without loading torch. 0: ``workers`` processes, each with every model. Set it with
+    ``workers`` unset (one engine)."""
+
     torch_threads: int | None = Field(default=None, ge=1)
     """Intra-op threads for CPU forwards, fixed, per worker; unset: the cores this process may
     use (affinity and cgroup CPU quota), shared among the workers batch by batch
@@ -606,7 +612,7 @@ SETTING_GROUPS: tuple[SettingGroup, ...] = (
     SettingGroup(
         "Workers and processes",
         "The server processes, the cores their forwards use, and the stop (docs/workers.md).",
-        ("workers", "torch_threads", "share_cores", "drain_timeout_s"),
+        ("workers", "fronts", "torch_threads", "share_cores", "drain_timeout_s"),
     ),
     SettingGroup(
         "Requests and admission",

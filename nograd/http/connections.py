@@ -31,9 +31,11 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn.server import ServerState
 
 from nograd.http.errors import error_body
-from nograd.http.middleware import STARTED_KEY
 from nograd.serving.errors import RETRY_AFTER_S
 from nograd.settings import Settings
+
+STARTED_KEY: Final = "nograd_started"
+"""Where a request's arrival time (``time.perf_counter``) is kept in its scope's state."""
 
 logger = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from nograd.core.errors import DecodeError
+from nograd.http.connections import STARTED_KEY
 from nograd.http.errors import status_of
-from nograd.http.middleware import STARTED_KEY
 from nograd.protocol.compression import (
     MOST_RATIO,
     PIECE_BYTES,

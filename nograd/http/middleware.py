@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from nograd.http.connections import STARTED_KEY
 from nograd.http.errors import UNEXPECTED, error_body, error_headers, openai_error_body
 from nograd.http.paths import (
     EMBEDDINGS,
@@ -30,8 +31,6 @@ from nograd.serving.calls.lifecycle import Calls
 from nograd.serving.errors import Forbidden, QueueFull, Unauthenticated
 
 logger = logging.getLogger(__name__)
-
-STARTED_KEY = "nograd_started"
 
 
 def _error_body(path: str, status: int, message: str, code: str) -> bytes:

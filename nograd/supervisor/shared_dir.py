@@ -22,6 +22,10 @@ UPLOADS_FOLDER = "uploads"
 """The models uploaded with load calls (``nograd.serving.control.uploads``)."""
 CORES_FILE = "cores.i64"
 """The shared ledger of CPU cores (``nograd.host.ledger``), in the shared folder."""
+ENGINE_SOCKET = "engine.sock"
+"""Where the engine process listens for its fronts (``nograd.bridge``), in the shared folder."""
+_SOCKET_PATH_MAX = 100
+"""A Unix socket's path must fit in ``sun_path`` (108 bytes on Linux)."""
 
 
 def prepare_shared_dir() -> tuple[Path, bool]:
@@ -46,6 +50,15 @@ def prepare_shared_dir() -> tuple[Path, bool]:
     # once, at import.
     os.environ[MULTIPROC_ENV] = str(directory)
     return directory, True
+
+
+def engine_socket_path(directory: Path) -> Path:
+    """The engine's socket: in the shared folder, or in a private folder of its own when the
+    shared folder's path is too long for a Unix socket."""
+    path = directory / ENGINE_SOCKET
+    if len(os.fsencode(path)) <= _SOCKET_PATH_MAX:
+        return path
+    return Path(tempfile.mkdtemp(prefix="nograd-engine-")) / ENGINE_SOCKET
 
 
 def mark_dead(pid: int, directory: Path) -> None:

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from multiprocessing.context import SpawnProcess
 from multiprocessing.synchronize import Event
 
+from nograd.settings import Settings
+from nograd.supervisor.handoff import GRPC, HTTP, least_loaded, send_connection
+
 RESTART_DELAY_MAX_S = 30.0
 STABLE_AFTER_S = 60.0
 """A worker that served this long before dying is restarted at once."""
@@ -16,6 +19,12 @@ STABLE_AFTER_S = 60.0
 @dataclass
 class Slot:
     index: int
+    serve: str = ""
+    """The function its process serves with (``"module:function"``)."""
+    takes: frozenset[bytes] = frozenset()
+    """The fronts whose connections it is handed (``HTTP``, ``GRPC``)."""
+    role: str = "worker"
+    """What it is, for the log: a worker, the engine or a front."""
     process: SpawnProcess | None = None
     ready: Event | None = None
     channel: socket.socket | None = None
@@ -33,6 +42,10 @@ class Slot:
     quiet: bool = False
     """Draining, it said it holds no request (``QUIET``)."""
 
+    @property
+    def name(self) -> str:
+        return "engine" if self.role == "engine" else f"{self.role} {self.index}"
+
 
 def next_restart(lived_s: float, failures: int) -> tuple[int, float]:
     """(failures so far, delay before the next start) for a worker that died after ``lived_s``.
@@ -44,3 +57,55 @@ def next_restart(lived_s: float, failures: int) -> tuple[int, float]:
         return 0, 0.0
     failures += 1
     return failures, min(RESTART_DELAY_MAX_S, 2.0 ** (failures - 1))
+
+
+def plan_slots(
+    settings: Settings, serve: str, front: str | None, ports: frozenset[bytes]
+) -> list[Slot]:
+    """``settings.workers`` workers serving every port with ``serve``; or, with ``front``, the
+    engine (``serve``: every model, the gRPC connections) and ``settings.fronts`` fronts (HTTP)."""
+    if front is None:
+        return [Slot(i, serve, ports) for i in range(settings.worker_count)]
+    return [Slot(0, serve, frozenset({GRPC}), "engine")] + [
+        Slot(i, front, frozenset({HTTP}), "front") for i in range(1, settings.fronts + 1)
+    ]
+
+
+def describe_processes(slots: list[Slot]) -> str:
+    if slots[0].role != "engine":
+        return f"{len(slots)} worker processes"
+    return f"one engine process and {len(slots) - 1} front processes"
+
+
+def open_connections(slot: Slot) -> int | None:
+    # A serving slot always has its channel and counter (closing its channel clears all three).
+    if not slot.serving or slot.closed is None:
+        return None
+    return slot.sent - slot.closed.value
+
+
+def hand_to(slots: list[Slot], conn: socket.socket, front: bytes, last: int) -> int | None:
+    """Hand ``conn`` to the serving slot that takes ``front`` with the fewest open connections
+    (ties in turn after ``last``); the slot's index, or None when none could take it."""
+    tried: set[int] = set()
+    while True:
+        loads = [
+            open_connections(s) if s.index not in tried and front in s.takes else None
+            for s in slots
+        ]
+        index = least_loaded(loads, last)
+        if index is None:
+            return None
+        slot = slots[index]
+        assert slot.channel is not None
+        try:
+            send_connection(slot.channel, conn, front)
+        except BlockingIOError:
+            tried.add(index)  # its inbox is full: the process is stuck; try another
+            continue
+        except OSError:
+            tried.add(index)  # its end is closed: the process is exiting or gone
+            slot.serving = False
+            continue
+        slot.sent += 1
+        return index

@@ -40,18 +40,17 @@ from types import FrameType
 from nograd.host.ledger import CoreShare, clear_slot, create_ledger
 from nograd.host.readings import HostMemory, process_age_s, resident_bytes
 from nograd.settings import Settings
-from nograd.supervisor.handoff import (
-    QUIET,
-    Handoff,
-    bind_ports,
-    describe_ports,
-    least_loaded,
-    send_connection,
-)
+from nograd.supervisor.handoff import QUIET, Handoff, bind_ports, describe_ports
 from nograd.supervisor.plan import another_fits, gigabytes
 from nograd.supervisor.refusal import Refusals
-from nograd.supervisor.shared_dir import CORES_FILE, mark_dead, prepare_shared_dir, serve_metrics
-from nograd.supervisor.slots import Slot, next_restart
+from nograd.supervisor.shared_dir import (
+    CORES_FILE,
+    engine_socket_path,
+    mark_dead,
+    prepare_shared_dir,
+    serve_metrics,
+)
+from nograd.supervisor.slots import Slot, describe_processes, hand_to, next_restart, plan_slots
 from nograd.supervisor.stopping import DRAIN_SIGNAL, STOP_SIGNALS, StopSignals, Verdict, describe
 from nograd.supervisor.worker import worker_main
 
@@ -66,11 +65,14 @@ ACCEPT_RETRY_S = 1.0
 readable, so accepting again at once would spin a core (asyncio waits as long)."""
 
 
-def supervise(settings: Settings, serve: str, *, fit_to_memory: bool = False) -> int:
+def supervise(
+    settings: Settings, serve: str, *, fit_to_memory: bool = False, front: str | None = None
+) -> int:
     """Run ``settings.workers`` processes, each serving with the function ``serve`` names
     (``"module:function"``, a ``ServeWorker``), until SIGTERM/SIGINT;
     the process exit code. ``fit_to_memory``: start a worker after the first only if another
-    copy fits in memory."""
+    copy fits in memory. ``front``: ``serve`` is the engine's, and ``settings.fronts``
+    processes serve the HTTP connections with ``front``."""
     try:
         sockets = bind_ports(settings)
     except OSError as exc:
@@ -78,7 +80,9 @@ def supervise(settings: Settings, serve: str, *, fit_to_memory: bool = False) ->
         return 1
     directory, owned = prepare_shared_dir()
     try:
-        return Supervisor(settings, serve, sockets, directory, fit_to_memory=fit_to_memory).run()
+        return Supervisor(
+            settings, serve, sockets, directory, fit_to_memory=fit_to_memory, front=front
+        ).run()
     finally:
         if owned:
             shutil.rmtree(directory, ignore_errors=True)
@@ -94,9 +98,9 @@ class Supervisor:
         *,
         fit_to_memory: bool = False,
         host: HostMemory | None = None,
+        front: str | None = None,
     ) -> None:
         self._settings = settings
-        self._serve_worker = serve
         self._fit_to_memory = fit_to_memory
         self._host = host or HostMemory()
         self._sockets = dict(sockets)
@@ -107,7 +111,8 @@ class Supervisor:
             end.setblocking(False)
         self._dir = shared_dir
         self._ctx = multiprocessing.get_context("spawn")
-        self._slots = [Slot(i) for i in range(settings.worker_count)]
+        self._engine_socket = None if front is None else engine_socket_path(shared_dir)
+        self._slots = plan_slots(settings, serve, front, frozenset(self._sockets))
         self._stop_signal: int | None = None
         self._stops = StopSignals()
         self._listening = False
@@ -120,7 +125,7 @@ class Supervisor:
         self._accept_resume_at = 0.0
         self._cores: Path | None = None
         """The ledger of shared CPU cores, created when the workers start (``share_cores``)."""
-        if settings.cores_shared:
+        if settings.cores_shared and front is None:
             self._cores = shared_dir / CORES_FILE
 
     def run(self) -> int:
@@ -143,10 +148,10 @@ class Supervisor:
                 sock.listen(BACKLOG)
             self._listening = True
             logger.info(
-                "listening on %s (%s) with %d worker processes, %.1fs after the start",
+                "listening on %s (%s) with %s, %.1fs after the start",
                 self._settings.host,
                 describe_ports(self._sockets),
-                len(self._slots),
+                describe_processes(self._slots),
                 process_age_s() or 0.0,
             )
             while self._stop_signal is None:
@@ -204,15 +209,16 @@ class Supervisor:
         closed = self._ctx.RawValue(ctypes.c_longlong, 0)
         slot.process = self._ctx.Process(
             target=worker_main,
-            args=(self._serve_worker, self._settings, self._dir),
+            args=(slot.serve, self._settings, self._dir),
             kwargs={
                 "ready": slot.ready,
                 "handoff": Handoff(theirs, closed),
                 "supervisor": os.getpid(),
                 "cores": None if self._cores is None else CoreShare(self._cores, slot.index),
                 "index": slot.index,
+                "engine_socket": self._engine_socket,
             },
-            name=f"nograd-worker-{slot.index}",
+            name=f"nograd-{slot.name.replace(' ', '-')}",
             daemon=False,
         )
         slot.process.start()
@@ -222,7 +228,7 @@ class Supervisor:
         slot.restart_at = None
         slot.serving = False
         slot.quiet = False
-        logger.info("worker %d started (pid %s)", slot.index, slot.process.pid)
+        logger.info("%s started (pid %s)", slot.name, slot.process.pid)
 
     def _wait_ready(self, slot: Slot) -> bool:
         assert slot.process is not None and slot.ready is not None
@@ -231,8 +237,8 @@ class Supervisor:
                 return False
             if not slot.process.is_alive():
                 logger.error(
-                    "worker %d exited with code %s while starting; stopping the server",
-                    slot.index,
+                    "%s exited with code %s while starting; stopping the server",
+                    slot.name,
                     slot.process.exitcode,
                 )
                 return False
@@ -244,8 +250,8 @@ class Supervisor:
         pid = slot.process.pid if slot.process is not None else None
         slot.resident = None if pid is None else resident_bytes(pid)
         logger.info(
-            "worker %d ready after %.1fs, %s resident",
-            slot.index,
+            "%s ready after %.1fs, %s resident",
+            slot.name,
             time.monotonic() - slot.started_at,
             gigabytes(slot.resident),
         )
@@ -331,35 +337,11 @@ class Supervisor:
         return self._listening and time.monotonic() >= self._accept_resume_at
 
     def _send(self, conn: socket.socket, front: bytes) -> bool:
-        tried: set[int] = set()
-        while True:
-            loads = [
-                self._open_connections(s) if s.index not in tried else None for s in self._slots
-            ]
-            index = least_loaded(loads, self._last_pick)
-            if index is None:
-                return False
-            slot = self._slots[index]
-            assert slot.channel is not None
-            try:
-                send_connection(slot.channel, conn, front)
-            except BlockingIOError:
-                tried.add(index)  # its inbox is full: the worker is stuck; try another
-                continue
-            except OSError:
-                tried.add(index)  # its end is closed: the worker is exiting or gone
-                slot.serving = False
-                continue
-            slot.sent += 1
-            self._last_pick = index
-            return True
-
-    @staticmethod
-    def _open_connections(slot: Slot) -> int | None:
-        # A serving slot always has its channel and counter (_close_channel clears all three).
-        if not slot.serving or slot.closed is None:
-            return None
-        return slot.sent - slot.closed.value
+        picked = hand_to(self._slots, conn, front, self._last_pick)
+        if picked is None:
+            return False
+        self._last_pick = picked
+        return True
 
     def _close_channel(self, slot: Slot) -> None:
         if slot.channel is not None:
@@ -379,14 +361,14 @@ class Supervisor:
         if self._closing:
             # Stopping: a worker that exits now finished its drain (or was killed by a forced
             # stop, or by its drain signal while still loading). That is the stop, not a crash.
-            logger.info("worker %d (pid %s) stopped with code %s", slot.index, pid, code)
+            logger.info("%s (pid %s) stopped with code %s", slot.name, pid, code)
             return
         lived = now - slot.started_at
         slot.failures, delay = next_restart(lived, slot.failures)
         slot.restart_at = now + delay
         logger.error(
-            "worker %d (pid %s) exited with code %s after %.1fs; starting it again in %.0fs",
-            slot.index,
+            "%s (pid %s) exited with code %s after %.1fs; starting it again in %.0fs",
+            slot.name,
             pid,
             code,
             lived,

@@ -41,6 +41,8 @@ class WorkerContext:
     """This worker's slot in the ledger of CPU cores the workers share (``share_cores``)."""
     index: int = 0
     """Its slot among the supervisor's workers (0: the first started)."""
+    engine_socket: Path | None = None
+    """With an engine process and fronts (``fronts``): where the engine listens for them."""
 
 
 class ServeWorker(Protocol):
@@ -66,6 +68,7 @@ def worker_main(
     supervisor: int,
     cores: CoreShare | None,
     index: int = 0,
+    engine_socket: Path | None = None,
 ) -> None:
     # A signal to the whole process group (Ctrl+C, ``kill -- -PGID``, systemd) reaches every
     # worker too: workers ignore it and drain on the supervisor's word (``DRAIN_SIGNAL``), so one
@@ -79,7 +82,7 @@ def worker_main(
         keys=settings.api_key_list + settings.operator_key_list,
     )
     started = load_serve(serve)(
-        settings, WorkerContext(shared_dir, ready.set, cores, index), handoff
+        settings, WorkerContext(shared_dir, ready.set, cores, index, engine_socket), handoff
     )
     sys.exit(0 if started else STARTUP_FAILURE)
 

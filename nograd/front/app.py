@@ -1,0 +1,147 @@
+"""The ASGI app of a front process: every HTTP call forwarded to the engine, as it arrives.
+
+The engine serves the call with the app a single server runs, so the answer is the same
+bytes; the front relays the request's body as the client sends it, the response's events as the
+engine sends them, and a client that leaves (``http.disconnect``), so the engine's own checks
+for a gone client still hold. When the engine cannot be reached the call gets 503 at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any, Final
+
+from nograd.bridge.frames import ABORT
+from nograd.bridge.link import DROPPED, EngineLink, LinkDown, Stream
+from nograd.http.connections import STARTED_KEY
+from nograd.http.errors import error_body, openai_error_body
+from nograd.http.paths import OPENAI_PREFIX
+from nograd.serving.errors import RETRY_AFTER_S
+
+Event = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Event]]
+Send = Callable[[Event], Awaitable[None]]
+
+SCOPE_KEYS: Final = (
+    "type",
+    "asgi",
+    "http_version",
+    "method",
+    "scheme",
+    "path",
+    "raw_path",
+    "query_string",
+    "root_path",
+    "headers",
+    "client",
+    "server",
+)
+"""What of a call's scope crosses to the engine (besides its arrival time)."""
+ENGINE_AWAY: Final = "the engine process is not reachable (restarting); try again shortly"
+
+
+def wire_scope(scope: MutableMapping[str, Any]) -> dict[str, Any]:
+    carried = {key: scope[key] for key in SCOPE_KEYS if key in scope}
+    started = scope.get("state", {}).get(STARTED_KEY)
+    carried["state"] = {} if started is None else {STARTED_KEY: started}
+    return carried
+
+
+class ForwardingApp:
+    def __init__(self, link: EngineLink) -> None:
+        self._link = link
+
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return  # uvicorn runs no lifespan here, and a front speaks no WebSocket
+        try:
+            stream = self._link.open()
+        except LinkDown:
+            await refuse(scope["path"], send)
+            return
+        pump: asyncio.Task[None] | None = None
+        try:
+            first = await receive()
+            try:
+                stream.send(first, wire_scope(scope))
+            except LinkDown:
+                await refuse(scope["path"], send)
+                return
+            if first["type"] != "http.disconnect":
+                pump = asyncio.create_task(_relay_request(receive, stream))
+            await _relay_response(scope["path"], stream, send)
+        finally:
+            if pump is not None:
+                pump.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await pump
+            stream.close()
+
+
+async def _relay_request(receive: Receive, stream: Stream) -> None:
+    """The rest of the body, then the client's leaving, as they come."""
+    while True:
+        event = await receive()
+        try:
+            stream.send(event)
+        except LinkDown:
+            return
+        if event["type"] == "http.disconnect":
+            return
+
+
+async def _relay_response(path: str, stream: Stream, send: Send) -> None:
+    started = False
+    while True:
+        event = await stream.receive()
+        if event is DROPPED or event["type"] == ABORT["type"]:
+            if not started:
+                if event is DROPPED:
+                    await refuse(path, send)
+                else:
+                    await _internal_error(send)
+            # Started and cut: returning unfinished makes the listener close the connection.
+            return
+        if event["type"] == "http.response.start":
+            started = True
+        await send(event)
+        if event["type"] == "http.response.body" and not event.get("more_body", False):
+            return
+
+
+async def refuse(path: str, send: Send) -> None:
+    """503 with Retry-After: the engine is away, as a server that is not ready answers."""
+    if path.startswith(OPENAI_PREFIX):
+        body = openai_error_body(503, ENGINE_AWAY)
+    else:
+        body = error_body(ENGINE_AWAY)
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 503,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"retry-after", str(RETRY_AFTER_S).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _internal_error(send: Send) -> None:
+    """What an ASGI server answers when its app fails before answering."""
+    body = b"Internal Server Error"
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 500,
+            "headers": [
+                (b"content-type", b"text/plain; charset=utf-8"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
