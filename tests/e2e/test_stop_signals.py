@@ -44,9 +44,11 @@ def slow_repository(root: Path) -> Path:
     return repo
 
 
-def env_for(root: Path, workers: int) -> dict[str, str]:
+def env_for(root: Path, workers: int, fronts: int = 0) -> dict[str, str]:
+    """``fronts``: one engine and that many front processes (``workers`` is then 1)."""
     return {
         "NOGRAD_WORKERS": str(workers),
+        "NOGRAD_FRONTS": str(fronts),
         "NOGRAD_MODEL_REPOSITORY": str(slow_repository(root)),
         "NOGRAD_DRAIN_TIMEOUT_S": "30",
         "NOGRAD_LOG_FORMAT": "text",
@@ -77,14 +79,26 @@ def signal_group_under_load(server: Server, sig: int, *, copy_to_leader: bool) -
 
 
 @pytest.mark.parametrize(
-    ("workers", "sig"),
-    [(2, signal.SIGTERM), (2, signal.SIGINT), (1, signal.SIGTERM), (1, signal.SIGINT)],
-    ids=["two-workers-sigterm", "two-workers-ctrl-c", "one-process-sigterm", "one-process-ctrl-c"],
+    ("workers", "fronts", "sig"),
+    [
+        (2, 0, signal.SIGTERM),
+        (2, 0, signal.SIGINT),
+        (1, 0, signal.SIGTERM),
+        (1, 0, signal.SIGINT),
+        (1, 2, signal.SIGTERM),
+    ],
+    ids=[
+        "two-workers-sigterm",
+        "two-workers-ctrl-c",
+        "one-process-sigterm",
+        "one-process-ctrl-c",
+        "engine-and-fronts-sigterm",
+    ],
 )
 def test_a_signal_to_the_process_group_drains_every_request(
-    tmp_path: Path, workers: int, sig: int
+    tmp_path: Path, workers: int, fronts: int, sig: int
 ) -> None:
-    with run_server(tmp_path, env_for(tmp_path, workers)) as server:
+    with run_server(tmp_path, env_for(tmp_path, workers, fronts)) as server:
         started = time.monotonic()
         statuses = signal_group_under_load(server, sig, copy_to_leader=sig == signal.SIGTERM)
         assert server.process.wait(30) == 0, server.log()
@@ -96,6 +110,11 @@ def test_a_signal_to_the_process_group_drains_every_request(
     assert "exiting without waiting" not in log and "killing the workers" not in log
     if workers > 1:
         assert log.count("told to stop by the supervisor") == workers
+        assert "all workers stopped" in log
+    if fronts:
+        # The fronts drain first; the engine answers what they forwarded, then stops last.
+        assert log.count("told to stop by the supervisor") == 1
+        assert log.index("front 1 (pid") < log.index("engine (pid")
         assert "all workers stopped" in log
     assert "Traceback" not in log
 

@@ -6,13 +6,30 @@ from __future__ import annotations
 import pytest
 
 from nograd import server
-from nograd.cli import SERVE_WORKER, main
+from nograd.cli import SERVE_ENGINE, SERVE_FRONT, SERVE_WORKER, main
+from nograd.front import server as front_server
 from nograd.settings_reference import help_text
 from nograd.supervisor.worker import load_serve
 
 
 def test_the_named_serving_function_is_the_servers() -> None:
     assert load_serve(SERVE_WORKER) is server.serve_worker
+    assert load_serve(SERVE_ENGINE) is server.serve_engine
+    assert load_serve(SERVE_FRONT) is front_server.serve_front
+
+
+def test_fronts_with_several_workers_is_refused_naming_both(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Fronts forward to one engine that holds every model once: several workers beside them
+    would be several engines."""
+    monkeypatch.setenv("NOGRAD_FRONTS", "2")
+    monkeypatch.setenv("NOGRAD_WORKERS", "2")
+    with pytest.raises(SystemExit) as stopped:
+        main([])
+    assert stopped.value.code == 2
+    assert "NOGRAD_WORKERS=2 with NOGRAD_FRONTS=2" in caplog.text
+    assert "unset NOGRAD_WORKERS" in caplog.text
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["-h"], ["--port", "9001", "--help"]])

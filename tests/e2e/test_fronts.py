@@ -1,0 +1,180 @@
+"""One engine process and front processes (NOGRAD_FRONTS): only the engine maps libtorch, the
+HTTP connections spread over the fronts, answers come back as a single server gives them (V2
+JSON and binary, gRPC, metrics, statistics), a sequence whose requests each arrive on a fresh
+connection accumulates as on one, a dead front or engine is started again and, while the
+engine is away, every call gets 503 at once."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as triton_grpc
+import tritonclient.http as triton_http
+
+from tests.e2e.serving import ROOT, Server, free_port, metric_value, run_server, wait_for_log
+from tests.e2e.test_triton_sequences import CONFIG, accumulator
+
+pytestmark = pytest.mark.e2e
+DIGITS = {
+    "inputs": [{"name": "image", "shape": [1, 1, 8, 8], "datatype": "FP32", "data": [4.0] * 64}]
+}
+FRONTS = 2
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    import shutil
+
+    root = tmp_path_factory.mktemp("fronts")
+    repo = root / "repo"
+    shutil.copytree(ROOT / "models" / "digits", repo / "digits")
+    accumulator(repo / "accumulator" / "1" / "model.onnx")
+    config = CONFIG.format(name="accumulator", idle_us=30_000_000, delay_us=0)
+    (repo / "accumulator" / "config.pbtxt").write_text(config)
+    env = {
+        "NOGRAD_FRONTS": str(FRONTS),
+        "NOGRAD_MODEL_REPOSITORY": str(repo),
+        "NOGRAD_GRPC_PORT": str(free_port()),
+        "NOGRAD_LOG_FORMAT": "text",
+    }
+    with run_server(root, env) as running:
+        yield running
+
+
+def pids(server: Server) -> dict[str, int]:
+    """``engine``, ``front 1`` … -> the pid of its latest start, from the supervisor's log."""
+    started = re.findall(r"(engine|front \d+) started \(pid (\d+)\)", server.log())
+    return {name: int(pid) for name, pid in started}
+
+
+def maps_libtorch(pid: int) -> bool:
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def sockets(pid: int) -> int:
+    fds = Path(f"/proc/{pid}/fd")
+    count = 0
+    for fd in fds.iterdir():
+        try:
+            count += os.readlink(fd).startswith("socket:")
+        except FileNotFoundError:
+            continue
+    return count
+
+
+def test_only_the_engine_loads_torch_and_the_fronts_hold_the_connections(
+    server: Server,
+) -> None:
+    log = server.log()
+    assert f"with one engine process and {FRONTS} front processes" in log
+    started = pids(server)
+    assert sorted(started) == ["engine", "front 1", "front 2"]
+    assert maps_libtorch(started["engine"])
+    assert not maps_libtorch(server.process.pid)
+    assert not any(maps_libtorch(started[f"front {i}"]) for i in (1, 2))
+    before = {i: sockets(started[f"front {i}"]) for i in (1, 2)}
+    clients = [httpx.Client(base_url=server.url, timeout=30) for _ in range(32)]
+    try:
+        for client in clients:
+            assert client.post("/v2/models/digits/infer", json=DIGITS).status_code == 200
+        gained = {i: sockets(started[f"front {i}"]) - before[i] for i in (1, 2)}
+    finally:
+        for client in clients:
+            client.close()
+    assert gained == {1: 16, 2: 16}, gained
+
+
+def test_answers_come_back_as_a_single_server_gives_them(server: Server) -> None:
+    answer = httpx.post(f"{server.url}/v2/models/digits/infer", json=DIGITS, timeout=30)
+    assert answer.status_code == 200
+    assert [o["name"] for o in answer.json()["outputs"]] == ["logits", "probabilities", "label"]
+    missing = httpx.get(f"{server.url}/v2/models/nope", timeout=30)
+    assert missing.status_code == 404
+    assert missing.json() == {"error": "Request for unknown model: 'nope' is not found"}
+    # Binary tensors (Triton's extension) over HTTP, and gRPC, which the engine serves itself.
+    host = server.url.removeprefix("http://")
+    assert server.grpc_address is not None
+    for client, module in (
+        (triton_http.InferenceServerClient(host), triton_http),
+        (triton_grpc.InferenceServerClient(server.grpc_address), triton_grpc),
+    ):
+        image = module.InferInput("image", [1, 1, 8, 8], "FP32")
+        image.set_data_from_numpy(np.full((1, 1, 8, 8), 4.0, np.float32))
+        got = client.infer("digits", [image]).as_numpy("logits")
+        assert got is not None and np.allclose(got, answer.json()["outputs"][0]["data"])
+    assert metric_value(server.url, "nograd_requests_total", model="digits") >= 3
+    stats = httpx.get(f"{server.url}/v2/models/digits/stats", timeout=30).json()
+    assert stats["model_stats"][0]["inference_stats"]["success"]["count"] >= 3
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_sequence_on_fresh_connections_accumulates_as_on_one(
+    server: Server, protocol: str
+) -> None:
+    sequence = 41 if protocol == "http" else 42
+    sums = []
+    for step, value in enumerate((1, 2, 3, 4)):
+        # A new client each time: a new connection, handed to either front.
+        if protocol == "http":
+            client = triton_http.InferenceServerClient(server.url.removeprefix("http://"))
+            module = triton_http
+        else:
+            assert server.grpc_address is not None
+            client = triton_grpc.InferenceServerClient(server.grpc_address)
+            module = triton_grpc
+        tensor = module.InferInput("INPUT", [1, 1], "INT32")
+        tensor.set_data_from_numpy(np.array([[value]], np.int32))
+        result = client.infer(
+            "accumulator", [tensor], sequence_id=sequence, sequence_start=step == 0
+        )
+        sums.append(int(result.as_numpy("OUTPUT")[0, 0]))
+        client.close()
+    assert sums == [1, 3, 6, 10]
+
+
+def test_a_front_that_dies_is_started_again(server: Server) -> None:
+    front = pids(server)["front 1"]
+    os.kill(front, signal.SIGKILL)
+    wait_for_log(server, "front 1 started", times=2, timeout_s=30)
+    wait_for_log(server, "front 1 ready after", times=2, timeout_s=30)
+    assert pids(server)["front 1"] != front
+    for _ in range(4):  # new connections reach both fronts again
+        answer = httpx.post(f"{server.url}/v2/models/digits/infer", json=DIGITS, timeout=30)
+        assert answer.status_code == 200
+
+
+def test_an_engine_that_dies_is_a_503_at_once_then_back(server: Server) -> None:
+    started = pids(server)
+    os.kill(started["engine"], signal.SIGKILL)
+    # While it is away every call is answered at once, never left waiting.
+    refused = 0
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and refused < 5:
+        sent = time.monotonic()
+        answer = httpx.post(f"{server.url}/v2/models/digits/infer", json=DIGITS, timeout=30)
+        assert time.monotonic() - sent < 3
+        if answer.status_code == 503:
+            refused += 1
+            assert answer.headers["retry-after"] == "1"
+            assert "engine process is not reachable" in answer.json()["error"]
+    assert refused == 5, server.log()
+    wait_for_log(server, "engine ready after", times=2, timeout_s=120)
+    deadline = time.monotonic() + 10
+    while True:
+        answer = httpx.post(f"{server.url}/v2/models/digits/infer", json=DIGITS, timeout=30)
+        if answer.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert answer.status_code == 200, server.log()
+    # The fronts kept running: only the engine was started again.
+    assert {k: v for k, v in pids(server).items() if k != "engine"} == {
+        k: v for k, v in started.items() if k != "engine"
+    }
