@@ -11,6 +11,7 @@ import concurrent.futures
 import ctypes
 import mmap
 import os
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -110,8 +111,22 @@ def answer_of(client: httpx.Client, index: int) -> None:
     assert answer.json()["outputs"][0]["data"] == [index + 0.5]
 
 
+@pytest.fixture(scope="module")
+def fronts_server(repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The same server as one engine process and two fronts."""
+    env = {
+        "NOGRAD_MODEL_REPOSITORY": str(repository),
+        "NOGRAD_MODEL_CONTROL": "on_demand",
+        "NOGRAD_MEMORY_LIMIT_BYTES": f"{LIMIT_MIB}MiB",
+        "NOGRAD_FRONTS": "2",
+    }
+    with run_server(tmp_path_factory.mktemp("log"), env) as running:
+        yield running
+
+
 def rss_mib(server: Server) -> float:
-    pid = worker_pids(server).get(0, server.process.pid)
+    engine = re.findall(r"engine started \(pid (\d+)\)", server.log())
+    pid = int(engine[-1]) if engine else worker_pids(server).get(0, server.process.pid)
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
@@ -125,6 +140,18 @@ def index_of(client: httpx.Client) -> dict[str, dict[str, str]]:
 
 
 def test_models_load_on_first_request_and_evict_by_memory(server: Server) -> None:
+    loads_and_evicts_within_the_limit(server)
+
+
+def test_with_fronts_the_limit_holds_each_model_once_for_the_whole_server(
+    fronts_server: Server,
+) -> None:
+    """Requests through either front reach the one engine: the limit is the whole server's,
+    not divided by the fronts, and a model is loaded once however many fronts ask for it."""
+    loads_and_evicts_within_the_limit(fronts_server)
+
+
+def loads_and_evicts_within_the_limit(server: Server) -> None:
     url = server.url
     with httpx.Client(base_url=url, timeout=60) as client:
         listed = index_of(client)
