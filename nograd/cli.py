@@ -16,7 +16,7 @@ from nograd.observability.logs import setup_logging
 from nograd.serving.calls.access import exposure_warnings
 from nograd.settings import Settings
 from nograd.settings_reference import help_text
-from nograd.supervisor.plan import resolve_workers
+from nograd.supervisor.plan import resolve_fronts, resolve_workers
 from nograd.supervisor.supervisor import supervise
 
 SERVE_WORKER = "nograd.server:serve_worker"
@@ -45,15 +45,16 @@ def main(argv: list[str] | None = None) -> None:
     )
     for warning in exposure_warnings(settings):
         logging.getLogger("nograd").warning("%s", warning)
-    if settings.fronts:
-        if settings.workers != "auto" and settings.worker_count > 1:
-            logging.getLogger("nograd").error(
-                "NOGRAD_WORKERS=%d with NOGRAD_FRONTS=%d: the fronts forward to one engine "
-                "process that holds every model once; unset NOGRAD_WORKERS",
-                settings.worker_count,
-                settings.fronts,
-            )
-            sys.exit(2)
+    if isinstance(settings.fronts, int) and settings.fronts and settings.worker_count > 1:
+        logging.getLogger("nograd").error(
+            "NOGRAD_WORKERS=%d with NOGRAD_FRONTS=%d: the fronts forward to one engine "
+            "process that holds every model once; unset NOGRAD_WORKERS",
+            settings.worker_count,
+            settings.fronts,
+        )
+        sys.exit(2)
+    settings = resolve_fronts(settings)
+    if settings.front_count:
         engine = settings.model_copy(update={"workers": 1})
         sys.exit(supervise(engine, SERVE_ENGINE, front=SERVE_FRONT))
     settings, planned = resolve_workers(settings)

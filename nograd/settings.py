@@ -201,11 +201,14 @@ class Settings(BaseSettings):
     visible, the second started only if another copy of the models (as the first one holds them
     once warm) fits in the memory left; one otherwise."""
 
-    fronts: int = Field(default=0, ge=0, le=64)
+    fronts: Annotated[int, Field(ge=0, le=64)] | Literal["auto"] = "auto"
     """HTTP front processes beside one engine process: the engine loads every model once, runs
     every batch and serves gRPC; the fronts hold the HTTP connections and forward each call to
-    it without loading torch. 0: ``workers`` processes, each with every model. Set it with
-    ``workers`` unset (one engine)."""
+    it without loading torch. 0: ``workers`` processes, each with every model. ``auto``: with
+    ``workers`` unset, at least two usable CPU cores and no GPU, one engine and two fronts where
+    workers would split what must be whole (a sequence model in the repository, whose requests
+    may reach any worker; ``model_control = on_demand``, where each worker would load models
+    into its own part of the limit); otherwise 0. Set it with ``workers`` unset."""
 
     torch_threads: int | None = Field(default=None, ge=1)
     """Intra-op threads for CPU forwards, fixed, per worker; unset: the cores this process may
@@ -445,6 +448,12 @@ class Settings(BaseSettings):
         """``workers`` as a number. ``auto`` is resolved by the ``nograd`` command before it
         starts any server; an app built in-process (tests, an ASGI server's factory) is one."""
         return self.workers if isinstance(self.workers, int) else 1
+
+    @property
+    def front_count(self) -> int:
+        """``fronts`` as a number; ``auto`` is resolved by the ``nograd`` command (0 for an app
+        built in-process)."""
+        return self.fronts if isinstance(self.fronts, int) else 0
 
     @property
     def max_message_bytes(self) -> int:

@@ -43,6 +43,44 @@ def auto_plan(torch_threads: int | None = None) -> tuple[int, str]:
     return auto_workers(usable_cores(), gpu_visible(), torch_threads)
 
 
+AUTO_FRONTS = 2
+"""Front processes ``fronts = auto`` starts beside the engine, when it starts them."""
+
+
+def auto_fronts(
+    cores: int, gpu: bool, sequences: list[str], on_demand: bool
+) -> tuple[int, str | None]:
+    """How many fronts ``fronts = auto`` plans beside an engine (0: workers), and why."""
+    if gpu or cores < 2:
+        return 0, None
+    if sequences:
+        return AUTO_FRONTS, f"sequence model {sequences[0]!r} (sequence_batching) in the repository"
+    if on_demand:
+        return AUTO_FRONTS, "model_control = on_demand"
+    return 0, None
+
+
+def resolve_fronts(settings: Settings) -> Settings:
+    """``settings`` with ``fronts`` a number. ``auto`` plans fronts only while ``workers`` is
+    ``auto`` too: an explicit worker count is a choice of workers."""
+    if settings.fronts != "auto":
+        return settings
+    count, reason = 0, None
+    if settings.workers == "auto":
+        count, reason = auto_fronts(
+            usable_cores(),
+            gpu_visible(),
+            sequence_models(settings.model_repository),
+            settings.model_control == "on_demand",
+        )
+    if reason is not None:
+        logger.info("fronts: auto, one engine process and %d fronts (%s)", count, reason)
+    update: dict[str, object] = {"fronts": count}
+    if count:
+        update["workers"] = 1
+    return settings.model_copy(update=update)
+
+
 def resolve_workers(settings: Settings) -> tuple[Settings, bool]:
     """``settings`` with ``workers`` a number, and whether it was planned by ``auto`` (then
     workers after the first are started only while another copy of the models fits)."""

@@ -67,7 +67,7 @@ def plan_slots(
     if front is None:
         return [Slot(i, serve, ports) for i in range(settings.worker_count)]
     return [Slot(0, serve, frozenset({GRPC}), "engine")] + [
-        Slot(i, front, frozenset({HTTP}), "front") for i in range(1, settings.fronts + 1)
+        Slot(i, front, frozenset({HTTP}), "front") for i in range(1, settings.front_count + 1)
     ]
 
 

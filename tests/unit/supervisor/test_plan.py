@@ -1,4 +1,5 @@
-"""How many worker processes ``auto`` plans, and the memory check for one more."""
+"""How many worker processes ``auto`` plans, the memory check for one more, and when ``auto``
+plans one engine and fronts instead."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ import pytest
 
 from nograd.settings import Settings
 from nograd.supervisor.plan import (
+    AUTO_FRONTS,
     AUTO_MAX_WORKERS,
     AUTO_MEMORY_SHARE,
     another_fits,
+    auto_fronts,
     auto_workers,
+    resolve_fronts,
     resolve_workers,
     sequence_models,
 )
@@ -67,3 +71,37 @@ def test_auto_plans_one_worker_for_a_repository_with_a_sequence_model(
     settings, planned = resolve_workers(Settings(workers="auto", model_repository=tmp_path))
     assert (settings.workers, planned) == (1, True)
     assert sequence_models(tmp_path) == ["seq"]
+
+
+@pytest.mark.parametrize(
+    ("cores", "gpu", "sequences", "on_demand", "expected"),
+    [
+        (2, False, [], False, 0),
+        (2, False, ["seq"], False, AUTO_FRONTS),
+        (2, False, [], True, AUTO_FRONTS),
+        (16, False, ["seq"], True, AUTO_FRONTS),
+        (1, False, ["seq"], True, 0),
+        (16, True, ["seq"], True, 0),
+    ],
+)
+def test_auto_plans_an_engine_and_fronts_where_workers_would_split_what_must_be_whole(
+    cores: int, gpu: bool, sequences: list[str], on_demand: bool, expected: int
+) -> None:
+    count, reason = auto_fronts(cores, gpu, sequences, on_demand)
+    assert count == expected
+    assert (reason is None) is (expected == 0)
+
+
+def test_fronts_auto_resolves_only_beside_workers_auto(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("nograd.supervisor.plan.usable_cores", lambda: 2)
+    monkeypatch.setattr("nograd.supervisor.plan.gpu_visible", lambda: False)
+    on_demand = Settings(model_repository=tmp_path, model_control="on_demand")
+    resolved = resolve_fronts(on_demand)
+    assert (resolved.fronts, resolved.workers) == (AUTO_FRONTS, 1)
+    # An explicit worker count is a choice of workers; an explicit front count is kept.
+    assert resolve_fronts(on_demand.model_copy(update={"workers": 2})).fronts == 0
+    assert resolve_fronts(on_demand.model_copy(update={"fronts": 3})).fronts == 3
+    assert resolve_fronts(Settings(model_repository=tmp_path)).fronts == 0
+    assert Settings().front_count == 0  # an app built in-process serves in its own process
