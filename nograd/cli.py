@@ -53,6 +53,12 @@ def main(argv: list[str] | None = None) -> None:
             settings.fronts,
         )
         sys.exit(2)
+    if isinstance(settings.fronts, int) and settings.fronts and not settings.port:
+        logging.getLogger("nograd").error(
+            "NOGRAD_FRONTS=%d with NOGRAD_PORT=0: the fronts serve HTTP, which is off",
+            settings.fronts,
+        )
+        sys.exit(2)
     settings = resolve_fronts(settings)
     if settings.front_count:
         engine = settings.model_copy(update={"workers": 1})

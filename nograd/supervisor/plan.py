@@ -62,11 +62,12 @@ def auto_fronts(
 
 def resolve_fronts(settings: Settings) -> Settings:
     """``settings`` with ``fronts`` a number. ``auto`` plans fronts only while ``workers`` is
-    ``auto`` too: an explicit worker count is a choice of workers."""
+    ``auto`` too (an explicit worker count is a choice of workers) and HTTP is on (fronts serve
+    HTTP)."""
     if settings.fronts != "auto":
         return settings
     count, reason = 0, None
-    if settings.workers == "auto":
+    if settings.workers == "auto" and settings.port:
         count, reason = auto_fronts(
             usable_cores(),
             gpu_visible(),

@@ -40,3 +40,14 @@ def test_help_is_the_sectioned_one_and_starts_nothing(
         main(argv)
     assert stopped.value.code == 0
     assert capsys.readouterr().out == help_text()
+
+
+def test_fronts_without_http_are_refused(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("NOGRAD_FRONTS", "2")
+    monkeypatch.setenv("NOGRAD_PORT", "0")
+    with pytest.raises(SystemExit) as stopped:
+        main([])
+    assert stopped.value.code == 2
+    assert "NOGRAD_FRONTS=2 with NOGRAD_PORT=0: the fronts serve HTTP, which is off" in caplog.text

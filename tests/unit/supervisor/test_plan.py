@@ -104,4 +104,5 @@ def test_fronts_auto_resolves_only_beside_workers_auto(
     assert resolve_fronts(on_demand.model_copy(update={"workers": 2})).fronts == 0
     assert resolve_fronts(on_demand.model_copy(update={"fronts": 3})).fronts == 3
     assert resolve_fronts(Settings(model_repository=tmp_path)).fronts == 0
+    assert resolve_fronts(on_demand.model_copy(update={"port": 0})).fronts == 0  # gRPC only
     assert Settings().front_count == 0  # an app built in-process serves in its own process
