@@ -47,6 +47,7 @@ def test_fronts_without_http_are_refused(
 ) -> None:
     monkeypatch.setenv("NOGRAD_FRONTS", "2")
     monkeypatch.setenv("NOGRAD_PORT", "0")
+    monkeypatch.setenv("NOGRAD_GRPC_PORT", "8001")  # gRPC only
     with pytest.raises(SystemExit) as stopped:
         main([])
     assert stopped.value.code == 2
