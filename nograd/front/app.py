@@ -40,6 +40,10 @@ SCOPE_KEYS: Final = (
 )
 """What of a call's scope crosses to the engine (besides its arrival time)."""
 ENGINE_AWAY: Final = "the engine process is not reachable (restarting); try again shortly"
+LEAVING_GRACE_S: Final = 0.02
+"""How long a call whose body is read runs before a task watches for its client leaving: most
+are answered sooner, and a task per call is a noticeable share of a small model's call (the
+engine's own watcher waits as long: ``nograd.http.exchange.DISCONNECT_GRACE_S``)."""
 
 
 def wire_scope(scope: MutableMapping[str, Any]) -> dict[str, Any]:
@@ -62,6 +66,12 @@ class ForwardingApp:
             await refuse(scope["path"], send)
             return
         pump: asyncio.Task[None] | None = None
+        timer: asyncio.TimerHandle | None = None
+
+        def relay_request() -> None:
+            nonlocal pump
+            pump = asyncio.get_running_loop().create_task(_relay_request(receive, stream))
+
         try:
             first = await receive()
             try:
@@ -69,10 +79,14 @@ class ForwardingApp:
             except LinkDown:
                 await refuse(scope["path"], send)
                 return
-            if first["type"] != "http.disconnect":
-                pump = asyncio.create_task(_relay_request(receive, stream))
+            if first.get("more_body", False):
+                relay_request()  # the rest of the body, as it comes
+            elif first["type"] != "http.disconnect":
+                timer = asyncio.get_running_loop().call_later(LEAVING_GRACE_S, relay_request)
             await _relay_response(scope["path"], stream, send)
         finally:
+            if timer is not None:
+                timer.cancel()
             if pump is not None:
                 pump.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
