@@ -54,7 +54,7 @@ def balancer_env(
 def check_config(config: Path, env: Mapping[str, str]) -> None:
     """``haproxy -c``: the configuration as HAProxy would read it with ``env``."""
     done = subprocess.run(
-        [haproxy_binary(), "-c", "-q", "-f", str(config)],
+        [haproxy_binary(), "-c", "-f", str(config)],
         env=dict(env),
         capture_output=True,
         text=True,
