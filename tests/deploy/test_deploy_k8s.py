@@ -273,7 +273,9 @@ def _fleet_env(container: dict[str, Any]) -> dict[str, str]:
 
 def test_fleet_balancer_runs_the_one_machine_config() -> None:
     configmap = _one("ConfigMap", FLEET / "balancer.yaml")
-    assert configmap["data"]["haproxy.cfg"] == FLEET_CONFIG.read_text()
+    assert configmap["data"]["haproxy.cfg"] == FLEET_CONFIG.read_text(), (
+        "run python scripts/sync_fleet_configmap.py"
+    )
     deployment, container = _fleet_balancer()
     volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
