@@ -23,10 +23,11 @@ import httpx
 import numpy as np
 import pytest
 import tritonclient.grpc as triton_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.residency_models import ROWS, onnx_repository
 from nograd.fleet.state import Fleet, alive, load, state_path
-from tests.e2e.serving import ROOT, free_port, metric_value
+from tests.e2e.serving import ROOT, free_port
 from tests.prometheus_tools import haproxy
 
 pytestmark = pytest.mark.e2e
@@ -98,22 +99,17 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetUnderTest]:
 
 
 def requests_by_replica(fleet: Fleet) -> dict[int, Counter[str]]:
-    """Each replica's answered requests per model (its ``nograd_requests_total``)."""
-    return {
-        replica.slot: Counter(
-            {
-                f"m{index}": int(
-                    metric_value(
-                        f"http://127.0.0.1:{replica.http_port}",
-                        "nograd_requests_total",
-                        model=f"m{index}",
-                    )
-                )
-                for index in range(MODELS)
-            }
-        )
-        for replica in fleet.replicas
-    }
+    """Each replica's answered requests per model (its ``nograd_requests_total``), one scrape
+    per replica."""
+    counts: dict[int, Counter[str]] = {}
+    for replica in fleet.replicas:
+        text = httpx.get(f"http://127.0.0.1:{replica.http_port}/metrics").text
+        counts[replica.slot] = Counter()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "nograd_requests_total" and "model" in sample.labels:
+                    counts[replica.slot][sample.labels["model"]] += int(sample.value)
+    return counts
 
 
 def homes(under_test: FleetUnderTest, asked: int = 2) -> dict[str, int]:
