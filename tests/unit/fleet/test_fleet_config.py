@@ -4,6 +4,7 @@ on it with its slots in maintenance, the state file and the replicas' settings."
 
 from __future__ import annotations
 
+import socket
 import stat
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from nograd.fleet.balancer import (
     check_config,
     start_balancer,
 )
+from nograd.fleet.command import fleet_command
 from nograd.fleet.replicas import replica_settings, stop_process
 from nograd.fleet.state import Fleet, Replica, alive, load, save, state_path, state_root
 from tests.e2e.serving import free_port
@@ -126,3 +128,34 @@ def test_replicas_get_the_settings_but_their_own_address() -> None:
         "PATH": "/bin",
     }
     assert replica_settings(environ) == {"NOGRAD_MODEL_CONTROL": "on_demand"}
+
+
+def test_a_command_for_a_port_without_a_fleet_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for action in (["down"], ["rolling-restart"], ["scale", "--replicas", "2"]):
+        assert fleet_command([*action, "--port", "9", "--state-dir", str(tmp_path)]) == 1
+        assert "no fleet on port 9" in capsys.readouterr().err
+
+
+def test_up_on_a_taken_port_fails_and_leaves_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    haproxy()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = ["up", "--replicas", "1", "--port", str(port), "--state-dir", str(tmp_path)]
+        assert fleet_command(argv) == 1
+    assert "haproxy exited" in capsys.readouterr().err
+    assert not state_path(tmp_path, port).exists()
+
+
+def test_up_refuses_more_replicas_than_slots(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    haproxy()
+    argv = ["up", "--replicas", "3", "--slots", "2", "--port", str(free_port())]
+    assert fleet_command([*argv, "--state-dir", str(tmp_path)]) == 1
+    assert "--replicas must be 1..2" in capsys.readouterr().err
