@@ -31,6 +31,10 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["export"]:
         sys.exit(export_command(args[1:]))
+    if args[:1] == ["fleet"]:
+        from nograd.fleet.command import fleet_command
+
+        sys.exit(fleet_command(args[1:]))
     if HELP_FLAGS.intersection(args):
         # Ours, not the flag parser's: its help knows no sections and no variable names.
         print(help_text(), end="")

@@ -2,7 +2,8 @@
 # Usage: install_debian_package.sh PACKAGE COMMAND...
 # Installs Debian's PACKAGE when any of the COMMANDs is missing from PATH.
 #
-# The tests run real tools instead of re-implementing them: Prometheus and promtool (package
+# The tests run real tools instead of re-implementing them: HAProxy (package `haproxy`: the
+# fleet's balancer), Prometheus and promtool (package
 # `prometheus`: a scraping server, `promtool check metrics|rules`, `promtool test rules`) and wrk
 # (package `wrk`: the load the Prometheus test measures, and `make bench`). Non-interactive
 # (CI=true, no stdin). A package's service is never started here: a policy-rc.d that denies starts

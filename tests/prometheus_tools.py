@@ -28,7 +28,7 @@ RULE_TESTS_DIR = PROMETHEUS_DIR / "tests"
 GRAFANA_DIR = ROOT / "deploy" / "grafana"
 
 
-PACKAGES = {"prometheus": ("prometheus", "promtool"), "wrk": ("wrk",)}
+PACKAGES = {"prometheus": ("prometheus", "promtool"), "wrk": ("wrk",), "haproxy": ("haproxy",)}
 """Debian packages the tests run, and the commands each provides."""
 
 
@@ -70,6 +70,11 @@ def prometheus() -> str:
 
 def wrk() -> str:
     return _tool("wrk", "wrk")
+
+
+def haproxy() -> str:
+    """The fleet's balancer (``nograd fleet``, deploy/fleet/haproxy.cfg)."""
+    return _tool("haproxy", "haproxy")
 
 
 def rule_files() -> list[Path]:

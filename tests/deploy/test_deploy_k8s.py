@@ -8,6 +8,8 @@ those are checked for the structure KServe needs, and their containers are valid
 from __future__ import annotations
 
 import math
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from nograd.fleet.balancer import check_config
 from nograd.settings import Settings
 from nograd.supervisor.plan import auto_workers
 from tests.prometheus_tools import ROOT, exported_metric_names, promql_metric_names
@@ -23,7 +26,7 @@ K8S = ROOT / "deploy" / "k8s"
 # The oldest Kubernetes we claim (autoscaling/v2 is GA since 1.23; 1.29 is still widely run) and
 # the newest the validator knows.
 KUBERNETES_VERSIONS = ("1.29.0", kubernetes_validate.utils.latest_version())
-CORE_KINDS = {"Deployment", "Service", "HorizontalPodAutoscaler", "ConfigMap"}
+CORE_KINDS = {"Deployment", "StatefulSet", "Service", "HorizontalPodAutoscaler", "ConfigMap"}
 DEFAULT_DRAIN_TIMEOUT_S = float(Settings.model_fields["drain_timeout_s"].default)
 """NOGRAD_DRAIN_TIMEOUT_S's default, which applies where a manifest does not set it."""
 
@@ -244,3 +247,119 @@ def test_podmonitor_scrapes_the_pods() -> None:
     assert (endpoint["port"], endpoint["path"]) == ("http", "/metrics")
     # The job label comes from the pod label: "nograd", which the alert rules' up{} matches.
     assert pod_labels[monitor["spec"]["jobLabel"]] == "nograd"
+
+
+# --- deploy/k8s/fleet: replicas behind HAProxy, the balancer's config the one-machine fleet's ----
+
+FLEET = K8S / "fleet"
+FLEET_CONFIG = ROOT / "deploy" / "fleet" / "haproxy.cfg"
+
+
+def _fleet_balancer() -> tuple[dict[str, Any], dict[str, Any]]:
+    """The balancer's Deployment and its container."""
+    deployment = _one("Deployment", FLEET / "balancer.yaml")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return deployment, container
+
+
+def _fleet_env(container: dict[str, Any]) -> dict[str, str]:
+    """The balancer's variables as the kubelet expands them ($(VAR) of earlier ones)."""
+    env: dict[str, str] = {"POD_NAMESPACE": "default"}
+    for item in container["env"]:
+        if "value" in item:
+            env[item["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], item["value"])
+    return env
+
+
+def test_fleet_balancer_runs_the_one_machine_config() -> None:
+    configmap = _one("ConfigMap", FLEET / "balancer.yaml")
+    assert configmap["data"]["haproxy.cfg"] == FLEET_CONFIG.read_text(), (
+        "run python scripts/sync_fleet_configmap.py"
+    )
+    deployment, container = _fleet_balancer()
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    config_volume = next(n for n, v in volumes.items() if "configMap" in v)
+    assert volumes[config_volume]["configMap"]["name"] == configmap["metadata"]["name"]
+    assert f"{mounts[config_volume]}/haproxy.cfg" in container["args"]
+
+
+def test_fleet_balancer_sets_every_variable_of_the_config(tmp_path: Path) -> None:
+    _, container = _fleet_balancer()
+    env = _fleet_env(container)
+    used = set(re.findall(r"\$\{(NOGRAD_FLEET_\w+)\}", FLEET_CONFIG.read_text()))
+    assert used <= env.keys(), used - env.keys()
+    # haproxy -c with exactly these variables, where HAProxy is installed.
+    if shutil.which("haproxy"):
+        check_config(FLEET_CONFIG, {**env, "NOGRAD_FLEET_SOCKET": str(tmp_path / "api.sock")})
+
+
+def test_fleet_balancer_reads_replicas_from_the_headless_service() -> None:
+    service = _one("Service", FLEET / "replicas.yaml")
+    replicas = _one("StatefulSet", FLEET / "replicas.yaml")
+    assert service["spec"]["clusterIP"] == "None"
+    assert not service["spec"]["publishNotReadyAddresses"]
+    assert replicas["spec"]["serviceName"] == service["metadata"]["name"]
+    pod_labels = replicas["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    _, container = _fleet_balancer()
+    env = _fleet_env(container)
+    assert env["NOGRAD_FLEET_DNS"] == f"{service['metadata']['name']}.default.svc.cluster.local"
+    ports = {port["name"]: port["port"] for port in service["spec"]["ports"]}
+    assert ports == {
+        "http": int(env["NOGRAD_FLEET_HTTP_PORT"]),
+        "grpc": int(env["NOGRAD_FLEET_GRPC_PORT"]),
+    }
+    assert int(env["NOGRAD_FLEET_SLOTS"]) >= replicas["spec"]["replicas"]
+    front = _one("Service", FLEET / "balancer.yaml")
+    balancer_labels = _fleet_balancer()[0]["spec"]["template"]["metadata"]["labels"]
+    assert front["spec"]["selector"].items() <= balancer_labels.items()
+    assert not front["spec"]["selector"].items() <= pod_labels.items()
+
+
+def _seconds(config: str, key: str) -> float:
+    (value,) = re.findall(rf"^\s*{key}\s+(\d+)s$", config, re.MULTILINE)
+    return float(value)
+
+
+def test_fleet_replica_leaves_the_ring_before_it_stops() -> None:
+    """A terminating pod leaves DNS; the balancer drops it within its resolvers' hold times,
+    which the preStop sleep covers; nograd's drain then fits before SIGKILL."""
+    replicas = _one("StatefulSet", FLEET / "replicas.yaml")
+    pod = replicas["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
+    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep"
+    pre_stop = float(command[1])
+    config = FLEET_CONFIG.read_text()
+    leaves_ring_s = (
+        _seconds(config, "timeout resolve")
+        + _seconds(config, "hold valid")
+        + _seconds(config, "hold obsolete")
+    )
+    assert pre_stop > leaves_ring_s
+    env = _env(container)
+    drain = float(env.get("NOGRAD_DRAIN_TIMEOUT_S", DEFAULT_DRAIN_TIMEOUT_S))
+    assert pod["spec"]["terminationGracePeriodSeconds"] > pre_stop + drain
+
+
+def test_fleet_replicas_keep_models_by_bytes() -> None:
+    (container,) = _one("StatefulSet", FLEET / "replicas.yaml")["spec"]["template"]["spec"][
+        "containers"
+    ]
+    env = _env(container)
+    known = {f"NOGRAD_{name.upper()}" for name in Settings.model_fields}
+    assert set(env) <= known, f"not Settings fields: {sorted(set(env) - known)}"
+    assert env["NOGRAD_MODEL_CONTROL"] == "on_demand"
+    assert env["NOGRAD_MEMORY_LIMIT_BYTES"]
+    ports = {port["name"]: port["containerPort"] for port in container["ports"]}
+    assert ports == {"http": int(env["NOGRAD_PORT"]), "grpc": int(env["NOGRAD_GRPC_PORT"])}
+
+
+def test_fleet_kustomization_lists_its_files() -> None:
+    kustomization = yaml.safe_load((FLEET / "kustomization.yaml").read_text())
+    assert set(kustomization["resources"]) == {p.name for p in FLEET.glob("*.yaml")} - {
+        "kustomization.yaml"
+    }
