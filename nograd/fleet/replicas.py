@@ -24,6 +24,9 @@ READY_PATH: Final = "/v2/health/ready"
 SETTINGS_PREFIX: Final = "NOGRAD_"
 OWN_SETTINGS: Final = ("NOGRAD_HOST", "NOGRAD_PORT", "NOGRAD_GRPC_PORT")
 """What the fleet sets for each replica itself, whatever the environment says."""
+ONE_PROCESS: Final = {"NOGRAD_WORKERS": "1", "NOGRAD_FRONTS": "0"}
+"""Each replica's process plan unless the environment names one: the replicas are the fleet's
+parallelism, so each is one process (neither workers nor an engine with fronts of its own)."""
 
 
 class ReplicaError(RuntimeError):
@@ -31,12 +34,16 @@ class ReplicaError(RuntimeError):
 
 
 def replica_settings(environ: Mapping[str, str]) -> dict[str, str]:
-    """The ``NOGRAD_*`` settings of ``environ`` every replica gets (its address is its own)."""
-    return {
+    """The ``NOGRAD_*`` settings of ``environ`` every replica gets (its address is its own;
+    one process each unless ``environ`` sets ``NOGRAD_WORKERS`` or ``NOGRAD_FRONTS``)."""
+    given = {
         key: value
         for key, value in environ.items()
         if key.startswith(SETTINGS_PREFIX) and key not in OWN_SETTINGS
     }
+    if given.keys() & ONE_PROCESS.keys():
+        return given
+    return {**given, **ONE_PROCESS}
 
 
 def free_ports(count: int) -> list[int]:

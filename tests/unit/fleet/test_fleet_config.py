@@ -127,7 +127,14 @@ def test_replicas_get_the_settings_but_their_own_address() -> None:
         "NOGRAD_HOST": "0.0.0.0",
         "PATH": "/bin",
     }
-    assert replica_settings(environ) == {"NOGRAD_MODEL_CONTROL": "on_demand"}
+    assert replica_settings(environ) == {
+        "NOGRAD_MODEL_CONTROL": "on_demand",
+        "NOGRAD_WORKERS": "1",
+        "NOGRAD_FRONTS": "0",
+    }
+    # A process plan the environment names is the replicas' own.
+    chosen = {**environ, "NOGRAD_FRONTS": "2"}
+    assert replica_settings(chosen) == {"NOGRAD_MODEL_CONTROL": "on_demand", "NOGRAD_FRONTS": "2"}
 
 
 def test_a_command_for_a_port_without_a_fleet_says_so(
