@@ -47,17 +47,14 @@ AUTO_FRONTS = 2
 """Front processes ``fronts = auto`` starts beside the engine, when it starts them."""
 
 
-def auto_fronts(
-    cores: int, gpu: bool, sequences: list[str], on_demand: bool
-) -> tuple[int, str | None]:
-    """How many fronts ``fronts = auto`` plans beside an engine (0: workers), and why."""
-    if gpu or cores < 2:
+def auto_fronts(cores: int, gpu: bool, on_demand: bool) -> tuple[int, str | None]:
+    """How many fronts ``fronts = auto`` plans beside an engine (0: workers), and why: under
+    on-demand residency, where workers would each load models into their own part of the limit
+    (the same model once per worker). Elsewhere the workers serve a small model faster today
+    (BENCHMARKS.md), and a sequence model is served by one worker whole."""
+    if gpu or cores < 2 or not on_demand:
         return 0, None
-    if sequences:
-        return AUTO_FRONTS, f"sequence model {sequences[0]!r} (sequence_batching) in the repository"
-    if on_demand:
-        return AUTO_FRONTS, "model_control = on_demand"
-    return 0, None
+    return AUTO_FRONTS, "model_control = on_demand"
 
 
 def resolve_fronts(settings: Settings) -> Settings:
@@ -69,10 +66,7 @@ def resolve_fronts(settings: Settings) -> Settings:
     count, reason = 0, None
     if settings.workers == "auto" and settings.port:
         count, reason = auto_fronts(
-            usable_cores(),
-            gpu_visible(),
-            sequence_models(settings.model_repository),
-            settings.model_control == "on_demand",
+            usable_cores(), gpu_visible(), settings.model_control == "on_demand"
         )
     if reason is not None:
         logger.info("fronts: auto, one engine process and %d fronts (%s)", count, reason)

@@ -74,20 +74,19 @@ def test_auto_plans_one_worker_for_a_repository_with_a_sequence_model(
 
 
 @pytest.mark.parametrize(
-    ("cores", "gpu", "sequences", "on_demand", "expected"),
+    ("cores", "gpu", "on_demand", "expected"),
     [
-        (2, False, [], False, 0),
-        (2, False, ["seq"], False, AUTO_FRONTS),
-        (2, False, [], True, AUTO_FRONTS),
-        (16, False, ["seq"], True, AUTO_FRONTS),
-        (1, False, ["seq"], True, 0),
-        (16, True, ["seq"], True, 0),
+        (2, False, False, 0),
+        (2, False, True, AUTO_FRONTS),
+        (16, False, True, AUTO_FRONTS),
+        (1, False, True, 0),
+        (16, True, True, 0),
     ],
 )
-def test_auto_plans_an_engine_and_fronts_where_workers_would_split_what_must_be_whole(
-    cores: int, gpu: bool, sequences: list[str], on_demand: bool, expected: int
+def test_auto_plans_an_engine_and_fronts_where_workers_would_split_the_resident_models(
+    cores: int, gpu: bool, on_demand: bool, expected: int
 ) -> None:
-    count, reason = auto_fronts(cores, gpu, sequences, on_demand)
+    count, reason = auto_fronts(cores, gpu, on_demand)
     assert count == expected
     assert (reason is None) is (expected == 0)
 
