@@ -1,10 +1,10 @@
 """A front process: the HTTP connections its supervisor hands it, served without torch, every
 call forwarded to the engine process (``nograd.front.app``).
 
-It starts in well under a second (no models, no torch), is ready once it reaches the engine,
-and drains as a server does: on its supervisor's word it ends each connection after its next
-answer, waits until it holds no request and no call is still with the engine, says so, and exits
-once no connection can still reach it.
+It starts in about a second (no models, no torch), beside the engine, and is ready once it
+reaches the engine (warm by then). It drains as a server does: on its supervisor's word it ends
+each connection after its next answer, waits until it holds no request and no call is still
+with the engine, says so, and exits once no connection can still reach it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 from types import FrameType
 from typing import Final
 
-from nograd.bridge.link import EngineLink, wait_connected
+from nograd.bridge.link import EngineLink
 from nograd.front.app import ForwardingApp
 from nograd.http.listener import HttpListener, loop_factory
 from nograd.observability.metrics import UNKNOWN_MODEL, Metrics
@@ -27,8 +27,6 @@ from nograd.supervisor.worker import WorkerContext
 
 logger = logging.getLogger(__name__)
 
-CONNECT_TIMEOUT_S: Final = 30.0
-"""How long a starting front waits for the engine's socket (the engine is warm by then)."""
 QUIET_POLL_S: Final = 0.02
 
 
@@ -60,9 +58,14 @@ class FrontServer:
         inbox: Inbox | None = None
         listening = False
         try:
-            if not await wait_connected(self.link, CONNECT_TIMEOUT_S):
-                logger.error("front %d: the engine's socket did not answer", self._context.index)
-                return False
+            # Started beside the engine: it listens once its models are warm.
+            connected = asyncio.create_task(self.link.connected.wait())
+            stopped = asyncio.create_task(self._stop.wait())
+            await asyncio.wait({connected, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            connected.cancel()
+            stopped.cancel()
+            if not self.link.up:
+                return True  # stopped before the engine was warm
             await self.http.start(None)
             listening = True
             inbox = Inbox(self._handoff, self._loop, {HTTP: self.http.protocol})
@@ -86,6 +89,8 @@ class FrontServer:
             self._loop.call_soon_threadsafe(self._stop.set)
 
     async def _drain(self, inbox: Inbox) -> None:
+        if self._settings.drain_timeout_s <= 0:
+            return  # no drain asked for: the calls under way are cut, as a server's are
         deadline = time.monotonic() + self._settings.drain_timeout_s
         self.http.begin_drain()
         idle = await self._until_quiet(inbox, deadline)

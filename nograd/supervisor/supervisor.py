@@ -171,8 +171,13 @@ class Supervisor:
             self._refusals.close()
 
     def _start_all(self) -> bool:
-        """Start the workers one after another, each once the one before is warm; False when
-        one failed or a stop signal came first."""
+        """Start the workers one after another, each once the one before is warm (an engine and
+        its fronts all at once: the fronts load nothing and connect once the engine listens);
+        False when one failed or a stop signal came first."""
+        if self._engine_socket is not None:
+            for slot in self._slots:
+                self._start(slot)
+            return all(self._wait_ready(slot) for slot in self._slots)
         for slot in list(self._slots):
             if slot.index > 0 and self._fit_to_memory and not self._another_fits(slot.index):
                 del self._slots[slot.index :]
