@@ -30,8 +30,10 @@ READY_TIMEOUT_S = 600.0
 """A cold start of two workers on two shared cores loads and profiles every model twice."""
 LOG_ENV = {"NOGRAD_LOG_LEVEL": "info", "NOGRAD_LOG_FORMAT": "text"}
 """The supervisor's start-up log names each process's pid and says when it was ready."""
-STARTED = re.compile(r"(\w[\w ]*?) started \(pid (\d+)\)")
-READY = re.compile(r"(\w[\w ]*?) ready after ([\d.]+)s")
+PROCESS = r"((?:engine|front|worker)(?: \d+)?)"
+"""How the supervisor's log names a process: ``engine``, ``front 1``, ``worker 0``."""
+STARTED = re.compile(PROCESS + r" started \(pid (\d+)\)")
+READY = re.compile(PROCESS + r" ready after ([\d.]+)s")
 START_UP = re.compile(r"started \(pid|ready after|listening on")
 LIBTORCH = "libtorch"
 SUPERVISOR = "supervisor"

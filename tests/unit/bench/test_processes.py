@@ -145,12 +145,12 @@ def test_the_real_proc_shows_this_process_its_child_and_its_connection() -> None
 
 
 LOG = """\
-2026-11-28 21:00:00 INFO nograd.supervisor: engine started (pid 101)
-2026-11-28 21:00:00 INFO nograd.supervisor: front 1 started (pid 102)
-2026-11-28 21:00:00 INFO nograd.supervisor: front 2 started (pid 103)
-2026-11-28 21:00:01 INFO nograd.supervisor: front 1 ready after 0.8s, 0.05 GB resident
-2026-11-28 21:00:12 INFO nograd.supervisor: engine ready after 12.5s, 0.61 GB resident
-2026-11-28 21:00:20 INFO nograd.supervisor: front 1 started (pid 104)
+2026-11-28 21:00:00,352 INFO nograd.supervisor: engine started (pid 101)
+2026-11-28 21:00:00,352 INFO nograd.supervisor: front 1 started (pid 102)
+2026-11-28 21:00:00,352 INFO nograd.supervisor: front 2 started (pid 103)
+2026-11-28 21:00:01,352 INFO nograd.supervisor: front 1 ready after 0.8s, 0.05 GB resident
+2026-11-28 21:00:12,352 INFO nograd.supervisor: engine ready after 12.5s, 0.61 GB resident
+2026-11-28 21:00:20,352 INFO nograd.supervisor: front 1 started (pid 104)
 """
 
 
