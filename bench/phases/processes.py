@@ -93,10 +93,23 @@ def _log(server: Server) -> str:
     return server.log_path.read_text(errors="replace")
 
 
+def model_table(log: str) -> dict[str, dict[str, str]]:
+    """Per model, the engine it serves on and its batch limit, from the table a process logs
+    once its models are loaded (the last table where several processes log one)."""
+    found: dict[str, dict[str, str]] = {}
+    for line in log.splitlines():
+        fields = line.split()
+        # model, version, state, format, engine, device, limit, unit, ...
+        if len(fields) >= 8 and fields[1].isdigit() and fields[2] == "ready":
+            found[fields[0]] = {"engine": fields[4], "limit": f"{fields[6]} {fields[7]}"}
+    return found
+
+
 def census(server: Server) -> dict[str, Any]:
-    """The server's processes (the supervisor and everything below it), and which map
-    libtorch."""
-    names = roles(_log(server), server.pid)
+    """The server's processes (the supervisor and everything below it), which map libtorch,
+    and the engine each model serves on."""
+    log = _log(server)
+    names = roles(log, server.pid)
     processes = [
         {"pid": pid, "role": role_of(pid, names), "libtorch": maps_library(pid, LIBTORCH)}
         for pid in descendants(server.pid)
@@ -104,6 +117,7 @@ def census(server: Server) -> dict[str, Any]:
     return {
         "processes": processes,
         "libtorch": sum(1 for p in processes if p["libtorch"]),
+        "models": model_table(log),
     }
 
 
@@ -199,10 +213,14 @@ def phase_processes(bench: Bench) -> None:
     bench.results["processes"] = record
     folder = RESULTS / f"{bench.stamp}-processes"
     caches = _start_ups(bench, folder, record["start_ups"])
+    # One engine cache, the one the workers' starts wrote: both systems serve each model on the
+    # same engines, so the rounds and the memory compare the process models, not two choices
+    # each start made on a machine that other processes disturbed.
+    record["shared_cache"] = WORKERS
     with contextlib.ExitStack() as stack:
         systems: list[tuple[str, Server]] = []
         for system in SYSTEMS:
-            server = system_server(bench, system, caches[system])
+            server = system_server(bench, system, caches[WORKERS])
             bench.step(f"processes: start {system} beside the other")
             timed_start(server)
             stack.callback(server.stop)

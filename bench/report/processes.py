@@ -65,6 +65,16 @@ def _held(connections: dict[str, Any] | None) -> str:
     return f"{held or 'none'} ({connections['answered']}/{connections['connections']} answered)"
 
 
+def engines_line(record: dict[str, Any]) -> str:
+    """What each model served on in each system, as its log's model table said."""
+    parts = []
+    for system in (WORKERS, ENGINE):
+        models = record.get("processes", {}).get(system, {}).get("models") or {}
+        shown = ", ".join(f"{m} {v['engine']} ({v['limit']})" for m, v in models.items())
+        parts.append(f"{system}: {shown or '–'}")
+    return "; ".join(parts)
+
+
 def system_rows(record: dict[str, Any]) -> list[tuple[Any, ...]]:
     """Per system: processes, those mapping libtorch, PSS warm and after the rounds, the median
     cold and warm start, and the processes holding the connections."""
@@ -148,7 +158,7 @@ def target_rows(record: dict[str, Any], concurrency: int) -> list[tuple[str, str
 
 def round_rows(record: dict[str, Any]) -> list[tuple[Any, ...]]:
     """Per workload and concurrency: rounds, median req/s of each, engine ÷ workers req/s per
-    round and its median, median p99 of each and the p99 ratio, failed requests."""
+    round and its median, median p99 of each and the p99 ratio, failed requests of each."""
     rows = []
     for (workload, concurrency), pairs in round_pairs(
         record.get("runs", []), ENGINE, WORKERS
@@ -165,7 +175,7 @@ def round_rows(record: dict[str, Any]) -> list[tuple[Any, ...]]:
                 statistics.median(p[ENGINE]["p99_ms"] for p in pairs),
                 statistics.median(p[WORKERS]["p99_ms"] for p in pairs),
                 median_of([v for v in p99 if v is not None], "×")[1],
-                sum(int(p[s]["errors"]) for p in pairs for s in (ENGINE, WORKERS)),
+                " / ".join(str(sum(int(p[s]["errors"]) for p in pairs)) for s in (ENGINE, WORKERS)),
             )
         )
     return rows
@@ -208,6 +218,12 @@ def processes_section(results: dict[str, Any], tag: str) -> list[str]:
         "every round's value in brackets."
     )
     out.append("")
+    if record.get("shared_cache"):
+        out.append(
+            f"Both up together on the engine cache the {record['shared_cache']} system's starts "
+            f"wrote, so both serve each model on the same engines: {engines_line(record)}."
+        )
+        out.append("")
     if record.get("refused"):
         out += [f"Not measured: {record['refused']}", ""]
     header: tuple[str, ...] = (
@@ -234,7 +250,7 @@ def processes_section(results: dict[str, Any], tag: str) -> list[str]:
             "p99 ms engine",
             "p99 ms workers",
             "p99 engine ÷ workers",
-            "failed",
+            "failed engine / workers",
         )
         out += [table(header, rounds), ""]
     starts = start_rows(record)

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from bench.phases.processes import ready_after, role_of, roles
+from bench.phases.processes import model_table, ready_after, role_of, roles
 from bench.plan import Plan
 from bench.process_tree import (
     connections_held,
@@ -167,6 +167,21 @@ def test_the_log_names_each_process_and_its_time_to_ready() -> None:
     assert ready_after(LOG) == {"front 1": 0.8, "engine": 12.5}
 
 
+def test_the_model_table_gives_each_models_engine_and_limit() -> None:
+    log = (
+        "2026-11-28 21:00:12,352 INFO nograd.serving.control.ready_summary: ready: serving 2\n"
+        "    model   version  state  format  engine          device  limit  unit     weights\n"
+        "    ------  -------  -----  ------  --------------  ------  -----  -------  -------\n"
+        "    digits  1        ready  python  onnx            cpu        64  samples  169 KiB\n"
+        "    minilm  1        ready  python  onnx<=16,eager  cpu      3328  tokens   172 MiB\n"
+    )
+    assert model_table(log) == {
+        "digits": {"engine": "onnx", "limit": "64 samples"},
+        "minilm": {"engine": "onnx<=16,eager", "limit": "3328 tokens"},
+    }
+    assert model_table(LOG) == {}
+
+
 def paired(system: str, workload: str, round_: int, rps: float, p99: float) -> dict[str, Any]:
     return {
         "round": round_,
@@ -219,6 +234,7 @@ def record() -> dict[str, Any]:
                     {"pid": 3, "role": "worker 1", "libtorch": True},
                 ],
                 "libtorch": 2,
+                "models": {"digits": {"engine": "onnx", "limit": "64 samples"}},
             },
             "engine": {
                 "processes": [
@@ -228,9 +244,11 @@ def record() -> dict[str, Any]:
                     {"pid": 7, "role": "front 2", "libtorch": False},
                 ],
                 "libtorch": 1,
+                "models": {"digits": {"engine": "onnx", "limit": "64 samples"}},
             },
         },
         "check": {"digits": {"requests": 64, "same": 64, "first_difference": None}},
+        "shared_cache": "workers",
         "memory_warm": {"workers": memory(2.0e9), "engine": memory(1.2e9)},
         "memory_after_rounds": {"workers": memory(2.0e9), "engine": memory(1.4e9)},
         "connections": {
@@ -302,6 +320,8 @@ def test_the_section_shows_each_system_the_rounds_and_every_start() -> None:
     assert f"{workers} worker 0 20, worker 1 12 (32/32 answered) |" in text
     assert "| engine | 4 | engine | 1.2 | 1.4 | 33.0 | 23.0 | front 1 32 (32/32 answered) |" in text
     assert "| digits | 32 | 3 | 950 | 1,000 | 0.95× (0.95 / 0.80 / 1.00) |" in text
+    assert "| 1.10× (1.10 / 1.25 / 1.00) | 0 / 0 |" in text
+    assert "workers: digits onnx (64 samples); engine: digits onnx (64 samples)" in text
     assert "| 1 | engine | warm | 16.0 | 0.10 | engine 15.0 s |" in text
     assert processes_section({"meta": {"plan": {"concurrency": 32}}}, "2 cores") == []
 
