@@ -39,6 +39,9 @@ class Plan:
     base_revision: str | None = None  # the revisions phase's base (``--base``)
     revision_workers: str = "1"  # NOGRAD_WORKERS of both servers in the revisions phase
     revision_workloads: tuple[str, ...] = ("digits", "minilm-1", "mnist-png")
+    process_workers: str = "2"  # NOGRAD_WORKERS of the processes phase's workers system
+    process_fronts: str = "2"  # NOGRAD_FRONTS of its engine system
+    process_starts: int = 1  # cold and warm starts of each system, timed alone
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Plan:
@@ -70,4 +73,7 @@ class Plan:
             revision_workloads=tuple(
                 getattr(args, "revision_workloads", "digits,minilm-1,mnist-png").split(",")
             ),
+            process_workers=getattr(args, "process_workers", "2"),
+            process_fronts=getattr(args, "process_fronts", "2"),
+            process_starts=getattr(args, "process_starts", 1),
         )

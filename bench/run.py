@@ -35,6 +35,11 @@ process is stopped in a ``finally``):
 On request only (``--phases revisions --base REV``): this checkout's nograd against the same
 server at revision REV, both up together, answers compared, then paired rounds on digits, minilm
 and TorchServe's MNIST archive at concurrency 1 and the headline (``bench.phases.revisions``).
+``--phases processes``: this checkout's nograd as one engine process with fronts
+(``NOGRAD_FRONTS``) against its workers (``NOGRAD_WORKERS``): the processes that map libtorch,
+the process group's PSS, cold and warm start-up (each alone), the processes holding a load's
+connections, answers compared, then paired rounds on digits and minilm-1
+(``bench.phases.processes``).
 
 Results: ``bench/results/<timestamp>.json``, ``.png`` (latency vs throughput) and ``.md`` (the
 tables BENCHMARKS.md quotes). ``--quick`` is a ~5-minute smoke run of the same kinds of
@@ -66,6 +71,7 @@ from bench.phases import (
     over_grpc,
     paired,
     peers,
+    processes,
     profiling,
     residency,
     revisions,
@@ -99,7 +105,7 @@ ALL_PHASES = (
     "memory",
     "torch_profile",
 )
-ON_REQUEST = ("revisions",)
+ON_REQUEST = ("revisions", "processes")
 """Phases a run makes only when ``--phases`` names them."""
 
 
@@ -150,6 +156,10 @@ def count_steps(plan: Plan) -> int:
     # per round both servers on each workload at two concurrencies
     revised = len(plan.revision_workloads)
     steps += 4 + revised + plan.paired_rounds * revised * 2 * 2
+    # processes: a cold and a warm start of both systems per start round, both started again,
+    # an answer check per workload, the connections of each, then per round both systems on
+    # both workloads at two concurrencies
+    steps += 4 * plan.process_starts + 2 + 2 + 2 + plan.paired_rounds * 2 * 2 * 2
     return steps
 
 
@@ -220,6 +230,25 @@ def command_line() -> argparse.ArgumentParser:
         metavar="W,...",
         help="the revisions phase's workloads (default digits,minilm-1,mnist-png)",
     )
+    parser.add_argument(
+        "--process-workers",
+        default="2",
+        metavar="N",
+        help="the processes phase: NOGRAD_WORKERS of its workers system (default 2)",
+    )
+    parser.add_argument(
+        "--process-fronts",
+        default="2",
+        metavar="N",
+        help="the processes phase: NOGRAD_FRONTS of its engine system (default 2)",
+    )
+    parser.add_argument(
+        "--process-starts",
+        type=int,
+        default=1,
+        metavar="N",
+        help="the processes phase: cold and warm starts of each system, timed alone (default 1)",
+    )
     parser.add_argument("--skip-levers", action="store_true")
     parser.add_argument("--skip-compile", action="store_true")
     parser.add_argument("--skip-memory", action="store_true")
@@ -269,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         "archives": archives.phase_archives,
         "residency": residency.phase_residency,
         "revisions": revisions.phase_revisions,
+        "processes": processes.phase_processes,
         "grpc": over_grpc.phase_grpc,
         "levers": profiling.phase_levers,
         "memory": profiling.phase_memory,

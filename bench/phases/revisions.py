@@ -50,16 +50,19 @@ def same_answer(a: Answer, b: Answer) -> bool:
         return a[1] == b[1]
 
 
-def compare(this: list[Answer], base: list[Answer]) -> dict[str, Any]:
-    """How many answers agree, and the first disagreement (index, both answers) if any."""
+def compare(
+    this: list[Answer], base: list[Answer], names: tuple[str, str] = (NOGRAD, BASE)
+) -> dict[str, Any]:
+    """How many answers agree, and the first disagreement (index, both answers under
+    ``names``) if any."""
     differ = [i for i, pair in enumerate(zip(this, base, strict=True)) if not same_answer(*pair)]
     first = None
     if differ:
         i = differ[0]
         first = {
             "index": i,
-            NOGRAD: [this[i][0], this[i][1][:200].decode(errors="replace")],
-            BASE: [base[i][0], base[i][1][:200].decode(errors="replace")],
+            names[0]: [this[i][0], this[i][1][:200].decode(errors="replace")],
+            names[1]: [base[i][0], base[i][1][:200].decode(errors="replace")],
         }
     return {"requests": len(this), "same": len(this) - len(differ), "first_difference": first}
 

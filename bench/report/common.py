@@ -98,6 +98,22 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
+def round_pairs(
+    found: Iterable[dict[str, Any]], this: str, other: str
+) -> dict[tuple[str, int], list[dict[str, dict[str, Any]]]]:
+    """Per workload and concurrency (in order), the paired rounds in which both ``this`` and
+    ``other`` were measured, round by round: each round's run of every system, by system."""
+    rounds: dict[tuple[str, int, int], dict[str, dict[str, Any]]] = {}
+    for run in found:
+        key = (run["workload"], run["concurrency"], run["round"])
+        rounds.setdefault(key, {})[run["system"]] = run
+    pairs: dict[tuple[str, int], list[dict[str, dict[str, Any]]]] = {}
+    for (workload, concurrency, _), systems in sorted(rounds.items()):
+        if this in systems and other in systems:
+            pairs.setdefault((workload, concurrency), []).append(systems)
+    return pairs
+
+
 def cpu_us(run: dict[str, Any]) -> float | None:
     """Server CPU time per answered request (all its processes and threads), in µs."""
     cores = run["extra"].get("server_cpu_cores")

@@ -11,6 +11,7 @@ from bench.report.memory import memory_section
 from bench.report.over_grpc import grpc_section
 from bench.report.paired import paired_section
 from bench.report.peers import peers_section
+from bench.report.processes import processes_section
 from bench.report.profile import profile_section
 from bench.report.residency import residency_section
 from bench.report.revisions import revisions_section
@@ -34,6 +35,7 @@ def markdown(results: dict[str, Any]) -> str:
     tag = f"{results['meta']['cores']} cores"
     parts = header_section(results)
     parts += revisions_section(results, tag)
+    parts += processes_section(results, tag)
     parts += peers_section(results, tag)
     parts += archives_section(results, tag)
     parts += residency_section(results, tag)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from bench.report.common import fmt, table
+from bench.report.common import fmt, round_pairs, table
 
 THIS = "nograd"
 BASE = "nograd-base"
@@ -26,19 +26,9 @@ def revision_rows(results: dict[str, Any]) -> list[tuple[Any, ...]]:
     """Per workload and concurrency: the rounds both revisions ran, each one's median req/s and
     p99, the medians of the per-round this ÷ base ratios of req/s and p99, and failed
     requests."""
-    rounds: dict[tuple[str, int, int], dict[str, dict[str, Any]]] = {}
-    for run in results.get("revisions", {}).get("runs", []):
-        key = (run["workload"], run["concurrency"], run["round"])
-        rounds.setdefault(key, {})[run["system"]] = run
+    found = results.get("revisions", {}).get("runs", [])
     rows = []
-    for workload, concurrency in sorted({(w, c) for w, c, _ in rounds}):
-        pairs = [
-            systems
-            for (w, c, _), systems in sorted(rounds.items())
-            if (w, c) == (workload, concurrency) and THIS in systems and BASE in systems
-        ]
-        if not pairs:
-            continue
+    for (workload, concurrency), pairs in round_pairs(found, THIS, BASE).items():
         rows.append(
             (
                 workload,
