@@ -30,7 +30,7 @@ from nograd.observability.stats import FanOutObserver, Statistics
 from nograd.runtime.devices import DeviceThreads, configure_threads, device_label, resolve_device
 from nograd.runtime.engines.choice import prepare_engine
 from nograd.runtime.engines.paths import engine_weights_bytes, serving_ranges, share_cores
-from nograd.runtime.engines.remembered import model_key
+from nograd.runtime.engines.remembered import keyed, model_digest
 from nograd.runtime.handler import ModelHandler, Outputs, TensorPart
 from nograd.runtime.loader import (
     build_handler,
@@ -221,7 +221,9 @@ class ModelLoader:
             sample = load_accuracy_sample(handler, model.directory)
             choosing = time.perf_counter()
             code = _model_files(model.directory, config)
-            model.loaded_as = model_key(handler, self._limit(config), code, ())
+            # Its weights hashed once: the profile's and the engine choice's keys derive from it.
+            digest = model_digest(handler, self._limit(config), code)
+            model.loaded_as = keyed(digest, ())
             handler = prepare_engine(
                 handler,
                 self._limit(config),
@@ -229,6 +231,7 @@ class ModelLoader:
                 recorder(self._metrics),
                 code=code,
                 cache_dir=self._settings.engine_cache_dir,
+                digest=digest,
             )
             model.phases["engines"] = time.perf_counter() - choosing
         if self.cores is not None:
