@@ -301,12 +301,17 @@ class OnDemand:
                 except Exception:
                     await self._evict(name, "larger_than_limit")
                     raise
-            if self._plane.unmeasured(name) and name not in self._profiling:
-                task = asyncio.create_task(self._profile_later(name), name=f"profile-{name}")
-                self._profiling[name] = task
-                task.add_done_callback(self._profiled)
+            self._profile_when_quiet(name)
 
     # ------------------------------------------------------------------ profiles
+    def _profile_when_quiet(self, name: str) -> None:
+        """Profile ``name`` later (``_profile_later``) if it serves on an estimate of its
+        memory and is not to be profiled already."""
+        if self._plane.unmeasured(name) and name not in self._profiling:
+            task = asyncio.create_task(self._profile_later(name), name=f"profile-{name}")
+            self._profiling[name] = task
+            task.add_done_callback(self._profiled)
+
     async def _profile_later(self, name: str) -> None:
         """Profile ``name``, which answers on an estimate of its memory, at the first quiet
         moment (``PROFILE_QUIET_S``), one load or eviction at a time as loads are; a load or a
@@ -517,6 +522,7 @@ class OnDemand:
             if name not in resident and any(m.ready for m in versions.values()):
                 pinned = name in self._control.pinned
                 self.residency.admit(name, self._measured(name), pinned, 0.0)
+                self._profile_when_quiet(name)  # loaded by a load call, on an estimate
         self._count()
 
     def _count(self) -> None:
