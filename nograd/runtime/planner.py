@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,12 +32,14 @@ from nograd.runtime.memory import (
     share_budget,
 )
 from nograd.runtime.memory.budget import Demand
-from nograd.runtime.memory.cost import UNBOUNDED_ROWS, Cost
+from nograd.runtime.memory.cost import UNBOUNDED_ROWS, CheckPoint, Cost, Point
 from nograd.runtime.memory.fits import (
     FIT_TOLERANCE,
     RangedCost,
     RangeFit,
+    Verdict,
     VerifiedFit,
+    covering,
     verified_profile,
 )
 from nograd.runtime.runners import Handler, batch_runner
@@ -50,6 +52,10 @@ DEFAULT_MAX_SEQUENCE = 512
 CHECK_REACH = 16
 """A sample model's fit is checked at up to this many times the grid's largest batch (its cap,
 when that is nearer)."""
+ESTIMATE_MARGIN = 2.0
+"""How many times the warm-up's measured bytes per row an estimated cost plans on: the warm-up
+runs a few batches on the serving engine, where scratch a profile's fresh session would count
+already sits, and its larger batches may grow faster than its few points show."""
 NEVER_FITS = UNBOUNDED_ROWS
 """The demand of a model whose one-row batch cannot be served (its engine's fit was refused):
 larger than any budget, so it gets no share and its requests answer 507."""
@@ -116,24 +122,53 @@ def max_sequence_length(handler: Handler) -> int:
     return handler.max_length or DEFAULT_MAX_SEQUENCE
 
 
-def profile_handler(handler: Handler, probe: MemoryProbe, cap: int) -> RangedCost:
+class ProfileStopped(Exception):
+    """A profile given up between two of its measurements (``profile_handler``'s ``stop``)."""
+
+
+def profile_handler(
+    handler: Handler, probe: MemoryProbe, cap: int, stop: Callable[[], bool] | None = None
+) -> RangedCost:
     """Peak activation bytes over a grid of batch shapes, fitted and checked, for each engine that
     serves a range of the handler's batch sizes; ``probe`` is the device's. Runs on the caller's
-    (device) thread."""
-    ranges = [
-        RangeFit(engine.name, most, _profile_engine(handler, engine, probe, cap))
-        for most, engine in serving_ranges(handler)
-    ]
-    # The largest batches measured leave memory in the engines and the heap: handed back, so
-    # serving starts from the idle state the plan's budget is counted above.
-    for _, engine in serving_ranges(handler):
-        engine.release_memory()
-    release_free_memory()
+    (device) thread. ``stop``, asked before each measured run, gives the profile up
+    (``ProfileStopped``): a profile measured in the background yields to a load."""
+    try:
+        ranges = [
+            RangeFit(engine.name, most, _profile_engine(handler, engine, probe, cap, stop))
+            for most, engine in serving_ranges(handler)
+        ]
+    finally:
+        # The largest batches measured leave memory in the engines and the heap: handed back,
+        # so serving starts from the idle state the plan's budget is counted above.
+        for _, engine in serving_ranges(handler):
+            engine.release_memory()
+        release_free_memory()
     return RangedCost(tuple(ranges))
 
 
+def estimated_cost(handler: Handler, points: Sequence[Point]) -> RangedCost | None:
+    """A cost to plan on before the profile: the bound of ``points`` (the warm-up's batches,
+    measured as they ran), its bytes per row times ``ESTIMATE_MARGIN``, for every engine range;
+    None for a token model (its plan reaches lengths no warm-up batch ran) or without points."""
+    if handler.config.batch_unit == "tokens" or not points:
+        return None
+    bound = covering(points, quadratic=False)
+    model = CostModel(bound.fixed, ESTIMATE_MARGIN * bound.per_unit)
+    rows, length, measured = max(points)
+    check = CheckPoint(rows, length, measured, model.predict(rows, length))
+    fit = VerifiedFit(Profile(tuple(points), bound, check), Verdict.ESTIMATED, (0.0,), model)
+    return RangedCost(
+        tuple(RangeFit(path.name, most, fit) for most, path in serving_ranges(handler))
+    )
+
+
 def _profile_engine(
-    handler: Handler, engine: EnginePath, probe: MemoryProbe, cap: int
+    handler: Handler,
+    engine: EnginePath,
+    probe: MemoryProbe,
+    cap: int,
+    stop: Callable[[], bool] | None = None,
 ) -> VerifiedFit:
     """``engine`` measured through its own probe over every batch size of the grid: a fit over
     sizes outside its range too is still that engine's cost, and needs no narrower grid."""
@@ -151,6 +186,8 @@ def _profile_engine(
         return ready[(rows, length)]
 
     def run(rows: int, length: int) -> object:
+        if stop is not None and stop():
+            raise ProfileStopped(f"profile of {handler.config.name} given up")
         return runner.run_batch(prepare(rows, length))
 
     def measure(rows: int, length: int) -> int:

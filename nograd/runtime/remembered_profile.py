@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
@@ -61,28 +62,43 @@ def profile_key(handler: Handler, loaded_as: str) -> str:
 
 
 def profile_or_recall(
-    handler: Handler, probe: MemoryProbe, cap: int, loaded_as: str, cache_dir: Path
+    handler: Handler,
+    probe: MemoryProbe,
+    cap: int,
+    loaded_as: str,
+    cache_dir: Path,
+    stop: Callable[[], bool] | None = None,
 ) -> RangedCost:
-    """The handler's cost as remembered for the same key, or profiled now (``profile_handler``)
-    and remembered; runs on the device's thread, as profiling does. A model with no
-    ``loaded_as`` (one that is not a torch module, whose weights were not hashed) is profiled and
-    not remembered."""
+    """The handler's cost as remembered for the same key, or profiled now (``profile_handler``,
+    given up when ``stop`` says so) and remembered; runs on the device's thread, as profiling
+    does. A model with no ``loaded_as`` (one that is not a torch module, whose weights were not
+    hashed) is profiled and not remembered."""
     if not loaded_as:
-        return profile_handler(handler, probe, cap)
+        return profile_handler(handler, probe, cap, stop)
+    known = remembered(handler, loaded_as, cache_dir)
+    if known is not None:
+        return known
+    cost = profile_handler(handler, probe, cap, stop)
     config = handler.config
-    label = f"{config.name}-v{config.version}"
-    key = profile_key(handler, loaded_as)
-    known = recall(cache_dir, label, key)
+    remember(cache_dir, f"{config.name}-v{config.version}", profile_key(handler, loaded_as), cost)
+    return cost
+
+
+def remembered(handler: Handler, loaded_as: str, cache_dir: Path) -> RangedCost | None:
+    """The handler's cost as an earlier load measured it (None when none is remembered for the
+    same key, or with no ``loaded_as``); runs on the device's thread, after its engines are
+    installed."""
+    if not loaded_as:
+        return None
+    config = handler.config
+    known = recall(cache_dir, f"{config.name}-v{config.version}", profile_key(handler, loaded_as))
     if known is not None:
         logger.info(
             "model %s: memory profile as measured at an earlier load (the engine cache holds it "
             "for these files, engines and versions); not profiled again",
             config.name,
         )
-        return known
-    cost = profile_handler(handler, probe, cap)
-    remember(cache_dir, label, key, cost)
-    return cost
+    return known
 
 
 def _record_path(cache_dir: Path, label: str, key: str) -> Path:

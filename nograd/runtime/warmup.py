@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import logging
 
-from nograd.runtime.memory import is_out_of_memory
+from nograd.runtime.memory import MemoryProbe, is_out_of_memory
+from nograd.runtime.memory.cost import Point
 from nograd.runtime.runners import Handler, batch_runner
 
 logger = logging.getLogger(__name__)
@@ -20,18 +21,31 @@ def warmup_shapes(handler: Handler, limit: int) -> list[tuple[int, int]]:
     return [(rows, 1) for rows in sizes]
 
 
-def warm_up(handler: Handler, limit: int, rounds: int = 2) -> None:
-    """Run the warmup shapes; a batch that runs out of memory is skipped, not fatal.
+def warm_up(
+    handler: Handler, limit: int, rounds: int = 2, probe: MemoryProbe | None = None
+) -> list[Point]:
+    """Run the warmup shapes; a batch that runs out of memory is skipped, not fatal. With a
+    ``probe``, the last round's batches are measured as they run (the first round paid what a
+    process and a shape initialise once, which a measure of the batch's need would count): the
+    (rows, length, peak bytes) returned.
 
     Running out of memory at a large warmup batch says the configured cap is too high for the
     device, which the memory plan and the batcher's OOM recovery handle; only a single sample
     that cannot run makes the model unservable.
     """
     runner = batch_runner(handler)
-    for _ in range(rounds):
+    measured: list[Point] = []
+    for round_ in range(rounds):
         for rows, length in warmup_shapes(handler, limit):
+
+            def run(rows: int = rows, length: int = length) -> object:
+                return runner.run_batch([handler.example(rows, length)])
+
             try:
-                runner.run_batch([handler.example(rows, length)])
+                if probe is not None and round_ == rounds - 1:
+                    measured.append((rows, length, probe.measure_peak(run)))
+                else:
+                    run()
             except Exception as exc:
                 if rows == 1 or not is_out_of_memory(exc):
                     raise
@@ -42,3 +56,4 @@ def warm_up(handler: Handler, limit: int, rounds: int = 2) -> None:
                     rows,
                 )
     logger.debug("model %s warmed up", handler.config.name)
+    return measured

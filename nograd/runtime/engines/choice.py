@@ -203,8 +203,10 @@ def prepare_engine(
     report_check: Callable[[SpeedCheck], None] | None,
     code: Sequence[Path],
     cache_dir: Path,
+    digest: str | None = None,
 ) -> ModelHandler:
-    """The handler to serve, running the engine(s) its config asks for and measurement picks.
+    """The handler to serve, running the engine(s) its config asks for and measurement picks;
+    ``digest``: the model's (``model_digest``), when its load already hashed it.
 
     A model in an artifact format already runs its artifact (the loader set it up), a TorchScript
     one unless it opted in (its TorchScript module is then the eager forward), and one with
@@ -217,7 +219,7 @@ def prepare_engine(
     if chosen == EAGER:
         return apply_speed(handler, limit, sample, report_check)
     label = f"{config.name}-v{config.version}"
-    key = choice_key(handler, limit, code)
+    key = choice_key(handler, limit, code, digest)
     known = recall(cache_dir, label, key)
     if known is not None:
         return _install_remembered(handler, known, limit, sample, report_check)

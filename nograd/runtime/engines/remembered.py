@@ -43,24 +43,39 @@ class Remembered:
     artifacts: dict[str, Path]
 
 
-def choice_key(handler: ModelHandler, limit: int, code: Sequence[Path]) -> str:
-    """What the choice depends on, known before any export."""
-    return model_key(handler, limit, code, (onnxruntime_version(),))
+def choice_key(
+    handler: ModelHandler, limit: int, code: Sequence[Path], digest: str | None = None
+) -> str:
+    """What the choice depends on, known before any export: the model's ``digest``
+    (``model_digest``, hashed now when not given) and ONNX Runtime's version."""
+    return keyed(digest or model_digest(handler, limit, code), (onnxruntime_version(),))
 
 
 def model_key(
     handler: ModelHandler, limit: int, code: Sequence[Path], libraries: Sequence[str]
 ) -> str:
-    """The model as loaded: torch's version and ``libraries``' (the versions of what else ran
-    it), the device type, its config, the batch limit, its code and its weights by value (an
-    artifact model, which has no eager module, has its weights in its artifact, one of
-    ``code``)."""
+    """The model as loaded (``model_digest``) and ``libraries``' versions (what else ran it)."""
+    return keyed(model_digest(handler, limit, code), libraries)
+
+
+def keyed(digest: str, libraries: Sequence[str]) -> str:
+    """A record's key: the model's ``digest`` and the versions of ``libraries``. A load hashes
+    its weights once and derives each record's key from that."""
+    key = hashlib.sha256(digest.encode() + b"\0")
+    for library in libraries:
+        key.update(library.encode() + b"\0")
+    return key.hexdigest()[:24]
+
+
+def model_digest(handler: ModelHandler, limit: int, code: Sequence[Path]) -> str:
+    """The model as loaded: torch's version, the device type, its config, the batch limit, its
+    code and its weights by value (an artifact model, which has no eager module, has its weights
+    in its artifact, one of ``code``)."""
     digest = hashlib.sha256()
     config = handler.config.model_dump(mode="json")
     for part in (
         str(FORMAT),
         torch.__version__,
-        *libraries,
         handler.device.type,
         json.dumps(config, sort_keys=True, default=str),
         str(limit),
@@ -74,7 +89,7 @@ def model_key(
         tensor = state[name]
         if isinstance(tensor, torch.Tensor):
             hash_tensor(digest, name, tensor)
-    return digest.hexdigest()[:24]
+    return digest.hexdigest()
 
 
 def _record_path(cache_dir: Path, label: str, key: str) -> Path:

@@ -41,6 +41,9 @@ class Verdict(StrEnum):
     tolerance, or than the measure's noise)."""
     REFUSED = "refused"
     """Off twice, and the bound too: the engine serves no batch of its range."""
+    ESTIMATED = "estimated"
+    """Not profiled yet: the bound of the warm-up's own batches, measured as they ran, with a
+    margin; a model loaded on demand answers on it while its profile is measured later."""
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Final
@@ -30,7 +30,7 @@ from nograd.observability.stats import FanOutObserver, Statistics
 from nograd.runtime.devices import DeviceThreads, configure_threads, device_label, resolve_device
 from nograd.runtime.engines.choice import prepare_engine
 from nograd.runtime.engines.paths import engine_weights_bytes, serving_ranges, share_cores
-from nograd.runtime.engines.remembered import model_key
+from nograd.runtime.engines.remembered import keyed, model_digest
 from nograd.runtime.handler import ModelHandler, Outputs, TensorPart
 from nograd.runtime.loader import (
     build_handler,
@@ -38,10 +38,17 @@ from nograd.runtime.loader import (
     locate,
     module_name,
 )
-from nograd.runtime.memory import device_budget, probe_for
+from nograd.runtime.memory import ProcessPeakProbe, device_budget, probe_for
+from nograd.runtime.memory.cost import Point
 from nograd.runtime.memory.fits import RangedCost
-from nograd.runtime.planner import PlanInput, log_plan, plan_device
-from nograd.runtime.remembered_profile import profile_or_recall
+from nograd.runtime.planner import (
+    PlanInput,
+    ProfileStopped,
+    estimated_cost,
+    log_plan,
+    plan_device,
+)
+from nograd.runtime.remembered_profile import profile_or_recall, remembered
 from nograd.runtime.runners import Handler, batch_runner
 from nograd.runtime.speed.path import batch_cap
 from nograd.runtime.warmup import warm_up
@@ -113,6 +120,14 @@ class ModelLoader:
         """Per model version, the activation cost last measured and what it was measured on:
         a reload of the same files on the same engines and device reuses it (an evicted model
         loads again without being profiled again)."""
+        self._estimate_first = settings.model_control == "on_demand"
+        """On demand, a model loaded after start-up on CPU with no profile remembered answers
+        on an estimate (``estimated_cost``) and is profiled later (``measure``): a request
+        waits for its load, not for its profile's sessions."""
+        self._warmup_points: dict[int, list[Point]] = {}
+        """By version (its id), its warm-up batches as measured (estimating loads only)."""
+        self._unmeasured: dict[tuple[str, str], ServedModel] = {}
+        """The versions serving on an estimate, by name and version, until ``measure``."""
 
     def _limit(self, config: ModelConfig) -> int:
         return configured_limit(config, self._settings.max_batch_size)
@@ -134,8 +149,9 @@ class ModelLoader:
             try:
                 device = resolve_device(model.config.device)
                 model.heap_mark = freezes()
+                estimate = started_up and self._estimate_first and device.type == "cpu"
                 await self.threads.run_load(
-                    device, partial(self._load, model, device), beside_batches=started_up
+                    device, partial(self._load, model, device, estimate), beside_batches=started_up
                 )
             except Exception as exc:
                 _failed(model, exc, "failed to load")
@@ -168,7 +184,7 @@ class ModelLoader:
             workers - 1,
         )
 
-    def _load(self, model: ServedModel, device: torch.device) -> None:
+    def _load(self, model: ServedModel, device: torch.device, estimate: bool = False) -> None:
         workers = self._settings.worker_count
         if model.config.sequence is not None and workers > 1:
             raise ConfigError(
@@ -205,7 +221,9 @@ class ModelLoader:
             sample = load_accuracy_sample(handler, model.directory)
             choosing = time.perf_counter()
             code = _model_files(model.directory, config)
-            model.loaded_as = model_key(handler, self._limit(config), code, ())
+            # Its weights hashed once: the profile's and the engine choice's keys derive from it.
+            digest = model_digest(handler, self._limit(config), code)
+            model.loaded_as = keyed(digest, ())
             handler = prepare_engine(
                 handler,
                 self._limit(config),
@@ -213,6 +231,7 @@ class ModelLoader:
                 recorder(self._metrics),
                 code=code,
                 cache_dir=self._settings.engine_cache_dir,
+                digest=digest,
             )
             model.phases["engines"] = time.perf_counter() - choosing
         if self.cores is not None:
@@ -224,7 +243,12 @@ class ModelLoader:
         self._metrics.weights_bytes.labels(model.name).set(model.weights_bytes)
         if self._settings.warmup and handler.synthetic_inputs:
             started = time.perf_counter()
-            warm_up(handler, self._limit(config))
+            # Measured as it runs when the model is to answer before its profile: the estimate
+            # it is planned on until then (one reading per batch, no fresh session).
+            probe = ProcessPeakProbe(runs=1) if estimate else None
+            points = warm_up(handler, self._limit(config), probe=probe)
+            if estimate:
+                self._warmup_points[id(model)] = points
             model.warmup_seconds += time.perf_counter() - started
             self._metrics.model_warmup.labels(model.name).set(model.warmup_seconds)
         model.handler = handler
@@ -257,8 +281,11 @@ class ModelLoader:
             cap = self._limit(model.config)
             measured_on = _profile_key(model, cap)
             known = self._profiles.get((model.name, model.version))
+            points = self._warmup_points.pop(id(model), None)
             if known is not None and known[0] == measured_on:
                 model.profile = known[1]
+                continue
+            if points is not None and await self._estimated(model, measured_on, points):
                 continue
             profiling = time.perf_counter()
             try:
@@ -277,6 +304,86 @@ class ModelLoader:
             model.phases["profile"] = time.perf_counter() - profiling
         if fresh:
             self._plan_devices(fresh, [m for m in serving if m.ready])
+
+    async def _estimated(
+        self, model: ServedModel, measured_on: tuple[object, ...], points: list[Point]
+    ) -> bool:
+        """Plan ``model`` on its remembered profile, else on the estimate its warm-up
+        ``points`` give (``estimated_cost``), to be measured by ``measure``; False when neither
+        is there (a token model: profiled now)."""
+        assert model.handler is not None
+        loop = asyncio.get_running_loop()
+        executor = self.threads.executor(model.handler.device)
+        cache = self._settings.engine_cache_dir
+        known = await loop.run_in_executor(
+            executor, remembered, model.handler, model.loaded_as, cache
+        )
+        if known is not None:
+            model.profile = known
+            self._profiles[(model.name, model.version)] = (measured_on, known)
+            return True
+        estimate = estimated_cost(model.handler, points)
+        if estimate is None:
+            return False
+        model.profile = estimate
+        self._unmeasured[(model.name, model.version)] = model
+        logger.info(
+            "model %s v%s: planned on an estimate from its warm-up until its memory profile is "
+            "measured",
+            model.name,
+            model.version,
+        )
+        return True
+
+    def unmeasured(self, name: str) -> list[ServedModel]:
+        """The versions of ``name`` serving on an estimate, not profiled yet."""
+        return [m for (each, _), m in self._unmeasured.items() if each == name]
+
+    async def measure(
+        self, model: ServedModel, serving: Sequence[ServedModel], stop: Callable[[], bool]
+    ) -> bool:
+        """Profile ``model``, serving on an estimate, on its device's thread and plan the
+        device again on the measured cost (remembered for its next load); False when it was
+        not (no longer serving on an estimate, ``stop`` said so between two measurements, or
+        the profile failed: then the estimate stays)."""
+        key = (model.name, model.version)
+        if self._unmeasured.get(key) is not model or model.handler is None:
+            return False
+        loop = asyncio.get_running_loop()
+        executor = self.threads.executor(model.handler.device)
+        probe = probe_for(model.handler.device)
+        cap = self._limit(model.config)
+        measured_on = _profile_key(model, cap)
+        profiling = time.perf_counter()
+        try:
+            cost = await loop.run_in_executor(
+                executor,
+                profile_or_recall,
+                model.handler,
+                probe,
+                cap,
+                model.loaded_as,
+                self._settings.engine_cache_dir,
+                stop,
+            )
+        except ProfileStopped:
+            return False
+        except Exception:
+            logger.exception(
+                "memory profiling of model %s v%s failed; it stays planned on its estimate",
+                model.name,
+                model.version,
+            )
+            self._unmeasured.pop(key, None)
+            return False
+        if self._unmeasured.get(key) is not model or model.handler is None:
+            return False  # freed while it was measured
+        del self._unmeasured[key]
+        model.profile = cost
+        model.phases["profile"] = time.perf_counter() - profiling
+        self._profiles[key] = (measured_on, cost)
+        self._plan_devices([], [m for m in serving if m.ready])
+        return True
 
     def replan(self, serving: Sequence[ServedModel]) -> None:
         """Split each device's budget again among the models left serving (after an unload)."""
@@ -361,6 +468,9 @@ class ModelLoader:
         """
         handler, model.handler, model.batcher = model.handler, None, None
         code, model.code = model.code, None
+        self._warmup_points.pop(id(model), None)
+        if self._unmeasured.get((model.name, model.version)) is model:
+            del self._unmeasured[(model.name, model.version)]
         frozen = (handler is not None or code is not None) and frozen_since(model.heap_mark)
         model.state = State.UNLOADED
         device = handler.device if handler is not None else None

@@ -49,6 +49,10 @@ logger = logging.getLogger(__name__)
 
 LOAD_SAMPLE_INTERVAL_S = 0.005
 """How often the resident memory is read while a load runs, for the load's peak."""
+PROFILE_QUIET_S = 0.5
+"""How long no load must have been under way, with no request in flight, before a model
+answering on an estimate of its memory is profiled; a load or a request arriving meanwhile stops
+the profile between two measurements (its runs hold the device's thread, which batches need)."""
 ROOM_WAIT_S = 2.0
 """How long a load waits for requests on the models it must evict, when the server sets no
 queue-wait bound; then the request is refused with 503 and Retry-After."""
@@ -99,6 +103,10 @@ class OnDemand:
         self._warm_bytes = settings.warm_evicted_bytes
         self._warm: dict[str, list[tuple[Path, int]]] = {}
         """The files of the models evicted last (oldest first) kept in the page cache."""
+        self._profiling: dict[str, asyncio.Task[None]] = {}
+        """Per model answering on an estimate of its memory, the task that profiles it."""
+        self._loads_ended = time.monotonic()
+        """When the last load ended (``time.monotonic``): profiles wait for a quiet moment."""
 
     def opened(self) -> None:
         """The start-up set (the pinned models) has loaded: count it, say how the others load,
@@ -228,6 +236,7 @@ class OnDemand:
         name = task.get_name().removeprefix("load-")
         if self._loads.get(name) is task:
             del self._loads[name]
+            self._loads_ended = time.monotonic()
             self._load_started.pop(name, None)
             self._metrics.model_loading.labels(name).set(0)
         if not task.cancelled():
@@ -292,6 +301,84 @@ class OnDemand:
                 except Exception:
                     await self._evict(name, "larger_than_limit")
                     raise
+            self._profile_when_quiet(name)
+
+    # ------------------------------------------------------------------ profiles
+    def _profile_when_quiet(self, name: str) -> None:
+        """Profile ``name`` later (``_profile_later``) if it serves on an estimate of its
+        memory and is not to be profiled already."""
+        if self._plane.unmeasured(name) and name not in self._profiling:
+            task = asyncio.create_task(self._profile_later(name), name=f"profile-{name}")
+            self._profiling[name] = task
+            task.add_done_callback(self._profiled)
+
+    async def _profile_later(self, name: str) -> None:
+        """Profile ``name``, which answers on an estimate of its memory, at the first quiet
+        moment (``PROFILE_QUIET_S``), one load or eviction at a time as loads are; a load or a
+        request arriving stops it, and it waits for the next quiet moment. Nothing once the
+        model is evicted."""
+        while True:
+            await self._quiet()
+            async with self._lock:
+                if name not in self.residency.resident or not self._plane.unmeasured(name):
+                    return
+                if not self._busy() and await self._profile(name):
+                    return
+
+    def _busy(self) -> bool:
+        """Whether a load is under way or waiting, or a request is in flight."""
+        return bool(self._loads) or not self._plane.idle
+
+    async def _quiet(self) -> None:
+        """Return once no load has been under way for ``PROFILE_QUIET_S`` and no request is in
+        flight."""
+        while True:
+            left = self._loads_ended + PROFILE_QUIET_S - time.monotonic()
+            if not self._busy() and left <= 0:
+                return
+            await asyncio.sleep(left if left > 0 else PROFILE_QUIET_S)
+
+    async def _profile(self, name: str) -> bool:
+        """Profile ``name`` now and count what it holds on the measured cost instead of the
+        estimate (and what reopening its sessions added, if anything); False when a load
+        stopped it. Room is made for the height its fresh sessions rise to, as for a load."""
+        entry = self.residency.resident[name]
+        outside = entry.bytes - self._minimums(name)
+        estimate = entry.bytes
+        if self._counts_rss:
+            await self._room_for_height(name, self.residency.estimate(name, entry.bytes)[1])
+        before = resident_bytes(os.getpid())
+        started = time.perf_counter()
+        if not await self._plane.measure(name, self._busy):
+            return False
+        after = resident_bytes(os.getpid())
+        if self._counts_rss and before is not None and after is not None:
+            outside += max(0, after - before)
+        size = outside + self._minimums(name)
+        self.residency.resize(name, size)
+        self._count()
+        logger.info(
+            "model %s: memory profile measured in %.2fs after it answered on an estimate: "
+            "holds %s (%s on the estimate)",
+            name,
+            time.perf_counter() - started,
+            mib(size),
+            mib(estimate),
+        )
+        if size > estimate:
+            try:
+                await self._make_room(name, size)
+            except Exception:
+                logger.warning("model %s: no room for its measured memory", name, exc_info=True)
+                await self._evict(name, "larger_than_limit")
+        return True
+
+    def _profiled(self, task: asyncio.Task[None]) -> None:
+        name = task.get_name().removeprefix("profile-")
+        if self._profiling.get(name) is task:
+            del self._profiling[name]
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("model %s: profiling failed", name, exc_info=task.exception())
 
     async def _make_room(self, name: str, needed: int) -> None:
         """Evict until ``needed`` bytes fit for ``name``, waiting (within the wait bound) for
@@ -435,6 +522,7 @@ class OnDemand:
             if name not in resident and any(m.ready for m in versions.values()):
                 pinned = name in self._control.pinned
                 self.residency.admit(name, self._measured(name), pinned, 0.0)
+                self._profile_when_quiet(name)  # loaded by a load call, on an estimate
         self._count()
 
     def _count(self) -> None:

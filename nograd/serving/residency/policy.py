@@ -125,6 +125,13 @@ class Residency:
                 self.peak_per_file_byte = max(self.peak_per_file_byte, load_peak / files)
         self.resident[name] = Resident(name, size, self.clock(), pinned, load_seconds)
 
+    def resize(self, name: str, size: int) -> None:
+        """``name``, resident, holds ``size`` bytes from now on (its memory measured again)."""
+        entry = self.resident.get(name)
+        if entry is not None:
+            entry.bytes = size
+            self.measured[name] = size
+
     def evicted(self, name: str) -> None:
         self.resident.pop(name, None)
 

@@ -92,27 +92,8 @@ def test_the_cap_bounds_the_limit_when_memory_is_plentiful() -> None:
 
 def test_profile_of_a_real_linear_model_is_linear_in_rows() -> None:
     from nograd.runtime.memory import CpuMemoryProbe
-    from nograd.schema.config import ModelConfig
 
-    config = ModelConfig.model_validate(
-        {
-            "name": "lin",
-            "weights": "",
-            "inputs": [{"name": "x", "datatype": "FP32", "shape": [1024]}],
-            "outputs": [{"name": "y", "datatype": "FP32", "shape": [7168]}],
-        }
-    )
-
-    class Lin(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.linear = torch.nn.Linear(1024, 7168)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.linear(x)
-
-    module = Lin().eval()
-    real = ModelHandler(module, config, torch.device("cpu"))
+    real = _linear_handler(1024, 7168)
     result = profile_handler(real, CpuMemoryProbe(), cap=128)
     (only,) = result.ranges
     assert only.engine == "eager" and only.most_rows is None
@@ -132,3 +113,58 @@ def test_profile_of_a_real_linear_model_is_linear_in_rows() -> None:
     # heap's growth): it is then measured again, and the second holds.
     assert only.fit.verdict in (Verdict.FITS, Verdict.REMEASURED)
     assert abs(only.fit.errors[-1]) <= 0.25
+
+
+def _linear_handler(inputs: int = 256, outputs: int = 512) -> ModelHandler:
+    """A real ``torch.nn.Linear`` served as a model of ``inputs`` floats to ``outputs``."""
+    from nograd.schema.config import ModelConfig
+
+    config = ModelConfig.model_validate(
+        {
+            "name": "lin",
+            "weights": "",
+            "inputs": [{"name": "x", "datatype": "FP32", "shape": [inputs]}],
+            "outputs": [{"name": "y", "datatype": "FP32", "shape": [outputs]}],
+        }
+    )
+
+    class Lin(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(inputs, outputs)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(x)
+
+    return ModelHandler(Lin().eval(), config, torch.device("cpu"))
+
+
+def test_an_estimate_bounds_the_warm_ups_batches_with_twice_their_bytes_per_row() -> None:
+    from nograd.runtime.memory.fits import covering
+    from nograd.runtime.planner import ESTIMATE_MARGIN, estimated_cost
+
+    points = [(1, 1, 40_000), (4, 1, 100_000), (8, 1, 150_000)]
+    cost = estimated_cost(_linear_handler(), points)
+    assert cost is not None
+    (only,) = cost.ranges
+    assert only.fit.verdict is Verdict.ESTIMATED and not only.fit.refused
+    for rows, _, measured in points:
+        assert cost.predict(rows) >= measured
+    bound = covering(points, quadratic=False)
+    assert only.fit.model.per_unit == ESTIMATE_MARGIN * bound.per_unit > 0
+    assert estimated_cost(_linear_handler(), []) is None
+
+
+def test_a_profile_gives_up_between_measurements_when_told_and_hands_memory_back() -> None:
+    from nograd.runtime.memory import CpuMemoryProbe
+    from nograd.runtime.planner import ProfileStopped
+
+    asked: list[int] = []
+
+    def stop() -> bool:
+        asked.append(1)
+        return len(asked) > 2
+
+    with pytest.raises(ProfileStopped):
+        profile_handler(_linear_handler(), CpuMemoryProbe(), cap=8, stop=stop)
+    assert len(asked) == 3

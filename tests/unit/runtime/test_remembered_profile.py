@@ -4,6 +4,7 @@ the record, and a change to what the profile depends on profiles again."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -30,9 +31,15 @@ class ProfileSpy:
     def __init__(self) -> None:
         self.calls = 0
 
-    def __call__(self, handler: ModelHandler, probe: CpuMemoryProbe, cap: int) -> RangedCost:
+    def __call__(
+        self,
+        handler: ModelHandler,
+        probe: CpuMemoryProbe,
+        cap: int,
+        stop: Callable[[], bool] | None = None,
+    ) -> RangedCost:
         self.calls += 1
-        return profile_handler(handler, probe, cap)
+        return profile_handler(handler, probe, cap, stop)
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from nograd.runtime.engines import choice
+from nograd.runtime.engines import choice, remembered
 from nograd.runtime.engines.choice import (
     EngineResult,
     candidates,
@@ -159,6 +159,25 @@ def test_a_load_of_the_same_files_serves_the_remembered_choice(
     monkeypatch.setattr(choice, "time_parts", scripted((1.0, 1.0, 1.0)))
     measured = prepare_engine(changed, LIMIT, None, None, [], tmp_path / "cache")
     assert measured.speed_path is None
+
+
+def test_a_load_hashes_the_weights_once_for_its_profile_and_its_engine_choice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    handler = tiny_handler(tmp_path, 'engine = "onnx"')
+    digest = remembered.model_digest(handler, LIMIT, [])
+    assert remembered.choice_key(handler, LIMIT, [], digest) == remembered.choice_key(
+        handler, LIMIT, []
+    )
+    assert remembered.keyed(digest, ()) != remembered.choice_key(handler, LIMIT, [])
+
+    def hashed_again(*args: object) -> str:
+        raise AssertionError("the weights were hashed again")
+
+    monkeypatch.setattr(remembered, "model_digest", hashed_again)
+    monkeypatch.setattr(choice, "time_parts", scripted((1.0, 1.0, 1.0), (0.5, 0.5, 0.5)))
+    served = prepare_engine(handler, LIMIT, None, None, [], tmp_path / "cache", digest=digest)
+    assert served.speed_mode == "onnx"
 
 
 def test_an_engine_named_alone_is_refused_when_slower(

@@ -1,0 +1,82 @@
+"""A model loaded on demand with no memory profile remembered answers once it is loaded and
+warmed up, planned on an estimate from its warm-up; its profile is measured at the first quiet
+moment, and what it holds is counted on the measured cost from then on. Reloaded after an
+eviction, it is planned on that profile at once."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from bench.residency_models import MIB, write_onnx_model
+from nograd.observability.metrics import Metrics
+from nograd.runtime.memory.fits import Verdict
+from nograd.serving.control.model_control import ModelControl
+from nograd.serving.dataplane import DataPlane
+from nograd.serving.residency.on_demand import OnDemand
+from nograd.settings import Settings
+
+
+def verdicts(plane: DataPlane, name: str) -> set[Verdict]:
+    plan = plane.models[name].plan
+    assert plan is not None
+    return {item.fit.verdict for item in plan.cost.ranges}
+
+
+async def until_measured(plane: DataPlane, name: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while plane.unmeasured(name):
+        assert time.monotonic() < deadline, f"{name} was not profiled in {timeout_s}s"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_cold_model_answers_on_an_estimate_then_counts_its_measured_profile(
+    tmp_path: Path,
+) -> None:
+    write_onnx_model(tmp_path / "repo" / "m3", 3, 2)
+    settings = Settings(
+        model_repository=tmp_path / "repo",
+        model_control="on_demand",
+        memory_limit_bytes=64 * MIB,
+        engine_cache=tmp_path / "cache",
+    )  # type: ignore[call-arg]
+    plane = DataPlane(settings, Metrics())
+    control = ModelControl(plane)
+    await control.open()
+    control.discover()
+    await plane.load_all()  # the start-up set (none): later loads are on demand
+    on_demand = OnDemand(control, plane, plane.metrics)
+    try:
+        on_demand.opened()
+        held = on_demand.hold("m3")
+        await on_demand.ensure(held)
+        on_demand.release(held)
+        model = plane.models["m3"]
+        assert model.ready and model.plan is not None
+        # Answered before any profile ran: planned on the estimate, counted on it.
+        assert plane.unmeasured("m3")
+        assert verdicts(plane, "m3") == {Verdict.ESTIMATED}
+        assert "profile" not in model.phases
+        counted = on_demand.residency.resident["m3"].bytes
+        outside = counted - model.plan.minimum_bytes
+        assert outside >= model.weights_bytes
+
+        await until_measured(plane, "m3")
+        assert Verdict.ESTIMATED not in verdicts(plane, "m3")
+        assert model.phases["profile"] > 0
+        # Counted on the measured smallest batch now (and what reopening its sessions added).
+        assert on_demand.residency.resident["m3"].bytes >= outside + model.plan.minimum_bytes
+        assert on_demand.residency.measured["m3"] == on_demand.residency.resident["m3"].bytes
+        assert list((tmp_path / "cache").rglob("m3-v1-profile-*.json"))
+
+        # Unloaded and asked for again: planned on the measured profile at once.
+        await control.apply({"op": "unload", "name": "m3"})
+        held = on_demand.hold("m3")
+        await on_demand.ensure(held)
+        on_demand.release(held)
+        assert not plane.unmeasured("m3")
+        assert Verdict.ESTIMATED not in verdicts(plane, "m3")
+    finally:
+        await control.close()
+        await plane.stop(0)
