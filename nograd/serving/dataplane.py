@@ -150,21 +150,15 @@ class DataPlane:
 
     def unmeasured(self, name: str) -> bool:
         """Whether a version of ``name`` serves on an estimate of its memory, not profiled."""
-        return bool(self._loader.unmeasured(name))
+        return bool(self._loader.profiles.unmeasured(name))
 
     async def measure(self, name: str, stop: Callable[[], bool]) -> bool:
         """Profile the versions of ``name`` serving on an estimate and plan again on what was
         measured (``ModelLoader.measure``); False when one was not measured (``stop`` said so
         between two measurements, the server began to drain, or it failed)."""
-
-        def stopping() -> bool:
-            return self._draining or stop()
-
-        measured = [
-            await self._loader.measure(model, self.registry.served(), stopping)
-            for model in self._loader.unmeasured(name)
-        ]
-        return all(measured)
+        return await self._loader.measure(
+            name, self.registry.served, lambda: self._draining or stop()
+        )
 
     def mark_ready(self, name: str) -> None:
         """Export whether ``name`` has a ready version, and whether each ensemble is (an

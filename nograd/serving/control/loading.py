@@ -29,7 +29,7 @@ from nograd.observability.metrics import Metrics
 from nograd.observability.stats import FanOutObserver, Statistics
 from nograd.runtime.devices import DeviceThreads, configure_threads, device_label, resolve_device
 from nograd.runtime.engines.choice import prepare_engine
-from nograd.runtime.engines.paths import engine_weights_bytes, serving_ranges, share_cores
+from nograd.runtime.engines.paths import engine_weights_bytes, share_cores
 from nograd.runtime.engines.remembered import keyed, model_digest
 from nograd.runtime.handler import ModelHandler, Outputs, TensorPart
 from nograd.runtime.loader import (
@@ -39,22 +39,15 @@ from nograd.runtime.loader import (
     module_name,
 )
 from nograd.runtime.memory import ProcessPeakProbe, device_budget, probe_for
-from nograd.runtime.memory.cost import Point
 from nograd.runtime.memory.fits import RangedCost
-from nograd.runtime.planner import (
-    PlanInput,
-    ProfileStopped,
-    estimated_cost,
-    log_plan,
-    plan_device,
-)
-from nograd.runtime.remembered_profile import profile_or_recall, remembered
+from nograd.runtime.planner import PlanInput, log_plan, plan_device
 from nograd.runtime.runners import Handler, batch_runner
 from nograd.runtime.speed.path import batch_cap
 from nograd.runtime.warmup import warm_up
 from nograd.schema.config import ConfigError, ModelConfig
 from nograd.serving.calls.precedence import effective_config
 from nograd.serving.calls.trace_stamps import TracedRunner
+from nograd.serving.control.profiles import MemoryProfiles
 from nograd.serving.control.uploads import repository_of
 from nograd.serving.extensions.speed_checks import load_accuracy_sample, recorder
 from nograd.serving.registry import ServedModel, State
@@ -79,15 +72,6 @@ def configured_limit(config: ModelConfig, default_rows: int) -> int:
     if config.batch_unit == "tokens":
         return config.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS
     return config.max_batch_size or default_rows
-
-
-def _profile_key(model: ServedModel, cap: int) -> tuple[object, ...]:
-    """What a model's measured activation cost depends on: its files, its override, its device,
-    its batch cap and the engines serving its batch sizes."""
-    assert model.handler is not None
-    engines = tuple((most, path.name) for most, path in serving_ranges(model.handler))
-    device = device_label(model.handler.device)
-    return (model.fingerprint, repr(model.override), device, cap, engines)
 
 
 class ModelLoader:
@@ -116,18 +100,8 @@ class ModelLoader:
         self._unpacked: dict[int, Path] = {}
         """By version (its id), the unpacked archive it holds (``archives.hold``)."""
         self._plan_level = logging.DEBUG  # at start-up, the ready summary shows the plan
-        self._profiles: dict[tuple[str, str], tuple[tuple[object, ...], RangedCost]] = {}
-        """Per model version, the activation cost last measured and what it was measured on:
-        a reload of the same files on the same engines and device reuses it (an evicted model
-        loads again without being profiled again)."""
-        self._estimate_first = settings.model_control == "on_demand"
-        """On demand, a model loaded after start-up on CPU with no profile remembered answers
-        on an estimate (``estimated_cost``) and is profiled later (``measure``): a request
-        waits for its load, not for its profile's sessions."""
-        self._warmup_points: dict[int, list[Point]] = {}
-        """By version (its id), its warm-up batches as measured (estimating loads only)."""
-        self._unmeasured: dict[tuple[str, str], ServedModel] = {}
-        """The versions serving on an estimate, by name and version, until ``measure``."""
+        self.profiles = MemoryProfiles(settings, self.threads, self._limit)
+        """The activation costs the models are planned on (measured, recalled or estimated)."""
 
     def _limit(self, config: ModelConfig) -> int:
         return configured_limit(config, self._settings.max_batch_size)
@@ -149,7 +123,7 @@ class ModelLoader:
             try:
                 device = resolve_device(model.config.device)
                 model.heap_mark = freezes()
-                estimate = started_up and self._estimate_first and device.type == "cpu"
+                estimate = started_up and self.profiles.estimate_first and device.type == "cpu"
                 await self.threads.run_load(
                     device, partial(self._load, model, device, estimate), beside_batches=started_up
                 )
@@ -248,7 +222,7 @@ class ModelLoader:
             probe = ProcessPeakProbe(runs=1) if estimate else None
             points = warm_up(handler, self._limit(config), probe=probe)
             if estimate:
-                self._warmup_points[id(model)] = points
+                self.profiles.warmed_up(model, points)
             model.warmup_seconds += time.perf_counter() - started
             self._metrics.model_warmup.labels(model.name).set(model.warmup_seconds)
         model.handler = handler
@@ -266,7 +240,6 @@ class ModelLoader:
     ) -> None:
         """Measure each newly loaded model's activation cost, then split each device's budget
         among those and the ``serving`` ones (whose limits change with their new shares)."""
-        loop = asyncio.get_running_loop()
         fresh = [
             m
             for m in models
@@ -276,114 +249,23 @@ class ModelLoader:
             assert model.handler is not None
             if not model.handler.synthetic_inputs:
                 continue  # no plan: its limit is its config's (``ModelHandler.synthetic_inputs``)
-            executor = self.threads.executor(model.handler.device)
-            probe = probe_for(model.handler.device)
-            cap = self._limit(model.config)
-            measured_on = _profile_key(model, cap)
-            known = self._profiles.get((model.name, model.version))
-            points = self._warmup_points.pop(id(model), None)
-            if known is not None and known[0] == measured_on:
-                model.profile = known[1]
-                continue
-            if points is not None and await self._estimated(model, measured_on, points):
-                continue
-            profiling = time.perf_counter()
-            try:
-                loaded_as, cache = model.loaded_as, self._settings.engine_cache_dir
-                model.profile = await loop.run_in_executor(
-                    executor, profile_or_recall, model.handler, probe, cap, loaded_as, cache
-                )
-                self._profiles[(model.name, model.version)] = (measured_on, model.profile)
-            except Exception:
-                logger.exception(
-                    "memory profiling of model %s v%s failed; its limit stays at %d",
-                    model.name,
-                    model.version,
-                    cap,
-                )
-            model.phases["profile"] = time.perf_counter() - profiling
+            await self.profiles.profile(model)
         if fresh:
             self._plan_devices(fresh, [m for m in serving if m.ready])
 
-    async def _estimated(
-        self, model: ServedModel, measured_on: tuple[object, ...], points: list[Point]
-    ) -> bool:
-        """Plan ``model`` on its remembered profile, else on the estimate its warm-up
-        ``points`` give (``estimated_cost``), to be measured by ``measure``; False when neither
-        is there (a token model: profiled now)."""
-        assert model.handler is not None
-        loop = asyncio.get_running_loop()
-        executor = self.threads.executor(model.handler.device)
-        cache = self._settings.engine_cache_dir
-        known = await loop.run_in_executor(
-            executor, remembered, model.handler, model.loaded_as, cache
-        )
-        if known is not None:
-            model.profile = known
-            self._profiles[(model.name, model.version)] = (measured_on, known)
-            return True
-        estimate = estimated_cost(model.handler, points)
-        if estimate is None:
-            return False
-        model.profile = estimate
-        self._unmeasured[(model.name, model.version)] = model
-        logger.info(
-            "model %s v%s: planned on an estimate from its warm-up until its memory profile is "
-            "measured",
-            model.name,
-            model.version,
-        )
-        return True
-
-    def unmeasured(self, name: str) -> list[ServedModel]:
-        """The versions of ``name`` serving on an estimate, not profiled yet."""
-        return [m for (each, _), m in self._unmeasured.items() if each == name]
-
     async def measure(
-        self, model: ServedModel, serving: Sequence[ServedModel], stop: Callable[[], bool]
+        self, name: str, served: Callable[[], Sequence[ServedModel]], stop: Callable[[], bool]
     ) -> bool:
-        """Profile ``model``, serving on an estimate, on its device's thread and plan the
-        device again on the measured cost (remembered for its next load); False when it was
-        not (no longer serving on an estimate, ``stop`` said so between two measurements, or
-        the profile failed: then the estimate stays)."""
-        key = (model.name, model.version)
-        if self._unmeasured.get(key) is not model or model.handler is None:
-            return False
-        loop = asyncio.get_running_loop()
-        executor = self.threads.executor(model.handler.device)
-        probe = probe_for(model.handler.device)
-        cap = self._limit(model.config)
-        measured_on = _profile_key(model, cap)
-        profiling = time.perf_counter()
-        try:
-            cost = await loop.run_in_executor(
-                executor,
-                profile_or_recall,
-                model.handler,
-                probe,
-                cap,
-                model.loaded_as,
-                self._settings.engine_cache_dir,
-                stop,
-            )
-        except ProfileStopped:
-            return False
-        except Exception:
-            logger.exception(
-                "memory profiling of model %s v%s failed; it stays planned on its estimate",
-                model.name,
-                model.version,
-            )
-            self._unmeasured.pop(key, None)
-            return False
-        if self._unmeasured.get(key) is not model or model.handler is None:
-            return False  # freed while it was measured
-        del self._unmeasured[key]
-        model.profile = cost
-        model.phases["profile"] = time.perf_counter() - profiling
-        self._profiles[key] = (measured_on, cost)
-        self._plan_devices([], [m for m in serving if m.ready])
-        return True
+        """Profile the versions of ``name`` serving on an estimate (``MemoryProfiles.measure``)
+        and plan each one's device again, among the ``served`` ones, on what was measured; False
+        when one was not measured (``stop`` said so between two measurements, or it failed)."""
+        measured = []
+        for model in self.profiles.unmeasured(name):
+            serving = served()
+            measured.append(await self.profiles.measure(model, stop))
+            if measured[-1]:
+                self._plan_devices([], [m for m in serving if m.ready])
+        return all(measured)
 
     def replan(self, serving: Sequence[ServedModel]) -> None:
         """Split each device's budget again among the models left serving (after an unload)."""
@@ -468,9 +350,7 @@ class ModelLoader:
         """
         handler, model.handler, model.batcher = model.handler, None, None
         code, model.code = model.code, None
-        self._warmup_points.pop(id(model), None)
-        if self._unmeasured.get((model.name, model.version)) is model:
-            del self._unmeasured[(model.name, model.version)]
+        self.profiles.forget(model)
         frozen = (handler is not None or code is not None) and frozen_since(model.heap_mark)
         model.state = State.UNLOADED
         device = handler.device if handler is not None else None

@@ -19,6 +19,7 @@ import logging
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 from nograd.host.page_cache import keep_warm, model_files
@@ -37,25 +38,19 @@ from nograd.serving.errors import (
     LoadFailed,
     LoadTooSlow,
     ModelNotFound,
-    NoRoomNow,
     TooManyLoads,
 )
 from nograd.serving.registry import LOADING_ON_DEMAND, NOT_LOADED_YET, ServedModel
+from nograd.serving.residency.background_profile import BackgroundProfiles
 from nograd.serving.residency.on_disk import OnDisk
 from nograd.serving.residency.policy import Residency, mib
+from nograd.serving.residency.room import RoomForLoads
 from nograd.settings import Settings
 
 logger = logging.getLogger(__name__)
 
 LOAD_SAMPLE_INTERVAL_S = 0.005
 """How often the resident memory is read while a load runs, for the load's peak."""
-PROFILE_QUIET_S = 0.5
-"""How long no load must have been under way, with no request in flight, before a model
-answering on an estimate of its memory is profiled; a load or a request arriving meanwhile stops
-the profile between two measurements (its runs hold the device's thread, which batches need)."""
-ROOM_WAIT_S = 2.0
-"""How long a load waits for requests on the models it must evict, when the server sets no
-queue-wait bound; then the request is refused with 503 and Retry-After."""
 
 
 def process_limit(settings: Settings) -> int:
@@ -84,7 +79,6 @@ class OnDemand:
             process_limit(settings), grace_s=settings.eviction_grace_ms / 1e3
         )
         self._max_pending_loads = settings.max_pending_loads
-        self._room_wait_s = settings.max_queue_wait_s or ROOM_WAIT_S
         self._counts_rss = resolve_device("auto").type == "cpu"
         """On CPU a model holds what its load added to the process's resident memory (an
         engine session, the file read beside it) when that is more than it measured."""
@@ -94,19 +88,21 @@ class OnDemand:
         """When each model's load under way began (``time.perf_counter``)."""
         self._lock = asyncio.Lock()
         """One load or eviction at a time: each decides on the resident set as it is."""
-        self._released = asyncio.Event()
-        """Set when the last request holding a model is answered (a load waiting for room)."""
         self._failed: dict[str, tuple[tuple[str, ...], str]] = {}
         """Per model, the fingerprints of the files that failed to load and the error."""
         self._waiting: Counter[str] = Counter()
         """Holds of the requests waiting for a load (``ensure``), per model."""
+        self._room = RoomForLoads(
+            self.residency, settings.max_queue_wait_s, self._waiting, self._evict
+        )
+        """Evictions for what a load brings in, waiting within the bound for held models."""
         self._warm_bytes = settings.warm_evicted_bytes
         self._warm: dict[str, list[tuple[Path, int]]] = {}
         """The files of the models evicted last (oldest first) kept in the page cache."""
-        self._profiling: dict[str, asyncio.Task[None]] = {}
-        """Per model answering on an estimate of its memory, the task that profiles it."""
-        self._loads_ended = time.monotonic()
-        """When the last load ended (``time.monotonic``): profiles wait for a quiet moment."""
+        self._profiles = BackgroundProfiles(
+            plane, self.residency, self._loads, self._lock, self._profile
+        )
+        """The models answering on an estimate of their memory, profiled when all is quiet."""
 
     def opened(self) -> None:
         """The start-up set (the pinned models) has loaded: count it, say how the others load,
@@ -144,7 +140,7 @@ class OnDemand:
         for each in names:
             self._count_holds(each)
         if any(freed):
-            self._released.set()
+            self._room.released()
 
     def _count_holds(self, name: str) -> None:
         """Publish the requests holding ``name``, a model this worker loaded or loads: a name
@@ -236,7 +232,7 @@ class OnDemand:
         name = task.get_name().removeprefix("load-")
         if self._loads.get(name) is task:
             del self._loads[name]
-            self._loads_ended = time.monotonic()
+            self._profiles.load_ended()
             self._load_started.pop(name, None)
             self._metrics.model_loading.labels(name).set(0)
         if not task.cancelled():
@@ -256,9 +252,9 @@ class OnDemand:
                 raise LoadFailed(failed[1])
             files = files_bytes(source)
             expected, peak_expected = self.residency.estimate(name, files)
-            await self._make_room(name, expected)
+            await self._room.make_room(name, expected)
             if self._counts_rss:
-                await self._room_for_height(name, peak_expected)
+                await self._room.room_for_height(name, peak_expected)
             before = resident_bytes(os.getpid())
             self._registry.unloaded[name] = LOADING_ON_DEMAND
             started = time.perf_counter()
@@ -297,59 +293,26 @@ class OnDemand:
             if size > expected:
                 # Its first load held more than its files: make the room it really takes.
                 try:
-                    await self._make_room(name, size)
+                    await self._room.make_room(name, size)
                 except Exception:
                     await self._evict(name, "larger_than_limit")
                     raise
-            self._profile_when_quiet(name)
+            self._profiles.profile_when_quiet(name)
 
     # ------------------------------------------------------------------ profiles
-    def _profile_when_quiet(self, name: str) -> None:
-        """Profile ``name`` later (``_profile_later``) if it serves on an estimate of its
-        memory and is not to be profiled already."""
-        if self._plane.unmeasured(name) and name not in self._profiling:
-            task = asyncio.create_task(self._profile_later(name), name=f"profile-{name}")
-            self._profiling[name] = task
-            task.add_done_callback(self._profiled)
-
-    async def _profile_later(self, name: str) -> None:
-        """Profile ``name``, which answers on an estimate of its memory, at the first quiet
-        moment (``PROFILE_QUIET_S``), one load or eviction at a time as loads are; a load or a
-        request arriving stops it, and it waits for the next quiet moment. Nothing once the
-        model is evicted."""
-        while True:
-            await self._quiet()
-            async with self._lock:
-                if name not in self.residency.resident or not self._plane.unmeasured(name):
-                    return
-                if not self._busy() and await self._profile(name):
-                    return
-
-    def _busy(self) -> bool:
-        """Whether a load is under way or waiting, or a request is in flight."""
-        return bool(self._loads) or not self._plane.idle
-
-    async def _quiet(self) -> None:
-        """Return once no load has been under way for ``PROFILE_QUIET_S`` and no request is in
-        flight."""
-        while True:
-            left = self._loads_ended + PROFILE_QUIET_S - time.monotonic()
-            if not self._busy() and left <= 0:
-                return
-            await asyncio.sleep(left if left > 0 else PROFILE_QUIET_S)
-
-    async def _profile(self, name: str) -> bool:
-        """Profile ``name`` now and count what it holds on the measured cost instead of the
-        estimate (and what reopening its sessions added, if anything); False when a load
-        stopped it. Room is made for the height its fresh sessions rise to, as for a load."""
+    async def _profile(self, name: str, stop: Callable[[], bool]) -> bool:
+        """Profile ``name`` now (``BackgroundProfiles``) and count what it holds on the measured
+        cost instead of the estimate (and what reopening its sessions added, if anything); False
+        when ``stop`` stopped it (a load or a request arrived). Room is made for the height its
+        fresh sessions rise to, as for a load."""
         entry = self.residency.resident[name]
         outside = entry.bytes - self._minimums(name)
         estimate = entry.bytes
         if self._counts_rss:
-            await self._room_for_height(name, self.residency.estimate(name, entry.bytes)[1])
+            await self._room.room_for_height(name, self.residency.estimate(name, entry.bytes)[1])
         before = resident_bytes(os.getpid())
         started = time.perf_counter()
-        if not await self._plane.measure(name, self._busy):
+        if not await self._plane.measure(name, stop):
             return False
         after = resident_bytes(os.getpid())
         if self._counts_rss and before is not None and after is not None:
@@ -367,74 +330,11 @@ class OnDemand:
         )
         if size > estimate:
             try:
-                await self._make_room(name, size)
+                await self._room.make_room(name, size)
             except Exception:
                 logger.warning("model %s: no room for its measured memory", name, exc_info=True)
                 await self._evict(name, "larger_than_limit")
         return True
-
-    def _profiled(self, task: asyncio.Task[None]) -> None:
-        name = task.get_name().removeprefix("profile-")
-        if self._profiling.get(name) is task:
-            del self._profiling[name]
-        if not task.cancelled() and task.exception() is not None:
-            logger.error("model %s: profiling failed", name, exc_info=task.exception())
-
-    async def _make_room(self, name: str, needed: int) -> None:
-        """Evict until ``needed`` bytes fit for ``name``, waiting (within the wait bound) for
-        requests on the models that must go and for their grace to pass; ``LargerThanLimit``
-        or ``NoRoomNow`` else."""
-        deadline = time.monotonic() + self._room_wait_s
-        while True:
-            try:
-                victims = self.residency.victims(name, needed)
-            except NoRoomNow:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise
-                await self._wait_for_room(name, remaining)
-                continue
-            evicted = [await self._evict(victim, "memory") for victim in victims]
-            if all(evicted):
-                return
-
-    async def _room_for_height(self, name: str, height: int) -> None:
-        """Make room for the height a load of ``name`` rises to (it reads the files and builds
-        sessions beside what the model keeps): idle models are evicted, and models requests
-        hold are waited for (within the wait bound) until they are idle too; then the load
-        goes on whatever is left, since only what it keeps must fit."""
-        deadline = time.monotonic() + self._room_wait_s
-        while True:
-            for victim in self.residency.idle_victims(name, height):
-                await self._evict(victim, "memory")
-            remaining = deadline - time.monotonic()
-            if not self.residency.short_of(name, height) or remaining <= 0:
-                return
-            if self.residency.grace_s > 0 or not self._releasable(name):
-                # A model answered is kept by its grace: not waited for, for a passing peak.
-                return
-            self._released.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._released.wait(), remaining)
-
-    async def _wait_for_room(self, name: str, longest_s: float) -> None:
-        """Wait, at most ``longest_s``, until a request on another model is answered or the
-        grace that keeps another model (besides ``name``) from eviction ends."""
-        grace = self.residency.grace_ends_in(name)
-        wait_s = longest_s if grace is None else min(longest_s, grace + 0.001)
-        self._released.clear()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._released.wait(), wait_s)
-
-    def _releasable(self, name: str) -> bool:
-        """Whether a resident model besides ``name`` is held by a request that can finish
-        without a load: an ensemble's request waiting for its next step holds its other steps
-        until that load is done, so a load never waits for them."""
-        return any(
-            self.residency.holds.get(r.name, 0) > self._waiting[r.name]
-            for r in self.residency.resident.values()
-            if r.name != name and not r.pinned
-        )
 
     async def _evict(self, name: str, reason: str) -> bool:
         """Unload ``name`` unless a request took hold of it meanwhile; its memory is returned
@@ -522,7 +422,7 @@ class OnDemand:
             if name not in resident and any(m.ready for m in versions.values()):
                 pinned = name in self._control.pinned
                 self.residency.admit(name, self._measured(name), pinned, 0.0)
-                self._profile_when_quiet(name)  # loaded by a load call, on an estimate
+                self._profiles.profile_when_quiet(name)  # loaded by a load call, on an estimate
         self._count()
 
     def _count(self) -> None:
