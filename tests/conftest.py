@@ -61,14 +61,11 @@ def server_url(server: Server) -> str:
 
 SERIAL: frozenset[str] = frozenset(
     {
-        # Memory bounds: a server's growth, peak or budget measured against a bound, which a
-        # neighbour's load moves (slower batches hold more requests, the free memory differs).
+        # Memory bounds beside a latency or time bound: a body refused "at once" while the
+        # event loop answers health checks, memory handed back within seconds, a hot model's
+        # latency under name cycling.
         "tests/e2e/test_body_budget.py",
-        "tests/e2e/test_grpc_unsent_answers.py",
-        "tests/e2e/test_memory_engines.py",
         "tests/e2e/test_memory_return.py",
-        "tests/e2e/test_on_demand.py",
-        "tests/e2e/test_on_demand_many.py",
         "tests/e2e/test_on_demand_thrash.py",
         # A second worker started only while another copy of the models fits the free memory.
         "tests/e2e/test_workers.py::test_auto_starts_the_workers_it_plans_and_logs_their_memory",
@@ -106,7 +103,10 @@ one test at a time. Bounds of several seconds on a refusal (``test_grpc``, ``tes
 hold beside one other test and stay parallel, as do bounds that are about what the server does
 rather than how fast: every request of a stop answered (``test_stop_signals``), the memory a
 reload or an out-of-memory split leaves (``test_model_control_memory``, ``test_memory``), a
-guarded server's refusals (``test_reliability``'s module server)."""
+guarded server's refusals (``test_reliability``'s module server), and memory bounds a server
+keeps whatever its speed: explicit budgets and limits, clients bounded in number, each reading
+its own process's memory (``test_memory_engines``, ``test_on_demand``, ``test_on_demand_many``,
+``test_grpc_unsent_answers``)."""
 
 
 LONGEST_FIRST: tuple[str, ...] = (
@@ -116,6 +116,7 @@ LONGEST_FIRST: tuple[str, ...] = (
     "tests/e2e/test_grpc.py",
     "tests/e2e/test_triton_examples.py",
     "tests/e2e/test_model_uploads.py",
+    "tests/e2e/test_memory_engines.py",
     "tests/e2e/test_stop_signals.py",
     "tests/e2e/test_triton_repository.py",
     "tests/e2e/test_torchserve.py",
@@ -132,6 +133,9 @@ LONGEST_FIRST: tuple[str, ...] = (
     "tests/unit/models/test_minilm.py",
     "tests/unit/serving/test_fair_budget.py",
     "tests/e2e/test_metrics_auth.py",
+    "tests/e2e/test_on_demand_many.py",
+    "tests/e2e/test_grpc_unsent_answers.py",
+    "tests/e2e/test_on_demand.py",
     "tests/e2e/test_model_control_memory.py",
     "tests/e2e/test_grpc_health_flood.py",
     "tests/unit/runtime/engines/test_registry.py",
