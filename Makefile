@@ -31,15 +31,20 @@ run: install
 
 # Two passes: the tests that bound no time or memory on two workers (most wait on a server they
 # started), then the `serial` ones alone (tests/conftest.py lists them); the wall time at the end.
+# The first pass hands out whole files, the longest first (tests/conftest.py, LONGEST_FIRST).
+# Both passes share one engine cache, made for the run and removed after it: the serial pass's
+# servers open the engines and memory profiles the first pass's servers measured.
 # A pass that PYTEST_ARGS leaves without a test (pytest's exit 5) does not fail the target.
 # TEST_WORKERS=0 runs the first pass in one process too.
 TEST_WORKERS ?= 2
 
 test: install-dev
-	@started=$$(date +%s); \
+	@started=$$(date +%s); engines=$$(mktemp -d -t nograd-test-engines-XXXXXX); \
+	export NOGRAD_ENGINE_CACHE="$${NOGRAD_ENGINE_CACHE:-$$engines}"; \
 	$(BIN)/python -m pytest -m "not slow and not serial" -n $(TEST_WORKERS) --dist loadfile \
-		--durations=25 $(PYTEST_ARGS); parallel=$$?; \
+		--no-loadscope-reorder --durations=25 $(PYTEST_ARGS); parallel=$$?; \
 	$(BIN)/python -m pytest -m "serial and not slow" --durations=25 $(PYTEST_ARGS); serial=$$?; \
+	rm -rf "$$engines"; \
 	echo "make test: $$(( $$(date +%s) - started ))s wall (parallel pass exit $$parallel, serial pass exit $$serial)"; \
 	for code in $$parallel $$serial; do [ $$code -eq 0 ] || [ $$code -eq 5 ] || exit $$code; done
 

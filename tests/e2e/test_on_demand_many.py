@@ -5,7 +5,7 @@ process group's resident memory stays bounded above its start-up memory (``GROWT
 the metrics show the loads and evictions.
 
 The full run (24 models of 32 MiB under 256 MiB, 8 clients for 60 s) is slow; the normal suite
-runs the same check on 12 models of 8 MiB under 64 MiB for 15 s."""
+runs the same check on 12 models of 8 MiB under 64 MiB for 8 s."""
 
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ def check_many_models(
 
 def test_many_models_under_one_limit_with_skewed_traffic(tmp_path: Path) -> None:
     repo = onnx_repository(tmp_path, models=12, weights_mib=8)
-    check_many_models(tmp_path, repo, models=12, weights_mib=8, limit_mib=64, seconds=15)
+    check_many_models(tmp_path, repo, models=12, weights_mib=8, limit_mib=64, seconds=8)
 
 
 @pytest.mark.slow

@@ -52,6 +52,9 @@ def env_for(root: Path, workers: int, fronts: int = 0) -> dict[str, str]:
         "NOGRAD_MODEL_REPOSITORY": str(slow_repository(root)),
         "NOGRAD_DRAIN_TIMEOUT_S": "30",
         "NOGRAD_LOG_FORMAT": "text",
+        # Every request queued, however slow a busy machine makes the batches: the 503s here are
+        # the drain's (Connection: close), not the queue-wait bound's, which has tests of its own.
+        "NOGRAD_MAX_QUEUE_WAIT_S": "60",
     }
 
 
