@@ -113,9 +113,11 @@ its own process's memory (``test_memory_engines``, ``test_on_demand``, ``test_on
 
 LONGEST_FIRST: tuple[str, ...] = (
     "tests/e2e/test_engines.py",
+    "tests/e2e/test_fleet.py",
     "tests/unit/runtime/engines/test_export.py",
     "tests/e2e/test_model_control.py",
     "tests/e2e/test_grpc.py",
+    "tests/e2e/test_fronts.py",
     "tests/e2e/test_triton_examples.py",
     "tests/e2e/test_model_uploads.py",
     "tests/e2e/test_memory_engines.py",
