@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
 from typing import Any, cast
 
-from nograd.bridge.frames import ABORT, FrameError, FrameReader, Outbox, frame
+from nograd.bridge.frames import ABORT, FrameReader, Outbox, frame
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class FrontConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         try:
             frames = self._reader.feed(data)
-        except (FrameError, Exception) as exc:  # pickle raises anything on broken bytes
+        except Exception as exc:  # FrameError, or anything pickle raises on broken bytes
             logger.error("a front sent a broken frame (%s); dropping its connection", exc)
             self.close()
             return

@@ -8,13 +8,12 @@ opened then, or one under way when it drops, learns it at once (``LinkDown``), n
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any, Final, cast
 
-from nograd.bridge.frames import FrameError, FrameReader, Outbox, frame
+from nograd.bridge.frames import FrameReader, Outbox, frame
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +131,7 @@ class EngineLink(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         try:
             frames = self._reader.feed(data)
-        except (FrameError, Exception) as exc:  # pickle raises anything on broken bytes
+        except Exception as exc:  # FrameError, or anything pickle raises on broken bytes
             logger.error("the engine sent a broken frame (%s); reconnecting", exc)
             if self._transport is not None:
                 self._transport.close()
@@ -141,9 +140,3 @@ class EngineLink(asyncio.Protocol):
             stream = self._streams.get(number)
             if stream is not None:
                 stream.events.put_nowait(event)
-
-
-async def wait_connected(link: EngineLink, timeout_s: float) -> bool:
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(link.connected.wait(), timeout_s)
-    return link.up

@@ -131,31 +131,24 @@ async def refuse(path: str, send: Send) -> None:
         body = openai_error_body(503, ENGINE_AWAY)
     else:
         body = error_body(ENGINE_AWAY)
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 503,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"retry-after", str(RETRY_AFTER_S).encode()),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
+    retry = (b"retry-after", str(RETRY_AFTER_S).encode())
+    await _answer(send, 503, b"application/json", body, retry)
 
 
 async def _internal_error(send: Send) -> None:
     """What an ASGI server answers when its app fails before answering."""
-    body = b"Internal Server Error"
+    await _answer(send, 500, b"text/plain; charset=utf-8", b"Internal Server Error")
+
+
+async def _answer(
+    send: Send, status: int, content_type: bytes, body: bytes, *headers: tuple[bytes, bytes]
+) -> None:
+    length = str(len(body)).encode()
     await send(
         {
             "type": "http.response.start",
-            "status": 500,
-            "headers": [
-                (b"content-type", b"text/plain; charset=utf-8"),
-                (b"content-length", str(len(body)).encode()),
-            ],
+            "status": status,
+            "headers": [(b"content-type", content_type), (b"content-length", length), *headers],
         }
     )
     await send({"type": "http.response.body", "body": body})

@@ -5,6 +5,7 @@ engine away or gone mid-call (503 at once), an app that fails (500), writes coal
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import pickle
 from collections.abc import AsyncIterator, Callable, MutableMapping
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 
 from nograd.bridge.frames import HEADER, MAX_FRAME_BYTES, FrameError, FrameReader, Outbox, frame
 from nograd.bridge.host import BridgeHost
-from nograd.bridge.link import EngineLink, LinkDown, wait_connected
+from nograd.bridge.link import EngineLink, LinkDown
 from nograd.front.app import ENGINE_AWAY, ForwardingApp
 from nograd.http.connections import STARTED_KEY
 
@@ -96,6 +97,12 @@ async def bridge(tmp_path: Path) -> AsyncIterator[tuple[BridgeHost, EngineLink]]
     link.close()
     linking.cancel()
     await host.stop()
+
+
+async def wait_connected(link: EngineLink, timeout_s: float) -> bool:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(link.connected.wait(), timeout_s)
+    return link.up
 
 
 async def until(condition: Callable[[], bool]) -> None:
