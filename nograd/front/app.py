@@ -4,6 +4,10 @@ The engine serves the call with the app a single server runs, so the answer is t
 bytes; the front relays the request's body as the client sends it, the response's events as the
 engine sends them, and a client that leaves (``http.disconnect``), so the engine's own checks
 for a gone client still hold. When the engine cannot be reached the call gets 503 at once.
+
+A small V2 inference request is decoded here instead (``nograd.front.decoding``): it reaches the
+engine as tensors, and its answer comes back as tensors (``nograd.http.reply.ANSWER``) that this
+front encodes, so the engine's one loop does neither for it.
 """
 
 from __future__ import annotations
@@ -15,9 +19,12 @@ from typing import Any, Final
 
 from nograd.bridge.frames import ABORT
 from nograd.bridge.link import DROPPED, EngineLink, LinkDown, Stream
-from nograd.http.connections import STARTED_KEY
+from nograd.front.decoding import decodable, predecode
+from nograd.http.connections import PREDECODED_KEY, STARTED_KEY
 from nograd.http.errors import error_body, openai_error_body
 from nograd.http.paths import OPENAI_PREFIX
+from nograd.http.reply import ANSWER, Reply, answer_reply, compress_reply, reply_encoding
+from nograd.protocol.limits import OFFLOAD_DECODE_BYTES
 from nograd.serving.errors import RETRY_AFTER_S
 
 Event = MutableMapping[str, Any]
@@ -54,8 +61,9 @@ def wire_scope(scope: MutableMapping[str, Any]) -> dict[str, Any]:
 
 
 class ForwardingApp:
-    def __init__(self, link: EngineLink) -> None:
+    def __init__(self, link: EngineLink, max_decoded_bytes: int) -> None:
         self._link = link
+        self._max_decoded_bytes = max_decoded_bytes
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -74,8 +82,11 @@ class ForwardingApp:
 
         try:
             first = await receive()
+            carried = wire_scope(scope)
+            if first["type"] == "http.request" and not first.get("more_body", False):
+                first = self._decoded(scope, first, carried)
             try:
-                stream.send(first, wire_scope(scope))
+                stream.send(first, carried)
             except LinkDown:
                 await refuse(scope["path"], send)
                 return
@@ -83,7 +94,7 @@ class ForwardingApp:
                 relay_request()  # the rest of the body, as it comes
             elif first["type"] != "http.disconnect":
                 timer = asyncio.get_running_loop().call_later(LEAVING_GRACE_S, relay_request)
-            await _relay_response(scope["path"], stream, send)
+            await _relay_response(scope, stream, send)
         finally:
             if timer is not None:
                 timer.cancel()
@@ -92,6 +103,19 @@ class ForwardingApp:
                 with contextlib.suppress(asyncio.CancelledError):
                     await pump
             stream.close()
+
+    def _decoded(
+        self, scope: MutableMapping[str, Any], first: Event, carried: dict[str, Any]
+    ) -> Event:
+        """The request's first event, its body left out when this front decoded it (the
+        decoded request then travels in ``carried``'s state)."""
+        if not decodable(scope):
+            return first
+        predecoded = predecode(scope, first.get("body", b""), self._max_decoded_bytes)
+        if predecoded is None:
+            return first
+        carried["state"][PREDECODED_KEY] = predecoded
+        return {"type": "http.request", "body": b"", "more_body": False}
 
 
 async def _relay_request(receive: Receive, stream: Stream) -> None:
@@ -106,10 +130,14 @@ async def _relay_request(receive: Receive, stream: Stream) -> None:
             return
 
 
-async def _relay_response(path: str, stream: Stream, send: Send) -> None:
+async def _relay_response(scope: MutableMapping[str, Any], stream: Stream, send: Send) -> None:
+    path = scope["path"]
     started = False
     while True:
         event = await stream.receive()
+        if event["type"] == ANSWER:
+            await _encoded(scope, event, send)
+            return
         if event is DROPPED or event["type"] == ABORT["type"]:
             if not started:
                 if event is DROPPED:
@@ -123,6 +151,21 @@ async def _relay_response(path: str, stream: Stream, send: Send) -> None:
         await send(event)
         if event["type"] == "http.response.body" and not event.get("more_body", False):
             return
+
+
+async def _encoded(scope: MutableMapping[str, Any], event: Event, send: Send) -> None:
+    """An inference answer the engine left for this front to encode, encoded and sent as the
+    engine would have sent it: its headers after the answer's own, compressed as asked."""
+    reply: Reply = answer_reply(event["answer"])
+    reply.headers.extend(event["headers"])
+    accept = next((v for k, v in scope["headers"] if k == b"accept-encoding"), None)
+    encoding = reply_encoding(reply, None if accept is None else accept.decode("latin-1"))
+    if encoding is not None:
+        if len(reply.body) > OFFLOAD_DECODE_BYTES:
+            reply = await asyncio.to_thread(compress_reply, reply, encoding)
+        else:
+            reply = compress_reply(reply, encoding)
+    await reply.send(send)
 
 
 async def refuse(path: str, send: Send) -> None:

@@ -42,7 +42,12 @@ class FrontServer:
             metrics.rejected.labels(UNKNOWN_MODEL, reason).inc()
 
         self.link = EngineLink(context.engine_socket)
-        self.http = HttpListener(ForwardingApp(self.link), settings, count_refusal, handoff.closed)
+        self.http = HttpListener(
+            ForwardingApp(self.link, settings.max_decoded_bytes),
+            settings,
+            count_refusal,
+            handoff.closed,
+        )
         self._stop: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 

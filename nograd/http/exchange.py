@@ -14,23 +14,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import TypeVar
 
 from starlette.concurrency import run_in_threadpool
-from starlette.responses import Response
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope
 
 from nograd.core.errors import DecodeError
 from nograd.http.connections import STARTED_KEY
 from nograd.http.errors import status_of
+from nograd.http.reply import Reply, compress_reply, reply_encoding
 from nograd.protocol.compression import (
     MOST_RATIO,
     PIECE_BYTES,
     Inflater,
-    compress,
     request_encoding,
-    response_encoding,
     too_large,
 )
 from nograd.protocol.limits import OFFLOAD_DECODE_BYTES, decoded_too_large, json_decoded_bytes
@@ -98,32 +95,6 @@ def caller_of(calls: Calls, scope: Scope) -> str:
     return calls.caller([v for k, v in scope["headers"] if k == b"authorization"])
 
 
-@dataclass
-class Reply:
-    """A whole answer; sent as two ASGI messages, or as a Starlette ``Response`` by a route."""
-
-    status: int
-    body: bytes = b""
-    content_type: str | None = "application/json"
-    headers: list[tuple[str, str]] = field(default_factory=list)
-
-    async def send(self, send: Send) -> None:
-        raw = [(b"content-length", str(len(self.body)).encode())]
-        if self.content_type is not None:
-            raw.append((b"content-type", self.content_type.encode("latin-1")))
-        raw.extend((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in self.headers)
-        await send({"type": "http.response.start", "status": self.status, "headers": raw})
-        await send({"type": "http.response.body", "body": self.body})
-
-    def response(self) -> Response:
-        return Response(
-            self.body,
-            status_code=self.status,
-            headers=dict(self.headers),
-            media_type=self.content_type,
-        )
-
-
 def header_timeout_s(incoming: Incoming) -> float | None:
     raw = incoming.headers.get(TIMEOUT_HEADER.lower())
     if raw is None:
@@ -143,20 +114,26 @@ async def parse_measured(
     calls: Calls, call: Call, text: Body, parse: Callable[[Body], Parsed]
 ) -> Parsed:
     """``parse(text)``, a JSON document, once the memory decoding it takes is estimated
-    (``json_decoded_bytes``) within ``NOGRAD_MAX_DECODED_BYTES`` (else 422, before parsing)
-    and held in the process's budget for ``call`` (else 503). A large document is measured
-    and parsed in a thread."""
+    (``json_decoded_bytes``) and held (``hold_decoded``). A large document is measured and
+    parsed in a thread."""
     limit = calls.plane.settings.max_decoded_bytes
     offload = len(text) > OFFLOAD_DECODE_BYTES
     if offload:
         size = await run_in_threadpool(json_decoded_bytes, text, limit)
     else:
         size = json_decoded_bytes(text, limit)
+    hold_decoded(calls, call, size)
+    return await run_in_threadpool(parse, text) if offload else parse(text)
+
+
+def hold_decoded(calls: Calls, call: Call, size: int) -> None:
+    """The ``size`` bytes decoding a request's JSON takes, within ``NOGRAD_MAX_DECODED_BYTES``
+    (else 422, before parsing) and held in the process's budget for ``call`` (else 503)."""
+    limit = calls.plane.settings.max_decoded_bytes
     if size > limit:
         calls.metrics.rejected.labels(call.model, "too_large").inc()
         raise decoded_too_large(size, limit, "the request's JSON")
     calls.hold_bytes(call, size)
-    return await run_in_threadpool(parse, text) if offload else parse(text)
 
 
 async def inflated_body(incoming: Incoming, calls: Calls, call: Call) -> bytes | bytearray:
@@ -185,15 +162,12 @@ async def inflated_body(incoming: Incoming, calls: Calls, call: Call) -> bytes |
 async def encoded_reply(incoming: Incoming, reply: Reply) -> Reply:
     """A successful reply compressed as the client's ``Accept-Encoding`` asks (gzip or deflate),
     a large one in a thread; otherwise as it is."""
-    encoding = response_encoding(incoming.headers.get("accept-encoding"))
-    if encoding is None or reply.status != 200:
+    encoding = reply_encoding(reply, incoming.headers.get("accept-encoding"))
+    if encoding is None:
         return reply
     if len(reply.body) > OFFLOAD_DECODE_BYTES:
-        reply.body = await run_in_threadpool(compress, reply.body, encoding)
-    else:
-        reply.body = compress(reply.body, encoding)
-    reply.headers += [("Content-Encoding", encoding), ("Vary", "Accept-Encoding")]
-    return reply
+        return await run_in_threadpool(compress_reply, reply, encoding)
+    return compress_reply(reply, encoding)
 
 
 async def until_disconnect(

@@ -21,7 +21,8 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from nograd.http.errors import error_headers, openai_error_body
-from nograd.http.exchange import Incoming, Reply, parse_measured, run_call
+from nograd.http.exchange import Incoming, parse_measured, run_call
+from nograd.http.reply import Reply
 from nograd.http.state import calls_of, dataplane_of
 from nograd.serving.calls.lifecycle import Call, Calls
 from nograd.serving.errors import InferenceFailed

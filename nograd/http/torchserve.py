@@ -18,7 +18,8 @@ from nograd.formats.torchserve.api.documents import (
     model_list,
 )
 from nograd.formats.torchserve.api.management import Answer, ManagementError
-from nograd.http.exchange import Incoming, Reply, run_call
+from nograd.http.exchange import Incoming, run_call
+from nograd.http.reply import Reply
 from nograd.http.state import calls_of, dataplane_of, torchserve_of
 from nograd.protocol.torchserve import error_body as ts_error_body
 from nograd.protocol.torchserve import handler_request

@@ -10,16 +10,18 @@ import numpy as np
 from fastapi import APIRouter, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
+from nograd.http.connections import PREDECODED_KEY
 from nograd.http.errors import error_body, error_headers
 from nograd.http.exchange import (
     Incoming,
-    Reply,
     caller_of,
     encoded_reply,
+    hold_decoded,
     inflated_body,
     parse_measured,
     run_call,
 )
+from nograd.http.reply import Reply, answer_reply
 from nograd.http.state import calls_of, dataplane_of
 from nograd.protocol import binary
 from nograd.protocol import shared_memory as shm
@@ -31,11 +33,11 @@ from nograd.protocol.v2 import (
     declared_inputs,
     decode_document,
     dumps,
-    encode_outputs,
     parse_json,
     select_outputs,
     split_body,
 )
+from nograd.protocol.v2_handover import Answer, Predecoded
 from nograd.protocol.v2_schemas import (
     ERROR_RESPONSES,
     INFER_REQUEST_BODY,
@@ -183,7 +185,15 @@ async def _decode(
     parsed (``parse_measured``), its model made ``resident`` (told the parsed document, whose
     parameters may hold a deadline) and the inputs it declares checked against the model
     (``check_for`` the request's own id) before any tensor is built or a byte of the binary
-    part read; inputs in shared memory are read from ``regions``."""
+    part read; inputs in shared memory are read from ``regions``. A request its front process
+    decoded already (``Predecoded``) takes the same steps, in the same order, on what the front
+    measured."""
+    predecoded: Predecoded | None = incoming.scope.get("state", {}).get(PREDECODED_KEY)
+    if predecoded is not None:
+        hold_decoded(calls, call, predecoded.json_bytes)
+        await resident({"parameters": predecoded.parameters})
+        check_for(predecoded.request.id)(predecoded.declared)
+        return predecoded.request
     body = await inflated_body(incoming, calls, call)
     header, data = split_body(body, incoming.headers.get(binary.HEADER_LENGTH.lower()))
     document = await parse_measured(calls, call, header, parse_json)
@@ -213,36 +223,19 @@ def _placed_inputs(document: Any) -> list[tuple[Any, Mapping[str, Any]]]:
 ENSEMBLE_PARAMETERS: Final = {"sequence_id": 0, "sequence_start": False, "sequence_end": False}
 
 
-def _infer_reply(
-    regions: shm.Regions,
-    model: ServedModel,
-    decoded: InferRequest,
-    outputs: Mapping[str, np.ndarray],
-) -> Reply:
-    """JSON, or with any binary output JSON + raw bytes and ``Inference-Header-Content-Length``;
-    an output asked for by classification answers its top classes."""
+def _answer(model: ServedModel, decoded: InferRequest, outputs: Mapping[str, np.ndarray]) -> Answer:
+    """The outputs the request asks for; one asked for by classification answers its top
+    classes."""
     selected = select_outputs(list(outputs), decoded.outputs, decoded.parameters)
     counts = {output.name: output.classification for output in selected if output.classification}
-    outputs = classified(model, outputs, counts)
-    tensors, chunks = encode_outputs(outputs, selected, model=model.name, regions=regions)
-    document: dict[str, Any] = {
-        "model_name": model.name,
-        "model_version": model.version,
-        "outputs": tensors,
-    }
-    if model.config.steps:
+    return Answer(
+        model.name,
+        model.version,
+        classified(model, outputs, counts),
+        tuple(selected),
+        decoded.id,
         # Triton's ensembles answer with the sequence parameters of the request they composed.
-        document["parameters"] = ENSEMBLE_PARAMETERS
-    if decoded.id is not None:
-        document["id"] = decoded.id
-    header = dumps(document)
-    if not chunks:
-        return Reply(200, header)
-    return Reply(
-        200,
-        binary.join_body(header, chunks),
-        binary.CONTENT_TYPE,
-        [(binary.HEADER_LENGTH, str(len(header)))],
+        ENSEMBLE_PARAMETERS if model.config.steps else None,
     )
 
 
@@ -278,10 +271,14 @@ async def infer_call(incoming: Incoming, calls: Calls, name: str, version: str |
         model, outputs = await calls.infer(
             call, name, version, decoded.inputs, decoded.id, sequence=sequence
         )
-        return _infer_reply(regions, model, decoded, outputs)
+        answer = _answer(model, decoded, outputs)
+        if predecoded:
+            return Reply(200, answer=answer)  # its front encodes it
+        return answer_reply(answer, regions)
 
+    predecoded = PREDECODED_KEY in incoming.scope.get("state", ())
     reply = await run_call(incoming, calls, PROTOCOL, work, _error_reply)
-    return await encoded_reply(incoming, reply)
+    return reply if predecoded else await encoded_reply(incoming, reply)
 
 
 async def _routed_infer(request: Request, name: str, version: str | None) -> Response:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import orjson
 import pytest
 import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton_http
@@ -90,6 +91,58 @@ def test_only_the_engine_loads_torch_and_the_fronts_hold_the_connections(
         for client in clients:
             client.close()
     assert gained == {1: 16, 2: 16}, gained
+
+
+def binary_digits() -> tuple[bytes, dict[str, str]]:
+    header = {
+        "inputs": [
+            {
+                "name": "image",
+                "shape": [1, 1, 8, 8],
+                "datatype": "FP32",
+                "parameters": {"binary_data_size": 256},
+            }
+        ],
+        "outputs": [{"name": "label", "parameters": {"binary_data": True}}],
+    }
+    raw = orjson.dumps(header)
+    data = np.linspace(0, 16, 64, dtype=np.float32).tobytes()
+    return raw + data, {"Inference-Header-Content-Length": str(len(raw))}
+
+
+def calls() -> dict[str, tuple[str, bytes, dict[str, str]]]:
+    digits = orjson.dumps(DIGITS)
+    wide = {"inputs": [{**DIGITS["inputs"][0], "shape": [1, 1, 8, 9], "data": [1.0] * 72}]}
+    with_id = {**DIGITS, "id": "q7", "outputs": [{"name": "probabilities"}]}
+    return {
+        "json": ("digits", digits, {}),
+        "binary": ("digits", *binary_digits()),
+        "compressed": ("digits", digits, {"Accept-Encoding": "gzip"}),
+        "id-and-outputs": ("digits", orjson.dumps(with_id), {}),
+        "wrong-shape": ("digits", orjson.dumps(wide), {}),
+        "unknown-model": ("nope", digits, {}),
+    }
+
+
+@pytest.mark.parametrize("case", list(calls()))
+def test_a_call_decoded_by_its_front_is_answered_as_one_the_engine_decodes(
+    server: Server, case: str
+) -> None:
+    """A request with its length is decoded by the front; the same request chunked reaches the
+    engine as it came: both get the same status, headers and bytes."""
+    model, body, headers = calls()[case]
+    headers = {**headers, "X-Request-ID": f"same-{case}"}
+    url = f"{server.url}/v2/models/{model}/infer"
+    with httpx.Client(timeout=30) as client:
+        decoded = client.post(url, content=body, headers=headers)
+        as_sent = client.post(url, content=iter([body]), headers=headers)
+    assert "content-length" not in as_sent.request.headers  # chunked: not decoded by the front
+    assert decoded.status_code == as_sent.status_code
+    assert decoded.content == as_sent.content
+    skip = {"date"}
+    assert [h for h in decoded.headers.raw if h[0] not in skip] == [
+        h for h in as_sent.headers.raw if h[0] not in skip
+    ]
 
 
 def test_answers_come_back_as_a_single_server_gives_them(server: Server) -> None:

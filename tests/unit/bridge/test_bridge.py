@@ -135,7 +135,7 @@ async def call(link: EngineLink, path: str, chunks: list[bytes]) -> list[Event]:
     async def send(event: Event) -> None:
         sent.append(event)
 
-    await asyncio.wait_for(ForwardingApp(link)(scope(path), incoming.get, send), 5)
+    await asyncio.wait_for(ForwardingApp(link, 1 << 20)(scope(path), incoming.get, send), 5)
     return sent
 
 
@@ -171,7 +171,7 @@ async def test_a_client_that_leaves_is_seen_leaving_by_the_engine(
     async def send(event: Event) -> None:
         raise AssertionError(f"nothing is answered to a client that left: {event}")
 
-    running = asyncio.create_task(ForwardingApp(link)(scope("/wait"), incoming.get, send))
+    running = asyncio.create_task(ForwardingApp(link, 1 << 20)(scope("/wait"), incoming.get, send))
     await until(lambda: host.open_streams == 1)
     incoming.put_nowait({"type": "http.disconnect"})
     await until(lambda: host.open_streams == 0)
@@ -210,7 +210,7 @@ async def test_an_engine_gone_mid_call_is_a_503_and_the_link_comes_back(
     async def send(event: Event) -> None:
         sent.append(event)
 
-    running = asyncio.create_task(ForwardingApp(link)(scope("/wait"), incoming.get, send))
+    running = asyncio.create_task(ForwardingApp(link, 1 << 20)(scope("/wait"), incoming.get, send))
     await until(lambda: host.open_streams == 1)
     await host.stop()  # the engine dies with the call under way
     await asyncio.wait_for(running, 2)

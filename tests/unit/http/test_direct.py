@@ -10,7 +10,8 @@ from fastapi import Response
 from starlette.types import Receive, Scope, Send
 
 from nograd.http import direct
-from nograd.http.exchange import Incoming, Reply
+from nograd.http.exchange import Incoming
+from nograd.http.reply import Reply
 
 
 class Recorder:

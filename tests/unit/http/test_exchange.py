@@ -8,7 +8,8 @@ import asyncio
 import pytest
 from starlette.types import Message
 
-from nograd.http.exchange import ClientGone, Incoming, Reply, run_call, until_disconnect
+from nograd.http.exchange import ClientGone, Incoming, run_call, until_disconnect
+from nograd.http.reply import Reply
 from nograd.observability.metrics import UNKNOWN_MODEL, Metrics
 from nograd.serving.calls.lifecycle import CLIENT_GONE, Call, Calls
 from nograd.serving.dataplane import DataPlane
