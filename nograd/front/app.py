@@ -25,6 +25,7 @@ from nograd.http.errors import error_body, openai_error_body
 from nograd.http.paths import OPENAI_PREFIX
 from nograd.http.reply import ANSWER, Reply, answer_reply, compress_reply, reply_encoding
 from nograd.protocol.limits import OFFLOAD_DECODE_BYTES
+from nograd.protocol.v2_handover import Answer
 from nograd.serving.errors import RETRY_AFTER_S
 
 Event = MutableMapping[str, Any]
@@ -114,7 +115,7 @@ class ForwardingApp:
         predecoded = predecode(scope, first.get("body", b""), self._max_decoded_bytes)
         if predecoded is None:
             return first
-        carried["state"][PREDECODED_KEY] = predecoded
+        carried["state"][PREDECODED_KEY] = predecoded.to_wire()
         return {"type": "http.request", "body": b"", "more_body": False}
 
 
@@ -156,7 +157,7 @@ async def _relay_response(scope: MutableMapping[str, Any], stream: Stream, send:
 async def _encoded(scope: MutableMapping[str, Any], event: Event, send: Send) -> None:
     """An inference answer the engine left for this front to encode, encoded and sent as the
     engine would have sent it: its headers after the answer's own, compressed as asked."""
-    reply: Reply = answer_reply(event["answer"])
+    reply: Reply = answer_reply(Answer.from_wire(event["answer"]))
     reply.headers.extend(event["headers"])
     accept = next((v for k, v in scope["headers"] if k == b"accept-encoding"), None)
     encoding = reply_encoding(reply, None if accept is None else accept.decode("latin-1"))

@@ -20,7 +20,7 @@ from nograd.protocol.v2_handover import Answer, encode_answer
 
 ANSWER: Final = "nograd.answer"
 """The ASGI event an engine sends for an inference answer its front encodes: ``answer`` (a
-``nograd.protocol.v2.Answer``) and the answer's own ``headers``."""
+``nograd.protocol.v2_handover.Answer`` as plain values) and the answer's own ``headers``."""
 
 
 @dataclass
@@ -36,7 +36,7 @@ class Reply:
 
     async def send(self, send: Send) -> None:
         if self.answer is not None:
-            await send({"type": ANSWER, "answer": self.answer, "headers": self.headers})
+            await send({"type": ANSWER, "answer": self.answer.to_wire(), "headers": self.headers})
             return
         raw = [(b"content-length", str(len(self.body)).encode())]
         if self.content_type is not None:

@@ -188,8 +188,9 @@ async def _decode(
     part read; inputs in shared memory are read from ``regions``. A request its front process
     decoded already (``Predecoded``) takes the same steps, in the same order, on what the front
     measured."""
-    predecoded: Predecoded | None = incoming.scope.get("state", {}).get(PREDECODED_KEY)
-    if predecoded is not None:
+    wire = incoming.scope.get("state", {}).get(PREDECODED_KEY)
+    if wire is not None:
+        predecoded = Predecoded.from_wire(wire)
         hold_decoded(calls, call, predecoded.json_bytes)
         await resident({"parameters": predecoded.parameters})
         check_for(predecoded.request.id)(predecoded.declared)

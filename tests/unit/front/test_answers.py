@@ -20,7 +20,7 @@ from nograd.front.app import ForwardingApp
 from nograd.http.connections import PREDECODED_KEY
 from nograd.http.reply import Reply, answer_reply
 from nograd.protocol.v2 import RequestedOutput
-from nograd.protocol.v2_handover import Answer
+from nograd.protocol.v2_handover import Answer, Predecoded
 
 Event = MutableMapping[str, Any]
 DOCUMENT = {"id": "r1", "inputs": [{"name": "x", "shape": [2], "datatype": "FP32", "data": [1, 2]}]}
@@ -81,9 +81,11 @@ async def test_the_engine_gets_tensors_and_the_front_encodes_the_answer(
     link: EngineLink,
 ) -> None:
     sent = await call(link, orjson.dumps(DOCUMENT))
-    predecoded, body = seen[0]
+    wire, body = seen[0]
     assert body == b""
-    np.testing.assert_array_equal(predecoded.request.inputs["x"], [1.0, 2.0])
+    request = Predecoded.from_wire(wire).request
+    np.testing.assert_array_equal(request.inputs["x"], [1.0, 2.0])
+    assert request.inputs["x"].flags.writeable  # torch takes it as it is
     expected = answer_reply(ANSWER)
     expected.headers.append(("X-Request-ID", "abc"))
     single: list[Event] = []
