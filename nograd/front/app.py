@@ -26,7 +26,8 @@ from nograd.http.paths import OPENAI_PREFIX
 from nograd.http.reply import ANSWER, Reply, answer_reply, compress_reply, reply_encoding
 from nograd.protocol.limits import OFFLOAD_DECODE_BYTES
 from nograd.protocol.v2_handover import Answer
-from nograd.serving.errors import RETRY_AFTER_S
+from nograd.serving.calls.access import Access
+from nograd.serving.errors import RETRY_AFTER_S, Forbidden, Unauthenticated
 
 Event = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Event]]
@@ -62,9 +63,12 @@ def wire_scope(scope: MutableMapping[str, Any]) -> dict[str, Any]:
 
 
 class ForwardingApp:
-    def __init__(self, link: EngineLink, max_decoded_bytes: int) -> None:
+    def __init__(self, link: EngineLink, max_decoded_bytes: int, access: Access) -> None:
+        """``access``: the server's keys; a call without a good one is never decoded here (the
+        engine refuses it before reading its body, as a single server does)."""
         self._link = link
         self._max_decoded_bytes = max_decoded_bytes
+        self._access = access
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -110,13 +114,23 @@ class ForwardingApp:
     ) -> Event:
         """The request's first event, its body left out when this front decoded it (the
         decoded request then travels in ``carried``'s state)."""
-        if not decodable(scope):
+        if not decodable(scope) or not self._admits(scope):
             return first
         predecoded = predecode(scope, first.get("body", b""), self._max_decoded_bytes)
         if predecoded is None:
             return first
         carried["state"][PREDECODED_KEY] = predecoded.to_wire()
         return {"type": "http.request", "body": b"", "more_body": False}
+
+    def _admits(self, scope: MutableMapping[str, Any]) -> bool:
+        if not self._access.keys_required:
+            return True
+        values = [v for k, v in scope["headers"] if k == b"authorization"]
+        try:
+            self._access.check(values, "http", None)
+        except (Unauthenticated, Forbidden):
+            return False
+        return True
 
 
 async def _relay_request(receive: Receive, stream: Stream) -> None:

@@ -20,6 +20,7 @@ from nograd.bridge.link import EngineLink
 from nograd.front.app import ForwardingApp
 from nograd.http.listener import HttpListener, loop_factory
 from nograd.observability.metrics import UNKNOWN_MODEL, Metrics
+from nograd.serving.calls.access import access_of
 from nograd.settings import Settings
 from nograd.supervisor.handoff import HTTP, Handoff, Inbox
 from nograd.supervisor.stopping import DRAIN_SIGNAL
@@ -43,7 +44,7 @@ class FrontServer:
 
         self.link = EngineLink(context.engine_socket)
         self.http = HttpListener(
-            ForwardingApp(self.link, settings.max_decoded_bytes),
+            ForwardingApp(self.link, settings.max_decoded_bytes, access_of(settings)),
             settings,
             count_refusal,
             handoff.closed,

@@ -19,6 +19,7 @@ from nograd.bridge.host import BridgeHost
 from nograd.bridge.link import EngineLink, LinkDown
 from nograd.front.app import ENGINE_AWAY, ForwardingApp
 from nograd.http.connections import STARTED_KEY
+from nograd.serving.calls.access import Access
 
 Event = MutableMapping[str, Any]
 
@@ -113,6 +114,10 @@ async def until(condition: Callable[[], bool]) -> None:
     raise AssertionError("not within 5 s")
 
 
+def forwarding(link: EngineLink) -> ForwardingApp:
+    return ForwardingApp(link, 1 << 20, Access(()))
+
+
 def scope(path: str) -> dict[str, Any]:
     return {
         "type": "http",
@@ -135,7 +140,7 @@ async def call(link: EngineLink, path: str, chunks: list[bytes]) -> list[Event]:
     async def send(event: Event) -> None:
         sent.append(event)
 
-    await asyncio.wait_for(ForwardingApp(link, 1 << 20)(scope(path), incoming.get, send), 5)
+    await asyncio.wait_for(forwarding(link)(scope(path), incoming.get, send), 5)
     return sent
 
 
@@ -171,7 +176,7 @@ async def test_a_client_that_leaves_is_seen_leaving_by_the_engine(
     async def send(event: Event) -> None:
         raise AssertionError(f"nothing is answered to a client that left: {event}")
 
-    running = asyncio.create_task(ForwardingApp(link, 1 << 20)(scope("/wait"), incoming.get, send))
+    running = asyncio.create_task(forwarding(link)(scope("/wait"), incoming.get, send))
     await until(lambda: host.open_streams == 1)
     incoming.put_nowait({"type": "http.disconnect"})
     await until(lambda: host.open_streams == 0)
@@ -210,7 +215,7 @@ async def test_an_engine_gone_mid_call_is_a_503_and_the_link_comes_back(
     async def send(event: Event) -> None:
         sent.append(event)
 
-    running = asyncio.create_task(ForwardingApp(link, 1 << 20)(scope("/wait"), incoming.get, send))
+    running = asyncio.create_task(forwarding(link)(scope("/wait"), incoming.get, send))
     await until(lambda: host.open_streams == 1)
     await host.stop()  # the engine dies with the call under way
     await asyncio.wait_for(running, 2)

@@ -21,6 +21,7 @@ from nograd.http.connections import PREDECODED_KEY
 from nograd.http.reply import Reply, answer_reply
 from nograd.protocol.v2 import RequestedOutput
 from nograd.protocol.v2_handover import Answer, Predecoded
+from nograd.serving.calls.access import Access
 
 Event = MutableMapping[str, Any]
 DOCUMENT = {"id": "r1", "inputs": [{"name": "x", "shape": [2], "datatype": "FP32", "data": [1, 2]}]}
@@ -32,6 +33,7 @@ ANSWER = Answer(
     "r1",
 )
 seen: list[tuple[Any, bytes]] = []
+NO_KEYS = Access(())
 
 
 async def engine_app(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
@@ -58,7 +60,9 @@ async def link(tmp_path: Path) -> AsyncIterator[EngineLink]:
     await host.stop()
 
 
-async def call(link: EngineLink, body: bytes, *headers: tuple[bytes, bytes]) -> list[Event]:
+async def call(
+    link: EngineLink, body: bytes, *headers: tuple[bytes, bytes], access: Access = NO_KEYS
+) -> list[Event]:
     scope = {
         "type": "http",
         "method": "POST",
@@ -73,7 +77,7 @@ async def call(link: EngineLink, body: bytes, *headers: tuple[bytes, bytes]) -> 
     async def send(event: Event) -> None:
         sent.append(event)
 
-    await asyncio.wait_for(ForwardingApp(link, 1 << 20)(scope, incoming.get, send), 5)
+    await asyncio.wait_for(ForwardingApp(link, 1 << 20, access)(scope, incoming.get, send), 5)
     return sent
 
 
@@ -111,3 +115,11 @@ async def test_a_request_the_front_cannot_decode_reaches_the_engine_as_it_came(
     sent = await call(link, b"{broken")
     assert seen == [(None, b"{broken")]
     assert sent[0]["status"] == 400
+
+
+async def test_a_call_without_a_good_key_is_left_to_the_engine_to_refuse(link: EngineLink) -> None:
+    keys = Access(["k1"])
+    await call(link, orjson.dumps(DOCUMENT), access=keys)
+    await call(link, orjson.dumps(DOCUMENT), (b"authorization", b"Bearer nope"), access=keys)
+    await call(link, orjson.dumps(DOCUMENT), (b"authorization", b"Bearer k1"), access=keys)
+    assert [wire is None for wire, _ in seen] == [True, True, False]
