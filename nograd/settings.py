@@ -205,9 +205,11 @@ class Settings(BaseSettings):
     """HTTP front processes beside one engine process: the engine loads every model once, runs
     every batch and serves gRPC; the fronts hold the HTTP connections and forward each call to
     it without loading torch. 0: ``workers`` processes, each with every model. ``auto``: with
-    ``workers`` unset, at least two usable CPU cores and no GPU, one engine and two fronts under
-    ``model_control = on_demand`` (workers would each load models into their own part of the
-    limit, the same model once per worker); otherwise 0. Set it with ``workers`` unset."""
+    ``workers`` unset and at least two usable CPU cores, one engine and half the cores as fronts
+    (2 to 8) when a GPU is visible (one CUDA context, the whole device, fed from several cores);
+    without a GPU, one engine and two fronts under ``model_control = on_demand`` (workers would
+    each load models into their own part of the limit, the same model once per worker);
+    otherwise 0. Set it with ``workers`` unset."""
 
     torch_threads: int | None = Field(default=None, ge=1)
     """Intra-op threads for CPU forwards, fixed, per worker; unset: the cores this process may

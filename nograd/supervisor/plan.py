@@ -44,15 +44,24 @@ def auto_plan(torch_threads: int | None = None) -> tuple[int, str]:
 
 
 AUTO_FRONTS = 2
-"""Front processes ``fronts = auto`` starts beside the engine, when it starts them."""
+"""Front processes ``fronts = auto`` starts beside the engine on a CPU-only host, when it does."""
+AUTO_MAX_GPU_FRONTS = 8
+"""Front processes ``fronts = auto`` starts at most beside an engine that feeds a GPU."""
 
 
 def auto_fronts(cores: int, gpu: bool, on_demand: bool) -> tuple[int, str | None]:
-    """How many fronts ``fronts = auto`` plans beside an engine (0: workers), and why: under
-    on-demand residency, where workers would each load models into their own part of the limit
-    (the same model once per worker). Elsewhere the workers serve a small model faster today
-    (BENCHMARKS.md), and a sequence model is served by one worker whole."""
-    if gpu or cores < 2 or not on_demand:
+    """How many fronts ``fronts = auto`` plans beside an engine (0: workers), and why. With a
+    GPU visible, one engine process keeps one CUDA context and the device's whole memory while
+    fronts decode on half the cores (one worker alone left the others idle and set the pace).
+    On CPU, under on-demand residency, where workers would each load models into their own part
+    of the limit (the same model once per worker). Elsewhere on CPU the workers serve a small
+    model faster today (BENCHMARKS.md), and a sequence model is served by one worker whole."""
+    if cores < 2:
+        return 0, None
+    if gpu:
+        count = min(max(cores // 2, AUTO_FRONTS), AUTO_MAX_GPU_FRONTS)
+        return count, f"a GPU is visible, {cores} usable CPU cores"
+    if not on_demand:
         return 0, None
     return AUTO_FRONTS, "model_control = on_demand"
 

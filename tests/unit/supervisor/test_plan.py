@@ -10,6 +10,7 @@ import pytest
 from nograd.settings import Settings
 from nograd.supervisor.plan import (
     AUTO_FRONTS,
+    AUTO_MAX_GPU_FRONTS,
     AUTO_MAX_WORKERS,
     AUTO_MEMORY_SHARE,
     another_fits,
@@ -80,7 +81,11 @@ def test_auto_plans_one_worker_for_a_repository_with_a_sequence_model(
         (2, False, True, AUTO_FRONTS),
         (16, False, True, AUTO_FRONTS),
         (1, False, True, 0),
-        (16, True, True, 0),
+        # A GPU: one engine (one CUDA context, the whole device) fed by fronts on half the cores.
+        (16, True, False, 8),
+        (64, True, True, AUTO_MAX_GPU_FRONTS),
+        (4, True, False, AUTO_FRONTS),
+        (1, True, False, 0),
     ],
 )
 def test_auto_plans_an_engine_and_fronts_where_workers_would_split_the_resident_models(
