@@ -332,13 +332,17 @@ def _median(values: Sequence[float | None]) -> float | None:
 
 
 def measure_balance(run: FleetRun, models: int, seconds: float) -> dict[str, Any]:
-    """Clients for ``seconds`` on a fresh fleet: what they saw and the loads it took."""
+    """Clients for ``seconds`` on a fresh fleet: what they saw and the loads it took, in all
+    and in the second half (once each model's first load is usually behind)."""
     before = run.loads()
     with clients_running(run.url, models) as clients:
-        time.sleep(seconds)
+        time.sleep(seconds / 2)
+        halfway = run.loads()
+        time.sleep(seconds / 2)
         loads = run.loads() - before
     summary = clients.traffic.summary(seconds)
     summary["loads"] = loads
+    summary["loads_second_half"] = loads - (halfway - before)
     summary["loads_per_answer"] = (
         summary["loads"] / summary["answered"] if summary["answered"] else None
     )

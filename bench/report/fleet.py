@@ -34,7 +34,8 @@ def fleet_section(results: dict[str, Any], tag: str) -> list[str]:
         f"(exponent {record['zipf_exponent']}) for {record['seconds']:.0f} s on a fresh fleet, "
         "model-aware balancing (`--balance model`) and `--balance roundrobin` in "
         f"{record['rounds']} paired round(s), the order alternating. Loads: the replicas' "
-        "`nograd_model_loads_total`; wrong: answers from another model than the one asked."
+        "`nograd_model_loads_total` over the run and over its second half; models: those "
+        "answered; wrong: answers from another model than the one asked."
     )
     out.append("")
     rows = [
@@ -46,13 +47,15 @@ def fleet_section(results: dict[str, Any], tag: str) -> list[str]:
             run["p50_ms"],
             run["p99_ms"],
             run["loads"],
+            run.get("loads_second_half"),
             f"{run['models_answered']}/{record['models']}",
             run["wrong"],
             _failures(run),
         )
         for run in record["runs"]
     ]
-    header = ("round", "balance", "answered", "req/s", "p50 ms", "p99 ms", "loads", "models")
+    header: tuple[str, ...] = ("round", "balance", "answered", "req/s", "p50 ms", "p99 ms")
+    header += ("loads", "2nd half", "models")
     out.append(table((*header, "wrong", "failed"), rows))
     out.append("")
     found = record.get("ratios") or {}
