@@ -5,7 +5,8 @@ OpenAI model path, the embeddings call's JSON body, the x-nograd-model header, t
 path) sends that model to the same replica; different models spread over the replicas; a 503
 is answered again by another replica; ``roundrobin`` ignores the model. The balancer's own
 bounds (docs/reliability.md) hold: a head larger than its buffer, a request slower than its
-timeout, a replica slower than its answer timeout and connections past its maximum."""
+timeout, a replica slower than its answer timeout, an idle connection and connections past its
+maximum."""
 
 from __future__ import annotations
 
@@ -162,16 +163,23 @@ def test_round_robin_ignores_the_model(round_robin: tuple[str, list[NamedReplica
 
 
 SHORT_BOUNDS = {
-    "NOGRAD_FLEET_MAXCONN": "4",
     "NOGRAD_FLEET_HTTP_REQUEST_TIMEOUT": "1s",
     "NOGRAD_FLEET_SERVER_TIMEOUT": "1s",
+    "NOGRAD_FLEET_KEEP_ALIVE_TIMEOUT": "1s",
 }
-"""The balancer's bounds made short, so that a test reaches each in a second."""
+"""The balancer's timeouts made short, so that a test reaches each in a second."""
+FEW_CONNECTIONS = 4
 
 
 @pytest.fixture
 def bounded(tmp_path: Path) -> Iterator[tuple[str, list[NamedReplica]]]:
     yield from _balancer(tmp_path, "model", SHORT_BOUNDS)
+
+
+@pytest.fixture
+def few_connections(tmp_path: Path) -> Iterator[tuple[str, list[NamedReplica]]]:
+    """At most ``FEW_CONNECTIONS`` client connections (its idle ones kept 10 s, as shipped)."""
+    yield from _balancer(tmp_path, "model", {"NOGRAD_FLEET_MAXCONN": str(FEW_CONNECTIONS)})
 
 
 def _raw_answer(port: int, sent: bytes, timeout_s: float) -> bytes:
@@ -222,14 +230,11 @@ def test_a_replica_slower_than_the_answer_timeout_is_a_504(
 
 
 def test_connections_past_the_maximum_wait_until_one_closes(
-    bounded: tuple[str, list[NamedReplica]],
+    few_connections: tuple[str, list[NamedReplica]],
 ) -> None:
-    url, _ = bounded
+    url, _ = few_connections
     path = f"/v2/models/{MODELS[0]}/infer"
-    held = [
-        httpx.Client(base_url=url, timeout=5)
-        for _ in range(int(SHORT_BOUNDS["NOGRAD_FLEET_MAXCONN"]))
-    ]
+    held = [httpx.Client(base_url=url, timeout=5) for _ in range(FEW_CONNECTIONS)]
     try:
         for client in held:
             assert client.post(path, json={}).status_code == 200  # each keeps its connection
@@ -241,3 +246,17 @@ def test_connections_past_the_maximum_wait_until_one_closes(
     finally:
         for client in held:
             client.close()
+
+
+def test_an_idle_connection_is_closed_past_the_keep_alive_timeout(
+    bounded: tuple[str, list[NamedReplica]],
+) -> None:
+    url, _ = bounded
+    port = int(url.rsplit(":", 1)[1])
+    request = b"GET /v2/models/m/ready HTTP/1.1\r\nhost: fleet\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+        conn.sendall(request)
+        assert conn.recv(4096).startswith(b"HTTP/1.1 200")
+        started = time.monotonic()
+        assert conn.recv(4096) == b""  # closed by the balancer, not by this client
+        assert time.monotonic() - started < 4
