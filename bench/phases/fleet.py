@@ -27,9 +27,19 @@ from pathlib import Path
 from typing import Any, Final
 
 import httpx
+import orjson
 
-from bench.common import PYTHON, RESULTS, ROOT, free_port, metric, percentile, scrape_metrics
-from bench.residency_models import ROWS, onnx_repository
+from bench.common import (
+    PYTHON,
+    RESULTS,
+    ROOT,
+    free_port,
+    http_get,
+    metric,
+    percentile,
+    scrape_metrics,
+)
+from bench.residency_models import MIB, ROWS, onnx_repository
 from bench.session import Bench
 from nograd.fleet.replicas import stop_process
 from nograd.fleet.state import Fleet, load, state_path
@@ -217,6 +227,24 @@ class FleetRun:
             for url in self.replica_urls().values()
         )
 
+    def placement(self) -> dict[int, dict[str, Any]]:
+        """Each replica's resident models and the bytes they hold (``/nograd/placement``)."""
+        found = {}
+        for slot, url in self.replica_urls().items():
+            status, body = http_get(f"{url}/nograd/placement", timeout=10.0)
+            if status != 200:
+                continue
+            document = orjson.loads(body)
+            resident = [row for row in document["models"] if row["state"] == "resident"]
+            found[slot] = {
+                "resident": sorted(row["name"] for row in resident),
+                "used_mib": document["memory"]["used_bytes"] / MIB,
+                "model_mib": statistics.median(row["bytes"] / MIB for row in resident)
+                if resident
+                else None,
+            }
+        return found
+
     def stop(self) -> None:
         """``nograd fleet down``; if that fails, every process the state names is stopped."""
         path = state_path(self.state_dir, self.port)
@@ -343,6 +371,7 @@ def measure_balance(run: FleetRun, models: int, seconds: float) -> dict[str, Any
     summary = clients.traffic.summary(seconds)
     summary["loads"] = loads
     summary["loads_second_half"] = loads - (halfway - before)
+    summary["placement"] = run.placement()
     summary["loads_per_answer"] = (
         summary["loads"] / summary["answered"] if summary["answered"] else None
     )

@@ -58,6 +58,18 @@ def fleet_section(results: dict[str, Any], tag: str) -> list[str]:
     header += ("loads", "2nd half", "models")
     out.append(table((*header, "wrong", "failed"), rows))
     out.append("")
+    for run in record["runs"]:
+        held = run.get("placement") or {}
+        if held:
+            out.append(
+                f"Resident at the end of round {run['round'] + 1}, {run['balance']}: "
+                + ", ".join(
+                    f"replica {slot}: {len(one['resident'])} models, {fmt(one['used_mib'])} MiB"
+                    for slot, one in sorted(held.items())
+                )
+                + "."
+            )
+    out.append("")
     found = record.get("ratios") or {}
     out.append(
         "Model-aware against round robin, median of the rounds: "

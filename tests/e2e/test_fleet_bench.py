@@ -25,6 +25,11 @@ def test_the_fleet_phase_measures_both_balances_a_restart_and_a_scale(tmp_path: 
         assert run["models_answered"] == MODELS, run
         assert run["wrong"] == 0 and run["failed"] == 0, run
         assert run["answered"] > 0 and run["loads"] >= 1, run
+        held = run["placement"]
+        assert sorted(held) == [1, 2, 3], held
+        assert {name for one in held.values() for name in one["resident"]} <= {
+            f"m{index}" for index in range(MODELS)
+        }
     assert record["ratios"]["requests"][0] is not None
     for change in (record["rolling_restart"], record["scale"]):
         assert change["failed"] == 0 and change["wrong"] == 0, change

@@ -129,7 +129,8 @@ def test_the_section_shows_each_run_the_ratios_and_the_changes() -> None:
         "runs": [
             {**run, "round": 0, "balance": "roundrobin", "loads": 200.0, "wrong": 0, "failed": 0},
             {**run, "round": 0, "balance": "model", "answered": 900, "loads": 24.0, "wrong": 0}
-            | {"failed": 2, "failures": {"503": 2}, "loads_second_half": 3.0},
+            | {"failed": 2, "failures": {"503": 2}, "loads_second_half": 3.0}
+            | {"placement": {"1": {"resident": ["m0", "m3"], "used_mib": 70.0, "model_mib": 35.0}}},
         ],
         "ratios": ratios(
             [_run(0, "roundrobin", 300, 200.0), _run(0, "model", 900, 24.0)],
@@ -142,6 +143,7 @@ def test_the_section_shows_each_run_the_ratios_and_the_changes() -> None:
     text = "\n".join(fleet_section({"fleet": record}, "2 cores"))
     assert "NOGRAD_MEMORY_LIMIT_BYTES=256MiB" in text
     assert "| 1 | model | 900 | 5.0 | 40.0 | 900 | 24.0 | 3.0 | 24/24 | 0 | 2 (503: 2) |" in text
+    assert "Resident at the end of round 1, model: replica 1: 2 models, 70.0 MiB." in text
     assert "3.00x (meets ≥ 2x) the requests answered" in text
     assert "0.12x (meets ≤ 0.25x) the cold loads (0.04x the loads per request answered)" in text
     assert "| `nograd fleet rolling-restart` | 30.0 | 80 | 2,000 | 0 | 0 | – |" in text
