@@ -227,8 +227,9 @@ class FleetRun:
             for url in self.replica_urls().values()
         )
 
-    def placement(self) -> dict[int, dict[str, Any]]:
-        """Each replica's resident models and the bytes they hold (``/nograd/placement``)."""
+    def placement(self) -> dict[str, dict[str, Any]]:
+        """Each replica's resident models and the bytes they hold (``/nograd/placement``), by
+        its slot (as a string: the record is JSON)."""
         found = {}
         for slot, url in self.replica_urls().items():
             status, body = http_get(f"{url}/nograd/placement", timeout=10.0)
@@ -236,7 +237,7 @@ class FleetRun:
                 continue
             document = orjson.loads(body)
             resident = [row for row in document["models"] if row["state"] == "resident"]
-            found[slot] = {
+            found[str(slot)] = {
                 "resident": sorted(row["name"] for row in resident),
                 "used_mib": document["memory"]["used_bytes"] / MIB,
                 "model_mib": statistics.median(row["bytes"] / MIB for row in resident)

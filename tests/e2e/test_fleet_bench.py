@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import orjson
 import pytest
 
 from bench.phases.fleet import SCALED_REPLICAS, measure_fleet
@@ -20,13 +21,14 @@ MODELS = 6
 def test_the_fleet_phase_measures_both_balances_a_restart_and_a_scale(tmp_path: Path) -> None:
     haproxy()
     record = measure_fleet(tmp_path, models=MODELS, weights_mib=1, limit_mib=64, seconds=3.0)
+    orjson.dumps(record)  # the run's JSON result holds it as it is
     assert sorted(run["balance"] for run in record["runs"]) == ["model", "roundrobin"]
     for run in record["runs"]:
         assert run["models_answered"] == MODELS, run
         assert run["wrong"] == 0 and run["failed"] == 0, run
         assert run["answered"] > 0 and run["loads"] >= 1, run
         held = run["placement"]
-        assert sorted(held) == [1, 2, 3], held
+        assert sorted(held) == ["1", "2", "3"], held
         assert {name for one in held.values() for name in one["resident"]} <= {
             f"m{index}" for index in range(MODELS)
         }
