@@ -13,6 +13,11 @@ its best lay in this range when every size was timed (BENCHMARKS.md)."""
 PAIRED_ROUNDS = 3
 """Rounds of the paired phase: the median of three per-round ratios ignores one disturbed round."""
 
+FLEET_SECONDS = 60.0
+"""The fleet phase's seconds of clients per balance and round (issue 54's done-when)."""
+FLEET_ROUNDS = 2
+"""The fleet phase's rounds: model-aware balancing and round robin, the order alternating."""
+
 
 @dataclass
 class Plan:
@@ -42,6 +47,8 @@ class Plan:
     process_workers: str = "2"  # NOGRAD_WORKERS of the processes phase's workers system
     process_fronts: str = "2"  # NOGRAD_FRONTS of its engine system
     process_starts: int = 1  # cold and warm starts of each system, timed alone
+    fleet_seconds: float = FLEET_SECONDS  # the fleet phase: clients' seconds per balance
+    fleet_rounds: int = FLEET_ROUNDS  # the fleet phase: paired rounds of both balances
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Plan:
@@ -76,4 +83,7 @@ class Plan:
             process_workers=getattr(args, "process_workers", "2"),
             process_fronts=getattr(args, "process_fronts", "2"),
             process_starts=getattr(args, "process_starts", 1),
+            fleet_seconds=getattr(args, "fleet_seconds", None)
+            or (15.0 if quick else FLEET_SECONDS),
+            fleet_rounds=getattr(args, "fleet_rounds", None) or (1 if quick else FLEET_ROUNDS),
         )

@@ -30,7 +30,11 @@ process is stopped in a ``finally``):
 9. gRPC: Triton's perf_analyzer drives nograd (one process and two workers) over HTTP and over
    gRPC, and Triton (PyTriton) over gRPC, in paired rounds at concurrency 32 and 1;
 10. speed levers (``bench.levers``), issue 3's memory benchmark (``bench.memory_bench``) and
-   torch.profiler on nograd's batch path (``bench.profile_nograd``).
+   torch.profiler on nograd's batch path (``bench.profile_nograd``);
+11. fleet: 3 on-demand replicas behind HAProxy (``nograd fleet``), 24 ONNX models of 32 MiB,
+   Zipf clients: model-aware balancing against round robin in paired rounds, then a rolling
+   restart and a scale to 4 replicas under load (``bench.phases.fleet``; needs Debian's
+   ``haproxy``).
 
 On request only (``--phases revisions --base REV``): this checkout's nograd against the same
 server at revision REV, both up together, answers compared, then paired rounds on digits, minilm
@@ -67,6 +71,7 @@ from bench.peers.servers import MODELS_OF_SYSTEM, SWEEPS
 from bench.phases import (
     archives,
     engines,
+    fleet,
     litserve,
     over_grpc,
     paired,
@@ -104,6 +109,7 @@ ALL_PHASES = (
     "levers",
     "memory",
     "torch_profile",
+    "fleet",
 )
 ON_REQUEST = ("revisions", "processes")
 """Phases a run makes only when ``--phases`` names them."""
@@ -160,6 +166,8 @@ def count_steps(plan: Plan) -> int:
     # an answer check per workload, the connections of each, then per round both systems on
     # both workloads at two concurrencies
     steps += 4 * plan.process_starts + 2 + 2 + 2 + plan.paired_rounds * 2 * 2 * 2
+    # fleet: the models, both balances per round, the rolling restart and the scale
+    steps += 1 + 2 * plan.fleet_rounds + 2
     return steps
 
 
@@ -249,6 +257,21 @@ def command_line() -> argparse.ArgumentParser:
         metavar="N",
         help="the processes phase: cold and warm starts of each system, timed alone (default 1)",
     )
+    parser.add_argument(
+        "--fleet-seconds",
+        type=float,
+        default=None,
+        metavar="S",
+        help="the fleet phase: seconds of clients per balance and round (default 60; 15 with "
+        "--quick)",
+    )
+    parser.add_argument(
+        "--fleet-rounds",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the fleet phase: paired rounds of both balances (default 2; 1 with --quick)",
+    )
     parser.add_argument("--skip-levers", action="store_true")
     parser.add_argument("--skip-compile", action="store_true")
     parser.add_argument("--skip-memory", action="store_true")
@@ -303,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         "levers": profiling.phase_levers,
         "memory": profiling.phase_memory,
         "torch_profile": profiling.phase_torch_profile,
+        "fleet": fleet.phase_fleet,
     }
     started = time.monotonic()
     failures: dict[str, str] = {}

@@ -6,6 +6,7 @@ from typing import Any
 
 from bench.report.archives import archives_section
 from bench.report.engines import engines_section
+from bench.report.fleet import fleet_section
 from bench.report.levers import levers_section
 from bench.report.memory import memory_section
 from bench.report.over_grpc import grpc_section
@@ -39,6 +40,7 @@ def markdown(results: dict[str, Any]) -> str:
     parts += peers_section(results, tag)
     parts += archives_section(results, tag)
     parts += residency_section(results, tag)
+    parts += fleet_section(results, tag)
     parts += grpc_section(results, tag)
     parts += paired_section(results, tag)
     parts += engines_section(results, tag)

@@ -3,12 +3,17 @@ request with their own name: what is under test is the balancer's configuration,
 each kind of request goes to. Every way a client names a model (V2 path, TorchServe path,
 OpenAI model path, the embeddings call's JSON body, the x-nograd-model header, the model control
 path) sends that model to the same replica; different models spread over the replicas; a 503
-is answered again by another replica; ``roundrobin`` ignores the model."""
+is answered again by another replica; ``roundrobin`` ignores the model. The balancer's own
+bounds (docs/reliability.md) hold: a head larger than its buffer, a request slower than its
+timeout, a replica slower than its answer timeout, an idle connection and connections past its
+maximum."""
 
 from __future__ import annotations
 
 import json
+import socket
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -29,7 +34,7 @@ MODELS = [f"model-{index}" for index in range(12)]
 
 class NamedReplica(ThreadingHTTPServer):
     """Answers ``{"replica": name}`` to everything, ready to health checks; 503 to the paths in
-    ``refuse``."""
+    ``refuse``; the paths in ``slow`` after that many seconds."""
 
     daemon_threads = True
 
@@ -37,6 +42,7 @@ class NamedReplica(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), _Answer)
         self.name = name
         self.refuse: set[str] = set()
+        self.slow: dict[str, float] = {}
 
 
 class _Answer(BaseHTTPRequestHandler):
@@ -45,6 +51,7 @@ class _Answer(BaseHTTPRequestHandler):
 
     def _answer(self) -> None:
         self.rfile.read(int(self.headers.get("content-length") or 0))
+        time.sleep(self.server.slow.get(self.path, 0.0))
         status = 503 if self.path in self.server.refuse else 200
         body = json.dumps({"replica": self.server.name}).encode()
         self.send_response(status)
@@ -59,7 +66,11 @@ class _Answer(BaseHTTPRequestHandler):
         pass
 
 
-def _balancer(tmp_path: Path, balance: str) -> Iterator[tuple[str, list[NamedReplica]]]:
+def _balancer(
+    tmp_path: Path, balance: str, bounds: dict[str, str] | None = None
+) -> Iterator[tuple[str, list[NamedReplica]]]:
+    """HAProxy on the shipped configuration before three named replicas; ``bounds`` sets its
+    own limits' variables (``NOGRAD_FLEET_MAXCONN``...)."""
     haproxy()
     replicas = [NamedReplica(f"r{slot}") for slot in range(1, REPLICAS + 1)]
     threads = [threading.Thread(target=r.serve_forever, daemon=True) for r in replicas]
@@ -67,7 +78,7 @@ def _balancer(tmp_path: Path, balance: str) -> Iterator[tuple[str, list[NamedRep
         thread.start()
     port = free_port()
     env = balancer_env("127.0.0.1", port, free_port(), tmp_path / "api.sock", balance, REPLICAS)
-    process = start_balancer(CONFIG, env, tmp_path / "haproxy.log")
+    process = start_balancer(CONFIG, {**env, **(bounds or {})}, tmp_path / "haproxy.log")
     try:
         api = RuntimeApi(tmp_path / "api.sock")
         for slot, replica in enumerate(replicas, start=1):
@@ -149,3 +160,103 @@ def test_round_robin_ignores_the_model(round_robin: tuple[str, list[NamedReplica
             _replica(http, "POST", f"/v2/models/{MODELS[0]}/infer", {}, {}) for _ in range(6)
         }
     assert answered == {f"r{slot}" for slot in range(1, REPLICAS + 1)}
+
+
+SHORT_BOUNDS = {
+    "NOGRAD_FLEET_HTTP_REQUEST_TIMEOUT": "1s",
+    "NOGRAD_FLEET_SERVER_TIMEOUT": "1s",
+    "NOGRAD_FLEET_KEEP_ALIVE_TIMEOUT": "1s",
+}
+"""The balancer's timeouts made short, so that a test reaches each in a second."""
+FEW_CONNECTIONS = 4
+
+
+@pytest.fixture
+def bounded(tmp_path: Path) -> Iterator[tuple[str, list[NamedReplica]]]:
+    yield from _balancer(tmp_path, "model", SHORT_BOUNDS)
+
+
+@pytest.fixture
+def few_connections(tmp_path: Path) -> Iterator[tuple[str, list[NamedReplica]]]:
+    """At most ``FEW_CONNECTIONS`` client connections (its idle ones kept 10 s, as shipped)."""
+    yield from _balancer(tmp_path, "model", {"NOGRAD_FLEET_MAXCONN": str(FEW_CONNECTIONS)})
+
+
+def _raw_answer(port: int, sent: bytes, timeout_s: float) -> bytes:
+    """What the balancer answers on a connection that sent ``sent`` and nothing more."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as conn:
+        conn.sendall(sent)
+        return conn.recv(4096)
+
+
+def test_a_request_head_larger_than_the_buffer_is_a_400(
+    model_aware: tuple[str, list[NamedReplica]],
+) -> None:
+    url, _ = model_aware
+    with httpx.Client(base_url=url, timeout=10) as http:
+        path = f"/v2/models/{MODELS[0]}/infer"
+        answer = http.post(path, json={}, headers={"x-padding": "a" * 20_000})
+        assert answer.status_code == 400
+        assert _replica(http, "POST", path, {}, {}) in {f"r{n}" for n in range(1, REPLICAS + 1)}
+
+
+def test_a_request_slower_than_its_timeout_is_a_408(
+    bounded: tuple[str, list[NamedReplica]],
+) -> None:
+    url, _ = bounded
+    port = int(url.rsplit(":", 1)[1])
+    started = time.monotonic()
+    head_only = b"POST /v2/models/m/infer HTTP/1.1\r\nhost: fleet\r\n"
+    assert _raw_answer(port, head_only, timeout_s=5).startswith(b"HTTP/1.1 408")
+    # The body is held before a replica is chosen: a body that stops coming is a 408 too.
+    part_of_a_body = (
+        b"POST /v2/models/m/infer HTTP/1.1\r\nhost: fleet\r\ncontent-length: 100\r\n\r\n{"
+    )
+    assert _raw_answer(port, part_of_a_body, timeout_s=5).startswith(b"HTTP/1.1 408")
+    assert time.monotonic() - started < 8
+
+
+def test_a_replica_slower_than_the_answer_timeout_is_a_504(
+    bounded: tuple[str, list[NamedReplica]],
+) -> None:
+    url, replicas = bounded
+    path = f"/v2/models/{MODELS[0]}/infer"
+    for replica in replicas:
+        replica.slow[path] = 3.0
+    started = time.monotonic()
+    answer = httpx.post(url + path, json={}, timeout=10)
+    assert answer.status_code == 504
+    assert time.monotonic() - started < 2.5
+
+
+def test_connections_past_the_maximum_wait_until_one_closes(
+    few_connections: tuple[str, list[NamedReplica]],
+) -> None:
+    url, _ = few_connections
+    path = f"/v2/models/{MODELS[0]}/infer"
+    held = [httpx.Client(base_url=url, timeout=5) for _ in range(FEW_CONNECTIONS)]
+    try:
+        for client in held:
+            assert client.post(path, json={}).status_code == 200  # each keeps its connection
+        with httpx.Client(base_url=url, timeout=1) as late, pytest.raises(httpx.TimeoutException):
+            late.post(path, json={})
+        held.pop().close()
+        with httpx.Client(base_url=url, timeout=5) as late:
+            assert late.post(path, json={}).status_code == 200
+    finally:
+        for client in held:
+            client.close()
+
+
+def test_an_idle_connection_is_closed_past_the_keep_alive_timeout(
+    bounded: tuple[str, list[NamedReplica]],
+) -> None:
+    url, _ = bounded
+    port = int(url.rsplit(":", 1)[1])
+    request = b"GET /v2/models/m/ready HTTP/1.1\r\nhost: fleet\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+        conn.sendall(request)
+        assert conn.recv(4096).startswith(b"HTTP/1.1 200")
+        started = time.monotonic()
+        assert conn.recv(4096) == b""  # closed by the balancer, not by this client
+        assert time.monotonic() - started < 4

@@ -12,6 +12,8 @@ ROOT = Path(__file__).resolve().parents[2]
 TITLE = "## What a client can make the server hold"
 TEST_REFERENCE = re.compile(r"`(tests/[^`:]+\.py)((?:::[A-Za-z0-9_]+)?)`|`::([A-Za-z0-9_]+)`")
 SETTING = re.compile(r"`(NOGRAD_[A-Z0-9_]+)`")
+BALANCER_CONFIG = ROOT / "deploy" / "fleet" / "haproxy.cfg"
+BALANCER_VARIABLE = re.compile(r"\$\{(NOGRAD_FLEET_[A-Z0-9_]+)")
 
 
 def _rows() -> list[list[str]]:
@@ -53,7 +55,9 @@ def test_every_row_names_a_test_that_exists() -> None:
 
 
 def test_every_setting_the_table_names_is_a_setting() -> None:
+    """A server setting, or a variable the fleet's balancer configuration reads."""
     known = {f"NOGRAD_{name.upper()}" for name in Settings.model_fields}
+    known |= set(BALANCER_VARIABLE.findall(BALANCER_CONFIG.read_text()))
     named = {setting for row in _rows() for setting in SETTING.findall(row[2])}
     assert named, "the table names no setting"
     assert named <= known, sorted(named - known)
