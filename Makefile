@@ -78,6 +78,7 @@ $(VENV)/.installed-bench: $(VENV)/.installed pyproject.toml constraints.txt
 bench: $(VENV)/.installed-bench
 	bash scripts/install_debian_package.sh wrk wrk
 	bash scripts/install_debian_package.sh openjdk-17-jre-headless java
+	bash scripts/install_debian_package.sh haproxy haproxy
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
 
 container-test:
