@@ -13,6 +13,7 @@ import asyncio
 import logging
 import sys
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -357,11 +358,14 @@ class ModelLoader:
         executor = self.threads.executor(device) if device is not None else None
         if handler is not None:
             await asyncio.get_running_loop().run_in_executor(executor, _close, model, handler)
+        alive = still_alive(handler, code)
         del handler
         if code is not None:
             forget_module(code)
         del code
-        await asyncio.get_running_loop().run_in_executor(executor, release_memory, device, frozen)
+        await asyncio.get_running_loop().run_in_executor(
+            executor, release_memory, device, frozen, alive
+        )
         if (unpacked := self._unpacked.pop(id(model), None)) is not None:
             await asyncio.get_running_loop().run_in_executor(None, release, unpacked)
 
@@ -403,15 +407,32 @@ def input_names(part: TensorPart) -> frozenset[str]:
     return frozenset(part.tensors)
 
 
-def release_memory(device: torch.device | None, frozen: bool) -> None:
-    """Collect what a freed model left (the whole heap when some of it was ``frozen``,
-    :func:`nograd.serving.residency.frozen_heap.collect_freed`), then return the device's cached
-    blocks and the C heap's free pages; off the event loop (the heap's release locks each arena
-    while it walks it)."""
-    collect_freed(frozen)
+def release_memory(
+    device: torch.device | None, frozen: bool, alive: Callable[[], bool] = lambda: True
+) -> None:
+    """Collect what a freed model left (the whole heap when some of it was ``frozen`` and is
+    ``alive`` still, :func:`nograd.serving.residency.frozen_heap.collect_freed`), then return
+    the device's cached blocks and the C heap's free pages; off the event loop (the heap's
+    release locks each arena while it walks it)."""
+    collect_freed(frozen, alive)
     if device is not None and device.type == "cuda":
         torch.cuda.empty_cache()
     release_free_memory()
+
+
+def still_alive(*objects: object) -> Callable[[], bool]:
+    """Whether any of ``objects`` (a freed version's handler and code) still lives once its
+    last reference is dropped: then a cycle holds it. An object that takes no weak reference
+    counts as alive, so a frozen one is still collected by a walk of the whole heap."""
+    refs: list[weakref.ref[object]] = []
+    for each in objects:
+        if each is None:
+            continue
+        try:
+            refs.append(weakref.ref(each))
+        except TypeError:
+            return lambda: True
+    return lambda: any(ref() is not None for ref in refs)
 
 
 def _close(model: ServedModel, handler: Handler) -> None:

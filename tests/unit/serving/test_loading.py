@@ -87,3 +87,28 @@ def test_only_a_new_library_freezes_the_heap_again() -> None:
     finally:
         del sys.modules[model_code]
         sys.modules.pop(library, None)
+
+
+def test_a_frozen_model_freed_by_its_last_reference_leaves_the_heap_frozen() -> None:
+    """A frozen model whose objects went with their last reference (no cycle holds them) is
+    not a reason to walk the frozen heap: that walk would freeze the models resident then,
+    and each of their evictions would walk it again in turn."""
+    kept = Node()
+    alive = weakref.ref(kept)
+    settle_heap()
+    mark = freezes() - 1
+    del kept
+    collect_freed(frozen_since(mark), lambda: alive() is not None)
+    assert freezes() == mark + 1, "the frozen heap was walked for a model already freed"
+
+
+def test_a_frozen_model_a_cycle_still_holds_is_collected_by_a_walk() -> None:
+    a, b = Node(), Node()
+    a.other, b.other = b, a
+    ref = weakref.ref(a)
+    settle_heap()
+    mark = freezes() - 1
+    del a, b
+    collect_freed(frozen_since(mark), lambda: ref() is not None)
+    assert ref() is None
+    assert freezes() == mark + 2 and gc.get_freeze_count() > 0
