@@ -13,7 +13,6 @@ import asyncio
 import logging
 import sys
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -58,6 +57,7 @@ from nograd.serving.residency.frozen_heap import (
     frozen_since,
     settle_heap,
     settle_new_libraries,
+    still_alive,
 )
 from nograd.settings import Settings
 
@@ -418,21 +418,6 @@ def release_memory(
     if device is not None and device.type == "cuda":
         torch.cuda.empty_cache()
     release_free_memory()
-
-
-def still_alive(*objects: object) -> Callable[[], bool]:
-    """Whether any of ``objects`` (a freed version's handler and code) still lives once its
-    last reference is dropped: then a cycle holds it. An object that takes no weak reference
-    counts as alive, so a frozen one is still collected by a walk of the whole heap."""
-    refs: list[weakref.ref[object]] = []
-    for each in objects:
-        if each is None:
-            continue
-        try:
-            refs.append(weakref.ref(each))
-        except TypeError:
-            return lambda: True
-    return lambda: any(ref() is not None for ref in refs)
 
 
 def _close(model: ServedModel, handler: Handler) -> None:

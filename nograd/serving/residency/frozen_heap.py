@@ -24,6 +24,7 @@ from __future__ import annotations
 import gc
 import logging
 import sys
+import weakref
 from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
@@ -95,3 +96,18 @@ def library_modules() -> frozenset[str]:
         for name in list(sys.modules)
         if name != MODEL_CODE and not name.startswith(MODEL_CODE + ".")
     )
+
+
+def still_alive(*objects: object) -> Callable[[], bool]:
+    """Whether any of ``objects`` (a freed version's handler and code) still lives once its
+    last reference is dropped: then a cycle holds it. An object that takes no weak reference
+    counts as alive, so a frozen one is still collected by a walk of the whole heap."""
+    refs: list[weakref.ref[object]] = []
+    for each in objects:
+        if each is None:
+            continue
+        try:
+            refs.append(weakref.ref(each))
+        except TypeError:
+            return lambda: True
+    return lambda: any(ref() is not None for ref in refs)

@@ -19,6 +19,7 @@ from nograd.serving.residency.frozen_heap import (
     frozen_since,
     settle_heap,
     settle_new_libraries,
+    still_alive,
 )
 
 
@@ -112,3 +113,15 @@ def test_a_frozen_model_a_cycle_still_holds_is_collected_by_a_walk() -> None:
     collect_freed(frozen_since(mark), lambda: ref() is not None)
     assert ref() is None
     assert freezes() == mark + 2 and gc.get_freeze_count() > 0
+
+
+def test_still_alive_tells_a_freed_object_from_one_a_cycle_holds() -> None:
+    a, b, freed = Node(), Node(), Node()
+    a.other, b.other = b, a
+    held = still_alive(a, None)
+    gone = still_alive(freed)
+    del a, b, freed
+    assert held() and not gone()
+    gc.collect()
+    assert not held()
+    assert still_alive(1)(), "an object without weak references counts as alive"
