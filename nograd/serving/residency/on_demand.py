@@ -376,7 +376,9 @@ class OnDemand:
         await asyncio.get_running_loop().run_in_executor(None, keep_warm, paths)
 
     def _idle(self, name: str) -> bool:
-        return not self.residency.kept(name)
+        """Whether ``name``, chosen to make room (``Residency.victims``, which weighed its
+        grace against the model coming in), is still idle: no request took hold of it since."""
+        return not self.residency.held(name)
 
     # ------------------------------------------------------------------ accounting
     def _measured(self, name: str) -> int:

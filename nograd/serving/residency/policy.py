@@ -5,10 +5,11 @@ when it was last asked for and whether a request holds it; which to evict, the l
 first (requests counted with a half-life, ``POPULARITY_HALF_LIFE_S``; ties: the least recently
 used, then the quickest to load again), so that a model to load fits. Under skewed traffic a
 model asked for once leaves before a popular one that a burst of misses made the least recently
-used. A model a request holds (queued,
-running, or still being read), one asked for within the grace period (``grace_s``, from its
-last request's arrival or answer) and a pinned one are never chosen: a client cycling through
-cold models cannot evict a model in steady use between two of its requests.
+used. A model a request holds (queued, running, or still being read) and a pinned one are never
+chosen, nor one asked for within the grace period (``grace_s``, from its last request's arrival
+or answer) for a model asked for less: a client cycling through cold models cannot evict a model
+in steady use between two of its requests, while a model loaded for one request does not make
+the next miss wait for its grace.
 """
 
 from __future__ import annotations
@@ -130,14 +131,25 @@ class Residency:
         """Whether ``name`` may not be evicted now: a request holds it or it is in its grace."""
         return self.held(name) or self.in_grace(name)
 
+    def kept_from(self, incoming: str) -> Callable[[str], bool]:
+        """Whether a model may not be evicted for ``incoming``: a request holds it, or it is in
+        its grace and asked for at least as much as ``incoming`` (``popularity``). A model
+        loaded for one request does not keep out the next model asked for as often; a model
+        in steady use keeps out every model asked for less."""
+        wanted = self.popularity(incoming)
+        return lambda name: (
+            self.held(name) or (self.in_grace(name) and self.popularity(name) >= wanted)
+        )
+
     def grace_ends_in(self, name: str) -> float | None:
         """Seconds until the first model besides ``name`` that only its grace keeps (not held,
         not pinned) may be evicted; None when no model is kept by its grace alone."""
         now = self.clock()
+        kept = self.kept_from(name)
         ends = [
             r.last_used + self.grace_s - now
             for r in self.resident.values()
-            if r.name != name and not r.pinned and not self.held(r.name) and self.in_grace(r.name)
+            if r.name != name and not r.pinned and not self.held(r.name) and kept(r.name)
         ]
         return max(0.0, min(ends)) if ends else None
 
@@ -186,7 +198,7 @@ class Residency:
         an empty set of evictable models leaves too little, ``NoRoomNow`` when requests hold
         the models that would have to go."""
         return choose_victims(
-            self.resident.values(), name, needed, self.limit, self.kept, self.popularity
+            self.resident.values(), name, needed, self.limit, self.kept_from(name), self.popularity
         )
 
     def short_of(self, name: str, needed: int) -> bool:
@@ -200,7 +212,8 @@ class Residency:
     def idle_victims(self, name: str, needed: int) -> list[str]:
         """Like ``victims``, as far as idle models that are not pinned go: room for a load's
         passing peak, made where it can be without waiting (up to the whole limit)."""
-        evictable = [r for r in self.resident.values() if not r.pinned and not self.kept(r.name)]
+        kept = self.kept_from(name)
+        evictable = [r for r in self.resident.values() if not r.pinned and not kept(r.name)]
         free = self.limit - sum(r.bytes for r in self.resident.values() if r.name != name)
         chosen: list[str] = []
         for entry in sorted(evictable, key=eviction_order(self.popularity)):

@@ -243,3 +243,25 @@ def test_popularity_is_kept_for_a_bounded_number_of_names() -> None:
         resident.release(f"unknown-{index}")
     assert len(resident.asked) <= POPULARITY_KEPT
     assert "kept" in resident.asked and f"unknown-{POPULARITY_KEPT + 9}" in resident.asked
+
+
+def test_a_grace_keeps_out_only_models_asked_for_less() -> None:
+    """Misses one after another: a model loaded for one request, still in its grace, makes
+    room for the next model asked for as often (a load no longer waits for that grace), while
+    the model in steady use keeps out both."""
+    clock = StillClock()
+    resident = Residency(20 * MIB, clock=clock, grace_s=1.0)
+    resident.admit("steady", 10 * MIB, pinned=False, load_seconds=1.0)
+    for _ in range(3):
+        resident.hold("steady")
+        clock.now += 0.1
+        resident.release("steady")
+    resident.hold("once")
+    resident.admit("once", 10 * MIB, pinned=False, load_seconds=1.0)
+    clock.now += 0.1
+    resident.release("once")
+    resident.hold("next")  # its request arrived: it is asked for once, as "once" was
+    assert resident.victims("next", 10 * MIB) == ["once"]
+    assert resident.grace_ends_in("next") == pytest.approx(0.9)  # steady's grace
+    with pytest.raises(NoRoomNow, match="NOGRAD_EVICTION_GRACE_MS"):
+        resident.victims("next", 20 * MIB)
