@@ -42,6 +42,7 @@ class Plan:
     process_workers: str = "2"  # NOGRAD_WORKERS of the processes phase's workers system
     process_fronts: str = "2"  # NOGRAD_FRONTS of its engine system
     process_starts: int = 1  # cold and warm starts of each system, timed alone
+    residency_s: float = 60.0  # the residency phase's one-server Zipf run
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Plan:
@@ -76,4 +77,5 @@ class Plan:
             process_workers=getattr(args, "process_workers", "2"),
             process_fronts=getattr(args, "process_fronts", "2"),
             process_starts=getattr(args, "process_starts", 1),
+            residency_s=getattr(args, "residency_seconds", None) or (10.0 if quick else 60.0),
         )
