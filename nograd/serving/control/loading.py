@@ -219,9 +219,11 @@ class ModelLoader:
         if self._settings.warmup and handler.synthetic_inputs:
             started = time.perf_counter()
             # Measured as it runs when the model is to answer before its profile: the estimate
-            # it is planned on until then (one reading per batch, no fresh session).
-            probe = ProcessPeakProbe(runs=1) if estimate else None
-            points = warm_up(handler, self._limit(config), probe=probe)
+            # it is planned on until then (one reading per batch, no fresh session). Loaded
+            # again with its cost measured here before, one round pays what its shapes set up.
+            again = estimate and self.profiles.measured_before(model, handler, self._limit(config))
+            probe = ProcessPeakProbe(runs=1) if estimate and not again else None
+            points = warm_up(handler, self._limit(config), 1 if again else 2, probe)
             if estimate:
                 self.profiles.warmed_up(model, points)
             model.warmup_seconds += time.perf_counter() - started

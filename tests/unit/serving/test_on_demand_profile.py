@@ -8,10 +8,17 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from bench.residency_models import MIB, write_onnx_model
 from nograd.observability.metrics import Metrics
+from nograd.runtime.memory.cost import Point
 from nograd.runtime.memory.fits import Verdict
+from nograd.runtime.runners import Handler
+from nograd.runtime.warmup import warm_up
+from nograd.serving.control import loading
 from nograd.serving.control.model_control import ModelControl
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.residency.on_demand import OnDemand
@@ -32,8 +39,15 @@ async def until_measured(plane: DataPlane, name: str, timeout_s: float = 60.0) -
 
 
 async def test_a_cold_model_answers_on_an_estimate_then_counts_its_measured_profile(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    rounds: list[int] = []
+
+    def counted_warm_up(handler: Handler, limit: int, *args: Any, **kwargs: Any) -> list[Point]:
+        rounds.append(args[0] if args else kwargs.get("rounds", 2))
+        return warm_up(handler, limit, *args, **kwargs)
+
+    monkeypatch.setattr(loading, "warm_up", counted_warm_up)
     write_onnx_model(tmp_path / "repo" / "m3", 3, 2)
     settings = Settings(
         model_repository=tmp_path / "repo",
@@ -70,13 +84,15 @@ async def test_a_cold_model_answers_on_an_estimate_then_counts_its_measured_prof
         assert on_demand.residency.measured["m3"] == on_demand.residency.resident["m3"].bytes
         assert list((tmp_path / "cache").rglob("m3-v1-profile-*.json"))
 
-        # Unloaded and asked for again: planned on the measured profile at once.
+        # Unloaded and asked for again: planned on the measured profile at once, and warmed up
+        # by one round, measuring nothing (the first load's two rounds measured its estimate).
         await control.apply({"op": "unload", "name": "m3"})
         held = on_demand.hold("m3")
         await on_demand.ensure(held)
         on_demand.release(held)
         assert not plane.unmeasured("m3")
         assert Verdict.ESTIMATED not in verdicts(plane, "m3")
+        assert rounds == [2, 1]
     finally:
         await control.close()
         await plane.stop(0)
