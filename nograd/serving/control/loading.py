@@ -358,9 +358,11 @@ class ModelLoader:
         model.state = State.UNLOADED
         device = handler.device if handler is not None else None
         executor = self.threads.executor(device) if device is not None else None
+        # What the version alone owns, watched before its clean-up lets any of it go.
+        owned = (getattr(handler, part, None) for part in ("module", "speed_path"))
+        alive = still_alive(handler, code, *owned)
         if handler is not None:
             await asyncio.get_running_loop().run_in_executor(executor, _close, model, handler)
-        alive = still_alive(handler, code)
         del handler
         if code is not None:
             forget_module(code)
