@@ -3,10 +3,9 @@
 It measures what on-demand serving costs a client: each model's first request (a cold load) against
 its second (resident), then requests/s from a few clients over a working set that fits the limit
 against one that does not (every request may then wait for a load and an eviction). Then the
-one-server run of issue 54 (``ZIPF_MODELS`` models of ``ZIPF_WEIGHTS_MIB`` under
-``ZIPF_LIMIT_MIB``, ``ZIPF_CLIENTS`` clients asking with Zipf popularity for
-``--residency-seconds``) and the shipped minilm's cold request under on-demand control, first
-and after an unload.
+one-server run of issue 54 (the same models under ``ZIPF_LIMIT_MIB``, ``ZIPF_CLIENTS`` clients
+asking with Zipf popularity for ``--residency-seconds``) and the shipped minilm's cold request
+under on-demand control, first and after an unload.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ import random
 import statistics
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -25,9 +25,9 @@ from bench.session import Bench
 
 CLIENTS = 4
 
-ZIPF_MODELS, ZIPF_WEIGHTS_MIB, ZIPF_LIMIT_MIB, ZIPF_CLIENTS = 24, 32, 256, 8
-"""The one-server run: 24 ONNX models of 32 MiB under a 256 MiB limit (about seven resident),
-eight clients (``--quick``: 8 models of 8 MiB under 64 MiB)."""
+ZIPF_LIMIT_MIB, ZIPF_CLIENTS = 256, 8
+"""The one-server run: the phase's 24 ONNX models of 32 MiB under a 256 MiB limit (about seven
+resident), eight clients (``--quick``: 8 models of 8 MiB under 64 MiB)."""
 ZIPF_EXPONENT = 1.1
 """Model ``m<k>`` is asked for in proportion to ``1 / (k + 1) ** ZIPF_EXPONENT``, as a model
 hub's traffic is: with about seven of 24 resident, some 70% of requests could be answered from
@@ -100,15 +100,12 @@ def _loads(url: str, metric: str = "nograd_model_loads_total") -> float:
     return sum(value for (name, _), value in scrape_metrics(url).items() if name == metric)
 
 
-def _zipf_run(bench: Bench, folder: Any) -> dict[str, Any]:
-    """The one-server run: every model asked for with Zipf popularity by ``ZIPF_CLIENTS``
-    clients for the plan's residency seconds, on a server of its own under ``ZIPF_LIMIT_MIB``
-    (the eviction grace as shipped)."""
-    quick = bench.plan.quick
-    count, weights_mib, limit_mib = (
-        (8, 8, 64) if quick else (ZIPF_MODELS, ZIPF_WEIGHTS_MIB, ZIPF_LIMIT_MIB)
-    )
-    repository = onnx_repository(folder / "zipf", count, weights_mib)
+def _zipf_run(bench: Bench, repository: Path, count: int, weights_mib: int) -> dict[str, Any]:
+    """The one-server run: every model of ``repository`` (``count`` of ``weights_mib``) asked
+    for with Zipf popularity by ``ZIPF_CLIENTS`` clients for the plan's residency seconds, on a
+    server of its own under ``ZIPF_LIMIT_MIB`` (``--quick``: 64 MiB; the eviction grace as
+    shipped)."""
+    limit_mib = 64 if bench.plan.quick else ZIPF_LIMIT_MIB
     env = {"NOGRAD_MODEL_CONTROL": "on_demand", "NOGRAD_MEMORY_LIMIT_BYTES": f"{limit_mib}MiB"}
     names = [f"m{index}" for index in range(count)]
     popularity = [1 / (rank + 1) ** ZIPF_EXPONENT for rank in range(count)]
@@ -190,7 +187,7 @@ def phase_residency(bench: Bench) -> None:
         record["exceeds"] = _closed_loop(server.url, names, seconds)
         record["exceeds"]["loads"] = _loads(server.url) - before
     bench.step("residency: one server, Zipf popularity")
-    record["zipf"] = _zipf_run(bench, folder)
+    record["zipf"] = _zipf_run(bench, repository, count, weights_mib)
     bench.step("residency: minilm cold")
     record["minilm"] = _minilm_cold(bench)
     bench.note(
