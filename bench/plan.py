@@ -49,6 +49,7 @@ class Plan:
     process_starts: int = 1  # cold and warm starts of each system, timed alone
     fleet_seconds: float = FLEET_SECONDS  # the fleet phase: clients' seconds per balance
     fleet_rounds: int = FLEET_ROUNDS  # the fleet phase: paired rounds of both balances
+    residency_s: float = 60.0  # the residency phase's one-server Zipf run
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Plan:
@@ -86,4 +87,5 @@ class Plan:
             fleet_seconds=getattr(args, "fleet_seconds", None)
             or (15.0 if quick else FLEET_SECONDS),
             fleet_rounds=getattr(args, "fleet_rounds", None) or (1 if quick else FLEET_ROUNDS),
+            residency_s=getattr(args, "residency_seconds", None) or (10.0 if quick else 60.0),
         )

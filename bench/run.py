@@ -272,6 +272,13 @@ def command_line() -> argparse.ArgumentParser:
         metavar="N",
         help="the fleet phase: paired rounds of both balances (default 2; 1 with --quick)",
     )
+    parser.add_argument(
+        "--residency-seconds",
+        type=float,
+        default=None,
+        metavar="S",
+        help="the residency phase's one-server Zipf run (default 60; 10 with --quick)",
+    )
     parser.add_argument("--skip-levers", action="store_true")
     parser.add_argument("--skip-compile", action="store_true")
     parser.add_argument("--skip-memory", action="store_true")

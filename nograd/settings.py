@@ -158,9 +158,11 @@ class Settings(BaseSettings):
 
     eviction_grace_ms: float = Field(default=1000.0, ge=0.0, le=3_600_000.0)
     """Under ``model_control = on_demand``: a model asked for within this time (from its last
-    request's arrival or answer) is not evicted to make room for another. A load that only such
-    models could make room for waits, within the room wait (``max_queue_wait_s``), for their
-    grace to pass, and past it is refused 503; 0: least recently used, however recently."""
+    request's arrival or answer) is not evicted to make room for another asked for no more often
+    than it (requests counted with a half-life of a minute; a model loaded for one request keeps
+    out no other). A load that only such models could make room for waits, within the room wait
+    (``max_queue_wait_s``), for their grace to pass, and past it is refused 503; 0: the least
+    asked for, however recently."""
 
     max_pending_loads: int = Field(default=8, ge=1, le=1024)
     """Under ``model_control = on_demand``: most loads of different models one worker keeps

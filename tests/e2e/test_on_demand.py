@@ -1,7 +1,7 @@
 """On-demand model control under a memory limit, through a real server: six models of 8 MiB of
 weights each under a limit that holds three. Every request is answered 200 by the model it
 asked for, loading it on its first request (once, however many requests wait), evicting the
-least recently used; a model larger than the limit gets 507 naming the sizes; a model that fails
+least asked for; a model larger than the limit gets 507 naming the sizes; a model that fails
 to load answers its error, without a load per request; the worker's memory stays bounded; the
 files of an evicted model are kept in the page cache."""
 
@@ -28,6 +28,8 @@ MODELS = 6
 MODEL_MIB = 8
 LIMIT_MIB = 28
 """Three models and their smallest batches, not four."""
+EVICTION_ROUNDS = 20
+"""Most rounds over the other models a test asks for before a model asked for more is evicted."""
 HUGE_MIB = 40
 
 CONFIG = """name = "{name}"
@@ -220,8 +222,13 @@ def test_an_evicted_models_files_are_kept_in_the_page_cache(
         drop_cached(files)
         assert min(cached_fraction(path) for path in files) < 1.0
         evictions = metric_value(server.url, "nograd_model_evictions_total", model="m0")
-        for index in range(1, MODELS):  # more than the limit holds: m0 goes first
-            answer_of(client, index)
+        # More than the limit holds, asked for until m0 is the least asked for (the tests
+        # before asked for it too) and goes.
+        for _ in range(EVICTION_ROUNDS):
+            for index in range(1, MODELS):
+                answer_of(client, index)
+            if metric_value(server.url, "nograd_model_evictions_total", model="m0") > evictions:
+                break
         assert metric_value(server.url, "nograd_model_evictions_total", model="m0") > evictions
     deadline = time.monotonic() + 10  # the kernel reads them back asynchronously
     while min(cached_fraction(path) for path in files) < 1.0:
@@ -288,7 +295,7 @@ def test_placement_and_metrics_show_a_model_loaded_on_demand_then_evicted(
     url = server.url
     with httpx.Client(base_url=url, timeout=60) as client:
         answer_of(client, 5)
-        memory, models = placement_of(client)
+        memory, models = agreed_placement(client)
         assert set(models) >= {f"m{i}" for i in range(MODELS)} | {"huge", "broken"}
         held = models["m5"]
         assert held["state"] == "resident", held
@@ -300,17 +307,32 @@ def test_placement_and_metrics_show_a_model_loaded_on_demand_then_evicted(
         assert memory["free_bytes"] == max(0, memory["limit_bytes"] - memory["used_bytes"])
         assert metric_value(url, "nograd_model_resident_bytes", model="m5") == held["bytes"]
         assert metric_value(url, "nograd_memory_limit_bytes") == LIMIT_MIB << 20
-        assert metric_value(url, "nograd_memory_free_bytes") == memory["free_bytes"]
         assert metric_value(url, "nograd_model_inflight_requests", model="m5") == 0
 
-        for index in range(MODELS - 1):  # more than the limit holds: m5 goes first
-            answer_of(client, index)
-        memory, models = placement_of(client)
+        # More than the limit holds, until m5 is the least asked for and goes.
+        for _ in range(EVICTION_ROUNDS):
+            for index in range(MODELS - 1):
+                answer_of(client, index)
+            if placement_of(client)[1]["m5"]["state"] == "not_resident":
+                break
+        memory, models = agreed_placement(client)
         assert (models["m5"]["state"], models["m5"]["bytes"]) == ("not_resident", 0)
         assert metric_value(url, "nograd_model_resident_bytes", model="m5") == 0
         assert metric_value(url, "nograd_model_loading", model="m5") == 0
-        assert metric_value(url, "nograd_memory_free_bytes") == memory["free_bytes"]
         assert memory["used_bytes"] <= LIMIT_MIB << 20
+
+
+def agreed_placement(client: httpx.Client) -> tuple[dict[str, int], dict[str, dict[str, object]]]:
+    """The placement once the metrics say the same room is free: a model answering on an
+    estimate of its memory is profiled at the first quiet moment, which may resize it between
+    two reads (a bounded number of tries)."""
+    for _ in range(50):
+        memory, models = placement_of(client)
+        free = metric_value(str(client.base_url), "nograd_memory_free_bytes")
+        if free == memory["free_bytes"] and placement_of(client)[0] == memory:
+            return memory, models
+        time.sleep(0.1)
+    raise AssertionError(f"the metrics never showed the placement's free room: {memory}, {free}")
 
 
 @pytest.mark.slow

@@ -31,6 +31,32 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
+FILE_DIGESTS_KEPT: Final = 4096
+"""How many files' SHA-256 ``file_sha256`` keeps (the oldest forgotten first): one per model
+file, so a model evicted and loaded again on demand is not read whole just to be recognised."""
+
+_file_digests: dict[str, tuple[tuple[int, ...], bytes]] = {}
+
+
+def file_sha256(path: Path) -> bytes:
+    """The SHA-256 of the file at ``path``, remembered while the file's identity, size and
+    modification and change times stay the same (any write changes the change time)."""
+    info = path.stat()
+    signature = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+    key = str(path)
+    known = _file_digests.get(key)
+    if known is not None and known[0] == signature:
+        return known[1]
+    digest = hashlib.sha256()
+    hash_file(digest, path)
+    value = digest.digest()
+    _file_digests.pop(key, None)
+    _file_digests[key] = (signature, value)
+    while len(_file_digests) > FILE_DIGESTS_KEPT:
+        del _file_digests[next(iter(_file_digests))]
+    return value
+
+
 def hash_file(digest: hashlib._Hash, path: Path) -> None:
     """Feed the file's bytes to ``digest`` a chunk at a time: an artifact of hundreds of MiB is
     never held whole (a load would count it as its model's memory)."""

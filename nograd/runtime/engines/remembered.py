@@ -21,7 +21,7 @@ import torch
 
 from nograd.runtime.engines.artifacts import (
     cache_file,
-    hash_file,
+    file_sha256,
     hash_tensor,
     onnxruntime_version,
     write_text_atomically,
@@ -83,7 +83,7 @@ def model_digest(handler: ModelHandler, limit: int, code: Sequence[Path]) -> str
         digest.update(part.encode() + b"\0")
     for path in code:
         if path.is_file():
-            hash_file(digest, path)
+            digest.update(file_sha256(path))
     state = handler.module.state_dict() if handler.module is not None else {}
     for name in sorted(state):
         tensor = state[name]

@@ -57,6 +57,7 @@ from nograd.serving.residency.frozen_heap import (
     frozen_since,
     settle_heap,
     settle_new_libraries,
+    still_alive,
 )
 from nograd.settings import Settings
 
@@ -218,9 +219,11 @@ class ModelLoader:
         if self._settings.warmup and handler.synthetic_inputs:
             started = time.perf_counter()
             # Measured as it runs when the model is to answer before its profile: the estimate
-            # it is planned on until then (one reading per batch, no fresh session).
-            probe = ProcessPeakProbe(runs=1) if estimate else None
-            points = warm_up(handler, self._limit(config), probe=probe)
+            # it is planned on until then (one reading per batch, no fresh session). Loaded
+            # again with its cost measured here before, one round pays what its shapes set up.
+            again = estimate and self.profiles.measured_before(model, handler, self._limit(config))
+            probe = ProcessPeakProbe(runs=1) if estimate and not again else None
+            points = warm_up(handler, self._limit(config), 1 if again else 2, probe)
             if estimate:
                 self.profiles.warmed_up(model, points)
             model.warmup_seconds += time.perf_counter() - started
@@ -355,13 +358,18 @@ class ModelLoader:
         model.state = State.UNLOADED
         device = handler.device if handler is not None else None
         executor = self.threads.executor(device) if device is not None else None
+        # What the version alone owns, watched before its clean-up lets any of it go.
+        owned = (getattr(handler, part, None) for part in ("module", "speed_path"))
+        alive = still_alive(handler, code, *owned)
         if handler is not None:
             await asyncio.get_running_loop().run_in_executor(executor, _close, model, handler)
         del handler
         if code is not None:
             forget_module(code)
         del code
-        await asyncio.get_running_loop().run_in_executor(executor, release_memory, device, frozen)
+        await asyncio.get_running_loop().run_in_executor(
+            executor, release_memory, device, frozen, alive
+        )
         if (unpacked := self._unpacked.pop(id(model), None)) is not None:
             await asyncio.get_running_loop().run_in_executor(None, release, unpacked)
 
@@ -403,12 +411,14 @@ def input_names(part: TensorPart) -> frozenset[str]:
     return frozenset(part.tensors)
 
 
-def release_memory(device: torch.device | None, frozen: bool) -> None:
-    """Collect what a freed model left (the whole heap when some of it was ``frozen``,
-    :func:`nograd.serving.residency.frozen_heap.collect_freed`), then return the device's cached
-    blocks and the C heap's free pages; off the event loop (the heap's release locks each arena
-    while it walks it)."""
-    collect_freed(frozen)
+def release_memory(
+    device: torch.device | None, frozen: bool, alive: Callable[[], bool] = lambda: True
+) -> None:
+    """Collect what a freed model left (the whole heap when some of it was ``frozen`` and is
+    ``alive`` still, :func:`nograd.serving.residency.frozen_heap.collect_freed`), then return
+    the device's cached blocks and the C heap's free pages; off the event loop (the heap's
+    release locks each arena while it walks it)."""
+    collect_freed(frozen, alive)
     if device is not None and device.type == "cuda":
         torch.cuda.empty_cache()
     release_free_memory()

@@ -20,6 +20,7 @@ from nograd.runtime.memory.cost import Point
 from nograd.runtime.memory.fits import RangedCost
 from nograd.runtime.planner import ProfileStopped, estimated_cost
 from nograd.runtime.remembered_profile import profile_or_recall, remembered
+from nograd.runtime.runners import Handler
 from nograd.schema.config import ModelConfig
 from nograd.serving.registry import ServedModel
 from nograd.settings import Settings
@@ -27,12 +28,15 @@ from nograd.settings import Settings
 logger = logging.getLogger(__name__)
 
 
-def _profile_key(model: ServedModel, cap: int) -> tuple[object, ...]:
+def _profile_key(
+    model: ServedModel, cap: int, handler: Handler | None = None
+) -> tuple[object, ...]:
     """What a model's measured activation cost depends on: its files, its override, its device,
-    its batch cap and the engines serving its batch sizes."""
-    assert model.handler is not None
-    engines = tuple((most, path.name) for most, path in serving_ranges(model.handler))
-    device = device_label(model.handler.device)
+    its batch cap and the engines serving its batch sizes (of ``handler``, else its own)."""
+    handler = handler or model.handler
+    assert handler is not None
+    engines = tuple((most, path.name) for most, path in serving_ranges(handler))
+    device = device_label(handler.device)
     return (model.fingerprint, repr(model.override), device, cap, engines)
 
 
@@ -60,6 +64,12 @@ class MemoryProfiles:
         """By version (its id), its warm-up batches as measured (estimating loads only)."""
         self._unmeasured: dict[tuple[str, str], ServedModel] = {}
         """The versions serving on an estimate, by name and version, until ``measure``."""
+
+    def measured_before(self, model: ServedModel, handler: Handler, cap: int) -> bool:
+        """Whether this process measured the cost of ``model`` as ``handler`` serves it, at an
+        earlier load (evicted and loaded again on demand): its warm-up need measure nothing."""
+        known = self._profiles.get((model.name, model.version))
+        return known is not None and known[0] == _profile_key(model, cap, handler)
 
     def warmed_up(self, model: ServedModel, points: list[Point]) -> None:
         """Keep the batches an estimating load's warm-up measured, for its plan."""

@@ -24,6 +24,8 @@ from __future__ import annotations
 import gc
 import logging
 import sys
+import weakref
+from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -73,14 +75,18 @@ def settle_new_libraries() -> None:
     settle_heap()
 
 
-def collect_freed(frozen: bool) -> None:
-    """Collect what a freed model left unreachable: the unfrozen heap when none of it was
-    frozen; else unfreeze everything, collect it all and freeze what is left again."""
-    if not frozen:
-        gc.collect()
-        return
-    gc.unfreeze()
-    settle_heap()
+def collect_freed(frozen: bool, alive: Callable[[], bool] = lambda: True) -> None:
+    """Collect what a freed model left unreachable: the unfrozen heap first; when some of it
+    was frozen and ``alive`` says the model's objects still live (a frozen cycle holds them),
+    unfreeze everything, collect it all and freeze what is left again.
+
+    A frozen model whose objects went with their last reference (an engine session, no cycle)
+    needs no walk of the frozen heap: besides pausing every thread, that walk would freeze the
+    models resident then, making each of their evictions walk it again in turn."""
+    gc.collect()
+    if frozen and alive():
+        gc.unfreeze()
+        settle_heap()
 
 
 def library_modules() -> frozenset[str]:
@@ -90,3 +96,18 @@ def library_modules() -> frozenset[str]:
         for name in list(sys.modules)
         if name != MODEL_CODE and not name.startswith(MODEL_CODE + ".")
     )
+
+
+def still_alive(*objects: object) -> Callable[[], bool]:
+    """Whether any of ``objects`` (a freed version's handler and code) still lives once its
+    last reference is dropped: then a cycle holds it. An object that takes no weak reference
+    counts as alive, so a frozen one is still collected by a walk of the whole heap."""
+    refs: list[weakref.ref[object]] = []
+    for each in objects:
+        if each is None:
+            continue
+        try:
+            refs.append(weakref.ref(each))
+        except TypeError:
+            return lambda: True
+    return lambda: any(ref() is not None for ref in refs)

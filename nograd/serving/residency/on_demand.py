@@ -365,18 +365,27 @@ class OnDemand:
         if self._warm_bytes <= 0:
             return
         try:
-            source = find_source(self._root, self._store, evicted)
+            # Off the event loop: reading its config again and listing its files would hold
+            # the requests of the resident models for as long.
+            files = await asyncio.to_thread(self._files_of, evicted)
         except (ModelNotFound, InvalidInput):
             return
         self._warm.pop(evicted, None)
-        self._warm[evicted] = model_files(v.directory for v in source.versions.values())
+        self._warm[evicted] = files
         while sum(size for files in self._warm.values() for _, size in files) > self._warm_bytes:
             del self._warm[next(iter(self._warm))]
         paths = [path for files in self._warm.values() for path, _ in files]
         await asyncio.get_running_loop().run_in_executor(None, keep_warm, paths)
 
+    def _files_of(self, name: str) -> list[tuple[Path, int]]:
+        """The files of every version of ``name`` on disk, with their sizes."""
+        source = find_source(self._root, self._store, name)
+        return model_files(v.directory for v in source.versions.values())
+
     def _idle(self, name: str) -> bool:
-        return not self.residency.kept(name)
+        """Whether ``name``, chosen to make room (``Residency.victims``, which weighed its
+        grace against the model coming in), is still idle: no request took hold of it since."""
+        return not self.residency.held(name)
 
     # ------------------------------------------------------------------ accounting
     def _measured(self, name: str) -> int:

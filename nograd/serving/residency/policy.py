@@ -1,11 +1,15 @@
 """Which models stay resident under a memory limit (``NOGRAD_MODEL_CONTROL=on_demand``).
 
-The policy alone, without torch or the event loop: what each resident model holds, when it was
-last asked for and whether a request holds it; which to evict, least recently used first (ties:
-the quickest to load again), so that a model to load fits. A model a request holds (queued,
-running, or still being read), one asked for within the grace period (``grace_s``, from its
-last request's arrival or answer) and a pinned one are never chosen: a client cycling through
-cold models cannot evict a model in steady use between two of its requests.
+The policy alone, without torch or the event loop: what each resident model holds, how often and
+when it was last asked for and whether a request holds it; which to evict, the least asked for
+first (requests counted with a half-life, ``POPULARITY_HALF_LIFE_S``; ties: the least recently
+used, then the quickest to load again), so that a model to load fits. Under skewed traffic a
+model asked for once leaves before a popular one that a burst of misses made the least recently
+used. A model a request holds (queued, running, or still being read) and a pinned one are never
+chosen, nor one asked for within the grace period (``grace_s``, from its last request's arrival
+or answer) for a model asked for less: a client cycling through cold models cannot evict a model
+in steady use between two of its requests, while a model loaded for one request does not make
+the next miss wait for its grace.
 """
 
 from __future__ import annotations
@@ -17,6 +21,15 @@ from dataclasses import dataclass, field
 from nograd.serving.errors import LargerThanLimit, NoRoomNow
 
 MIB = 1 << 20
+
+POPULARITY_HALF_LIFE_S = 60.0
+"""How long until a request counts half towards its model's popularity (what evictions spare):
+long enough to tell a popular model from one asked for once, short enough that a model no longer
+asked for stops counting as popular within minutes."""
+
+POPULARITY_KEPT = 4096
+"""Most model names whose popularity is kept: past it, the least asked for half of the models
+not resident are forgotten (a client naming models that do not exist holds nothing for good)."""
 
 
 def mib(size: int) -> str:
@@ -57,6 +70,9 @@ class Residency:
     peak_per_file_byte: float = 1.0
     """The largest ratio seen of a load's peak to the size of the model's files: what a first
     load of a model is expected to take per byte of its files."""
+    asked: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Per model, resident or not, its requests counted with a half-life and when that count was
+    last brought up to date (``popularity``): a model evicted and loaded again keeps its count."""
 
     @property
     def used(self) -> int:
@@ -69,7 +85,28 @@ class Residency:
 
     def hold(self, name: str) -> None:
         self.holds[name] = self.holds.get(name, 0) + 1
+        now = self.clock()
+        self.asked[name] = (self._decayed(name, now) + 1.0, now)
+        if len(self.asked) > POPULARITY_KEPT:
+            self._forget_the_least_asked(now)
         self.touch(name)
+
+    def _forget_the_least_asked(self, now: float) -> None:
+        """Forget the least asked for half of the models not resident."""
+        others = sorted(
+            (name for name in self.asked if name not in self.resident),
+            key=lambda other: self._decayed(other, now),
+        )
+        for name in others[: max(1, len(others) // 2)]:
+            del self.asked[name]
+
+    def popularity(self, name: str) -> float:
+        """The requests for ``name`` so far, each halved every ``POPULARITY_HALF_LIFE_S``."""
+        return self._decayed(name, self.clock())
+
+    def _decayed(self, name: str, now: float) -> float:
+        count, since = self.asked.get(name, (0.0, now))
+        return float(count * 0.5 ** ((now - since) / POPULARITY_HALF_LIFE_S))
 
     def release(self, name: str) -> bool:
         """One request for ``name`` is answered (its grace starts again); True when none holds
@@ -94,14 +131,25 @@ class Residency:
         """Whether ``name`` may not be evicted now: a request holds it or it is in its grace."""
         return self.held(name) or self.in_grace(name)
 
+    def kept_from(self, incoming: str) -> Callable[[str], bool]:
+        """Whether a model may not be evicted for ``incoming``: a request holds it, or it is in
+        its grace and asked for at least as much as ``incoming`` (``popularity``). A model
+        loaded for one request does not keep out the next model asked for as often; a model
+        in steady use keeps out every model asked for less."""
+        wanted = self.popularity(incoming)
+        return lambda name: (
+            self.held(name) or (self.in_grace(name) and self.popularity(name) >= wanted)
+        )
+
     def grace_ends_in(self, name: str) -> float | None:
         """Seconds until the first model besides ``name`` that only its grace keeps (not held,
         not pinned) may be evicted; None when no model is kept by its grace alone."""
         now = self.clock()
+        kept = self.kept_from(name)
         ends = [
             r.last_used + self.grace_s - now
             for r in self.resident.values()
-            if r.name != name and not r.pinned and not self.held(r.name) and self.in_grace(r.name)
+            if r.name != name and not r.pinned and not self.held(r.name) and kept(r.name)
         ]
         return max(0.0, min(ends)) if ends else None
 
@@ -149,7 +197,9 @@ class Residency:
         recently used first (ties: the quickest to load again); ``LargerThanLimit`` when even
         an empty set of evictable models leaves too little, ``NoRoomNow`` when requests hold
         the models that would have to go."""
-        return choose_victims(self.resident.values(), name, needed, self.limit, self.kept)
+        return choose_victims(
+            self.resident.values(), name, needed, self.limit, self.kept_from(name), self.popularity
+        )
 
     def short_of(self, name: str, needed: int) -> bool:
         """Whether ``needed`` bytes (at most the limit) do not fit beside the other resident
@@ -162,10 +212,11 @@ class Residency:
     def idle_victims(self, name: str, needed: int) -> list[str]:
         """Like ``victims``, as far as idle models that are not pinned go: room for a load's
         passing peak, made where it can be without waiting (up to the whole limit)."""
-        evictable = [r for r in self.resident.values() if not r.pinned and not self.kept(r.name)]
+        kept = self.kept_from(name)
+        evictable = [r for r in self.resident.values() if not r.pinned and not kept(r.name)]
         free = self.limit - sum(r.bytes for r in self.resident.values() if r.name != name)
         chosen: list[str] = []
-        for entry in sorted(evictable, key=lambda r: (r.last_used, r.load_seconds)):
+        for entry in sorted(evictable, key=eviction_order(self.popularity)):
             if free >= min(needed, self.limit):
                 break
             if entry.name != name:
@@ -174,15 +225,25 @@ class Residency:
         return chosen
 
 
+def eviction_order(
+    popularity: Callable[[str], float],
+) -> Callable[[Resident], tuple[float, float, float]]:
+    """The key that sorts resident models in the order they go: the least asked for first
+    (``popularity``), then the least recently used, then the quickest to load again."""
+    return lambda r: (popularity(r.name), r.last_used, r.load_seconds)
+
+
 def choose_victims(
     resident: Iterable[Resident],
     name: str,
     needed: int,
     limit: int,
     held: Callable[[str], bool] = lambda _: False,
+    popularity: Callable[[str], float] = lambda _: 0.0,
 ) -> list[str]:
     """The pure rule behind ``Residency.victims``; ``held``: whether a model may not go now (a
-    request holds it, or its grace keeps it)."""
+    request holds it, or its grace keeps it); ``popularity``: how much each model is asked for
+    (``Residency.popularity``)."""
     others = [r for r in resident if r.name != name]
     pinned = sum(r.bytes for r in others if r.pinned)
     if needed + pinned > limit:
@@ -194,7 +255,7 @@ def choose_victims(
     free = limit - sum(r.bytes for r in others)
     chosen: list[str] = []
     waiting = 0
-    for entry in sorted(others, key=lambda r: (r.last_used, r.load_seconds)):
+    for entry in sorted(others, key=eviction_order(popularity)):
         if free >= needed:
             break
         if entry.pinned:

@@ -32,3 +32,34 @@ def test_the_section_shows_cold_resident_and_both_working_sets() -> None:
     assert "| 3 models (fits the limit) | 500 | 7.0 | 20.0 | 0 | 0 |" in text
     assert "| 8 models (exceeds the limit) | 20.0 | 150 | 900 | 40 | 0 |" in text
     assert residency_section({}, "2 cores") == []
+
+
+def test_the_section_shows_the_zipf_run_and_minilm_cold() -> None:
+    record = {
+        **dict.fromkeys(("models", "weights_mib"), 8),
+        "limit_mib": 64,
+        "clients": 4,
+        "seconds": 6.0,
+        "cold_ms": [200.0],
+        "resident_ms": [2.0],
+        "zipf": {
+            "models": 24,
+            "answered_models": 24,
+            "weights_mib": 32,
+            "limit_mib": 256,
+            "clients": 8,
+            "seconds": 60.0,
+            "rps": 12.5,
+            "p50_ms": 40.0,
+            "p99_ms": 2000.0,
+            "loads": 300,
+            "evictions": 290,
+            "wrong": 0,
+        },
+        "minilm": {"cold_ms": 1500.0, "cold_status": 200, "resident_ms": 9.0},
+    }
+    text = "\n".join(residency_section({"residency": record}, "2 cores"))
+    assert "NOGRAD_MEMORY_LIMIT_BYTES=256MiB`, 8 clients asking with Zipf popularity" in text
+    assert "| 12.5 | 40.0 | 2,000 | 24 of 24 | 300 | 290 | 0 |" in text
+    assert "| first request (loads it) | 1,500 | 200 |" in text
+    assert "| first after an unload | – | – |" in text

@@ -19,6 +19,7 @@ from nograd.serving.residency.frozen_heap import (
     frozen_since,
     settle_heap,
     settle_new_libraries,
+    still_alive,
 )
 
 
@@ -87,3 +88,40 @@ def test_only_a_new_library_freezes_the_heap_again() -> None:
     finally:
         del sys.modules[model_code]
         sys.modules.pop(library, None)
+
+
+def test_a_frozen_model_freed_by_its_last_reference_leaves_the_heap_frozen() -> None:
+    """A frozen model whose objects went with their last reference (no cycle holds them) is
+    not a reason to walk the frozen heap: that walk would freeze the models resident then,
+    and each of their evictions would walk it again in turn."""
+    kept = Node()
+    alive = weakref.ref(kept)
+    settle_heap()
+    mark = freezes() - 1
+    del kept
+    collect_freed(frozen_since(mark), lambda: alive() is not None)
+    assert freezes() == mark + 1, "the frozen heap was walked for a model already freed"
+
+
+def test_a_frozen_model_a_cycle_still_holds_is_collected_by_a_walk() -> None:
+    a, b = Node(), Node()
+    a.other, b.other = b, a
+    ref = weakref.ref(a)
+    settle_heap()
+    mark = freezes() - 1
+    del a, b
+    collect_freed(frozen_since(mark), lambda: ref() is not None)
+    assert ref() is None
+    assert freezes() == mark + 2 and gc.get_freeze_count() > 0
+
+
+def test_still_alive_tells_a_freed_object_from_one_a_cycle_holds() -> None:
+    a, b, freed = Node(), Node(), Node()
+    a.other, b.other = b, a
+    held = still_alive(a, None)
+    gone = still_alive(freed)
+    del a, b, freed
+    assert held() and not gone()
+    gc.collect()
+    assert not held()
+    assert still_alive(1)(), "an object without weak references counts as alive"

@@ -6,14 +6,24 @@ eviction, it is planned on that profile at once."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from bench.residency_models import MIB, write_onnx_model
 from nograd.observability.metrics import Metrics
+from nograd.runtime.memory.cost import Point
 from nograd.runtime.memory.fits import Verdict
+from nograd.runtime.runners import Handler
+from nograd.runtime.warmup import warm_up
+from nograd.serving.control import loading
 from nograd.serving.control.model_control import ModelControl
+from nograd.serving.control.repository import find_source
 from nograd.serving.dataplane import DataPlane
+from nograd.serving.residency import on_demand as on_demand_module
 from nograd.serving.residency.on_demand import OnDemand
 from nograd.settings import Settings
 
@@ -31,9 +41,8 @@ async def until_measured(plane: DataPlane, name: str, timeout_s: float = 60.0) -
         await asyncio.sleep(0.05)
 
 
-async def test_a_cold_model_answers_on_an_estimate_then_counts_its_measured_profile(
-    tmp_path: Path,
-) -> None:
+async def one_model_on_demand(tmp_path: Path) -> tuple[DataPlane, ModelControl]:
+    """A plane under on-demand control over one small ONNX model, ``m3``, none loaded."""
     write_onnx_model(tmp_path / "repo" / "m3", 3, 2)
     settings = Settings(
         model_repository=tmp_path / "repo",
@@ -46,6 +55,47 @@ async def test_a_cold_model_answers_on_an_estimate_then_counts_its_measured_prof
     await control.open()
     control.discover()
     await plane.load_all()  # the start-up set (none): later loads are on demand
+    return plane, control
+
+
+async def test_an_eviction_reads_the_files_to_keep_warm_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The requests of the resident models wait for nothing an eviction reads from disk."""
+    read_on: list[threading.Thread] = []
+
+    def recorded_find_source(*args: Any) -> Any:
+        read_on.append(threading.current_thread())
+        return find_source(*args)
+
+    plane, control = await one_model_on_demand(tmp_path)
+    on_demand = OnDemand(control, plane, plane.metrics)
+    monkeypatch.setattr(on_demand_module, "find_source", recorded_find_source)
+    try:
+        on_demand.opened()
+        held = on_demand.hold("m3")
+        await on_demand.ensure(held)
+        on_demand.release(held)
+        read_on.clear()
+        assert await on_demand._evict("m3", "memory")
+        assert read_on and threading.main_thread() not in read_on
+        assert "m3" in on_demand._warm
+    finally:
+        await control.close()
+        await plane.stop(0)
+
+
+async def test_a_cold_model_answers_on_an_estimate_then_counts_its_measured_profile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rounds: list[int] = []
+
+    def counted_warm_up(handler: Handler, limit: int, *args: Any, **kwargs: Any) -> list[Point]:
+        rounds.append(args[0] if args else kwargs.get("rounds", 2))
+        return warm_up(handler, limit, *args, **kwargs)
+
+    monkeypatch.setattr(loading, "warm_up", counted_warm_up)
+    plane, control = await one_model_on_demand(tmp_path)
     on_demand = OnDemand(control, plane, plane.metrics)
     try:
         on_demand.opened()
@@ -70,13 +120,15 @@ async def test_a_cold_model_answers_on_an_estimate_then_counts_its_measured_prof
         assert on_demand.residency.measured["m3"] == on_demand.residency.resident["m3"].bytes
         assert list((tmp_path / "cache").rglob("m3-v1-profile-*.json"))
 
-        # Unloaded and asked for again: planned on the measured profile at once.
+        # Unloaded and asked for again: planned on the measured profile at once, and warmed up
+        # by one round, measuring nothing (the first load's two rounds measured its estimate).
         await control.apply({"op": "unload", "name": "m3"})
         held = on_demand.hold("m3")
         await on_demand.ensure(held)
         on_demand.release(held)
         assert not plane.unmeasured("m3")
         assert Verdict.ESTIMATED not in verdicts(plane, "m3")
+        assert rounds == [2, 1]
     finally:
         await control.close()
         await plane.stop(0)

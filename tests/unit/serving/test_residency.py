@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from nograd.serving.errors import LargerThanLimit, NoRoomNow
-from nograd.serving.residency.policy import Residency, Resident, choose_victims
+from nograd.serving.residency.policy import (
+    POPULARITY_HALF_LIFE_S,
+    POPULARITY_KEPT,
+    Residency,
+    Resident,
+    choose_victims,
+)
 from nograd.settings import Settings
 
 MIB = 1 << 20
@@ -189,3 +195,73 @@ def test_a_model_asked_for_within_its_grace_is_not_evicted() -> None:
     resident.release("hot")
     clock.now += 1.0
     assert resident.victims("next", 20 * MIB) == ["cold", "hot"]
+
+
+def test_a_popular_model_outlasts_one_asked_for_once_more_recently() -> None:
+    """Skewed traffic: the model most asked for is spared though the clients waiting on loads
+    made it the least recently used; a model asked for once goes first."""
+    clock = StillClock()
+    resident = Residency(20 * MIB, clock=clock)
+    resident.admit("popular", 10 * MIB, pinned=False, load_seconds=1.0)
+    for _ in range(5):
+        resident.hold("popular")
+        clock.now += 1.0
+        resident.release("popular")
+    resident.admit("once", 10 * MIB, pinned=False, load_seconds=1.0)
+    resident.hold("once")
+    clock.now += 1.0
+    resident.release("once")
+    assert resident.victims("next", 10 * MIB) == ["once"]
+    assert resident.idle_victims("next", 10 * MIB) == ["once"]
+
+
+def test_popularity_halves_with_its_half_life() -> None:
+    """A model asked for often long ago counts less than one asked for now: popularity follows
+    the traffic as it moves, and a model evicted keeps its count for its next load."""
+    clock = StillClock()
+    resident = Residency(20 * MIB, clock=clock)
+    for _ in range(4):
+        resident.hold("old")
+        resident.release("old")
+    resident.evicted("old")
+    clock.now += 2 * POPULARITY_HALF_LIFE_S
+    assert resident.popularity("old") == pytest.approx(1.0)
+    resident.hold("new")
+    resident.hold("new")
+    assert resident.popularity("new") > resident.popularity("old")
+
+
+def test_popularity_is_kept_for_a_bounded_number_of_names() -> None:
+    """A client naming ever new models (each refused 404 later) leaves a bounded account."""
+    clock = StillClock()
+    resident = Residency(20 * MIB, clock=clock)
+    resident.admit("kept", 10 * MIB, pinned=False, load_seconds=1.0)
+    resident.hold("kept")
+    for index in range(POPULARITY_KEPT + 10):
+        clock.now += 0.001
+        resident.hold(f"unknown-{index}")
+        resident.release(f"unknown-{index}")
+    assert len(resident.asked) <= POPULARITY_KEPT
+    assert "kept" in resident.asked and f"unknown-{POPULARITY_KEPT + 9}" in resident.asked
+
+
+def test_a_grace_keeps_out_only_models_asked_for_less() -> None:
+    """Misses one after another: a model loaded for one request, still in its grace, makes
+    room for the next model asked for as often (a load no longer waits for that grace), while
+    the model in steady use keeps out both."""
+    clock = StillClock()
+    resident = Residency(20 * MIB, clock=clock, grace_s=1.0)
+    resident.admit("steady", 10 * MIB, pinned=False, load_seconds=1.0)
+    for _ in range(3):
+        resident.hold("steady")
+        clock.now += 0.1
+        resident.release("steady")
+    resident.hold("once")
+    resident.admit("once", 10 * MIB, pinned=False, load_seconds=1.0)
+    clock.now += 0.1
+    resident.release("once")
+    resident.hold("next")  # its request arrived: it is asked for once, as "once" was
+    assert resident.victims("next", 10 * MIB) == ["once"]
+    assert resident.grace_ends_in("next") == pytest.approx(0.9)  # steady's grace
+    with pytest.raises(NoRoomNow, match="NOGRAD_EVICTION_GRACE_MS"):
+        resident.victims("next", 20 * MIB)

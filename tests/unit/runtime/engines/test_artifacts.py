@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
 
+from nograd.runtime.engines import artifacts
 from nograd.runtime.engines.artifacts import cached
 from nograd.runtime.engines.errors import ArtifactError
 
@@ -54,3 +56,23 @@ def test_an_artifact_is_built_once_inside_the_cache(tmp_path: Path) -> None:
     again = cached(cache, "m-v1", "onnx", "key", build)
     assert first == again == cache.resolve() / "m-v1-onnx-key.onnx"
     assert build.targets == [first]
+
+
+def test_a_file_digest_is_remembered_until_the_file_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model loaded again (evicted on demand, then asked for) is recognised without reading
+    its weights file whole again; a file rewritten is read again."""
+    weights = tmp_path / "model.onnx"
+    weights.write_bytes(b"first")
+    first = artifacts.file_sha256(weights)
+    assert first == hashlib.sha256(b"first").digest()
+
+    def read_again(*args: object) -> None:
+        raise AssertionError("an unchanged file was read again")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(artifacts, "hash_file", read_again)
+        assert artifacts.file_sha256(weights) == first
+    weights.write_bytes(b"other")
+    assert artifacts.file_sha256(weights) == hashlib.sha256(b"other").digest()
