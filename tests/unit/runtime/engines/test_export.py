@@ -15,6 +15,7 @@ from nograd.runtime.engines.export import ExportError, export_model
 from nograd.runtime.handler import ModelHandler, TorchRunner
 from nograd.runtime.loader import LoadError, build_handler
 from nograd.schema.config import find_config, load_config
+from tests.shipped_exports import shipped_export
 from tests.unit.runtime.engines.tiny import tiny_folder
 
 ROOT = Path(__file__).resolve().parents[4]
@@ -49,27 +50,44 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.fixture(scope="module")
+def eager_digits(repository: Path) -> dict[str, np.ndarray]:
+    """digits' answers on eager torch, every format's reference."""
+    return digits_outputs(load(repository / "digits"))
+
+
+@pytest.fixture(scope="module")
+def eager_minilm(repository: Path) -> dict[str, np.ndarray]:
+    """minilm's answers on eager torch: loaded once, each load costs seconds."""
+    return minilm_outputs(load(repository / "minilm"))
+
+
 @pytest.mark.parametrize("to", ["onnx", "torch_export", "aoti", "torchscript"])
-def test_digits_round_trips_through_each_format(repository: Path, to: str) -> None:
-    done = export_model(repository / "digits", to)
-    assert done.folder == repository / f"digits-{to}"
-    served = load(done.folder)
+def test_digits_round_trips_through_each_format(
+    eager_digits: dict[str, np.ndarray], to: str
+) -> None:
+    """Exported once per run (``tests/shipped_exports.py``): the end-to-end tests serve the same
+    folders."""
+    folder = shipped_export("digits", to)
+    served = load(folder)
     assert served.speed_mode == to
     assert served.config.format == to
-    expected = digits_outputs(load(repository / "digits"))
+    expected = eager_digits
     got = digits_outputs(served)
     np.testing.assert_allclose(got["logits"], expected["logits"], atol=1e-4)
     np.testing.assert_array_equal(got["label"], expected["label"])
 
 
 @pytest.mark.parametrize("to", ["onnx", "torch_export", "torchscript"])
-def test_minilm_round_trips_with_its_tokenizer_kept(repository: Path, to: str) -> None:
-    done = export_model(repository / "minilm", to)
-    assert (done.folder / "model.py").is_file()  # the tokenizer and naming hooks
-    served = load(done.folder)
+def test_minilm_round_trips_with_its_tokenizer_kept(
+    eager_minilm: dict[str, np.ndarray], to: str
+) -> None:
+    folder = shipped_export("minilm", to)
+    assert (folder / "model.py").is_file()  # the tokenizer and naming hooks
+    served = load(folder)
     # The artifact holds the weights; the handler loaded none of its own.
     assert served.module is None and served.weights_bytes == 0
-    expected = minilm_outputs(load(repository / "minilm"))
+    expected = eager_minilm
     got = minilm_outputs(served)
     np.testing.assert_allclose(got["embedding"], expected["embedding"], atol=1e-5)
     np.testing.assert_array_equal(got["token_count"], expected["token_count"])
@@ -165,9 +183,11 @@ def test_the_export_command_writes_torchscript_as_triton_s_pytorch_backend_runs_
 
 
 @pytest.mark.slow
-def test_minilm_round_trips_through_aoti(repository: Path) -> None:
+def test_minilm_round_trips_through_aoti(
+    repository: Path, eager_minilm: dict[str, np.ndarray]
+) -> None:
     """AOTInductor compiles minilm in minutes on 2 cores: make test-slow runs it."""
     done = export_model(repository / "minilm", "aoti")
-    expected = minilm_outputs(load(repository / "minilm"))
+    expected = eager_minilm
     got = minilm_outputs(load(done.folder))
     np.testing.assert_allclose(got["embedding"], expected["embedding"], atol=1e-5)
