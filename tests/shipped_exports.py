@@ -1,10 +1,11 @@
-"""The shipped models exported once per test run: an export of minilm takes seconds of both cores,
-and the export tests and the tests that serve exported folders ask for the same ones.
+"""The shipped models' exports and built engines, made once per test run: an export or an ONNX
+build of minilm takes seconds of both cores, and several tests ask for the same ones.
 
-Each export lives in the run's engine cache (``NOGRAD_ENGINE_CACHE``, which every parallel worker
-inherits from ``tests/conftest.py`` or ``make test``), under a key of the model's files, nograd's
-source and torch's version: a cache kept between runs never hands back an export of other code.
-A file lock lets whichever test asks first export it while another worker asking waits for it.
+Both live in the run's engine cache (``NOGRAD_ENGINE_CACHE``, which every parallel worker inherits
+from ``tests/conftest.py`` or ``make test``). An export is kept under a key of the model's files,
+nograd's source and torch's version, a built engine under the key the server names it by (its
+engine, libraries, code and weights): a cache kept between runs never hands back one of other
+code. A file lock lets whichever test comes first make one while another worker asking waits.
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ from pathlib import Path
 
 import torch
 
+from nograd.core.engines import ENGINES
 from nograd.runtime.engines.export import export_model
 
 ROOT = Path(__file__).resolve().parents[1]
+BUILT_SUFFIXES = frozenset(row.suffix for row in ENGINES if row.suffix)
+"""The artifacts a server builds into its engine cache (``<model>-v<version>-<engine>-<key>``)."""
 
 
 def _source_key(name: str) -> str:
@@ -56,3 +60,47 @@ def shipped_export(name: str, to: str) -> Path:
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return folder
+
+
+def _built_engines() -> Path:
+    store = Path(os.environ["NOGRAD_ENGINE_CACHE"]) / "built-engines"
+    store.mkdir(parents=True, exist_ok=True)
+    return store
+
+
+def _copy_artifacts(source: Path, target: Path) -> None:
+    """The engine artifacts directly in ``source`` that ``target`` lacks, each copied beside its
+    place and renamed into it: a server opening ``target`` never finds half a file."""
+    target.mkdir(parents=True, exist_ok=True)
+    for path in sorted(source.iterdir()):
+        whole = path.is_file() and not path.name.startswith(".")
+        if whole and path.suffix in BUILT_SUFFIXES and not (target / path.name).exists():
+            copying = target / f".{path.name}.copying"
+            shutil.copyfile(path, copying)
+            copying.rename(target / path.name)
+
+
+def publish_built_engines(cache: Path) -> None:
+    """Offer the engines a test's server built into its own ``cache`` to the rest of the run
+    (``seed_built_engines``): its choices and memory profiles stay its own."""
+    store = _built_engines()
+    with (store / ".lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            _copy_artifacts(cache, store)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def seed_built_engines(cache: Path) -> None:
+    """Put the engines another test of the run built (``publish_built_engines``) into ``cache``:
+    a server of the same model code and weights opens them instead of building them again, and
+    still checks, times and profiles them itself. For tests about what a server measures, not
+    about building: with nothing published yet, the server builds them as usual."""
+    store = _built_engines()
+    with (store / ".lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            _copy_artifacts(store, cache)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

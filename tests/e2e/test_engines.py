@@ -18,7 +18,7 @@ from nograd.runtime.loader import build_handler
 from nograd.schema.config import load_config
 from tests.e2e.serving import ROOT, Server, metric_value, run_server
 from tests.e2e.test_server import metrics, output
-from tests.shipped_exports import shipped_export
+from tests.shipped_exports import publish_built_engines, shipped_export
 
 pytestmark = pytest.mark.e2e
 
@@ -67,6 +67,7 @@ def test_shipped_models_on_auto_then_a_restart_reuses_the_built_engines(
         eager_server_labels = digits_labels(server.url, "digits")
         np.testing.assert_allclose(embed(server.url, "minilm"), eager_embeddings, atol=1e-5)
     assert len(list((tmp_path / "cache").glob("*.onnx"))) == 2
+    publish_built_engines(tmp_path / "cache")
     with run_server(tmp_path, env=env, ready_timeout_s=240) as again:
         log = again.log()
         # Same files and versions: the choice itself comes from the cache, nothing is exported,
