@@ -14,6 +14,8 @@ import fcntl
 import hashlib
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -44,22 +46,29 @@ def shipped_export(name: str, to: str) -> Path:
     store.mkdir(parents=True, exist_ok=True)
     folder = store / f"{name}-{to}"
     done = store / f"{name}-{to}.done"
+    with _locked(store):
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # a run stopped mid-export
+            if not (store / name).is_dir():
+                copying = store / f".{name}.copying"
+                shutil.rmtree(copying, ignore_errors=True)
+                shutil.copytree(ROOT / "models" / name, copying)
+                copying.rename(store / name)
+            exported = export_model(store / name, to)
+            assert exported.folder == folder, (exported.folder, folder)
+            done.touch()
+    return folder
+
+
+@contextmanager
+def _locked(store: Path) -> Iterator[None]:
+    """``store`` to this process alone (every worker's tests take the same lock file)."""
     with (store / ".lock").open("a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            if not done.exists():
-                shutil.rmtree(folder, ignore_errors=True)  # a run stopped mid-export
-                if not (store / name).is_dir():
-                    copying = store / f".{name}.copying"
-                    shutil.rmtree(copying, ignore_errors=True)
-                    shutil.copytree(ROOT / "models" / name, copying)
-                    copying.rename(store / name)
-                exported = export_model(store / name, to)
-                assert exported.folder == folder, (exported.folder, folder)
-                done.touch()
+            yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
-    return folder
 
 
 def _built_engines() -> Path:
@@ -84,12 +93,8 @@ def publish_built_engines(cache: Path) -> None:
     """Offer the engines a test's server built into its own ``cache`` to the rest of the run
     (``seed_built_engines``): its choices and memory profiles stay its own."""
     store = _built_engines()
-    with (store / ".lock").open("a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            _copy_artifacts(cache, store)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    with _locked(store):
+        _copy_artifacts(cache, store)
 
 
 def seed_built_engines(cache: Path) -> None:
@@ -98,9 +103,5 @@ def seed_built_engines(cache: Path) -> None:
     still checks, times and profiles them itself. For tests about what a server measures, not
     about building: with nothing published yet, the server builds them as usual."""
     store = _built_engines()
-    with (store / ".lock").open("a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            _copy_artifacts(store, cache)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    with _locked(store):
+        _copy_artifacts(store, cache)
