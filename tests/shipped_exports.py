@@ -42,7 +42,9 @@ def shipped_export(name: str, to: str) -> Path:
     """The folder ``nograd export models/<name> --to <to>`` writes (``<name>-<to>`` beside a copy
     of the model, its default place), exported by the first test of the run that asks for it.
     Callers only read it: a test that changes an export copies it first."""
-    store = Path(os.environ["NOGRAD_ENGINE_CACHE"]) / "exports" / _source_key(name)
+    # One folder and lock per model and format: a worker exporting one format never waits
+    # for another worker's export of another.
+    store = Path(os.environ["NOGRAD_ENGINE_CACHE"]) / "exports" / _source_key(name) / to
     store.mkdir(parents=True, exist_ok=True)
     folder = store / f"{name}-{to}"
     done = store / f"{name}-{to}.done"
