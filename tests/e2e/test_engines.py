@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from nograd.runtime.engines.export import export_model
 from nograd.runtime.handler import TorchRunner
 from nograd.runtime.loader import build_handler
 from nograd.schema.config import load_config
 from tests.e2e.serving import ROOT, Server, metric_value, run_server
 from tests.e2e.test_server import metrics, output
+from tests.shipped_exports import publish_built_engines, shipped_export
 
 pytestmark = pytest.mark.e2e
 
@@ -67,6 +67,7 @@ def test_shipped_models_on_auto_then_a_restart_reuses_the_built_engines(
         eager_server_labels = digits_labels(server.url, "digits")
         np.testing.assert_allclose(embed(server.url, "minilm"), eager_embeddings, atol=1e-5)
     assert len(list((tmp_path / "cache").glob("*.onnx"))) == 2
+    publish_built_engines(tmp_path / "cache")
     with run_server(tmp_path, env=env, ready_timeout_s=240) as again:
         log = again.log()
         # Same files and versions: the choice itself comes from the cache, nothing is exported,
@@ -118,13 +119,12 @@ def assert_a_start_up_log_a_person_reads(server: Server, models: set[str]) -> No
 def test_exported_folders_serve_the_eager_models_answers(
     tmp_path: Path, eager_embeddings: np.ndarray, server: Server
 ) -> None:
-    """``server``: the suite's shared server, the shipped models on eager, is the reference."""
-    source = tmp_path / "source"
+    """``server``: the suite's shared server, the shipped models on eager, is the reference.
+    The folders are the run's exports (``tests/shipped_exports.py``), which the export tests
+    check against eager too."""
     repository = tmp_path / "repository"
-    for name in ("digits", "minilm"):
-        shutil.copytree(ROOT / "models" / name, source / name)
-    export_model(source / "digits", "onnx", out=repository / "digits-onnx")
-    export_model(source / "minilm", "torch_export", out=repository / "minilm-export")
+    shutil.copytree(shipped_export("digits", "onnx"), repository / "digits-onnx")
+    shutil.copytree(shipped_export("minilm", "torch_export"), repository / "minilm-export")
     with run_server(tmp_path, env={"NOGRAD_MODEL_REPOSITORY": str(repository)}) as exported:
         expected = digits_labels(server.url, "digits")
         assert digits_labels(exported.url, "digits-onnx") == expected

@@ -13,7 +13,7 @@ import asyncio
 import json
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 
@@ -24,6 +24,7 @@ import pytest
 from nograd.host.peak import ResidentPeak
 from nograd.runtime.memory.fits import FIT_TOLERANCE
 from tests.e2e.serving import ROOT, Server, metric_value, run_server
+from tests.shipped_exports import publish_built_engines, seed_built_engines
 
 pytestmark = pytest.mark.e2e
 
@@ -55,9 +56,14 @@ LONG_TEXT = "memory " * 400
 
 
 @pytest.fixture(scope="module")
-def engine_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One engine cache for the module's servers: each ONNX model is built once."""
-    return tmp_path_factory.mktemp("engines")
+def engine_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """One engine cache for the module's servers: each ONNX model is built once, or not at all
+    where another test of the run built it; the choices and memory profiles are the module's
+    own, measured by its first server."""
+    cache = tmp_path_factory.mktemp("engines")
+    seed_built_engines(cache)
+    yield cache
+    publish_built_engines(cache)
 
 
 def repository(root: Path, engine: str, *names: str) -> Path:

@@ -15,6 +15,7 @@ from nograd.runtime.engines.export import ExportError, export_model
 from nograd.runtime.handler import ModelHandler, TorchRunner
 from nograd.runtime.loader import LoadError, build_handler
 from nograd.schema.config import find_config, load_config
+from tests.shipped_exports import shipped_export
 from tests.unit.runtime.engines.tiny import tiny_folder
 
 ROOT = Path(__file__).resolve().parents[4]
@@ -49,27 +50,44 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.fixture(scope="module")
+def eager_digits(repository: Path) -> dict[str, np.ndarray]:
+    """digits' answers on eager torch, every format's reference."""
+    return digits_outputs(load(repository / "digits"))
+
+
+@pytest.fixture(scope="module")
+def eager_minilm(repository: Path) -> dict[str, np.ndarray]:
+    """minilm's answers on eager torch: loaded once, each load costs seconds."""
+    return minilm_outputs(load(repository / "minilm"))
+
+
 @pytest.mark.parametrize("to", ["onnx", "torch_export", "aoti", "torchscript"])
-def test_digits_round_trips_through_each_format(repository: Path, to: str) -> None:
-    done = export_model(repository / "digits", to)
-    assert done.folder == repository / f"digits-{to}"
-    served = load(done.folder)
+def test_digits_round_trips_through_each_format(
+    eager_digits: dict[str, np.ndarray], to: str
+) -> None:
+    """Exported once per run (``tests/shipped_exports.py``): the end-to-end tests serve the same
+    folders."""
+    folder = shipped_export("digits", to)
+    served = load(folder)
     assert served.speed_mode == to
     assert served.config.format == to
-    expected = digits_outputs(load(repository / "digits"))
+    expected = eager_digits
     got = digits_outputs(served)
     np.testing.assert_allclose(got["logits"], expected["logits"], atol=1e-4)
     np.testing.assert_array_equal(got["label"], expected["label"])
 
 
 @pytest.mark.parametrize("to", ["onnx", "torch_export", "torchscript"])
-def test_minilm_round_trips_with_its_tokenizer_kept(repository: Path, to: str) -> None:
-    done = export_model(repository / "minilm", to)
-    assert (done.folder / "model.py").is_file()  # the tokenizer and naming hooks
-    served = load(done.folder)
+def test_minilm_round_trips_with_its_tokenizer_kept(
+    eager_minilm: dict[str, np.ndarray], to: str
+) -> None:
+    folder = shipped_export("minilm", to)
+    assert (folder / "model.py").is_file()  # the tokenizer and naming hooks
+    served = load(folder)
     # The artifact holds the weights; the handler loaded none of its own.
     assert served.module is None and served.weights_bytes == 0
-    expected = minilm_outputs(load(repository / "minilm"))
+    expected = eager_minilm
     got = minilm_outputs(served)
     np.testing.assert_allclose(got["embedding"], expected["embedding"], atol=1e-5)
     np.testing.assert_array_equal(got["token_count"], expected["token_count"])
@@ -85,13 +103,24 @@ def test_int8_export_is_checked_on_cosine(repository: Path) -> None:
     )
 
 
-def test_an_artifact_names_its_own_inputs_and_outputs(repository: Path, tmp_path: Path) -> None:
-    for to in ("onnx", "torch_export"):
-        done = export_model(tiny_folder(tmp_path), to, out=tmp_path / f"bare-{to}")
-        config = (done.folder / "config.yaml").read_text()
+@pytest.fixture(scope="module")
+def tiny_onnx(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model exported to ONNX once for the module; a test that changes it copies it."""
+    root = tmp_path_factory.mktemp("tiny")
+    return export_model(tiny_folder(root), "onnx", out=root / "tiny-onnx").folder
+
+
+def copy_of(folder: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(folder, tmp_path / folder.name))
+
+
+def test_an_artifact_names_its_own_inputs_and_outputs(tiny_onnx: Path, tmp_path: Path) -> None:
+    exported = export_model(tiny_folder(tmp_path), "torch_export", out=tmp_path / "bare-export")
+    for folder in (copy_of(tiny_onnx, tmp_path), exported.folder):
+        config = (folder / "config.yaml").read_text()
         head, _, _ = config.partition("inputs:")
-        (done.folder / "config.yaml").write_text(head)
-        served = load(done.folder)
+        (folder / "config.yaml").write_text(head)
+        served = load(folder)
         assert [(s.name, s.datatype, s.shape) for s in served.config.inputs] == [
             ("x", "FP32", (16,))
         ]
@@ -101,34 +130,35 @@ def test_an_artifact_names_its_own_inputs_and_outputs(repository: Path, tmp_path
         ]
 
 
-def test_a_changed_artifact_fails_its_sha256(tmp_path: Path) -> None:
-    done = export_model(tiny_folder(tmp_path), "onnx", out=tmp_path / "tiny-onnx")
-    with done.artifact.open("ab") as stream:
+def test_a_changed_artifact_fails_its_sha256(tiny_onnx: Path, tmp_path: Path) -> None:
+    folder = copy_of(tiny_onnx, tmp_path)
+    with (folder / "model.onnx").open("ab") as stream:
         stream.write(b"\0")
     with pytest.raises(LoadError, match="does not match artifact_sha256"):
-        load(done.folder)
+        load(folder)
 
 
-def test_an_artifact_that_is_not_one_fails_the_load_naming_it(tmp_path: Path) -> None:
-    done = export_model(tiny_folder(tmp_path), "onnx", out=tmp_path / "tiny-onnx")
-    done.artifact.write_bytes(b"not an onnx model")
-    config = done.folder / "config.yaml"
+def test_an_artifact_that_is_not_one_fails_the_load_naming_it(
+    tiny_onnx: Path, tmp_path: Path
+) -> None:
+    folder = copy_of(tiny_onnx, tmp_path)
+    (folder / "model.onnx").write_bytes(b"not an onnx model")
+    config = folder / "config.yaml"
     config.write_text(
         "\n".join(line for line in config.read_text().splitlines() if "sha256" not in line)
     )
     with pytest.raises(LoadError, match=r"model\.onnx: cannot load the onnx artifact"):
-        load(done.folder)
+        load(folder)
 
 
-def test_export_refuses_what_it_cannot_do(tmp_path: Path) -> None:
+def test_export_refuses_what_it_cannot_do(tiny_onnx: Path, tmp_path: Path) -> None:
     folder = tiny_folder(tmp_path)
     with pytest.raises(ExportError, match="int8 is for --to onnx"):
         export_model(folder, "aoti", precision="int8")
     with pytest.raises(ExportError, match="no config file"):
         export_model(tmp_path, "onnx")
-    done = export_model(folder, "onnx")
     with pytest.raises(ExportError, match="already a onnx artifact"):
-        export_model(done.folder, "onnx")
+        export_model(tiny_onnx, "onnx")
 
 
 def test_the_export_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -165,9 +195,11 @@ def test_the_export_command_writes_torchscript_as_triton_s_pytorch_backend_runs_
 
 
 @pytest.mark.slow
-def test_minilm_round_trips_through_aoti(repository: Path) -> None:
+def test_minilm_round_trips_through_aoti(
+    repository: Path, eager_minilm: dict[str, np.ndarray]
+) -> None:
     """AOTInductor compiles minilm in minutes on 2 cores: make test-slow runs it."""
     done = export_model(repository / "minilm", "aoti")
-    expected = minilm_outputs(load(repository / "minilm"))
+    expected = eager_minilm
     got = minilm_outputs(load(done.folder))
     np.testing.assert_allclose(got["embedding"], expected["embedding"], atol=1e-5)
