@@ -79,9 +79,18 @@ def profile_or_recall(
     if known is not None:
         return known
     cost = profile_handler(handler, probe, cap, stop)
-    config = handler.config
-    remember(cache_dir, f"{config.name}-v{config.version}", profile_key(handler, loaded_as), cost)
+    if not refused(cost):
+        config = handler.config
+        key = profile_key(handler, loaded_as)
+        remember(cache_dir, f"{config.name}-v{config.version}", key, cost)
     return cost
+
+
+def refused(cost: RangedCost) -> bool:
+    """Whether a range's fit failed its checks: a measurement that did not hold (another
+    process's work can disturb one) is never remembered, so the next load measures again
+    instead of serving none of that range for good."""
+    return any(item.fit.verdict is Verdict.REFUSED for item in cost.ranges)
 
 
 def remembered(handler: Handler, loaded_as: str, cache_dir: Path) -> RangedCost | None:
@@ -106,14 +115,16 @@ def _record_path(cache_dir: Path, label: str, key: str) -> Path:
 
 
 def recall(cache_dir: Path, label: str, key: str) -> RangedCost | None:
-    """The remembered cost, or None when there is none or it cannot be read as this layout."""
+    """The remembered cost, or None when there is none, it cannot be read as this layout, or a
+    fit of it was refused (kept out since, as measurements that did not hold)."""
     try:
         document = json.loads(_record_path(cache_dir, label, key).read_text("utf-8"))
         if not isinstance(document, dict) or document.get("format") != FORMAT:
             return None
-        return cost_from(document["ranges"])
+        cost = cost_from(document["ranges"])
     except (OSError, ArtifactError, ValueError, KeyError, TypeError):
         return None
+    return None if refused(cost) else cost
 
 
 def remember(cache_dir: Path, label: str, key: str, cost: RangedCost) -> None:

@@ -3,9 +3,12 @@ the record, and a change to what the profile depends on profiles again."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,7 +19,7 @@ from nograd.runtime.engines.choice import prepare_engine
 from nograd.runtime.engines.remembered import model_key
 from nograd.runtime.handler import ModelHandler
 from nograd.runtime.memory import CpuMemoryProbe
-from nograd.runtime.memory.fits import RangedCost
+from nograd.runtime.memory.fits import RangedCost, Verdict
 from nograd.runtime.planner import profile_handler
 from nograd.runtime.remembered_profile import cost_document, cost_from, profile_or_recall
 from tests.unit.runtime.engines.test_choice import scripted
@@ -133,3 +136,41 @@ def test_a_model_whose_engine_serves_every_batch_is_remembered(
         assert handler.module is None and handler.speed_mode == "onnx"
         profile_or_recall(handler, CpuMemoryProbe(), CAP, loaded_as, cache)
     assert spy.calls == 1
+
+
+def refused_copy(cost: RangedCost) -> RangedCost:
+    """``cost`` with its first range's fit refused, as a disturbed measurement leaves it."""
+    first = cost.ranges[0]
+    refused = dataclasses.replace(
+        first, fit=dataclasses.replace(first.fit, verdict=Verdict.REFUSED)
+    )
+    return RangedCost((refused, *cost.ranges[1:]))
+
+
+def test_a_refused_fit_is_never_remembered(
+    tmp_path: Path, spy: ProfileSpy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A measurement whose check failed (another process's work disturbed it) is measured again
+    at the next load, never served from the record for good."""
+    measured = spy
+
+    def disturbed(*args: Any, **kwargs: Any) -> RangedCost:
+        return refused_copy(measured(*args, **kwargs))
+
+    monkeypatch.setattr(remembered_profile, "profile_handler", disturbed)
+    cache = tmp_path / "cache"
+    load(tmp_path, cache)
+    assert not list(cache.glob("tiny-v1-profile-*.json"))
+    load(tmp_path, cache)
+    assert spy.calls == 2
+
+
+def test_a_refused_record_is_measured_again(tmp_path: Path, spy: ProfileSpy) -> None:
+    cache = tmp_path / "cache"
+    cost = load(tmp_path, cache)
+    (record,) = cache.glob("tiny-v1-profile-*.json")
+    document = json.loads(record.read_text())
+    document["ranges"] = cost_document(refused_copy(cost))
+    record.write_text(json.dumps(document))
+    load(tmp_path, cache)
+    assert spy.calls == 2
