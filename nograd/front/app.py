@@ -23,8 +23,7 @@ from nograd.front.decoding import decodable, predecode
 from nograd.http.connections import PREDECODED_KEY, STARTED_KEY
 from nograd.http.errors import error_body, openai_error_body
 from nograd.http.paths import OPENAI_PREFIX
-from nograd.http.reply import ANSWER, Reply, answer_reply, compress_reply, reply_encoding
-from nograd.protocol.limits import OFFLOAD_DECODE_BYTES
+from nograd.http.reply import ANSWER, answer_reply, encoded
 from nograd.protocol.v2_handover import Answer
 from nograd.serving.calls.access import Access
 from nograd.serving.errors import RETRY_AFTER_S, Forbidden, Unauthenticated
@@ -171,15 +170,10 @@ async def _relay_response(scope: MutableMapping[str, Any], stream: Stream, send:
 async def _encoded(scope: MutableMapping[str, Any], event: Event, send: Send) -> None:
     """An inference answer the engine left for this front to encode, encoded and sent as the
     engine would have sent it: its headers after the answer's own, compressed as asked."""
-    reply: Reply = answer_reply(Answer.from_wire(event["answer"]))
+    reply = answer_reply(Answer.from_wire(event["answer"]))
     reply.headers.extend(event["headers"])
     accept = next((v for k, v in scope["headers"] if k == b"accept-encoding"), None)
-    encoding = reply_encoding(reply, None if accept is None else accept.decode("latin-1"))
-    if encoding is not None:
-        if len(reply.body) > OFFLOAD_DECODE_BYTES:
-            reply = await asyncio.to_thread(compress_reply, reply, encoding)
-        else:
-            reply = compress_reply(reply, encoding)
+    reply = await encoded(reply, None if accept is None else accept.decode("latin-1"))
     await reply.send(send)
 
 

@@ -22,7 +22,7 @@ from starlette.types import Message, Receive, Scope
 from nograd.core.errors import DecodeError
 from nograd.http.connections import STARTED_KEY
 from nograd.http.errors import status_of
-from nograd.http.reply import Reply, compress_reply, reply_encoding
+from nograd.http.reply import Reply, encoded
 from nograd.protocol.compression import (
     MOST_RATIO,
     PIECE_BYTES,
@@ -160,14 +160,8 @@ async def inflated_body(incoming: Incoming, calls: Calls, call: Call) -> bytes |
 
 
 async def encoded_reply(incoming: Incoming, reply: Reply) -> Reply:
-    """A successful reply compressed as the client's ``Accept-Encoding`` asks (gzip or deflate),
-    a large one in a thread; otherwise as it is."""
-    encoding = reply_encoding(reply, incoming.headers.get("accept-encoding"))
-    if encoding is None:
-        return reply
-    if len(reply.body) > OFFLOAD_DECODE_BYTES:
-        return await run_in_threadpool(compress_reply, reply, encoding)
-    return compress_reply(reply, encoding)
+    """``reply`` compressed as the client's ``Accept-Encoding`` asks (``encoded``)."""
+    return await encoded(reply, incoming.headers.get("accept-encoding"))
 
 
 async def until_disconnect(

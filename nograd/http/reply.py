@@ -10,12 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Final
 
+from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 from starlette.types import Send
 
 from nograd.protocol import binary
 from nograd.protocol import shared_memory as shm
 from nograd.protocol.compression import compress, response_encoding
+from nograd.protocol.limits import OFFLOAD_DECODE_BYTES
 from nograd.protocol.v2_handover import Answer, encode_answer
 
 ANSWER: Final = "nograd.answer"
@@ -65,6 +67,17 @@ def answer_reply(answer: Answer, regions: shm.Regions | None = None) -> Reply:
         binary.CONTENT_TYPE,
         [(binary.HEADER_LENGTH, str(len(header)))],
     )
+
+
+async def encoded(reply: Reply, accept_encoding: str | None) -> Reply:
+    """A successful reply compressed as a client's ``Accept-Encoding`` asks (gzip or deflate),
+    a large one in a thread; otherwise as it is."""
+    encoding = reply_encoding(reply, accept_encoding)
+    if encoding is None:
+        return reply
+    if len(reply.body) > OFFLOAD_DECODE_BYTES:
+        return await run_in_threadpool(compress_reply, reply, encoding)
+    return compress_reply(reply, encoding)
 
 
 def reply_encoding(reply: Reply, accept_encoding: str | None) -> str | None:
