@@ -123,10 +123,11 @@ class TraceFile:
         self.dropped += traces
 
     def _save(self, target: Path, held: list[bytes], size: int, stale: Path | None) -> None:
+        """The stale file goes first, so the disk never holds more than ``max_files`` at once."""
         try:
-            target.write_bytes(b"[" + b",".join(held) + b"]")
             if stale is not None:
                 stale.unlink(missing_ok=True)
+            target.write_bytes(b"[" + b",".join(held) + b"]")
         except OSError as exc:
             logger.error("trace file %s not written: %s", target, exc)
         finally:

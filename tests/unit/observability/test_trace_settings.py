@@ -135,6 +135,26 @@ def test_indexed_trace_files_rotate_keeping_the_newest(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "t.json.9").read_text())[0]["request_id"] == "req-9"
 
 
+def test_the_disk_never_holds_more_than_max_files_even_while_writing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader that lists the folder while a file is being written sees at most ``max_files``."""
+    seen: list[int] = []
+    write_bytes = Path.write_bytes
+
+    def counted(path: Path, data: bytes) -> int:
+        written = write_bytes(path, data)
+        seen.append(len(list(tmp_path.iterdir())))
+        return written
+
+    monkeypatch.setattr(Path, "write_bytes", counted)
+    sink = TraceFile(tmp_path / "t.json", max_files=3)
+    tracer = Tracer(TraceSettings(TraceSetting(level="TIMESTAMPS", rate=1, log_frequency=1)), sink)
+    _traced(tracer, 10, settle=sink)
+    tracer.close()
+    assert len(seen) == 10 and max(seen) == 3, seen
+
+
 def test_held_traces_go_to_a_file_at_the_byte_bound(tmp_path: Path) -> None:
     """With ``log_frequency`` 0 Triton holds every trace until the server stops; here they go
     to the next indexed file once their bytes reach the bound, and no file passes it by more
