@@ -210,8 +210,9 @@ class Settings(BaseSettings):
     ``workers`` unset and at least two usable CPU cores, one engine and half the cores as fronts
     (2 to 8) when a GPU is visible (one CUDA context, the whole device, fed from several cores);
     without a GPU, one engine and two fronts under ``model_control = on_demand`` (workers would
-    each load models into their own part of the limit, the same model once per worker);
-    otherwise 0. Set it with ``workers`` unset."""
+    each load models into their own part of the limit, the same model once per worker) or with
+    a sequence model in the repository (workers would split its sequences; one worker would
+    serve every call); otherwise 0. Set it with ``workers`` unset."""
 
     torch_threads: int | None = Field(default=None, ge=1)
     """Intra-op threads for CPU forwards, fixed, per worker; unset: the cores this process may

@@ -49,21 +49,26 @@ AUTO_MAX_GPU_FRONTS = 8
 """Front processes ``fronts = auto`` starts at most beside an engine that feeds a GPU."""
 
 
-def auto_fronts(cores: int, gpu: bool, on_demand: bool) -> tuple[int, str | None]:
+def auto_fronts(
+    cores: int, gpu: bool, on_demand: bool, sequence: str | None = None
+) -> tuple[int, str | None]:
     """How many fronts ``fronts = auto`` plans beside an engine (0: workers), and why. With a
     GPU visible, one engine process keeps one CUDA context and the device's whole memory while
     fronts decode on half the cores (one worker alone left the others idle and set the pace).
     On CPU, under on-demand residency, where workers would each load models into their own part
-    of the limit (the same model once per worker). Elsewhere on CPU the workers serve a small
-    model faster today (BENCHMARKS.md), and a sequence model is served by one worker whole."""
+    of the limit (the same model once per worker), and with a ``sequence`` model in the
+    repository, whose sequences workers would split (one worker alone would serve every call).
+    Elsewhere on CPU the workers serve a small model faster today (BENCHMARKS.md)."""
     if cores < 2:
         return 0, None
     if gpu:
         count = min(max(cores // 2, AUTO_FRONTS), AUTO_MAX_GPU_FRONTS)
         return count, f"a GPU is visible, {cores} usable CPU cores"
-    if not on_demand:
-        return 0, None
-    return AUTO_FRONTS, "model_control = on_demand"
+    if on_demand:
+        return AUTO_FRONTS, "model_control = on_demand"
+    if sequence is not None:
+        return AUTO_FRONTS, f"sequence model {sequence!r} (sequence_batching) in the repository"
+    return 0, None
 
 
 def resolve_fronts(settings: Settings) -> Settings:
@@ -74,8 +79,12 @@ def resolve_fronts(settings: Settings) -> Settings:
         return settings
     count, reason = 0, None
     if settings.workers == "auto" and settings.port:
+        sequences = sequence_models(settings.model_repository)
         count, reason = auto_fronts(
-            usable_cores(), gpu_visible(), settings.model_control == "on_demand"
+            usable_cores(),
+            gpu_visible(),
+            settings.model_control == "on_demand",
+            sequences[0] if sequences else None,
         )
     if reason is not None:
         logger.info("fronts: auto, one engine process and %d fronts (%s)", count, reason)

@@ -96,6 +96,24 @@ def test_auto_plans_an_engine_and_fronts_where_workers_would_split_the_resident_
     assert (reason is None) is (expected == 0)
 
 
+def test_auto_plans_an_engine_and_fronts_for_a_repository_with_a_sequence_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One engine keeps every sequence whatever front a request came through: two fronts, where
+    workers would drop to one serving every call."""
+    monkeypatch.setattr("nograd.supervisor.plan.usable_cores", lambda: 2)
+    monkeypatch.setattr("nograd.supervisor.plan.gpu_visible", lambda: False)
+    (tmp_path / "seq").mkdir()
+    (tmp_path / "seq" / "config.pbtxt").write_text("max_batch_size: 8\nsequence_batching {\n}\n")
+    resolved = resolve_fronts(Settings(model_repository=tmp_path))
+    assert (resolved.fronts, resolved.workers) == (AUTO_FRONTS, 1)
+    count, reason = auto_fronts(2, False, False, "seq")
+    assert count == AUTO_FRONTS and reason is not None and "'seq'" in reason
+    assert auto_fronts(1, False, False, "seq") == (0, None)  # one core: one process
+    # Chosen workers stay workers (one, as the sequence model allows).
+    assert resolve_fronts(Settings(model_repository=tmp_path, workers=1)).fronts == 0
+
+
 def test_fronts_auto_resolves_only_beside_workers_auto(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
