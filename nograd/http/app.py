@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import FastAPI, Response
 from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from nograd import __version__
 from nograd.http import (
@@ -23,6 +24,7 @@ from nograd.http import (
     torchserve,
     v2,
 )
+from nograd.http.connections import PREDECODED_KEY
 from nograd.http.direct import DirectRoutes
 from nograd.http.errors import install_error_handlers
 from nograd.http.middleware import (
@@ -125,6 +127,42 @@ def build_app(core: Core, lifespan: Lifespan | None = None) -> FastAPI:
 
     _document_infer_schemas(app)
     return app
+
+
+def build_engine_app(core: Core) -> ASGIApp:
+    """The app of the engine process, for the calls its fronts forward: ``build_app``'s, except
+    that an inference call a front decoded (``PREDECODED_KEY``: a V2 inference POST, which
+    ``DirectRoutes`` answers) passes nograd's own middlewares, in the same order, without the
+    framework's layers around them (its error, telemetry and body-size wrappers, none of which
+    acts on such a call) and without ``HeadMiddleware`` (a POST): the engine's one loop runs
+    every call of every front."""
+    app = build_app(core)
+    calls = core.calls
+    decoded: ASGIApp = DirectRoutes(app, calls=calls)
+    decoded = BodyLimitMiddleware(
+        decoded,
+        max_bytes=core.settings.max_request_bytes,
+        metrics=core.metrics,
+        known_model=core.plane.models.__contains__,
+        calls=calls,
+    )
+    decoded = AdmissionMiddleware(decoded, calls=calls)
+    if calls.keys_required:
+        decoded = AuthMiddleware(
+            decoded,
+            calls=calls,
+            protect_health=core.settings.auth_health,
+            protect_metrics=core.settings.auth_metrics,
+        )
+    decoded = UnexpectedErrorMiddleware(StartTimeMiddleware(decoded))
+
+    async def engine_app(scope: Scope, receive: Receive, send: Send) -> None:
+        if PREDECODED_KEY in scope.get("state", ()):
+            await decoded(scope, receive, send)
+        else:
+            await app(scope, receive, send)
+
+    return engine_app
 
 
 def _without_framework_telemetry() -> dict[str, Any]:
