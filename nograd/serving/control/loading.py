@@ -223,7 +223,9 @@ class ModelLoader:
             # again with its cost measured here before, one round pays what its shapes set up.
             again = estimate and self.profiles.measured_before(model, handler, self._limit(config))
             probe = ProcessPeakProbe(runs=1) if estimate and not again else None
-            points = warm_up(handler, self._limit(config), 1 if again else 2, probe)
+            # One round pays every shape's lazy set-up; a second is run only to be measured
+            # without that set-up in it.
+            points = warm_up(handler, self._limit(config), 1 if probe is None else 2, probe)
             if estimate:
                 self.profiles.warmed_up(model, points)
             model.warmup_seconds += time.perf_counter() - started

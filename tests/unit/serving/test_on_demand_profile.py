@@ -132,3 +132,30 @@ async def test_a_cold_model_answers_on_an_estimate_then_counts_its_measured_prof
     finally:
         await control.close()
         await plane.stop(0)
+
+
+async def test_a_model_loaded_at_start_up_warms_up_by_one_round(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its memory profile is measured apart from its warm-up: one round pays every shape's lazy
+    set-up, and a second would only repeat it."""
+    rounds: list[int] = []
+
+    def counted_warm_up(handler: Handler, limit: int, *args: Any, **kwargs: Any) -> list[Point]:
+        rounds.append(args[0] if args else kwargs.get("rounds", 2))
+        return warm_up(handler, limit, *args, **kwargs)
+
+    monkeypatch.setattr(loading, "warm_up", counted_warm_up)
+    write_onnx_model(tmp_path / "repo" / "m3", 3, 2)
+    settings = Settings(model_repository=tmp_path / "repo", engine_cache=tmp_path / "cache")  # type: ignore[call-arg]
+    plane = DataPlane(settings, Metrics())
+    control = ModelControl(plane)
+    await control.open()
+    try:
+        control.discover()
+        await plane.load_all()
+        assert plane.models["m3"].ready
+        assert rounds == [1]
+    finally:
+        await control.close()
+        await plane.stop(0)
