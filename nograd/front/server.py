@@ -84,6 +84,11 @@ class FrontServer:
                 await self.http.stop(force=False)
             if inbox is not None:
                 inbox.close()
+            if listening:
+                # The engine finishes its own drain once every front's connection is closed.
+                logger.info(
+                    "front %d drained; closing its connection to the engine", self._context.index
+                )
             self.link.close()
             linking.cancel()
             signal.signal(DRAIN_SIGNAL, previous)
