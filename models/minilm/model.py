@@ -233,28 +233,38 @@ class PackedEncoder(torch.nn.Module):
         ):
             raise ValueError("PackedEncoder implements BERT with exact GELU and absolute positions")
         width, eps = int(config["hidden_size"]), float(config["layer_norm_eps"])
+        hidden, heads = int(config["intermediate_size"]), int(config["num_attention_heads"])
+        count = int(config["num_hidden_layers"])
 
-        def embedding(name: str) -> torch.nn.Embedding:
-            table = weights[f"embeddings.{name}.weight"]
-            module = torch.nn.Embedding(*table.shape)
-            module.load_state_dict({"weight": table})
-            return module
+        def table(name: str) -> torch.Tensor:
+            return weights[f"embeddings.{name}.weight"]
+
+        # Laid out without storage, then given uninitialised storage the weights are copied
+        # into: the random initialisation every layer would draw first is never paid.
+        with torch.device("meta"):
+            self.words = torch.nn.Embedding(*table("word_embeddings").shape)
+            self.positions = torch.nn.Embedding(*table("position_embeddings").shape)
+            self.types = torch.nn.Embedding(*table("token_type_embeddings").shape)
+            self.embedding_norm = torch.nn.LayerNorm(width, eps=eps)
+            self.layers = torch.nn.ModuleList(
+                PackedLayer(width, hidden, heads, eps) for _ in range(count)
+            )
+        self.to_empty(device=table("word_embeddings").device)
 
         def linear_or_norm(target: torch.nn.Module, prefix: str) -> None:
             target.load_state_dict(
                 {"weight": weights[f"{prefix}.weight"], "bias": weights[f"{prefix}.bias"]}
             )
 
-        self.words = embedding("word_embeddings")
-        self.positions = embedding("position_embeddings")
-        self.types = embedding("token_type_embeddings")
-        self.embedding_norm = torch.nn.LayerNorm(width, eps=eps)
+        for module, name in (
+            (self.words, "word_embeddings"),
+            (self.positions, "position_embeddings"),
+            (self.types, "token_type_embeddings"),
+        ):
+            module.load_state_dict({"weight": table(name)})
         linear_or_norm(self.embedding_norm, "embeddings.LayerNorm")
-        self.layers = torch.nn.ModuleList()
-        hidden, heads = int(config["intermediate_size"]), int(config["num_attention_heads"])
-        for index in range(int(config["num_hidden_layers"])):
+        for index, layer in enumerate(self.layers):
             prefix = f"encoder.layer.{index}"
-            layer = PackedLayer(width, hidden, heads, eps)
             fused = [f"{prefix}.attention.self.{part}" for part in ("query", "key", "value")]
             layer.qkv.load_state_dict(
                 {
@@ -267,7 +277,6 @@ class PackedEncoder(torch.nn.Module):
             linear_or_norm(layer.ffn_in, f"{prefix}.intermediate.dense")
             linear_or_norm(layer.ffn_out, f"{prefix}.output.dense")
             linear_or_norm(layer.ffn_norm, f"{prefix}.output.LayerNorm")
-            self.layers.append(layer)
         self.requires_grad_(False)
 
     def forward(

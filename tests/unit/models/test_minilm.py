@@ -123,6 +123,34 @@ def test_weights_read_from_safetensors_are_bertmodels_exactly(
         assert torch.equal(tensor, from_bert[name]), name
 
 
+def test_building_the_encoder_draws_no_random_initialisation(
+    minilm: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every weight is copied from the file, so the layers' random initialisation (a draw per
+    parameter, hundreds of milliseconds of a cold load) would be thrown away: it is never run."""
+    drawn: list[str] = []
+    for name in ("kaiming_uniform_", "uniform_", "normal_", "ones_", "zeros_"):
+        original = getattr(torch.nn.init, name)
+
+        def counted(
+            tensor: torch.Tensor,
+            *args: Any,
+            _name: str = name,
+            _original: Any = original,
+            **kw: Any,
+        ) -> Any:
+            if tensor.device.type != "meta":  # a layout without storage draws nothing
+                drawn.append(_name)
+            return _original(tensor, *args, **kw)
+
+        monkeypatch.setattr(torch.nn.init, name, counted)
+    encoder = minilm.PackedEncoder(*minilm.load_bert_weights(minilm.package_model_dir()))
+    assert drawn == []
+    assert all(
+        p.device.type == "cpu" and bool(torch.isfinite(p).all()) for p in encoder.parameters()
+    )
+
+
 def test_config_loads_with_no_weights_file() -> None:
     config = load_config(MINILM_DIR / "config.toml")
     assert config.weights is None
