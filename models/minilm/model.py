@@ -239,29 +239,28 @@ class PackedEncoder(torch.nn.Module):
         def table(name: str) -> torch.Tensor:
             return weights[f"embeddings.{name}.weight"]
 
-        # Laid out without storage, then given uninitialised storage the weights are copied
-        # into: the random initialisation every layer would draw first is never paid.
+        # The tables become embeddings as they are (copies); the layers are laid out without
+        # storage, then given uninitialised storage the weights are copied into: the random
+        # initialisation every layer would draw first is never paid. (An embedding laid out
+        # on the meta device would draw through torch's Python reference of ``normal_``, which
+        # imports torch._dynamo: seconds of a cold load.)
+        self.words = torch.nn.Embedding.from_pretrained(table("word_embeddings").clone())
+        self.positions = torch.nn.Embedding.from_pretrained(table("position_embeddings").clone())
+        self.types = torch.nn.Embedding.from_pretrained(table("token_type_embeddings").clone())
+        device = self.words.weight.device
         with torch.device("meta"):
-            self.words = torch.nn.Embedding(*table("word_embeddings").shape)
-            self.positions = torch.nn.Embedding(*table("position_embeddings").shape)
-            self.types = torch.nn.Embedding(*table("token_type_embeddings").shape)
             self.embedding_norm = torch.nn.LayerNorm(width, eps=eps)
             self.layers = torch.nn.ModuleList(
                 PackedLayer(width, hidden, heads, eps) for _ in range(count)
             )
-        self.to_empty(device=table("word_embeddings").device)
+        self.embedding_norm.to_empty(device=device)
+        self.layers.to_empty(device=device)
 
         def linear_or_norm(target: torch.nn.Module, prefix: str) -> None:
             target.load_state_dict(
                 {"weight": weights[f"{prefix}.weight"], "bias": weights[f"{prefix}.bias"]}
             )
 
-        for module, name in (
-            (self.words, "word_embeddings"),
-            (self.positions, "position_embeddings"),
-            (self.types, "token_type_embeddings"),
-        ):
-            module.load_state_dict({"weight": table(name)})
         linear_or_norm(self.embedding_norm, "embeddings.LayerNorm")
         for index, layer in enumerate(self.layers):
             prefix = f"encoder.layer.{index}"
