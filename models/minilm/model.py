@@ -240,26 +240,22 @@ class PackedEncoder(torch.nn.Module):
             return weights[f"embeddings.{name}.weight"]
 
         # The tables become embeddings as they are (copies); the layers are laid out without
-        # storage, then given uninitialised storage the weights are copied into: the random
-        # initialisation every layer would draw first is never paid. (An embedding laid out
-        # on the meta device would draw through torch's Python reference of ``normal_``, which
-        # imports torch._dynamo: seconds of a cold load.)
+        # storage and given copies of the weights as their parameters: the random
+        # initialisation every layer would draw first is never paid. (Storage for a meta
+        # module, ``to_empty``, and an embedding's draw on the meta device go through torch's
+        # Python references, which import torch._dynamo or sympy: seconds of a cold load.)
         self.words = torch.nn.Embedding.from_pretrained(table("word_embeddings").clone())
         self.positions = torch.nn.Embedding.from_pretrained(table("position_embeddings").clone())
         self.types = torch.nn.Embedding.from_pretrained(table("token_type_embeddings").clone())
-        device = self.words.weight.device
         with torch.device("meta"):
             self.embedding_norm = torch.nn.LayerNorm(width, eps=eps)
             self.layers = torch.nn.ModuleList(
                 PackedLayer(width, hidden, heads, eps) for _ in range(count)
             )
-        self.embedding_norm.to_empty(device=device)
-        self.layers.to_empty(device=device)
 
         def linear_or_norm(target: torch.nn.Module, prefix: str) -> None:
-            target.load_state_dict(
-                {"weight": weights[f"{prefix}.weight"], "bias": weights[f"{prefix}.bias"]}
-            )
+            tensors = {kind: weights[f"{prefix}.{kind}"].clone() for kind in ("weight", "bias")}
+            target.load_state_dict(tensors, assign=True)
 
         linear_or_norm(self.embedding_norm, "embeddings.LayerNorm")
         for index, layer in enumerate(self.layers):
@@ -269,7 +265,8 @@ class PackedEncoder(torch.nn.Module):
                 {
                     kind: torch.cat([weights[f"{name}.{kind}"] for name in fused])
                     for kind in ("weight", "bias")
-                }
+                },
+                assign=True,
             )
             linear_or_norm(layer.attention_out, f"{prefix}.attention.output.dense")
             linear_or_norm(layer.attention_norm, f"{prefix}.attention.output.LayerNorm")

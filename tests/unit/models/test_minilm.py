@@ -88,9 +88,10 @@ def _cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     )
 
 
-def test_loading_imports_neither_transformers_nor_torch_dynamo() -> None:
-    """Importing transformers (or torch._dynamo, which it and a meta-device embedding pull in)
-    costs seconds a cold load would pay on its first request: the server's load reads the
+def test_loading_imports_neither_transformers_nor_torch_dynamo_nor_sympy() -> None:
+    """Importing transformers (or torch._dynamo and sympy, which it and torch's Python
+    references for meta tensors pull in) costs seconds a cold load would pay on its first
+    request: the server's load reads the
     tokenizer with ``tokenizers`` and the weights with ``safetensors``. Checked in a fresh
     interpreter, where nothing else imported them first."""
     script = (
@@ -102,7 +103,7 @@ def test_loading_imports_neither_transformers_nor_torch_dynamo() -> None:
         "config = load_config(Path(folder) / 'config.toml')\n"
         "handler = build_handler(Path(folder).parent, Path(folder), config, torch.device('cpu'))\n"
         "assert handler.module is not None\n"
-        "heavy = ('transformers', 'sentence_transformers', 'torch._dynamo')\n"
+        "heavy = ('transformers', 'sentence_transformers', 'torch._dynamo', 'sympy')\n"
         "print(sorted(name for name in heavy if name in sys.modules))\n"
     )
     done = subprocess.run(
