@@ -103,7 +103,7 @@ class MiniLM:
             parameter.requires_grad_(False)
         self._pool = code.mean_pool_normalise
         self._token_tensors: tuple[str, ...] = code.TOKEN_TENSORS
-        self._packed_encoder: Callable[[Any], torch.nn.Module] = code.PackedEncoder
+        self._packed_encoder: Callable[[Any, Any], torch.nn.Module] = code.PackedEncoder
 
     def tokenize(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
         encodings = self.tokenizer.encode_batch(list(texts), add_special_tokens=True)
@@ -127,7 +127,7 @@ class MiniLM:
     def packed(self) -> torch.nn.Module:
         """nograd's forward of the same weights (padding skipped), built on first use only, so
         a baseline serving ``BertModel`` does not hold a second copy of the weights."""
-        return self._packed_encoder(self.bert).eval()
+        return self._packed_encoder(self.bert.config.to_dict(), self.bert.state_dict()).eval()
 
     def forward_packed(self, tokens: dict[str, torch.Tensor]) -> torch.Tensor:
         embedding: torch.Tensor = self.packed(*(tokens[name] for name in self._token_tensors))

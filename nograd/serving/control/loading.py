@@ -219,12 +219,12 @@ class ModelLoader:
         if self._settings.warmup and handler.synthetic_inputs:
             started = time.perf_counter()
             # Measured as it runs when the model is to answer before its profile: the estimate
-            # it is planned on until then (one reading per batch, no fresh session). Loaded
-            # again with its cost measured here before, one round pays what its shapes set up.
+            # it is planned on until then (one reading per batch, no fresh session); not when its
+            # cost was measured before (by this process, or remembered in the engine cache across
+            # a restart). One round pays every shape's lazy set-up; a second runs only to be
+            # measured without that set-up in it.
             again = estimate and self.profiles.measured_before(model, handler, self._limit(config))
             probe = ProcessPeakProbe(runs=1) if estimate and not again else None
-            # One round pays every shape's lazy set-up; a second is run only to be measured
-            # without that set-up in it.
             points = warm_up(handler, self._limit(config), 1 if probe is None else 2, probe)
             if estimate:
                 self.profiles.warmed_up(model, points)

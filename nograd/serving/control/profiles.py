@@ -19,7 +19,7 @@ from nograd.runtime.memory import probe_for
 from nograd.runtime.memory.cost import Point
 from nograd.runtime.memory.fits import RangedCost
 from nograd.runtime.planner import ProfileStopped, estimated_cost
-from nograd.runtime.remembered_profile import profile_or_recall, remembered
+from nograd.runtime.remembered_profile import is_remembered, profile_or_recall, remembered
 from nograd.runtime.runners import Handler
 from nograd.schema.config import ModelConfig
 from nograd.serving.registry import ServedModel
@@ -66,10 +66,14 @@ class MemoryProfiles:
         """The versions serving on an estimate, by name and version, until ``measure``."""
 
     def measured_before(self, model: ServedModel, handler: Handler, cap: int) -> bool:
-        """Whether this process measured the cost of ``model`` as ``handler`` serves it, at an
-        earlier load (evicted and loaded again on demand): its warm-up need measure nothing."""
+        """Whether the cost of ``model`` as ``handler`` serves it was measured at an earlier
+        load: by this process (evicted and loaded again on demand) or by an earlier one, whose
+        profile the engine cache remembers (the first load after a restart). Its plan is that
+        measurement, so its warm-up need measure nothing and runs one round, as a reload's."""
         known = self._profiles.get((model.name, model.version))
-        return known is not None and known[0] == _profile_key(model, cap, handler)
+        if known is not None and known[0] == _profile_key(model, cap, handler):
+            return True
+        return is_remembered(handler, model.loaded_as, self._cache_dir)
 
     def warmed_up(self, model: ServedModel, points: list[Point]) -> None:
         """Keep the batches an estimating load's warm-up measured, for its plan."""

@@ -1,13 +1,16 @@
 """The shipped minilm model: loaded as the server loads it, it embeds like sentence-transformers.
 
 The reference is ``SentenceTransformer`` on the same package folder, fp32 on CPU; nograd's
-pipeline (fast tokenizer, BertModel, masked mean pooling, L2 normalisation) must agree with it to
-cosine >= 0.9999 for every text, alone or batched with texts of other lengths.
+pipeline (fast tokenizer, BERT's weights read from safetensors, masked mean pooling, L2
+normalisation) must agree with it to cosine >= 0.9999 for every text, alone or batched with texts
+of other lengths.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
@@ -82,6 +85,72 @@ def _cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     a64, b64 = a.astype(np.float64), b.astype(np.float64)
     return np.asarray(
         (a64 * b64).sum(axis=1) / (np.linalg.norm(a64, axis=1) * np.linalg.norm(b64, axis=1))
+    )
+
+
+def test_loading_imports_neither_transformers_nor_torch_dynamo_nor_sympy() -> None:
+    """Importing transformers (or torch._dynamo and sympy, which it and torch's Python
+    references for meta tensors pull in) costs seconds a cold load would pay on its first
+    request: the server's load reads the
+    tokenizer with ``tokenizers`` and the weights with ``safetensors``. Checked in a fresh
+    interpreter, where nothing else imported them first."""
+    script = (
+        "import sys, torch\n"
+        "from nograd.runtime.loader import build_handler\n"
+        "from nograd.schema.config import load_config\n"
+        f"folder = {str(MINILM_DIR)!r}\n"
+        "from pathlib import Path\n"
+        "config = load_config(Path(folder) / 'config.toml')\n"
+        "handler = build_handler(Path(folder).parent, Path(folder), config, torch.device('cpu'))\n"
+        "assert handler.module is not None\n"
+        "heavy = ('transformers', 'sentence_transformers', 'torch._dynamo', 'sympy')\n"
+        "print(sorted(name for name in heavy if name in sys.modules))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_weights_read_from_safetensors_are_bertmodels_exactly(
+    handler: ModelHandler, minilm: ModuleType, bert: Any
+) -> None:
+    """The server's encoder, built from the files directly, holds bit for bit the weights of one
+    built from transformers' ``BertModel``, so it answers identically."""
+    assert handler.module is not None
+    from_bert = minilm.PackedEncoder(bert.config.to_dict(), bert.state_dict()).state_dict()
+    served = handler.module.state_dict()
+    assert served.keys() == from_bert.keys()
+    for name, tensor in served.items():
+        assert torch.equal(tensor, from_bert[name]), name
+
+
+def test_building_the_encoder_draws_no_random_initialisation(
+    minilm: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every weight is copied from the file, so the layers' random initialisation (a draw per
+    parameter, hundreds of milliseconds of a cold load) would be thrown away: it is never run."""
+    drawn: list[str] = []
+    for name in ("kaiming_uniform_", "uniform_", "normal_", "ones_", "zeros_"):
+        original = getattr(torch.nn.init, name)
+
+        def counted(
+            tensor: torch.Tensor,
+            *args: Any,
+            _name: str = name,
+            _original: Any = original,
+            **kw: Any,
+        ) -> Any:
+            if tensor.device.type != "meta":  # a layout without storage draws nothing
+                drawn.append(_name)
+            return _original(tensor, *args, **kw)
+
+        monkeypatch.setattr(torch.nn.init, name, counted)
+    encoder = minilm.PackedEncoder(*minilm.load_bert_weights(minilm.package_model_dir()))
+    assert drawn == []
+    assert all(
+        p.device.type == "cpu" and bool(torch.isfinite(p).all()) for p in encoder.parameters()
     )
 
 

@@ -41,9 +41,34 @@ async def until_measured(plane: DataPlane, name: str, timeout_s: float = 60.0) -
         await asyncio.sleep(0.05)
 
 
-async def one_model_on_demand(tmp_path: Path) -> tuple[DataPlane, ModelControl]:
-    """A plane under on-demand control over one small ONNX model, ``m3``, none loaded."""
-    write_onnx_model(tmp_path / "repo" / "m3", 3, 2)
+async def asked_for(on_demand: OnDemand, name: str) -> None:
+    """As a request for ``name`` does: held while it is loaded if it is not resident, then let
+    go."""
+    held = on_demand.hold(name)
+    await on_demand.ensure(held)
+    on_demand.release(held)
+
+
+def counted_warm_ups(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[object]]:
+    """The rounds each load's warm-up runs and the probe it measures with (None: measures
+    nothing), in load order."""
+    rounds: list[int] = []
+    probes: list[object] = []
+
+    def counted_warm_up(handler: Handler, limit: int, *args: Any, **kwargs: Any) -> list[Point]:
+        rounds.append(args[0] if args else kwargs.get("rounds", 2))
+        probes.append(args[1] if len(args) > 1 else kwargs.get("probe"))
+        return warm_up(handler, limit, *args, **kwargs)
+
+    monkeypatch.setattr(loading, "warm_up", counted_warm_up)
+    return rounds, probes
+
+
+async def one_model_on_demand(tmp_path: Path, write: bool = True) -> tuple[DataPlane, ModelControl]:
+    """A plane under on-demand control over one small ONNX model, ``m3``, none loaded
+    (``write=False``: the one an earlier plane wrote, as a restarted server finds it)."""
+    if write:
+        write_onnx_model(tmp_path / "repo" / "m3", 3, 2)
     settings = Settings(
         model_repository=tmp_path / "repo",
         model_control="on_demand",
@@ -73,9 +98,7 @@ async def test_an_eviction_reads_the_files_to_keep_warm_off_the_event_loop(
     monkeypatch.setattr(on_demand_module, "find_source", recorded_find_source)
     try:
         on_demand.opened()
-        held = on_demand.hold("m3")
-        await on_demand.ensure(held)
-        on_demand.release(held)
+        await asked_for(on_demand, "m3")
         read_on.clear()
         assert await on_demand._evict("m3", "memory")
         assert read_on and threading.main_thread() not in read_on
@@ -88,20 +111,12 @@ async def test_an_eviction_reads_the_files_to_keep_warm_off_the_event_loop(
 async def test_a_cold_model_answers_on_an_estimate_then_counts_its_measured_profile(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    rounds: list[int] = []
-
-    def counted_warm_up(handler: Handler, limit: int, *args: Any, **kwargs: Any) -> list[Point]:
-        rounds.append(args[0] if args else kwargs.get("rounds", 2))
-        return warm_up(handler, limit, *args, **kwargs)
-
-    monkeypatch.setattr(loading, "warm_up", counted_warm_up)
+    rounds, _ = counted_warm_ups(monkeypatch)
     plane, control = await one_model_on_demand(tmp_path)
     on_demand = OnDemand(control, plane, plane.metrics)
     try:
         on_demand.opened()
-        held = on_demand.hold("m3")
-        await on_demand.ensure(held)
-        on_demand.release(held)
+        await asked_for(on_demand, "m3")
         model = plane.models["m3"]
         assert model.ready and model.plan is not None
         # Answered before any profile ran: planned on the estimate, counted on it.
@@ -123,9 +138,7 @@ async def test_a_cold_model_answers_on_an_estimate_then_counts_its_measured_prof
         # Unloaded and asked for again: planned on the measured profile at once, and warmed up
         # by one round, measuring nothing (the first load's two rounds measured its estimate).
         await control.apply({"op": "unload", "name": "m3"})
-        held = on_demand.hold("m3")
-        await on_demand.ensure(held)
-        on_demand.release(held)
+        await asked_for(on_demand, "m3")
         assert not plane.unmeasured("m3")
         assert Verdict.ESTIMATED not in verdicts(plane, "m3")
         assert rounds == [2, 1]
@@ -139,13 +152,7 @@ async def test_a_model_loaded_at_start_up_warms_up_by_one_round(
 ) -> None:
     """Its memory profile is measured apart from its warm-up: one round pays every shape's lazy
     set-up, and a second would only repeat it."""
-    rounds: list[int] = []
-
-    def counted_warm_up(handler: Handler, limit: int, *args: Any, **kwargs: Any) -> list[Point]:
-        rounds.append(args[0] if args else kwargs.get("rounds", 2))
-        return warm_up(handler, limit, *args, **kwargs)
-
-    monkeypatch.setattr(loading, "warm_up", counted_warm_up)
+    rounds, probes = counted_warm_ups(monkeypatch)
     write_onnx_model(tmp_path / "repo" / "m3", 3, 2)
     settings = Settings(model_repository=tmp_path / "repo", engine_cache=tmp_path / "cache")  # type: ignore[call-arg]
     plane = DataPlane(settings, Metrics())
@@ -155,7 +162,31 @@ async def test_a_model_loaded_at_start_up_warms_up_by_one_round(
         control.discover()
         await plane.load_all()
         assert plane.models["m3"].ready
-        assert rounds == [1]
+        assert rounds == [1] and probes == [None]
     finally:
         await control.close()
         await plane.stop(0)
+
+
+async def test_a_restart_warms_a_model_with_a_remembered_profile_by_one_round(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first load after a restart is planned on the profile the engine cache remembers, as a
+    reload is: its warm-up measures nothing and runs one round, so a cold request waits for no
+    more than a reload does."""
+    rounds, probes = counted_warm_ups(monkeypatch)
+    for write in (True, False):  # a first process, then a restart over the same cache
+        plane, control = await one_model_on_demand(tmp_path, write)
+        on_demand = OnDemand(control, plane, plane.metrics)
+        try:
+            on_demand.opened()
+            await asked_for(on_demand, "m3")
+            if write:
+                await until_measured(plane, "m3")
+            assert not plane.unmeasured("m3") or write
+        finally:
+            await control.close()
+            await plane.stop(0)
+    assert rounds == [2, 1]
+    assert probes[0] is not None and probes[1] is None
+    assert "profile" not in plane.models["m3"].phases
