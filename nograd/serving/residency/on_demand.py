@@ -27,7 +27,7 @@ from nograd.host.peak import SampledPeak
 from nograd.host.readings import resident_bytes
 from nograd.observability.metrics import Metrics
 from nograd.runtime.devices import resolve_device
-from nograd.runtime.engines.onnx import warm_onnx_runtime
+from nograd.runtime.engines.onnx import map_weights, warm_onnx_runtime
 from nograd.runtime.memory import device_budget, probe_for
 from nograd.runtime.planner import warm_memory_probe
 from nograd.serving.control.model_control import ModelControl
@@ -79,6 +79,8 @@ class OnDemand:
             process_limit(settings), grace_s=settings.eviction_grace_ms / 1e3
         )
         self._max_pending_loads = settings.max_pending_loads
+        # Counted against a limit by its bytes, an ONNX model holds its weights once, mapped.
+        map_weights(settings.engine_cache_dir / "mapped")
         self._counts_rss = resolve_device("auto").type == "cpu"
         """On CPU a model holds what its load added to the process's resident memory (an
         engine session, the file read beside it) when that is more than it measured."""
