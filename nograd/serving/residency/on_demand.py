@@ -122,6 +122,11 @@ class OnDemand:
             len(self.residency.resident),
         )
 
+    def closed(self) -> None:
+        """The server stops: ONNX files open as they are again in this process (a server built
+        in-process by a test leaves the next one as it found it)."""
+        map_weights(None)
+
     @property
     def loading(self) -> frozenset[str]:
         """The models whose load is under way or waiting its turn in this worker."""
