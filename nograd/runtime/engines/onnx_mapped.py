@@ -11,6 +11,9 @@ protobuf is walked field by field and the weights copied file to file), into the
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,25 +46,42 @@ class NotWalkable(ValueError):
 def mapped_form(path: Path, cache_dir: Path) -> Path | None:
     """The graph of the ONNX file ``path`` with its large weights in a file beside it, in
     ``cache_dir`` (written on first use; keyed by the file's identity, size and times, so an
-    edited file gets a new one); None when no initializer is large enough to move or the file
-    is not one this walk reads (then the file itself is opened)."""
+    edited file gets a new one, and its earlier one goes); None when no initializer is large
+    enough to move or the file is not one this walk reads (then the file itself is opened)."""
     info = path.stat()
+    where = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
     key = f"{info.st_dev:x}-{info.st_ino:x}-{info.st_size:x}-{info.st_mtime_ns:x}"
-    target = cache_file(cache_dir, f"{path.stem}-mapped-{key}.onnx")
+    target = cache_file(cache_dir, f"{where}-mapped-{key}.onnx")
     plain = target.with_suffix(".plain")
     if target.is_file():
         return target
     if plain.is_file():
         return None
     cache_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        moved = _write_mapped(path, target)
-    except NotWalkable:
-        moved = False
-    if not moved:
-        plain.touch()
-        return None
+    # Workers loading the same model together write it once: the others wait, then find it.
+    with cache_file(cache_dir, f".{where}.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.is_file():
+            return target
+        if plain.is_file():
+            return None
+        _remove_older(cache_dir, where)
+        try:
+            moved = _write_mapped(path, target)
+        except NotWalkable:
+            moved = False
+        if not moved:
+            plain.touch()
+            return None
     return target
+
+
+def _remove_older(cache_dir: Path, where: str) -> None:
+    """Remove the mapped forms of earlier contents of the file at the same path: the cache
+    keeps one per model file (a session that mapped one keeps its pages until it closes)."""
+    for older in cache_dir.glob(f"{where}-mapped-*"):
+        with contextlib.suppress(FileNotFoundError):
+            older.unlink()
 
 
 def _write_mapped(path: Path, target: Path) -> bool:

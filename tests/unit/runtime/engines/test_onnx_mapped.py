@@ -86,13 +86,19 @@ def test_a_mapped_session_answers_as_the_file_does(tmp_path: Path) -> None:
     np.testing.assert_allclose(from_mapped, plain, rtol=1e-5)
 
 
-def test_an_edited_file_gets_a_mapped_form_of_its_own(tmp_path: Path, mapped: Path) -> None:
+def test_an_edited_file_gets_a_mapped_form_of_its_own_and_its_earlier_one_goes(
+    tmp_path: Path, mapped: Path
+) -> None:
     path = model_file(tmp_path, 1, 1)
     rows = np.zeros((1, ROWS), dtype=np.float32)
     assert answers(path, rows).ravel().tolist() == [1.0]
     replacement = model_file(tmp_path / "other", 2, 1)
     os.replace(replacement, path)
     assert answers(path, rows).ravel().tolist() == [2.0]
+    # The earlier content's form is gone: one per model file, however often it is replaced.
+    assert len(list(mapped.glob(f"*{WEIGHTS_SUFFIX}"))) == 1
+    other = model_file(tmp_path, 4, 1)
+    assert answers(other, rows).ravel().tolist() == [4.0]
     assert len(list(mapped.glob(f"*{WEIGHTS_SUFFIX}"))) == 2
 
 
