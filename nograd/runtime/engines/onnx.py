@@ -107,10 +107,14 @@ with None for each variable dimension, batch dimension included."""
 
 
 def onnx_tensors(path: Path) -> tuple[list[OnnxTensor], list[OnnxTensor]]:
-    """The inputs and outputs of the ONNX model at ``path`` as ONNX Runtime reads them."""
+    """The inputs and outputs of the ONNX model at ``path`` as ONNX Runtime reads them (from
+    its mapped form when weights are mapped here: reading them costs no copy of the weights)."""
     import onnxruntime
 
-    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    providers: list[Any] = ["CPUExecutionProvider"]
+    session = _mapped_session(path, torch.device("cpu"), onnxruntime.SessionOptions(), providers)
+    if session is None:
+        session = onnxruntime.InferenceSession(str(path), providers=providers)
 
     def tensors(values: list[Any]) -> list[OnnxTensor]:
         return [
@@ -331,6 +335,17 @@ def map_weights(cache_dir: Path | None) -> None:
     resident by their bytes (on-demand control) takes the bytes. None: as ONNX Runtime does."""
     global _mapped_weights_dir
     _mapped_weights_dir = cache_dir
+
+
+def mapped_files(path: Path) -> list[Path]:
+    """The files of the mapped form of the ONNX file ``path`` that a load now reads instead of
+    it (none when weights are not mapped here or it has none yet): what keeps an evicted
+    model's next load from reading the disk."""
+    if _mapped_weights_dir is None:
+        return []
+    from nograd.runtime.engines.onnx_mapped import existing_form
+
+    return existing_form(path, _mapped_weights_dir)
 
 
 def _mapped_session(path: Path, device: torch.device, options: Any, providers: list[Any]) -> Any:

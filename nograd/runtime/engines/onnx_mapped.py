@@ -48,10 +48,7 @@ def mapped_form(path: Path, cache_dir: Path) -> Path | None:
     ``cache_dir`` (written on first use; keyed by the file's identity, size and times, so an
     edited file gets a new one, and its earlier one goes); None when no initializer is large
     enough to move or the file is not one this walk reads (then the file itself is opened)."""
-    info = path.stat()
-    where = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
-    key = f"{info.st_dev:x}-{info.st_ino:x}-{info.st_size:x}-{info.st_mtime_ns:x}"
-    target = cache_file(cache_dir, f"{where}-mapped-{key}.onnx")
+    where, target = _form_of(path, cache_dir)
     plain = target.with_suffix(".plain")
     if target.is_file():
         return target
@@ -74,6 +71,23 @@ def mapped_form(path: Path, cache_dir: Path) -> Path | None:
             plain.touch()
             return None
     return target
+
+
+def existing_form(path: Path, cache_dir: Path) -> list[Path]:
+    """The files of the mapped form of ``path`` in ``cache_dir`` (graph and weights), if it
+    was written for the file as it is now; none else."""
+    _, target = _form_of(path, cache_dir)
+    weights = target.with_name(target.name + WEIGHTS_SUFFIX)
+    return [target, weights] if target.is_file() and weights.is_file() else []
+
+
+def _form_of(path: Path, cache_dir: Path) -> tuple[str, Path]:
+    """The key of ``path``'s place (its resolved path, hashed) and where its mapped form lies,
+    named by the file's identity, size and modification time."""
+    info = path.stat()
+    where = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
+    key = f"{info.st_dev:x}-{info.st_ino:x}-{info.st_size:x}-{info.st_mtime_ns:x}"
+    return where, cache_file(cache_dir, f"{where}-mapped-{key}.onnx")
 
 
 def _remove_older(cache_dir: Path, where: str) -> None:

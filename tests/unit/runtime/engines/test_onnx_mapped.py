@@ -112,3 +112,23 @@ def test_a_file_with_no_large_weight_or_no_protobuf_opens_as_it_is(tmp_path: Pat
     garbage.write_bytes(b"\xff" * 64)
     assert mapped_form(garbage, cache) is None
     assert not list(cache.glob(f"*{WEIGHTS_SUFFIX}"))
+
+
+def test_an_evicted_models_next_load_reads_its_mapped_form_and_its_signature_too(
+    tmp_path: Path, mapped: Path
+) -> None:
+    """What an eviction keeps in the page cache for the model's next load (``mapped_files``)
+    is the mapped form once written; reading the file's inputs and outputs (a config that
+    leaves them out) opens that form as well, rising by no copy of the weights."""
+    path = model_file(tmp_path, 2, WEIGHTS_MIB)
+    size = path.stat().st_size
+    assert onnx_engine.mapped_files(path) == []
+    onnx_engine.warm_onnx_runtime()
+    (inputs, outputs), rise = ResidentPeak().measure(lambda: onnx_engine.onnx_tensors(path))
+    assert [name for name, _, _ in inputs] == ["X"] and [n for n, _, _ in outputs] == ["Y"]
+    assert rise.extra_bytes <= 0.3 * size, (rise, size)
+    graph, weights = onnx_engine.mapped_files(path)
+    assert graph.parent == weights.parent == mapped
+    assert weights.stat().st_size >= WEIGHTS_MIB * MIB > graph.stat().st_size
+    onnx_engine.map_weights(None)
+    assert onnx_engine.mapped_files(path) == []
