@@ -150,8 +150,11 @@ def _rewrite_tensor(
     """A TensorProto, its ``raw_data`` moved to the weights file when large enough."""
     fields = list(_fields(source, start, end))
     raw = [f for f in fields if f[0] == _TENSOR_RAW_DATA and f[1] == _LENGTH]
-    external = any(f[0] in (_TENSOR_EXTERNAL_DATA, _TENSOR_DATA_LOCATION) for f in fields)
-    if len(raw) != 1 or external or raw[0][3] - raw[0][2] < MAPPED_TENSOR_BYTES:
+    if any(f[0] in (_TENSOR_EXTERNAL_DATA, _TENSOR_DATA_LOCATION) for f in fields):
+        # Its weights already lie in files beside it, where ONNX Runtime maps them: a graph
+        # moved into the cache would no longer find them.
+        raise NotWalkable("the model keeps weights in external data already")
+    if len(raw) != 1 or raw[0][3] - raw[0][2] < MAPPED_TENSOR_BYTES:
         source.seek(start)
         return source.read(end - start)
     out = bytearray()

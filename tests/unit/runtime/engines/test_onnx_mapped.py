@@ -132,3 +132,24 @@ def test_an_evicted_models_next_load_reads_its_mapped_form_and_its_signature_too
     assert weights.stat().st_size >= WEIGHTS_MIB * MIB > graph.stat().st_size
     onnx_engine.map_weights(None)
     assert onnx_engine.mapped_files(path) == []
+
+
+def test_a_file_whose_weights_are_external_already_opens_as_it_is(
+    tmp_path: Path, mapped: Path
+) -> None:
+    """ONNX Runtime maps external data itself: such a graph is left where its weights are,
+    even with another large weight still embedded (moved alone, the graph would no longer
+    find the others)."""
+    import onnx
+    from onnx import numpy_helper
+
+    path = model_file(tmp_path, 6, 1)
+    onnx.save_model(onnx.load(str(path)), str(path), save_as_external_data=True)
+    model = onnx.load(str(path), load_external_data=False)
+    unused = np.ones(1 << 16, dtype=np.float32)
+    model.graph.initializer.append(numpy_helper.from_array(unused, "unused"))
+    onnx.save_model(model, str(path))
+    assert mapped_form(path, mapped) is None
+    rows = np.zeros((1, ROWS), dtype=np.float32)
+    assert answers(path, rows).ravel().tolist() == [6.0]
+    assert not list(mapped.glob(f"*{WEIGHTS_SUFFIX}"))
