@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO, Final
 
-from nograd.runtime.engines.artifacts import cache_file, replace_atomically
+from nograd.runtime.engines.artifacts import cache_file, replace_atomically, write_text_atomically
 
 MAPPED_TENSOR_BYTES: Final = 64 << 10
 """Initializers at least this large move to the weights file; smaller ones stay in the graph
@@ -28,6 +28,9 @@ WEIGHTS_ALIGNMENT: Final = 64 << 10
 """Each weight starts at a multiple of this in the weights file: a page boundary on every
 system ONNX Runtime maps files on (Windows' allocation granularity the largest)."""
 WEIGHTS_SUFFIX: Final = ".weights"
+SOURCE_SUFFIX: Final = ".source"
+"""Beside each mapped form, the path of the file it was written for: a form whose file is gone
+or changed is removed when the next one is written."""
 
 # Field numbers of onnx.proto (ModelProto.graph, GraphProto.initializer, TensorProto's own).
 _MODEL_GRAPH: Final = 7
@@ -46,8 +49,9 @@ class NotWalkable(ValueError):
 def mapped_form(path: Path, cache_dir: Path) -> Path | None:
     """The graph of the ONNX file ``path`` with its large weights in a file beside it, in
     ``cache_dir`` (written on first use; keyed by the file's identity, size and times, so an
-    edited file gets a new one, and its earlier one goes); None when no initializer is large
-    enough to move or the file is not one this walk reads (then the file itself is opened)."""
+    edited file gets a new one, and the forms of files gone or changed go); None when no
+    initializer is large enough to move or the file is not one this walk reads (then the file
+    itself is opened)."""
     where, target = _form_of(path, cache_dir)
     plain = target.with_suffix(".plain")
     if target.is_file():
@@ -62,15 +66,15 @@ def mapped_form(path: Path, cache_dir: Path) -> Path | None:
             return target
         if plain.is_file():
             return None
-        _remove_older(cache_dir, where)
+        _remove_stale(cache_dir)
         try:
             moved = _write_mapped(path, target)
         except NotWalkable:
             moved = False
         if not moved:
             plain.touch()
-            return None
-    return target
+        write_text_atomically(target.with_suffix(SOURCE_SUFFIX), str(path.resolve()))
+    return target if moved else None
 
 
 def existing_form(path: Path, cache_dir: Path) -> list[Path]:
@@ -90,12 +94,22 @@ def _form_of(path: Path, cache_dir: Path) -> tuple[str, Path]:
     return where, cache_file(cache_dir, f"{where}-mapped-{key}.onnx")
 
 
-def _remove_older(cache_dir: Path, where: str) -> None:
-    """Remove the mapped forms of earlier contents of the file at the same path: the cache
-    keeps one per model file (a session that mapped one keeps its pages until it closes)."""
-    for older in cache_dir.glob(f"{where}-mapped-*"):
-        with contextlib.suppress(FileNotFoundError):
-            older.unlink()
+def _remove_stale(cache_dir: Path) -> None:
+    """Remove every mapped form whose file is gone or changed since (each form names its file
+    in a record beside it): the cache holds one form per model file there is, at most (a
+    session that mapped a removed one keeps its pages until it closes)."""
+    for record in cache_dir.glob(f"*-mapped-*{SOURCE_SUFFIX}"):
+        form = record.name.removesuffix(SOURCE_SUFFIX)
+        try:
+            source = Path(record.read_text("utf-8"))
+            current = _form_of(source, cache_dir)[1].stem if source.is_file() else None
+        except OSError:
+            current = None
+        if current == form:
+            continue
+        for stale in cache_dir.glob(f"{form}.*"):
+            with contextlib.suppress(FileNotFoundError):
+                stale.unlink()
 
 
 def _write_mapped(path: Path, target: Path) -> bool:

@@ -86,7 +86,7 @@ def test_a_mapped_session_answers_as_the_file_does(tmp_path: Path) -> None:
     np.testing.assert_allclose(from_mapped, plain, rtol=1e-5)
 
 
-def test_an_edited_file_gets_a_mapped_form_of_its_own_and_its_earlier_one_goes(
+def test_a_file_gets_a_mapped_form_of_its_own_and_the_forms_of_files_gone_or_edited_go(
     tmp_path: Path, mapped: Path
 ) -> None:
     path = model_file(tmp_path, 1, 1)
@@ -100,6 +100,12 @@ def test_an_edited_file_gets_a_mapped_form_of_its_own_and_its_earlier_one_goes(
     other = model_file(tmp_path, 4, 1)
     assert answers(other, rows).ravel().tolist() == [4.0]
     assert len(list(mapped.glob(f"*{WEIGHTS_SUFFIX}"))) == 2
+    # A model file removed: its form goes when the next one is written.
+    path.unlink()
+    third = model_file(tmp_path, 7, 1)
+    assert answers(third, rows).ravel().tolist() == [7.0]
+    assert len(list(mapped.glob(f"*{WEIGHTS_SUFFIX}"))) == 2
+    assert onnx_engine.mapped_files(other) and onnx_engine.mapped_files(third)
 
 
 def test_a_file_with_no_large_weight_or_no_protobuf_opens_as_it_is(tmp_path: Path) -> None:
