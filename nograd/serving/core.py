@@ -143,6 +143,8 @@ class Core:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         await self.control.close()
+        if self.on_demand is not None:
+            self.on_demand.closed()
         await self.plane.stop(0.0 if force else self.settings.drain_timeout_s)
         await asyncio.to_thread(release_all)  # the archives this process unpacked, unless held
         self.shared_memory.close()

@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from bench.residency_models import MIB, ROWS, onnx_repository
+from nograd.host.peak import SAMPLE_INTERVAL_S, ResidentPeak, SampledPeak
 from tests.e2e.serving import Server, metric_value, run_server
 
 pytestmark = pytest.mark.e2e
@@ -29,6 +30,9 @@ GROWTH_BOUND = 1.5
 """Times the limit the process group may grow above its start-up memory (issue 42): the limit
 bounds what resident models hold; the rest is a load's passing peak beside them and what a
 worker's first load leaves for good."""
+RISE_BOUND = 1.3
+"""Times its file an ONNX model's load may rise by, and be counted at: its weights once, with
+room for its graph, its smallest batch and the allocator's rounding."""
 
 
 def group_rss(pgid: int) -> int:
@@ -133,3 +137,41 @@ def test_many_models_under_one_limit_with_skewed_traffic(tmp_path: Path) -> None
 def test_24_models_of_32_mib_under_256_mib_for_a_minute(tmp_path: Path) -> None:
     repo = onnx_repository(tmp_path, models=24, weights_mib=32)
     check_many_models(tmp_path, repo, models=24, weights_mib=32, limit_mib=256, seconds=60)
+
+
+def test_an_onnx_model_loads_and_holds_its_weights_once_by_the_process_memory(
+    tmp_path: Path,
+) -> None:
+    """A 32 MiB ONNX model loaded on demand: its load rises by its weights once (ONNX Runtime
+    no longer holds the file's protobuf beside the weights it copied out), what it is counted
+    at is its file and no more than ``RISE_BOUND`` of it, the process grew by no more than it
+    is counted at, and its unload gives that back."""
+    repo = onnx_repository(tmp_path, models=2, weights_mib=32)
+    size = (repo / "m1" / "1" / "model.onnx").stat().st_size
+    env = {
+        "NOGRAD_MODEL_REPOSITORY": str(repo),
+        "NOGRAD_MODEL_CONTROL": "on_demand",
+        "NOGRAD_MEMORY_LIMIT_BYTES": "256MiB",
+        "NOGRAD_ENGINE_CACHE": str(tmp_path / "cache"),
+    }
+    body = {"inputs": [{"name": "X", "datatype": "FP32", "shape": [1, ROWS], "data": [0.0] * ROWS}]}
+    with run_server(tmp_path, env) as server, httpx.Client(base_url=server.url, timeout=60) as http:
+        # The first load brings what every later one shares (the plan's probes, the libraries).
+        assert http.post("/v2/models/m0/infer", json=body).status_code == 200
+        # Sampled: the load's own memory probes reset the process's high-water mark.
+        process = ResidentPeak(pid=str(server.process.pid))
+        before = process.resident_bytes()
+        with SampledPeak(process.resident_bytes, SAMPLE_INTERVAL_S) as sampled:
+            answer = http.post("/v2/models/m1/infer", json=body)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["outputs"][0]["data"] == [1.0]
+        rise = sampled.highest - before
+        grown = process.resident_bytes() - before
+        counted = metric_value(server.url, "nograd_model_resident_bytes", model="m1")
+        assert rise <= RISE_BOUND * size, (rise / MIB, size / MIB)
+        assert size <= counted <= RISE_BOUND * size, (counted / MIB, size / MIB)
+        assert grown <= counted + MIB, (grown / MIB, counted / MIB)
+        unloaded = http.post("/v2/repository/models/m1/unload", json={})
+        assert unloaded.status_code == 200, unloaded.text
+        left = process.resident_bytes() - before
+        assert left <= 0.2 * size, (left / MIB, grown / MIB)

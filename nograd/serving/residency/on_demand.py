@@ -27,7 +27,7 @@ from nograd.host.peak import SampledPeak
 from nograd.host.readings import resident_bytes
 from nograd.observability.metrics import Metrics
 from nograd.runtime.devices import resolve_device
-from nograd.runtime.engines.onnx import warm_onnx_runtime
+from nograd.runtime.engines.onnx import map_weights, mapped_files, warm_onnx_runtime
 from nograd.runtime.memory import device_budget, probe_for
 from nograd.runtime.planner import warm_memory_probe
 from nograd.serving.control.model_control import ModelControl
@@ -79,6 +79,8 @@ class OnDemand:
             process_limit(settings), grace_s=settings.eviction_grace_ms / 1e3
         )
         self._max_pending_loads = settings.max_pending_loads
+        # Counted against a limit by its bytes, an ONNX model holds its weights once, mapped.
+        map_weights(settings.engine_cache_dir / "mapped")
         self._counts_rss = resolve_device("auto").type == "cpu"
         """On CPU a model holds what its load added to the process's resident memory (an
         engine session, the file read beside it) when that is more than it measured."""
@@ -119,6 +121,11 @@ class OnDemand:
             mib(self.residency.limit),
             len(self.residency.resident),
         )
+
+    def closed(self) -> None:
+        """The server stops: ONNX files open as they are again in this process (a server built
+        in-process by a test leaves the next one as it found it)."""
+        map_weights(None)
 
     @property
     def loading(self) -> frozenset[str]:
@@ -378,9 +385,15 @@ class OnDemand:
         await asyncio.get_running_loop().run_in_executor(None, keep_warm, paths)
 
     def _files_of(self, name: str) -> list[tuple[Path, int]]:
-        """The files of every version of ``name`` on disk, with their sizes."""
+        """The files of every version of ``name`` on disk, with their sizes, and the mapped
+        forms its ONNX files load from."""
         source = find_source(self._root, self._store, name)
-        return model_files(v.directory for v in source.versions.values())
+        files = model_files(v.directory for v in source.versions.values())
+        forms = [m for path, _ in files if path.suffix == ".onnx" for m in mapped_files(path)]
+        for form in forms:
+            with contextlib.suppress(OSError):  # a form replaced meanwhile: the next one counts
+                files.append((form, form.stat().st_size))
+        return files
 
     def _idle(self, name: str) -> bool:
         """Whether ``name``, chosen to make room (``Residency.victims``, which weighed its

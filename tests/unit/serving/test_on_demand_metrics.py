@@ -55,5 +55,6 @@ async def test_requests_in_flight_are_published_for_models_of_the_repository_onl
         assert used > 0
         assert samples(registry, "nograd_memory_free_bytes") == [({}, 64 * MIB - used)]
     finally:
+        on_demand.closed()
         await control.close()
         await plane.stop(0)

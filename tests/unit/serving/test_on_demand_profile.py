@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import pytest
 
 from bench.residency_models import MIB, write_onnx_model
 from nograd.observability.metrics import Metrics
+from nograd.runtime.engines.onnx import map_weights
 from nograd.runtime.memory.cost import Point
 from nograd.runtime.memory.fits import Verdict
 from nograd.runtime.runners import Handler
@@ -26,6 +28,14 @@ from nograd.serving.dataplane import DataPlane
 from nograd.serving.residency import on_demand as on_demand_module
 from nograd.serving.residency.on_demand import OnDemand
 from nograd.settings import Settings
+
+
+@pytest.fixture(autouse=True)
+def weights_opened_as_they_are_after() -> Iterator[None]:
+    """An on-demand control maps ONNX weights in this process until its server closes; these
+    tests build one without a server: the next test opens ONNX files as they are again."""
+    yield
+    map_weights(None)
 
 
 def verdicts(plane: DataPlane, name: str) -> set[Verdict]:
