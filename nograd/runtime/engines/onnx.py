@@ -23,6 +23,7 @@ from nograd.core.datatypes import NUMPY_DTYPES, TABLE
 from nograd.core.engines import EngineRow, engine_row
 from nograd.host.heap import release_free_memory
 from nograd.runtime.engines.errors import ArtifactError
+from nograd.runtime.engines.onnx_mapped import mapped_session
 from nograd.runtime.engines.paths import EnginePath
 from nograd.runtime.engines.signature import tensor_spec
 from nograd.runtime.memory import DeviceFreeProbe, MemoryProbe, ProcessPeakProbe
@@ -112,7 +113,7 @@ def onnx_tensors(path: Path) -> tuple[list[OnnxTensor], list[OnnxTensor]]:
     import onnxruntime
 
     providers: list[Any] = ["CPUExecutionProvider"]
-    session = _mapped_session(path, torch.device("cpu"), onnxruntime.SessionOptions(), providers)
+    session = mapped_session(path, "cpu", onnxruntime.SessionOptions(), providers)
     if session is None:
         session = onnxruntime.InferenceSession(str(path), providers=providers)
 
@@ -316,63 +317,11 @@ def onnx_session(path: Path, device: torch.device, spinning: bool, threads: int)
         providers: list[Any] = [("CUDAExecutionProvider", cuda), "CPUExecutionProvider"]
     else:
         providers = ["CPUExecutionProvider"]
-    session = _mapped_session(path, device, options, providers)
+    session = mapped_session(path, device.type, options, providers)
     if session is None:
         session = onnxruntime.InferenceSession(str(path), options, providers=providers)
     _seat_arena(session, device)
     return session
-
-
-_mapped_weights_dir: Path | None = None
-"""Where the mapped forms of ONNX files are kept (``map_weights``); None: files open as they are."""
-
-
-def map_weights(cache_dir: Path | None) -> None:
-    """From now on, CPU sessions of ONNX files with large embedded weights open from a mapped
-    form kept in ``cache_dir`` (``nograd.runtime.engines.onnx_mapped``), without prepacking:
-    what a model costs is its weights once, at its load and after it. Prepacked weights make
-    batches of several rows faster and cost a copy of the weights; a server that keeps models
-    resident by their bytes (on-demand control) takes the bytes. None: as ONNX Runtime does."""
-    global _mapped_weights_dir
-    _mapped_weights_dir = cache_dir
-
-
-def mapped_files(path: Path) -> list[Path]:
-    """The files of the mapped form of the ONNX file ``path`` that a load now reads instead of
-    it (none when weights are not mapped here or it has none yet): what keeps an evicted
-    model's next load from reading the disk."""
-    if _mapped_weights_dir is None:
-        return []
-    from nograd.runtime.engines.onnx_mapped import existing_form
-
-    return existing_form(path, _mapped_weights_dir)
-
-
-def _mapped_session(path: Path, device: torch.device, options: Any, providers: list[Any]) -> Any:
-    """A session on the mapped form of ``path`` (``map_weights``), or None: weights not mapped
-    here, nothing to map, or a mapped form ONNX Runtime refused (then the file opens itself)."""
-    if _mapped_weights_dir is None or device.type != "cpu":
-        return None
-    import onnxruntime
-
-    from nograd.runtime.engines.onnx_mapped import mapped_form
-
-    try:
-        mapped = mapped_form(path, _mapped_weights_dir)
-    except (OSError, ArtifactError):
-        logger.warning("%s: no mapped form of its weights; opened as it is", path, exc_info=True)
-        return None
-    if mapped is None:
-        return None
-    # Prepacking copies each matrix multiply's weights into a layout of its own: the mapped
-    # pages would then be read once and a copy of them held.
-    options.add_session_config_entry("session.disable_prepacking", "1")
-    try:
-        return onnxruntime.InferenceSession(str(mapped), options, providers=providers)
-    except Exception:
-        logger.warning("%s: its mapped form did not open; opened as it is", path, exc_info=True)
-        options.add_session_config_entry("session.disable_prepacking", "0")
-        return None
 
 
 def _seat_arena(session: Any, device: torch.device) -> None:

@@ -14,12 +14,16 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO, Final
+from typing import Any, BinaryIO, Final
 
 from nograd.runtime.engines.artifacts import cache_file, replace_atomically, write_text_atomically
+from nograd.runtime.engines.errors import ArtifactError
+
+logger = logging.getLogger(__name__)
 
 MAPPED_TENSOR_BYTES: Final = 64 << 10
 """Initializers at least this large move to the weights file; smaller ones stay in the graph
@@ -279,3 +283,60 @@ def _copy_range(source: BinaryIO, sink: BinaryIO, start: int, length: int, at: i
             if done == 0:
                 raise NotWalkable(f"file ends inside a weight at byte {start + copied}")
         copied += done
+
+
+_mapped_weights_dir: Path | None = None
+"""Where the mapped forms of ONNX files are kept (``map_weights``); None: files open as they are."""
+
+
+def map_weights(cache_dir: Path | None) -> None:
+    """From now on, CPU sessions of ONNX files with large embedded weights open from a mapped
+    form kept in ``cache_dir`` (``mapped_form``), without prepacking:
+    what a model costs is its weights once, at its load and after it. Prepacked weights make
+    batches of several rows faster and cost a copy of the weights; a server that keeps models
+    resident by their bytes (on-demand control) takes the bytes. None: as ONNX Runtime does."""
+    global _mapped_weights_dir
+    _mapped_weights_dir = cache_dir
+
+
+def mapped_files(path: Path) -> list[Path]:
+    """The files of the mapped form of the ONNX file ``path`` that a load now reads instead of
+    it (none when weights are not mapped here or it has none yet): what keeps an evicted
+    model's next load from reading the disk."""
+    if _mapped_weights_dir is None:
+        return []
+    return existing_form(path, _mapped_weights_dir)
+
+
+def with_mapped_forms(files: list[tuple[Path, int]]) -> list[tuple[Path, int]]:
+    """``files`` (path, size) and the files of the mapped forms their ONNX files load from."""
+    forms = [m for path, _ in files if path.suffix == ".onnx" for m in mapped_files(path)]
+    for form in forms:
+        with contextlib.suppress(OSError):  # a form replaced meanwhile: the next one counts
+            files.append((form, form.stat().st_size))
+    return files
+
+
+def mapped_session(path: Path, device_type: str, options: Any, providers: list[Any]) -> Any:
+    """A session on the mapped form of ``path`` (``map_weights``), or None: weights not mapped
+    here, nothing to map, or a mapped form ONNX Runtime refused (then the file opens itself)."""
+    if _mapped_weights_dir is None or device_type != "cpu":
+        return None
+    import onnxruntime
+
+    try:
+        mapped = mapped_form(path, _mapped_weights_dir)
+    except (OSError, ArtifactError):
+        logger.warning("%s: no mapped form of its weights; opened as it is", path, exc_info=True)
+        return None
+    if mapped is None:
+        return None
+    # Prepacking copies each matrix multiply's weights into a layout of its own: the mapped
+    # pages would then be read once and a copy of them held.
+    options.add_session_config_entry("session.disable_prepacking", "1")
+    try:
+        return onnxruntime.InferenceSession(str(mapped), options, providers=providers)
+    except Exception:
+        logger.warning("%s: its mapped form did not open; opened as it is", path, exc_info=True)
+        options.add_session_config_entry("session.disable_prepacking", "0")
+        return None

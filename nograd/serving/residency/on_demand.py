@@ -27,7 +27,8 @@ from nograd.host.peak import SampledPeak
 from nograd.host.readings import resident_bytes
 from nograd.observability.metrics import Metrics
 from nograd.runtime.devices import resolve_device
-from nograd.runtime.engines.onnx import map_weights, mapped_files, warm_onnx_runtime
+from nograd.runtime.engines.onnx import warm_onnx_runtime
+from nograd.runtime.engines.onnx_mapped import map_weights, with_mapped_forms
 from nograd.runtime.memory import device_budget, probe_for
 from nograd.runtime.planner import warm_memory_probe
 from nograd.serving.control.model_control import ModelControl
@@ -123,8 +124,7 @@ class OnDemand:
         )
 
     def closed(self) -> None:
-        """The server stops: ONNX files open as they are again in this process (a server built
-        in-process by a test leaves the next one as it found it)."""
+        """The server stops: ONNX files open as they are again in this process."""
         map_weights(None)
 
     @property
@@ -385,15 +385,9 @@ class OnDemand:
         await asyncio.get_running_loop().run_in_executor(None, keep_warm, paths)
 
     def _files_of(self, name: str) -> list[tuple[Path, int]]:
-        """The files of every version of ``name`` on disk, with their sizes, and the mapped
-        forms its ONNX files load from."""
+        """The files of every version of ``name``, sizes included, and the forms they load."""
         source = find_source(self._root, self._store, name)
-        files = model_files(v.directory for v in source.versions.values())
-        forms = [m for path, _ in files if path.suffix == ".onnx" for m in mapped_files(path)]
-        for form in forms:
-            with contextlib.suppress(OSError):  # a form replaced meanwhile: the next one counts
-                files.append((form, form.stat().st_size))
-        return files
+        return with_mapped_forms(model_files(v.directory for v in source.versions.values()))
 
     def _idle(self, name: str) -> bool:
         """Whether ``name``, chosen to make room (``Residency.victims``, which weighed its

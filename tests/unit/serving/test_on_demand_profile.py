@@ -16,7 +16,7 @@ import pytest
 
 from bench.residency_models import MIB, write_onnx_model
 from nograd.observability.metrics import Metrics
-from nograd.runtime.engines.onnx import map_weights
+from nograd.runtime.engines.onnx_mapped import map_weights
 from nograd.runtime.memory.cost import Point
 from nograd.runtime.memory.fits import Verdict
 from nograd.runtime.runners import Handler

@@ -16,6 +16,7 @@ import torch
 from bench.residency_models import MIB, ROWS, write_onnx_model
 from nograd.host.peak import ResidentPeak
 from nograd.runtime.engines import onnx as onnx_engine
+from nograd.runtime.engines import onnx_mapped
 from nograd.runtime.engines.onnx_mapped import WEIGHTS_SUFFIX, mapped_form
 
 pytest.importorskip("onnxruntime")
@@ -30,11 +31,11 @@ RISE_BOUND = 1.3
 def mapped(tmp_path: Path) -> Iterator[Path]:
     """Weights mapped from a cache folder of this test's for the test's duration."""
     cache = tmp_path / "cache"
-    onnx_engine.map_weights(cache)
+    onnx_mapped.map_weights(cache)
     try:
         yield cache
     finally:
-        onnx_engine.map_weights(None)
+        onnx_mapped.map_weights(None)
 
 
 def model_file(root: Path, index: int, weights_mib: int) -> Path:
@@ -77,11 +78,11 @@ def test_a_mapped_session_answers_as_the_file_does(tmp_path: Path) -> None:
     path = model_file(tmp_path, 5, 1)
     rows = np.random.default_rng(0).standard_normal((3, ROWS), dtype=np.float32)
     plain = answers(path, rows)
-    onnx_engine.map_weights(tmp_path / "cache")
+    onnx_mapped.map_weights(tmp_path / "cache")
     try:
         from_mapped = answers(path, rows)
     finally:
-        onnx_engine.map_weights(None)
+        onnx_mapped.map_weights(None)
     assert list((tmp_path / "cache").glob(f"*{WEIGHTS_SUFFIX}"))
     np.testing.assert_allclose(from_mapped, plain, rtol=1e-5)
 
@@ -105,7 +106,7 @@ def test_a_file_gets_a_mapped_form_of_its_own_and_the_forms_of_files_gone_or_edi
     third = model_file(tmp_path, 7, 1)
     assert answers(third, rows).ravel().tolist() == [7.0]
     assert len(list(mapped.glob(f"*{WEIGHTS_SUFFIX}"))) == 2
-    assert onnx_engine.mapped_files(other) and onnx_engine.mapped_files(third)
+    assert onnx_mapped.mapped_files(other) and onnx_mapped.mapped_files(third)
 
 
 def test_a_file_with_no_large_weight_or_no_protobuf_opens_as_it_is(tmp_path: Path) -> None:
@@ -128,16 +129,16 @@ def test_an_evicted_models_next_load_reads_its_mapped_form_and_its_signature_too
     leaves them out) opens that form as well, rising by no copy of the weights."""
     path = model_file(tmp_path, 2, WEIGHTS_MIB)
     size = path.stat().st_size
-    assert onnx_engine.mapped_files(path) == []
+    assert onnx_mapped.mapped_files(path) == []
     onnx_engine.warm_onnx_runtime()
     (inputs, outputs), rise = ResidentPeak().measure(lambda: onnx_engine.onnx_tensors(path))
     assert [name for name, _, _ in inputs] == ["X"] and [n for n, _, _ in outputs] == ["Y"]
     assert rise.extra_bytes <= 0.3 * size, (rise, size)
-    graph, weights = onnx_engine.mapped_files(path)
+    graph, weights = onnx_mapped.mapped_files(path)
     assert graph.parent == weights.parent == mapped
     assert weights.stat().st_size >= WEIGHTS_MIB * MIB > graph.stat().st_size
-    onnx_engine.map_weights(None)
-    assert onnx_engine.mapped_files(path) == []
+    onnx_mapped.map_weights(None)
+    assert onnx_mapped.mapped_files(path) == []
 
 
 def test_a_file_whose_weights_are_external_already_opens_as_it_is(
