@@ -136,7 +136,9 @@ class Settings(BaseSettings):
     engine_cache: Path | None = None
     """Folder of the engine artifacts built at load (ONNX models, exported programs, AOTInductor
     packages), the engine choices and the memory profiles measured at load, reused by every later
-    start while the model's code and weights are unchanged.
+    start while the model's code and weights are unchanged; under ``model_control = on_demand``
+    also the mapped form of each ONNX file (``mapped/``: its weights beside its graph, one form
+    per file there is), which its sessions map instead of copying.
     Unset: ``$XDG_CACHE_HOME/nograd/engines``, or ``~/.cache/nograd/engines``."""
 
     warmup: bool = True
