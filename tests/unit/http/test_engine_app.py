@@ -3,6 +3,7 @@ nograd's own checks; what a client gets is what the whole app answers for the sa
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import time
 from collections.abc import AsyncIterator, MutableMapping
@@ -71,7 +72,8 @@ async def answer(app: Any, scope: dict[str, Any]) -> list[Event]:
     async def receive() -> Event:
         if events:
             return events.pop()
-        return {"type": "http.disconnect"}
+        await asyncio.Event().wait()  # the client stays until it is answered
+        raise AssertionError("unreachable")
 
     async def send(event: Event) -> None:
         sent.append(event)
