@@ -196,6 +196,8 @@ class FleetRun:
             "NOGRAD_MODEL_REPOSITORY": str(self.repository),
             "NOGRAD_MODEL_CONTROL": "on_demand",
             "NOGRAD_MEMORY_LIMIT_BYTES": f"{self.limit_mib}MiB",
+            # The mapped forms of the run's generated models stay in the run's folder.
+            "NOGRAD_ENGINE_CACHE": str(self.repository.parent / "engines"),
             "NOGRAD_LOG_LEVEL": "warning",
         }
 

@@ -96,6 +96,17 @@ def _closed_loop(
     }
 
 
+def generated_models_env(repository: Path, limit_mib: int) -> dict[str, str]:
+    """A server's settings for the run's generated models: on demand under ``limit_mib``, with an
+    engine cache beside them, so the mapped forms of their ONNX files stay in the run's folder
+    instead of adding a set per run to the user's engine cache."""
+    return {
+        "NOGRAD_MODEL_CONTROL": "on_demand",
+        "NOGRAD_MEMORY_LIMIT_BYTES": f"{limit_mib}MiB",
+        "NOGRAD_ENGINE_CACHE": str(repository.parent / "engines"),
+    }
+
+
 def _loads(url: str, metric: str = "nograd_model_loads_total") -> float:
     return sum(value for (name, _), value in scrape_metrics(url).items() if name == metric)
 
@@ -106,7 +117,7 @@ def _zipf_run(bench: Bench, repository: Path, count: int, weights_mib: int) -> d
     server of its own under ``ZIPF_LIMIT_MIB`` (``--quick``: 64 MiB; the eviction grace as
     shipped)."""
     limit_mib = 64 if bench.plan.quick else ZIPF_LIMIT_MIB
-    env = {"NOGRAD_MODEL_CONTROL": "on_demand", "NOGRAD_MEMORY_LIMIT_BYTES": f"{limit_mib}MiB"}
+    env = generated_models_env(repository, limit_mib)
     names = [f"m{index}" for index in range(count)]
     popularity = [1 / (rank + 1) ** ZIPF_EXPONENT for rank in range(count)]
     with nograd_server(repository, bench.plan.server_cpus, env) as server:
@@ -163,7 +174,7 @@ def phase_residency(bench: Bench) -> None:
     folder = RESULTS / f"{bench.stamp}-residency"
     bench.step("residency: build the models")
     repository = onnx_repository(folder, count, weights_mib)
-    env = {"NOGRAD_MODEL_CONTROL": "on_demand", "NOGRAD_MEMORY_LIMIT_BYTES": f"{limit_mib}MiB"}
+    env = generated_models_env(repository, limit_mib)
     with nograd_server(repository, bench.plan.server_cpus, env) as server:
         bench.step("residency: cold and resident requests")
         names = [f"m{index}" for index in range(count)]

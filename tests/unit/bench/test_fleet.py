@@ -6,11 +6,20 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from bench.phases.fleet import Traffic, moved_share, ratios, round_order, zipf_popularity
+from bench.phases.fleet import (
+    FleetRun,
+    Traffic,
+    moved_share,
+    ratios,
+    round_order,
+    zipf_popularity,
+)
+from bench.phases.residency import generated_models_env
 from bench.plan import FLEET_ROUNDS, FLEET_SECONDS, Plan
 from bench.report.fleet import fleet_section
 from bench.run import command_line
@@ -149,3 +158,14 @@ def test_the_section_shows_each_run_the_ratios_and_the_changes() -> None:
     assert "| `nograd fleet rolling-restart` | 30.0 | 80 | 2,000 | 0 | 0 | – |" in text
     assert "| `nograd fleet scale --replicas 4` | 10.0 | 40 | 1,500 | 0 | 0 | 25 % |" in text
     assert fleet_section({}, "2 cores") == []
+
+
+def test_the_generated_models_engine_cache_stays_in_the_runs_folder(tmp_path: Path) -> None:
+    """The mapped forms of a run's generated ONNX models go beside them, never into the user's
+    engine cache (a new set per run otherwise)."""
+    repository = tmp_path / "run" / "onnx-24x32MiB"
+    fleet = FleetRun(repository, tmp_path / "state", 256)
+    assert fleet.env()["NOGRAD_ENGINE_CACHE"] == str(tmp_path / "run" / "engines")
+    one_server = generated_models_env(repository, 256)
+    assert one_server["NOGRAD_ENGINE_CACHE"] == str(tmp_path / "run" / "engines")
+    assert one_server["NOGRAD_MEMORY_LIMIT_BYTES"] == "256MiB"
