@@ -85,28 +85,8 @@ def build_app(core: Core, lifespan: Lifespan | None = None) -> FastAPI:
     app.state.diagnostics = core.diagnostics
     app.state.placement = core.placement
     install_error_handlers(app)
-    app.add_middleware(DirectRoutes, calls=core.calls)
-    # Starlette wraps the last-added middleware outermost. From the outside in: auth and
-    # admission read headers only, so a request they refuse never has its body read; then the
-    # size limit, which reads a chunked body as it arrives.
-    app.add_middleware(
-        BodyLimitMiddleware,
-        max_bytes=settings.max_request_bytes,
-        metrics=metrics,
-        known_model=core.plane.models.__contains__,
-        calls=core.calls,
-    )
-    app.add_middleware(AdmissionMiddleware, calls=core.calls)
-    if core.calls.keys_required:
-        app.add_middleware(
-            AuthMiddleware,
-            calls=core.calls,
-            protect_health=settings.auth_health,
-            protect_metrics=settings.auth_metrics,
-        )
-    app.add_middleware(HeadMiddleware)
-    app.add_middleware(StartTimeMiddleware)
-    app.add_middleware(UnexpectedErrorMiddleware)
+    for middleware, options in reversed(own_middlewares(core)):
+        app.add_middleware(middleware, **options)
     app.include_router(v2.router)
     app.include_router(repository.router)
     app.include_router(placement.router)
@@ -129,32 +109,52 @@ def build_app(core: Core, lifespan: Lifespan | None = None) -> FastAPI:
     return app
 
 
+def own_middlewares(core: Core) -> list[tuple[Any, dict[str, Any]]]:
+    """nograd's middlewares from the outside in, each with its options. Auth and admission read
+    headers only, so a request they refuse never has its body read; then the size limit, which
+    reads a chunked body as it arrives; innermost the inference calls served ahead of the router."""
+    settings, calls = core.settings, core.calls
+    auth = [
+        (
+            AuthMiddleware,
+            {
+                "calls": calls,
+                "protect_health": settings.auth_health,
+                "protect_metrics": settings.auth_metrics,
+            },
+        )
+    ]
+    return [
+        (UnexpectedErrorMiddleware, {}),
+        (StartTimeMiddleware, {}),
+        (HeadMiddleware, {}),
+        *(auth if calls.keys_required else []),
+        (AdmissionMiddleware, {"calls": calls}),
+        (
+            BodyLimitMiddleware,
+            {
+                "max_bytes": settings.max_request_bytes,
+                "metrics": core.metrics,
+                "known_model": core.plane.models.__contains__,
+                "calls": calls,
+            },
+        ),
+        (DirectRoutes, {"calls": calls}),
+    ]
+
+
 def build_engine_app(core: Core) -> ASGIApp:
     """The app of the engine process, for the calls its fronts forward: ``build_app``'s, except
     that an inference call a front decoded (``PREDECODED_KEY``: a V2 inference POST, which
-    ``DirectRoutes`` answers) passes nograd's own middlewares, in the same order, without the
+    ``DirectRoutes`` answers) passes nograd's own middlewares (``own_middlewares``) without the
     framework's layers around them (its error, telemetry and body-size wrappers, none of which
     acts on such a call) and without ``HeadMiddleware`` (a POST): the engine's one loop runs
     every call of every front."""
     app = build_app(core)
-    calls = core.calls
-    decoded: ASGIApp = DirectRoutes(app, calls=calls)
-    decoded = BodyLimitMiddleware(
-        decoded,
-        max_bytes=core.settings.max_request_bytes,
-        metrics=core.metrics,
-        known_model=core.plane.models.__contains__,
-        calls=calls,
-    )
-    decoded = AdmissionMiddleware(decoded, calls=calls)
-    if calls.keys_required:
-        decoded = AuthMiddleware(
-            decoded,
-            calls=calls,
-            protect_health=core.settings.auth_health,
-            protect_metrics=core.settings.auth_metrics,
-        )
-    decoded = UnexpectedErrorMiddleware(StartTimeMiddleware(decoded))
+    decoded: ASGIApp = app
+    for middleware, options in reversed(own_middlewares(core)):
+        if middleware is not HeadMiddleware:
+            decoded = middleware(decoded, **options)
 
     async def engine_app(scope: Scope, receive: Receive, send: Send) -> None:
         if PREDECODED_KEY in scope.get("state", ()):
