@@ -41,6 +41,7 @@ from bench.common import (
 )
 from bench.residency_models import MIB, ROWS, onnx_repository
 from bench.session import Bench
+from nograd.fleet.homes import homes as model_homes
 from nograd.fleet.replicas import stop_process
 from nograd.fleet.state import Fleet, load, state_path
 
@@ -279,37 +280,10 @@ def fleet_up(run: FleetRun, replicas: int, balance: str) -> Iterator[FleetRun]:
         run.stop()
 
 
-def answered_by_replica(urls: Mapping[int, str]) -> dict[int, Counter[str]]:
-    """Each replica's requests answered 200 so far, per model (``nograd_requests_total``)."""
-    counts: dict[int, Counter[str]] = {}
-    for slot, url in urls.items():
-        counts[slot] = Counter()
-        for (name, labels), value in scrape_metrics(url).items():
-            found = dict(labels)
-            if name == "nograd_requests_total" and found.get("code") == "200" and "model" in found:
-                counts[slot][found["model"]] += int(value)
-    return counts
-
-
 def homes(run: FleetRun, models: int) -> dict[str, int]:
-    """Each model's home: the replica slot that answers it through the balancer, one request
-    at a time with no other load (so bounded loads never spill it)."""
-    urls = run.replica_urls()
-    before = answered_by_replica(urls)
-    with httpx.Client(base_url=run.url, timeout=REQUEST_TIMEOUT_S) as http:
-        for index in range(models):
-            answer = http.post(f"/v2/models/m{index}/infer", json=BODY)
-            if answer.status_code != 200:
-                raise RuntimeError(
-                    f"m{index} through the balancer: {answer.status_code} {answer.text}"
-                )
-    after = answered_by_replica(urls)
-    found = {}
-    for index in range(models):
-        name = f"m{index}"
-        (slot,) = [s for s in urls if after[s][name] > before[s][name]]
-        found[name] = slot
-    return found
+    """Each model's home: the replica slot the balancer sends its metadata call to (its
+    ``x-nograd-replica`` answer header), which loads nothing."""
+    return model_homes(run.url, [f"m{index}" for index in range(models)])
 
 
 def moved_share(before: Mapping[str, int], after: Mapping[str, int]) -> float:

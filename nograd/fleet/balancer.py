@@ -140,6 +140,18 @@ class RuntimeApi:
         for backend in BACKENDS:
             self.checked(f"set server {backend}/replica{slot} state {state}")
 
+    def set_weight(self, slot: int, weight: int) -> None:
+        """Slot ``slot``'s weight in every backend: its share of the hash ring's points."""
+        for backend in BACKENDS:
+            self.checked(f"set server {backend}/replica{slot} weight {weight}")
+
+    def weight(self, slot: int) -> int:
+        """Slot ``slot``'s weight now (HAProxy answers ``92 (initial 100)``)."""
+        answer = self.command(f"get weight {BACKENDS[0]}/replica{slot}").split()
+        if not answer or not answer[0].isdigit():
+            raise BalancerError(f"haproxy's weight of replica{slot}: {' '.join(answer)}")
+        return int(answer[0])
+
     def stats(self) -> list[SlotStat]:
         text = self.command("show stat").lstrip("# ")
         found = []

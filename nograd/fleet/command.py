@@ -2,6 +2,11 @@
 one machine. Each command reads the fleet's state file (``nograd.fleet.state``), acts through
 HAProxy's Runtime API and the replicas' processes, and returns once the fleet is ready again.
 
+With model-aware balancing, ``up`` then evens the models' homes through the replicas' weights
+(``nograd.fleet.homes``); a scale keeps the others' weights and steps only a new replica's
+until it is the home of its share, so that only the models it takes (or a removed one leaves)
+move; ``homes`` shows the homes, ``homes --even`` evens them again.
+
 A replica leaves HAProxy's ring before it stops: its slot drains (no new request goes to it,
 those it runs finish), the command waits until HAProxy holds no request on it, and only then
 the replica gets SIGTERM (and drains what reached it directly). A new or restarted replica
@@ -12,9 +17,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Final
+
+import httpx
 
 from nograd.fleet.balancer import (
     BALANCES,
@@ -24,6 +32,7 @@ from nograd.fleet.balancer import (
     balancer_env,
     start_balancer,
 )
+from nograd.fleet.homes import WEIGHT, even_homes, homes, model_names, settle_new, spread
 from nograd.fleet.replicas import (
     HOST,
     ReplicaError,
@@ -37,6 +46,9 @@ from nograd.fleet.replicas import (
 from nograd.fleet.state import Fleet, Replica, alive, load, save, state_path, state_root
 
 DEFAULT_SLOTS: Final = 16
+EVEN_WITHIN: Final = 1
+"""``up`` (and ``homes --even``) step the weights until the replicas' numbers of homes differ
+by one at most."""
 
 
 def fleet_command(argv: list[str]) -> int:
@@ -55,9 +67,11 @@ def fleet_command(argv: list[str]) -> int:
             path.unlink()
         elif options.action == "rolling-restart":
             rolling_restart(fleet, path, options)
+        elif options.action == "homes":
+            show_homes(fleet, options.even)
         else:
             scale(fleet, path, options)
-    except (BalancerError, ReplicaError, OSError) as exc:
+    except (BalancerError, ReplicaError, OSError, httpx.HTTPError) as exc:
         print(f"nograd fleet {options.action}: {exc}", file=sys.stderr)
         return 1
     return 0
@@ -102,6 +116,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     scale_parser = actions.add_parser("scale", parents=[common], help="add or remove replicas")
     scale_parser.add_argument("--replicas", type=int, required=True)
+    homes_parser = actions.add_parser(
+        "homes", parents=[common], help="each model's home replica and the replicas' weights"
+    )
+    homes_parser.add_argument(
+        "--even", action="store_true", help="even the homes through the weights first"
+    )
     return parser
 
 
@@ -138,7 +158,8 @@ def up(options: argparse.Namespace, root: Path) -> int:
     save(fleet, path)
     try:
         add_replicas(fleet, path, options.replicas, options.ready_timeout)
-    except (BalancerError, ReplicaError):
+        found = _even(fleet)
+    except (BalancerError, ReplicaError, httpx.HTTPError):
         down(fleet, options.stop_timeout, 0.0)
         path.unlink(missing_ok=True)
         raise
@@ -146,13 +167,53 @@ def up(options: argparse.Namespace, root: Path) -> int:
         f"nograd fleet: {options.replicas} replicas behind http://{options.host}:{options.port} "
         f"(gRPC {options.host}:{grpc_port}), balance {options.balance}; state in {path}"
     )
+    _print_spread(fleet, found)
     return 0
 
 
-def add_replicas(fleet: Fleet, path: Path, count: int, ready_timeout_s: float) -> None:
-    """Start ``count`` replicas in the lowest free slots together, then let each into the
-    ring once it is ready."""
+def _url(fleet: Fleet) -> str:
+    host = "127.0.0.1" if fleet.host in ("0.0.0.0", "") else fleet.host
+    return f"http://{host}:{fleet.port}"
+
+
+def _even(fleet: Fleet) -> dict[str, int]:
+    """Under model-aware balancing, the replicas' weights stepped until their numbers of homes
+    differ by ``EVEN_WITHIN`` at most (``nograd.fleet.homes``); the homes then."""
+    if fleet.balance != "model" or not fleet.replicas:
+        return {}
+    models = model_names(_url(fleet))
+    slots = [replica.slot for replica in fleet.replicas]
+    return even_homes(RuntimeApi(Path(fleet.socket)), _url(fleet), models, slots, EVEN_WITHIN)
+
+
+def _print_spread(fleet: Fleet, found: Mapping[str, int]) -> None:
+    if found:
+        counts = spread(found, [replica.slot for replica in fleet.replicas])
+        print("homes: " + ", ".join(f"replica{slot} {n}" for slot, n in sorted(counts.items())))
+
+
+def show_homes(fleet: Fleet, even: bool) -> None:
+    """Each model's home replica (where the balancer sends it now) and each replica's weight;
+    with ``even``, after evening them."""
+    found = _even(fleet) if even else homes(_url(fleet), model_names(_url(fleet)))
     api = RuntimeApi(Path(fleet.socket))
+    counts = spread(found, [replica.slot for replica in fleet.replicas])
+    for replica in fleet.replicas:
+        print(
+            f"replica{replica.slot} weight {api.weight(replica.slot)} homes "
+            f"{counts[replica.slot]} port {replica.http_port}"
+        )
+    for name, slot in sorted(found.items()):
+        print(f"{name} replica{slot}")
+
+
+def add_replicas(fleet: Fleet, path: Path, count: int, ready_timeout_s: float) -> list[int]:
+    """Start ``count`` replicas in the lowest free slots together, then let each into the
+    ring once it is ready, at the mean weight of those already there (``WEIGHT`` in a fleet
+    starting); their slots."""
+    api = RuntimeApi(Path(fleet.socket))
+    present = [api.weight(replica.slot) for replica in fleet.replicas]
+    weight = round(sum(present) / len(present)) if present else WEIGHT
     ports = free_ports(2 * count)
     started = []
     for index, slot in enumerate(fleet.free_slots()[:count]):
@@ -163,7 +224,9 @@ def add_replicas(fleet: Fleet, path: Path, count: int, ready_timeout_s: float) -
     fleet.replicas.sort(key=lambda replica: replica.slot)
     save(fleet, path)
     for replica in started:
+        api.set_weight(replica.slot, weight)
         _join(api, replica, ready_timeout_s)
+    return [replica.slot for replica in started]
 
 
 def _join(api: RuntimeApi, replica: Replica, ready_timeout_s: float) -> None:
@@ -210,7 +273,12 @@ def scale(fleet: Fleet, path: Path, options: argparse.Namespace) -> None:
     if not 1 <= wanted <= fleet.slots:
         raise ReplicaError(f"--replicas must be 1..{fleet.slots} (the fleet's slots)")
     if wanted > len(fleet.replicas):
-        add_replicas(fleet, path, wanted - len(fleet.replicas), options.ready_timeout)
+        new = add_replicas(fleet, path, wanted - len(fleet.replicas), options.ready_timeout)
+        if fleet.balance == "model":
+            slots = [replica.slot for replica in fleet.replicas]
+            url = _url(fleet)
+            api = RuntimeApi(Path(fleet.socket))
+            _print_spread(fleet, settle_new(api, url, model_names(url), slots, new))
         return
     api = RuntimeApi(Path(fleet.socket))
     for replica in sorted(fleet.replicas, key=lambda r: r.slot)[wanted:]:

@@ -3,7 +3,10 @@ request with their own name: what is under test is the balancer's configuration,
 each kind of request goes to. Every way a client names a model (V2 path, TorchServe path,
 OpenAI model path, the embeddings call's JSON body, the x-nograd-model header, the model control
 path) sends that model to the same replica; different models spread over the replicas; a 503
-is answered again by another replica; ``roundrobin`` ignores the model. The balancer's own
+is answered again by another replica; ``roundrobin`` ignores the model; every answer names the
+replica that gave it, and the replicas' weights even the homes of a set of names the ring alone
+splits unevenly (``nograd.fleet.homes``), and a replica added after that takes its share and
+moves no other model. The balancer's own
 bounds (docs/reliability.md) hold: a head larger than its buffer, a request slower than its
 timeout, a replica slower than its answer timeout, an idle connection and connections past its
 maximum."""
@@ -11,7 +14,9 @@ maximum."""
 from __future__ import annotations
 
 import json
+import random
 import socket
+import string
 import threading
 import time
 from collections.abc import Iterator
@@ -21,7 +26,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.phases.fleet import MODELS as BENCH_MODELS
 from nograd.fleet.balancer import CONFIG, RuntimeApi, balancer_env, start_balancer
+from nograd.fleet.homes import REPLICA_HEADER, WEIGHT, even_homes, homes, settle_new, spread
 from nograd.fleet.replicas import stop_process
 from tests.e2e.serving import free_port
 from tests.prometheus_tools import haproxy
@@ -67,24 +74,27 @@ class _Answer(BaseHTTPRequestHandler):
 
 
 def _balancer(
-    tmp_path: Path, balance: str, bounds: dict[str, str] | None = None
+    tmp_path: Path, balance: str, bounds: dict[str, str] | None = None, spare: int = 0
 ) -> Iterator[tuple[str, list[NamedReplica]]]:
     """HAProxy on the shipped configuration before three named replicas; ``bounds`` sets its
-    own limits' variables (``NOGRAD_FLEET_MAXCONN``...)."""
+    own limits' variables (``NOGRAD_FLEET_MAXCONN``...); ``spare`` more replicas are placed in
+    the slots after them, in maintenance (out of the ring)."""
     haproxy()
-    replicas = [NamedReplica(f"r{slot}") for slot in range(1, REPLICAS + 1)]
+    slots = REPLICAS + spare
+    replicas = [NamedReplica(f"r{slot}") for slot in range(1, slots + 1)]
     threads = [threading.Thread(target=r.serve_forever, daemon=True) for r in replicas]
     for thread in threads:
         thread.start()
     port = free_port()
-    env = balancer_env("127.0.0.1", port, free_port(), tmp_path / "api.sock", balance, REPLICAS)
+    env = balancer_env("127.0.0.1", port, free_port(), tmp_path / "api.sock", balance, slots)
     process = start_balancer(CONFIG, {**env, **(bounds or {})}, tmp_path / "haproxy.log")
     try:
         api = RuntimeApi(tmp_path / "api.sock")
         for slot, replica in enumerate(replicas, start=1):
             # gRPC is not exercised here: the slot's gRPC server is the same HTTP server.
             api.place(slot, replica.server_address[1], replica.server_address[1])
-            api.set_state(slot, "ready")
+            if slot <= REPLICAS:
+                api.set_state(slot, "ready")
         for slot in range(1, REPLICAS + 1):
             api.wait_up(slot, timeout_s=10)
         yield f"http://127.0.0.1:{port}", replicas
@@ -98,6 +108,11 @@ def _balancer(
 @pytest.fixture
 def model_aware(tmp_path: Path) -> Iterator[tuple[str, list[NamedReplica]]]:
     yield from _balancer(tmp_path, "model")
+
+
+@pytest.fixture
+def with_a_spare(tmp_path: Path) -> Iterator[tuple[str, list[NamedReplica]]]:
+    yield from _balancer(tmp_path, "model", spare=1)
 
 
 @pytest.fixture
@@ -160,6 +175,55 @@ def test_round_robin_ignores_the_model(round_robin: tuple[str, list[NamedReplica
             _replica(http, "POST", f"/v2/models/{MODELS[0]}/infer", {}, {}) for _ in range(6)
         }
     assert answered == {f"r{slot}" for slot in range(1, REPLICAS + 1)}
+
+
+def test_every_answer_names_the_replica_that_gave_it(
+    model_aware: tuple[str, list[NamedReplica]],
+) -> None:
+    url, _ = model_aware
+    with httpx.Client(base_url=url, timeout=10) as http:
+        for model in MODELS:
+            answer = http.post(f"/v2/models/{model}/infer", json={})
+            # NamedReplica r<N> sits in HAProxy's slot replica<N>.
+            assert answer.headers[REPLICA_HEADER] == "replica" + answer.json()["replica"][1:]
+
+
+def _names(count: int, seed: int) -> list[str]:
+    chooser = random.Random(seed)
+    alphabet = string.ascii_lowercase + string.digits + "-_"
+    return ["".join(chooser.choices(alphabet, k=chooser.randint(4, 14))) for _ in range(count)]
+
+
+@pytest.mark.parametrize(
+    "models",
+    [[f"m{index}" for index in range(BENCH_MODELS)], _names(24, seed=1), _names(24, seed=2)],
+    ids=["bench-models", "names-1", "names-2"],
+)
+def test_weights_even_the_homes_and_a_new_replica_takes_its_share(
+    with_a_spare: tuple[str, list[NamedReplica]], tmp_path: Path, models: list[str]
+) -> None:
+    url, _ = with_a_spare
+    api = RuntimeApi(tmp_path / "api.sock")
+    three = list(range(1, REPLICAS + 1))
+    for slot in three:
+        api.set_weight(slot, WEIGHT)  # as `nograd fleet up` starts them
+    drawn = spread(homes(url, models), three)
+    evened = even_homes(api, url, models, three, allowed=1)
+    counts = spread(evened, three)
+    assert max(counts.values()) - min(counts.values()) <= 1, (drawn, counts)
+    assert evened == homes(url, models)  # the weights hold the placement, not a cache
+
+    # A fourth replica joins at the others' mean weight, and only its weight is stepped until it
+    # is the home of its share: models move only onto it, a quarter of them give or take one.
+    four = [*three, REPLICAS + 1]
+    api.set_weight(REPLICAS + 1, round(sum(api.weight(slot) for slot in three) / REPLICAS))
+    api.set_state(REPLICAS + 1, "ready")
+    api.wait_up(REPLICAS + 1, timeout_s=10)
+    scaled = settle_new(api, url, models, four, [REPLICAS + 1])
+    assert scaled == homes(url, models)
+    moved = {name for name in models if scaled[name] != evened[name]}
+    assert {scaled[name] for name in moved} == {REPLICAS + 1}, (evened, scaled)
+    assert abs(len(moved) - len(models) / len(four)) <= 1, sorted(moved)
 
 
 SHORT_BOUNDS = {
