@@ -48,8 +48,8 @@ class FleetUnderTest:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def run(self, *args: str, timeout_s: float = 180) -> None:
-        """``nograd fleet ARGS --port P --state-dir D``, which must succeed."""
+    def run(self, *args: str, timeout_s: float = 180) -> str:
+        """``nograd fleet ARGS --port P --state-dir D``, which must succeed; its output."""
         done = subprocess.run(
             [*FLEET, *args, "--port", str(self.port), "--state-dir", str(self.state_dir)],
             cwd=ROOT,
@@ -59,6 +59,7 @@ class FleetUnderTest:
             timeout=timeout_s,
         )
         assert done.returncode == 0, f"nograd fleet {args}: {done.stdout}{done.stderr}"
+        return done.stdout
 
     def state(self) -> Fleet:
         return load(state_path(self.state_dir, self.port))
@@ -110,6 +111,16 @@ def requests_by_replica(fleet: Fleet) -> dict[int, Counter[str]]:
                 if sample.name == "nograd_requests_total" and "model" in sample.labels:
                     counts[replica.slot][sample.labels["model"]] += int(sample.value)
     return counts
+
+
+def _loads(fleet: Fleet) -> float:
+    """Cold loads over the replicas (their ``nograd_model_loads_total``)."""
+    total = 0.0
+    for replica in fleet.replicas:
+        text = httpx.get(f"http://127.0.0.1:{replica.http_port}/metrics").text
+        for family in text_string_to_metric_families(text):
+            total += sum(s.value for s in family.samples if s.name == "nograd_model_loads_total")
+    return total
 
 
 def homes(under_test: FleetUnderTest, asked: int = 2) -> dict[str, int]:
@@ -176,8 +187,13 @@ class Load:
 
 
 def test_each_model_lands_on_the_replica_that_holds_it(fleet: FleetUnderTest) -> None:
+    # `nograd fleet homes` finds each model's home without loading it (the fleet is fresh)...
+    listed = fleet.run("homes").splitlines()
+    assert _loads(fleet.state()) == 0
     found = homes(fleet)
-    assert set(found.values()) == {1, 2}, found
+    # ... and the requests go there; `up` evened the homes: as many models on each replica.
+    assert {f"{name} replica{slot}" for name, slot in found.items()} <= set(listed), listed
+    assert Counter(found.values()) == {1: MODELS // 2, 2: MODELS // 2}, found
     # The placement route says the same: each replica holds exactly the models sent to it.
     for replica in fleet.state().replicas:
         placement = httpx.get(f"http://127.0.0.1:{replica.http_port}/nograd/placement").json()
