@@ -18,6 +18,7 @@ import ctypes
 import ctypes.util
 import functools
 import os
+import time
 from collections.abc import Callable, MutableMapping
 from typing import Final
 
@@ -25,6 +26,11 @@ _Trim = Callable[[int], int]
 _M_ARENA_MAX: Final = -8
 """glibc's ``mallopt`` parameter for the most arenas threads may allocate from."""
 ARENA_VARIABLE: Final = "MALLOC_ARENA_MAX"
+LONG_RUN_S: Final = 0.001
+"""A run at least this long hands the heap back as it ends (``AfterRuns``): what it allocated
+is worth a trim that costs a small part of it."""
+RUNS_INTERVAL_S: Final = 1.0
+"""Shorter runs hand it back at most this often."""
 """The same limit as glibc reads it from the environment at a process's start."""
 
 
@@ -83,3 +89,33 @@ def release_free_memory() -> bool:
         return False
     trim(0)
     return True
+
+
+class AfterRuns:
+    """When the runs of one engine hand the heap's free memory back: after a long run, whose
+    freed regions would otherwise stay resident for the next one to miss, and after shorter
+    runs at most once an interval. A trim after every run re-faults every page of the next: it
+    cost as much as a small batch's whole run again, and each arena's lock, which it holds,
+    stalled the event loop's allocations meanwhile; what a short run leaves is small."""
+
+    def __init__(
+        self,
+        long_run_s: float = LONG_RUN_S,
+        interval_s: float = RUNS_INTERVAL_S,
+        release: Callable[[], bool] = release_free_memory,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._long_run_s = long_run_s
+        self._interval_s = interval_s
+        self._release = release
+        self._clock = clock
+        self._last = clock()
+
+    def ran(self, seconds: float) -> bool:
+        """A run of ``seconds`` ended; whether the heap was handed back after it."""
+        now = self._clock()
+        if seconds < self._long_run_s and now - self._last < self._interval_s:
+            return False
+        self._last = now
+        self._release()
+        return True

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import tempfile
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ import torch
 
 from nograd.core.datatypes import NUMPY_DTYPES, TABLE
 from nograd.core.engines import EngineRow, engine_row
-from nograd.host.heap import release_free_memory
+from nograd.host.heap import AfterRuns, release_free_memory
 from nograd.runtime.engines.errors import ArtifactError
 from nograd.runtime.engines.onnx_mapped import mapped_session
 from nograd.runtime.engines.paths import EnginePath
@@ -147,6 +148,7 @@ class OnnxPath(EnginePath):
         self.spinning = True
         self._sessions: dict[int, Any] = {}
         self._run_options: Any = _shrinking(device) if device.type == "cpu" else None
+        self._after_runs = AfterRuns()
         session = self.session
         inputs = [value.name for value in session.get_inputs()]
         outputs = [value.name for value in session.get_outputs()]
@@ -231,13 +233,15 @@ class OnnxPath(EnginePath):
     def run_arrays(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One run on host arrays, by name in and out: what a model with string tensors runs
         on (object arrays of ``str``), as torch holds no strings."""
+        started = time.perf_counter()
         with _out_of_memory_named():
             results = self.session.run(list(self.outputs), dict(feeds), self._run_options)
         if self.device.type == "cpu":
             # The arena's growth, handed back when the run ended, stays resident in the C heap,
             # where the next run's regions do not fit again: repeated runs of one batch size
-            # held more than one run needs. Back to the system, each run holds what it needs.
-            release_free_memory()
+            # held more than one run needs. Back to the system after a long run, and after
+            # short ones now and then (what a short run leaves is small).
+            self._after_runs.ran(time.perf_counter() - started)
         return {name: np.asarray(value) for name, value in zip(self.outputs, results, strict=True)}
 
     def _run_bound(self, batch: Mapping[str, torch.Tensor]) -> list[Any]:

@@ -57,3 +57,38 @@ def test_an_operators_arena_setting_is_kept() -> None:
     environ = {"MALLOC_ARENA_MAX": "4"}
     assert not heap.use_one_arena(environ)
     assert environ == {"MALLOC_ARENA_MAX": "4"}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_long_run_hands_the_heap_back_and_short_ones_once_an_interval() -> None:
+    releases: list[float] = []
+    clock = Clock()
+
+    def release() -> bool:
+        releases.append(clock.now)
+        return True
+
+    after = heap.AfterRuns(long_run_s=0.005, interval_s=1.0, release=release, clock=clock)
+    # Short runs within the interval keep their freed memory for the next run.
+    for _ in range(50):
+        clock.now += 0.001
+        assert not after.ran(0.0002)
+    assert releases == []
+    # A long run hands it back however recent the last release.
+    assert after.ran(0.02)
+    assert after.ran(0.005)
+    assert len(releases) == 2
+    # Short runs hand it back once the interval has passed since the last release.
+    clock.now += 0.999
+    assert not after.ran(0.0001)
+    clock.now += 0.002
+    assert after.ran(0.0001)
+    assert not after.ran(0.0001)
+    assert len(releases) == 3
