@@ -111,11 +111,9 @@ class ModelLoader:
         self, models: list[ServedModel], serving: Sequence[ServedModel] = ()
     ) -> None:
         """Load and warm up every model, plan memory per device (with the ``serving`` ones,
-        whose shares change), then start the batchers.
-
-        Planning waits for every load so the free memory it budgets already excludes all
-        weights; a model that fails at any step is reported and left not ready.
-        """
+        whose shares change), then start the batchers. Planning waits for every load so the
+        free memory it budgets already excludes all weights; a model that fails at any step is
+        reported and left not ready."""
         started_up = self._joined
         if not self._joined:
             self._joined = True
@@ -212,6 +210,8 @@ class ModelLoader:
         if self.cores is not None:
             # The ledger grants each batch a width; ONNX Runtime's pool is fixed per session.
             share_cores(handler.speed_path, self._widths)
+        elif self._settings.front_count:  # fronts decode on these cores: no spinning pool
+            share_cores(handler.speed_path, ())
         model.load_seconds = time.perf_counter() - started
         self._metrics.model_load.labels(model.name).set(model.load_seconds)
         model.weights_bytes = handler.weights_bytes + engine_weights_bytes(handler.speed_path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from nograd.observability.metrics import Metrics
+from nograd.runtime.engines.onnx import OnnxPath
 from nograd.serving.dataplane import DataPlane
 from nograd.settings import Settings
 from tests.unit.runtime.speed.conftest import (
@@ -19,6 +21,7 @@ from tests.unit.runtime.speed.conftest import (
     gauge,
 )
 
+SHIPPED = Path(__file__).resolve().parents[4] / "models"
 MODEL_PY = """
 import torch
 
@@ -92,5 +95,32 @@ async def test_data_plane_caps_batches_at_the_largest_bucket(
         )
         count = metrics.registry.get_sample_value("nograd_batch_size_count", {"model": "m"})
         assert sizes is not None and sizes == count, "every batch took at most 4 rows"
+    finally:
+        await plane.stop()
+
+
+@pytest.mark.parametrize(("fronts", "allowed"), [(0, "1"), (2, "0")])
+async def test_an_engine_beside_fronts_keeps_no_onnx_threads_spinning(
+    tmp_path: Path, fronts: int, allowed: str
+) -> None:
+    """ONNX Runtime's threads busy-wait after a run by default: a process alone keeps them so,
+    an engine process beside fronts lets them sleep, as the fronts decode on the same cores."""
+    shutil.copytree(SHIPPED / "digits", tmp_path / "repo" / "digits")
+    settings = Settings(  # type: ignore[call-arg]
+        model_repository=tmp_path / "repo", fronts=fronts, engine="onnx", warmup=False
+    )
+    plane = DataPlane(settings, Metrics())
+    plane.discover()
+    await plane.load_all()
+    try:
+        handler = plane.models["digits"].handler
+        assert handler is not None
+        path = handler.speed_path
+        assert isinstance(path, OnnxPath)
+        options = path.session.get_session_options()
+        assert options.get_session_config_entry("session.intra_op.allow_spinning") == allowed
+        image = np.zeros((2, 1, 8, 8), dtype=np.float32)
+        _, outputs = await plane.infer("digits", None, {"image": image})
+        assert outputs["logits"].shape == (2, 10)
     finally:
         await plane.stop()
