@@ -128,6 +128,8 @@ class DataPlane:
     def _bind_ensembles(self, ensembles: list[ServedModel]) -> None:
         """Check each ensemble's steps against the step models loaded (Triton's load-time
         checks); one that passes is loaded, and ready while its step models are."""
+        if not ensembles:
+            return  # no listing of the repository on the event loop for a plain model
         known = self._known_names()
         for model in load_order(ensembles):
             if model.state is State.LOADING and settle(self.registry, model, known):
@@ -172,12 +174,13 @@ class DataPlane:
         """Check again the ensembles that run ``step_model`` (just loaded or reloaded, perhaps
         with another config), as Triton checks an ensemble's downstream again: one that no
         longer fits fails with Triton's message, one that fits again serves."""
-        known = self._known_names()
+        known: Callable[[str], bool] | None = None
         for model in self.registry.served():
             if not is_ensemble(model.config) or model.state is State.LOADING:
                 continue
             if all(step.model != step_model for step in model.config.steps):
                 continue
+            known = known or self._known_names()  # listed only when an ensemble runs it
             failed = model.state is State.FAILED
             if settle(self.registry, model, known) and failed:
                 logger.info("ensemble %s v%s fits its step models again", model.name, model.version)

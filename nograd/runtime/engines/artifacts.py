@@ -7,6 +7,7 @@ workers building the same artifact at once both leave a whole one.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import os
@@ -38,23 +39,45 @@ file, so a model evicted and loaded again on demand is not read whole just to be
 _file_digests: dict[str, tuple[tuple[int, ...], bytes]] = {}
 
 
-def file_sha256(path: Path) -> bytes:
+def file_sha256(path: Path, cache_dir: Path | None = None) -> bytes:
     """The SHA-256 of the file at ``path``, remembered while the file's identity, size and
-    modification and change times stay the same (any write changes the change time)."""
+    modification and change times stay the same (any write changes the change time): in this
+    process, and with ``cache_dir`` in a record there too, so the first load of a model after a
+    restart (or in another worker) does not read its weights whole just to recognise them."""
     info = path.stat()
     signature = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
     key = str(path)
     known = _file_digests.get(key)
     if known is not None and known[0] == signature:
         return known[1]
-    digest = hashlib.sha256()
-    hash_file(digest, path)
-    value = digest.digest()
+    record = None
+    if cache_dir is not None:
+        named = hashlib.sha256(repr((str(path.resolve()), signature)).encode()).hexdigest()
+        record = cache_file(cache_dir, f"file-sha256-{named[:32]}.txt")
+    value = _recorded_digest(record)
+    if value is None:
+        digest = hashlib.sha256()
+        hash_file(digest, path)
+        value = digest.digest()
+        if record is not None:
+            with contextlib.suppress(OSError):  # a read-only cache: hashed again next time
+                write_text_atomically(record, value.hex())
     _file_digests.pop(key, None)
     _file_digests[key] = (signature, value)
     while len(_file_digests) > FILE_DIGESTS_KEPT:
         del _file_digests[next(iter(_file_digests))]
     return value
+
+
+def _recorded_digest(record: Path | None) -> bytes | None:
+    """The digest a ``file_sha256`` record holds; None when there is none or it is unreadable."""
+    if record is None:
+        return None
+    try:
+        value = bytes.fromhex(record.read_text("utf-8").strip())
+    except (OSError, ValueError):
+        return None
+    return value if len(value) == hashlib.sha256().digest_size else None
 
 
 def hash_file(digest: hashlib._Hash, path: Path) -> None:

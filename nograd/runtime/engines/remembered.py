@@ -67,10 +67,12 @@ def keyed(digest: str, libraries: Sequence[str]) -> str:
     return key.hexdigest()[:24]
 
 
-def model_digest(handler: ModelHandler, limit: int, code: Sequence[Path]) -> str:
+def model_digest(
+    handler: ModelHandler, limit: int, code: Sequence[Path], cache_dir: Path | None = None
+) -> str:
     """The model as loaded: torch's version, the device type, its config, the batch limit, its
     code and its weights by value (an artifact model, which has no eager module, has its weights
-    in its artifact, one of ``code``)."""
+    in its artifact, one of ``code``; its digest recorded in ``cache_dir``, ``file_sha256``)."""
     digest = hashlib.sha256()
     config = handler.config.model_dump(mode="json")
     for part in (
@@ -83,7 +85,7 @@ def model_digest(handler: ModelHandler, limit: int, code: Sequence[Path]) -> str
         digest.update(part.encode() + b"\0")
     for path in code:
         if path.is_file():
-            digest.update(file_sha256(path))
+            digest.update(file_sha256(path, cache_dir))
     state = handler.module.state_dict() if handler.module is not None else {}
     for name in sorted(state):
         tensor = state[name]

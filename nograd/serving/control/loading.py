@@ -195,7 +195,8 @@ class ModelLoader:
             choosing = time.perf_counter()
             code = _model_files(model.directory, config)
             # Its weights hashed once: the profile's and the engine choice's keys derive from it.
-            digest = model_digest(handler, self._limit(config), code)
+            cache = self._settings.engine_cache_dir
+            digest = model_digest(handler, self._limit(config), code, cache)
             model.loaded_as = keyed(digest, ())
             handler = prepare_engine(
                 handler,

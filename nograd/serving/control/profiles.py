@@ -64,15 +64,22 @@ class MemoryProfiles:
         """By version (its id), its warm-up batches as measured (estimating loads only)."""
         self._unmeasured: dict[tuple[str, str], ServedModel] = {}
         """The versions serving on an estimate, by name and version, until ``measure``."""
+        self._estimates: dict[tuple[str, str], tuple[tuple[object, ...], RangedCost]] = {}
+        """Per model version, the estimate its warm-up gave and what it was measured on, kept
+        until its profile is measured: a version evicted and loaded again before a quiet moment
+        profiled it plans on the same estimate, and its warm-up measures nothing again."""
 
     def measured_before(self, model: ServedModel, handler: Handler, cap: int) -> bool:
         """Whether the cost of ``model`` as ``handler`` serves it was measured at an earlier
-        load: by this process (evicted and loaded again on demand) or by an earlier one, whose
-        profile the engine cache remembers (the first load after a restart). Its plan is that
-        measurement, so its warm-up need measure nothing and runs one round, as a reload's."""
-        known = self._profiles.get((model.name, model.version))
-        if known is not None and known[0] == _profile_key(model, cap, handler):
-            return True
+        load: by this process (evicted and loaded again on demand, profiled or estimated from
+        its first warm-up) or by an earlier one, whose profile the engine cache remembers (the
+        first load after a restart). Its plan is that measurement, so its warm-up need measure
+        nothing and runs one round, as a reload's."""
+        key = _profile_key(model, cap, handler)
+        for kept in (self._profiles, self._estimates):
+            known = kept.get((model.name, model.version))
+            if known is not None and known[0] == key:
+                return True
         return is_remembered(handler, model.loaded_as, self._cache_dir)
 
     def warmed_up(self, model: ServedModel, points: list[Point]) -> None:
@@ -94,6 +101,11 @@ class MemoryProfiles:
         points = self._warmup_points.pop(id(model), None)
         if known is not None and known[0] == measured_on:
             model.profile = known[1]
+            return
+        estimated = self._estimates.get((model.name, model.version))
+        if estimated is not None and estimated[0] == measured_on and not points:
+            model.profile = estimated[1]
+            self._unmeasured[(model.name, model.version)] = model
             return
         if points is not None and await self._estimated(model, measured_on, points):
             return
@@ -135,6 +147,7 @@ class MemoryProfiles:
             return False
         model.profile = estimate
         self._unmeasured[(model.name, model.version)] = model
+        self._estimates[(model.name, model.version)] = (measured_on, estimate)
         logger.info(
             "model %s v%s: planned on an estimate from its warm-up until its memory profile is "
             "measured",
@@ -185,6 +198,7 @@ class MemoryProfiles:
         if self._unmeasured.get(key) is not model or model.handler is None:
             return False  # freed while it was measured
         del self._unmeasured[key]
+        self._estimates.pop(key, None)
         model.profile = cost
         model.phases["profile"] = time.perf_counter() - profiling
         self._profiles[key] = (measured_on, cost)

@@ -252,7 +252,7 @@ class OnDemand:
             if model is not None and model.ready:
                 return
             self._follow_registry()
-            source = find_source(self._root, self._store, name)
+            source = await asyncio.to_thread(find_source, self._root, self._store, name)
             prints = tuple(sorted(v.fingerprint for v in source.versions.values()))
             failed = self._failed.get(name)
             if failed is not None and failed[0] == prints:
@@ -367,8 +367,8 @@ class OnDemand:
         return True
 
     async def _keep_files_warm(self, evicted: str) -> None:
-        """Keep the files of the models evicted last, ``evicted`` the newest, in the page cache
-        (up to ``warm_evicted_bytes`` together): a model asked for again soon loads from memory."""
+        """Keep the files of the models evicted last (up to ``warm_evicted_bytes``) in the page
+        cache; only ``evicted``'s are advised now (the others were), and no load waits for it."""
         if self._warm_bytes <= 0:
             return
         try:
@@ -381,8 +381,8 @@ class OnDemand:
         self._warm[evicted] = files
         while sum(size for files in self._warm.values() for _, size in files) > self._warm_bytes:
             del self._warm[next(iter(self._warm))]
-        paths = [path for files in self._warm.values() for path, _ in files]
-        await asyncio.get_running_loop().run_in_executor(None, keep_warm, paths)
+        if evicted in self._warm:
+            asyncio.get_running_loop().run_in_executor(None, keep_warm, [p for p, _ in files])
 
     def _files_of(self, name: str) -> list[tuple[Path, int]]:
         """The files of every version of ``name``, sizes included, and the forms they load."""

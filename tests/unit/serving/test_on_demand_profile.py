@@ -21,9 +21,10 @@ from nograd.runtime.memory.cost import Point
 from nograd.runtime.memory.fits import Verdict
 from nograd.runtime.runners import Handler
 from nograd.runtime.warmup import warm_up
+from nograd.serving import dataplane as dataplane_module
 from nograd.serving.control import loading
 from nograd.serving.control.model_control import ModelControl
-from nograd.serving.control.repository import find_source
+from nograd.serving.control.repository import find_source, model_names
 from nograd.serving.dataplane import DataPlane
 from nograd.serving.residency import on_demand as on_demand_module
 from nograd.serving.residency.on_demand import OnDemand
@@ -118,6 +119,46 @@ async def test_an_eviction_reads_the_files_to_keep_warm_off_the_event_loop(
         await plane.stop(0)
 
 
+async def test_an_eviction_advises_only_the_evicted_files_and_lists_no_repository(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Loads follow each other under traffic: an eviction asks the kernel to keep the evicted
+    model's files alone (the models evicted before were advised when they went), and a load of
+    a model no ensemble runs lists no folder of the repository."""
+    advised: list[set[str]] = []
+    listed: list[Path] = []
+
+    def recorded_keep_warm(paths: list[Path]) -> int:
+        advised.append({m for m in ("m3", "m4") if any(f"/{m}/" in str(p) for p in paths)})
+        return 0
+
+    def recorded_model_names(root: Path) -> list[str]:
+        listed.append(root)
+        return model_names(root)
+
+    write_onnx_model(tmp_path / "repo" / "m4", 4, 2)
+    plane, control = await one_model_on_demand(tmp_path)
+    on_demand = OnDemand(control, plane, plane.metrics)
+    monkeypatch.setattr(on_demand_module, "keep_warm", recorded_keep_warm)
+    monkeypatch.setattr(dataplane_module, "model_names", recorded_model_names)
+    try:
+        on_demand.opened()
+        for name in ("m3", "m4"):
+            await asked_for(on_demand, name)
+        assert listed == []
+        for name in ("m3", "m4"):
+            assert await on_demand._evict(name, "memory")
+        deadline = time.monotonic() + 10
+        while len(advised) < 2:
+            assert time.monotonic() < deadline, advised
+            await asyncio.sleep(0.01)
+        assert set(on_demand._warm) == {"m3", "m4"}
+        assert advised == [{"m3"}, {"m4"}]
+    finally:
+        await control.close()
+        await plane.stop(0)
+
+
 async def test_a_cold_model_answers_on_an_estimate_then_counts_its_measured_profile(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -200,3 +241,32 @@ async def test_a_restart_warms_a_model_with_a_remembered_profile_by_one_round(
     assert rounds == [2, 1]
     assert probes[0] is not None and probes[1] is None
     assert "profile" not in plane.models["m3"].phases
+
+
+async def test_a_model_evicted_before_its_profile_reloads_on_its_first_estimate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under steady traffic no quiet moment profiles a model, and it may be evicted and loaded
+    again many times on its estimate: each reload plans on the estimate its first warm-up gave
+    and warms up by one round, measuring nothing, and the model still waits to be profiled."""
+    rounds, probes = counted_warm_ups(monkeypatch)
+    plane, control = await one_model_on_demand(tmp_path)
+    on_demand = OnDemand(control, plane, plane.metrics)
+    # Never quiet: the profile waits for good.
+    monkeypatch.setattr(on_demand._profiles, "_busy", lambda: True)
+    try:
+        on_demand.opened()
+        await asked_for(on_demand, "m3")
+        first = plane.models["m3"].plan
+        assert first is not None and plane.unmeasured("m3")
+        assert await on_demand._evict("m3", "memory")
+        await asked_for(on_demand, "m3")
+        again = plane.models["m3"].plan
+        assert again is not None and again.cost == first.cost
+        assert verdicts(plane, "m3") == {Verdict.ESTIMATED}
+        assert plane.unmeasured("m3")
+        assert rounds == [2, 1]
+        assert probes[0] is not None and probes[1] is None
+    finally:
+        await control.close()
+        await plane.stop(0)

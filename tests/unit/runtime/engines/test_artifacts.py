@@ -76,3 +76,30 @@ def test_a_file_digest_is_remembered_until_the_file_changes(
         assert artifacts.file_sha256(weights) == first
     weights.write_bytes(b"other")
     assert artifacts.file_sha256(weights) == hashlib.sha256(b"other").digest()
+
+
+def test_a_file_digest_recorded_in_the_cache_serves_a_new_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first load after a restart recognises its weights by the record an earlier process
+    left in the engine cache, without reading them whole; a rewritten file is read again, and
+    an unreadable record is read past."""
+    weights, cache = tmp_path / "model.onnx", tmp_path / "cache"
+    weights.write_bytes(b"first")
+    first = artifacts.file_sha256(weights, cache)
+    assert first == hashlib.sha256(b"first").digest()
+    (record,) = cache.glob("file-sha256-*.txt")
+
+    def read_again(*args: object) -> None:
+        raise AssertionError("an unchanged file was read again")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(artifacts, "_file_digests", {})  # a new process
+        patched.setattr(artifacts, "hash_file", read_again)
+        assert artifacts.file_sha256(weights, cache) == first
+    record.write_text("not a digest")
+    monkeypatch.setattr(artifacts, "_file_digests", {})
+    assert artifacts.file_sha256(weights, cache) == first
+    weights.write_bytes(b"other")
+    monkeypatch.setattr(artifacts, "_file_digests", {})
+    assert artifacts.file_sha256(weights, cache) == hashlib.sha256(b"other").digest()
