@@ -101,8 +101,9 @@ def even_homes(
                 break
         _set_weights(api, weights, stepped)
         found = homes(url, models)
-        if _range(spread(found, slots)) < best[0]:
-            best = (_range(spread(found, slots)), dict(weights), found)
+        found_range = _range(spread(found, slots))
+        if found_range < best[0]:
+            best = (found_range, dict(weights), found)
     if best[1] != weights:
         _set_weights(api, weights, best[1])
         found = best[2]
@@ -153,8 +154,9 @@ def settle_new(
             break
         _set_weights(api, weights, stepped)
         found = homes(url, models)
-        if off(found) < best[0]:
-            best = (off(found), dict(weights), found)
+        found_off = off(found)
+        if found_off < best[0]:
+            best = (found_off, dict(weights), found)
     if best[1] != weights:
         _set_weights(api, weights, best[1])
         found = best[2]

@@ -26,12 +26,12 @@ _Trim = Callable[[int], int]
 _M_ARENA_MAX: Final = -8
 """glibc's ``mallopt`` parameter for the most arenas threads may allocate from."""
 ARENA_VARIABLE: Final = "MALLOC_ARENA_MAX"
+"""The same limit as glibc reads it from the environment at a process's start."""
 LONG_RUN_S: Final = 0.001
 """A run at least this long hands the heap back as it ends (``AfterRuns``): what it allocated
 is worth a trim that costs a small part of it."""
 RUNS_INTERVAL_S: Final = 1.0
 """Shorter runs hand it back at most this often."""
-"""The same limit as glibc reads it from the environment at a process's start."""
 
 
 @functools.cache
