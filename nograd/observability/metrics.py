@@ -24,6 +24,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
+from nograd.observability.metric_values import remember_process_id
+
 # Geometric, factor ~1.33, from 0.5 ms to ~13 s: fine enough to read p50..p99.9 in that range.
 DURATION_BUCKETS: Final = tuple(round(0.0005 * 1.3335**k, 6) for k in range(36))
 # Queue waits and forwards are shorter; start lower.
@@ -38,28 +40,7 @@ UNKNOWN_MODEL: Final = "_unknown"
 # The *_created series double the exposition size and no dashboard of ours reads them.
 disable_created_metrics()  # type: ignore[no-untyped-call]
 
-_PROCESS_ID = [os.getpid()]
-os.register_at_fork(after_in_child=lambda: _PROCESS_ID.__setitem__(0, os.getpid()))
-
-
-def _process_id() -> int:
-    return _PROCESS_ID[0]
-
-
-def _values_with_a_remembered_pid() -> None:
-    """File-backed values that read this process's id from memory: prometheus_client asks the
-    kernel for it on every update (to notice a fork), a fifth to a third of an update's cost on
-    the request path; a fork still renews it (``os.register_at_fork``). Swapped only while this
-    process has written no value yet, so that no file ever has two writers."""
-    directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-    if not directory or values.ValueClass is values.MutexValue:
-        return
-    if any(Path(directory).glob(f"*_{os.getpid()}.db")):
-        return
-    values.ValueClass = values.MultiProcessValue(process_identifier=_process_id)  # type: ignore[no-untyped-call]
-
-
-_values_with_a_remembered_pid()
+remember_process_id()
 
 MemoryReader = Callable[[], Iterable[tuple[str, int, int, int, int]]]
 """Yields (device, allocated, reserved, peak, total) bytes at scrape time."""
