@@ -52,16 +52,14 @@ def file_sha256(path: Path, cache_dir: Path | None = None) -> bytes:
         return known[1]
     record = None
     if cache_dir is not None:
-        named = hashlib.sha256(repr((str(path.resolve()), signature)).encode()).hexdigest()
-        record = cache_file(cache_dir, f"file-sha256-{named[:32]}.txt")
-    value = _recorded_digest(record)
+        record = DigestRecord(cache_dir, path, signature)
+    value = None if record is None else record.read()
     if value is None:
         digest = hashlib.sha256()
         hash_file(digest, path)
         value = digest.digest()
         if record is not None:
-            with contextlib.suppress(OSError):  # a read-only cache: hashed again next time
-                write_text_atomically(record, value.hex())
+            record.write(value)
     _file_digests.pop(key, None)
     _file_digests[key] = (signature, value)
     while len(_file_digests) > FILE_DIGESTS_KEPT:
@@ -69,15 +67,49 @@ def file_sha256(path: Path, cache_dir: Path | None = None) -> bytes:
     return value
 
 
-def _recorded_digest(record: Path | None) -> bytes | None:
-    """The digest a ``file_sha256`` record holds; None when there is none or it is unreadable."""
-    if record is None:
-        return None
+DIGEST_RECORDS: Final = "file-sha256-*.txt"
+
+
+class DigestRecord:
+    """A file's SHA-256 in the engine cache: one record per file path, naming the file, its
+    identity, size and times, and its digest. A changed file's record is written over; those of
+    files gone are removed when another is written, so the cache holds one per model file there
+    is, at most."""
+
+    def __init__(self, cache_dir: Path, path: Path, signature: tuple[int, ...]) -> None:
+        self._cache_dir = cache_dir
+        self._path = str(path.resolve())
+        self._signature = ",".join(map(str, signature))
+        named = hashlib.sha256(self._path.encode()).hexdigest()[:32]
+        self.file = cache_file(cache_dir, DIGEST_RECORDS.replace("*", named))
+
+    def read(self) -> bytes | None:
+        """The digest recorded for the file as it is now; None when there is none, or the one
+        there is for another state of it, or unreadable."""
+        try:
+            lines = self.file.read_text("utf-8").split("\n")
+            if len(lines) != 3 or lines[:2] != [self._path, self._signature]:
+                return None
+            value = bytes.fromhex(lines[2])
+        except (OSError, ValueError):
+            return None
+        return value if len(value) == hashlib.sha256().digest_size else None
+
+    def write(self, value: bytes) -> None:
+        with contextlib.suppress(OSError):  # a read-only cache: hashed again next time
+            for other in self._cache_dir.glob(DIGEST_RECORDS):
+                named = _first_line(other)
+                if other != self.file and named is not None and not Path(named).exists():
+                    other.unlink(missing_ok=True)
+            write_text_atomically(self.file, f"{self._path}\n{self._signature}\n{value.hex()}")
+
+
+def _first_line(record: Path) -> str | None:
+    """The file a digest record names; None when it cannot be read."""
     try:
-        value = bytes.fromhex(record.read_text("utf-8").strip())
-    except (OSError, ValueError):
+        return record.read_text("utf-8").split("\n", 1)[0]
+    except OSError:
         return None
-    return value if len(value) == hashlib.sha256().digest_size else None
 
 
 def hash_file(digest: hashlib._Hash, path: Path) -> None:

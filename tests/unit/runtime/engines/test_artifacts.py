@@ -103,3 +103,16 @@ def test_a_file_digest_recorded_in_the_cache_serves_a_new_process(
     weights.write_bytes(b"other")
     monkeypatch.setattr(artifacts, "_file_digests", {})
     assert artifacts.file_sha256(weights, cache) == hashlib.sha256(b"other").digest()
+    # A file's record is written over when it changes; the record of a file gone goes when
+    # another is written: one record per model file there is, whatever a client uploads.
+    assert list(cache.glob("file-sha256-*.txt")) == [record]
+    second = tmp_path / "second.onnx"
+    second.write_bytes(b"second")
+    artifacts.file_sha256(second, cache)
+    assert len(list(cache.glob("file-sha256-*.txt"))) == 2
+    weights.unlink()
+    third = tmp_path / "third.onnx"
+    third.write_bytes(b"third")
+    artifacts.file_sha256(third, cache)
+    named = sorted(r.read_text().split("\n")[0] for r in cache.glob("file-sha256-*.txt"))
+    assert named == sorted(str(p.resolve()) for p in (second, third))
