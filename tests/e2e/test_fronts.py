@@ -60,15 +60,23 @@ def maps_libtorch(pid: int) -> bool:
     return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
 
 
-def sockets(pid: int) -> int:
-    fds = Path(f"/proc/{pid}/fd")
-    count = 0
-    for fd in fds.iterdir():
+def connections(pid: int, port: int) -> set[str]:
+    """The inodes of the TCP connections ``pid`` holds on ``port`` (/proc/net/tcp, established)."""
+    on_port = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "01" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                on_port.add(fields[9])
+    held = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
         try:
-            count += os.readlink(fd).startswith("socket:")
+            link = os.readlink(fd)
         except FileNotFoundError:
             continue
-    return count
+        if link.startswith("socket:[") and link[8:-1] in on_port:
+            held.add(link[8:-1])
+    return held
 
 
 def test_only_the_engine_loads_torch_and_the_fronts_hold_the_connections(
@@ -81,17 +89,20 @@ def test_only_the_engine_loads_torch_and_the_fronts_hold_the_connections(
     assert maps_libtorch(started["engine"])
     assert not maps_libtorch(server.process.pid)
     assert not any(maps_libtorch(started[f"front {i}"]) for i in (1, 2))
-    before = {i: sockets(started[f"front {i}"]) for i in (1, 2)}
+    port = httpx.URL(server.url).port
+    assert port is not None
+    before = {i: connections(started[f"front {i}"], port) for i in (1, 2)}
     clients = [httpx.Client(base_url=server.url, timeout=30) for _ in range(32)]
     try:
         for client in clients:
             assert client.post("/v2/models/digits/infer", json=DIGITS).status_code == 200
-        gained = {i: sockets(started[f"front {i}"]) - before[i] for i in (1, 2)}
+        gained = {i: len(connections(started[f"front {i}"], port) - before[i]) for i in (1, 2)}
     finally:
         for client in clients:
             client.close()
-    # Each new connection goes to the front with the fewest open; under a busy machine a front's
-    # count may lag a hand-off or two, never the whole load.
+    # Counted as connections new since `before`, so one closing meanwhile (the readiness poll's)
+    # takes nothing off. Each new connection goes to the front with the fewest open; under a busy
+    # machine a front's count may lag a hand-off or two, never the whole load.
     assert sum(gained.values()) == 32 and min(gained.values()) >= 8, gained
 
 
