@@ -135,6 +135,21 @@ ONNX: Final = OnnxEngine(engine_row("onnx"))
 ONNX_INT8: Final = OnnxEngine(engine_row("onnx-int8"), quantised=True)
 
 
+_spinning = True
+"""Whether CPU sessions opened from now on keep their threads busy-waiting after a run
+(``spin_after_runs``)."""
+
+
+def spin_after_runs(enabled: bool) -> None:
+    """From now on, CPU sessions open with threads that busy-wait for a while after each run, as
+    ONNX Runtime does by default (the next batch starts sooner), or that sleep at once: where
+    other processes or other models' runs and loads need the cores, the spin takes them (a
+    fleet's replicas on one host, an engine beside fronts, on-demand models). Set before a
+    session opens, so none opens twice."""
+    global _spinning
+    _spinning = enabled
+
+
 class OnnxPath(EnginePath):
     """ONNX Runtime sessions, one per intra-op width: each batch runs on as many threads as torch
     has at that moment, the width the worker's core ledger granted when workers share the cores
@@ -145,7 +160,7 @@ class OnnxPath(EnginePath):
         self.name = name
         self.path = path
         self.device = device
-        self.spinning = True
+        self.spinning = _spinning
         self._sessions: dict[int, Any] = {}
         self._run_options: Any = _shrinking(device) if device.type == "cpu" else None
         self._after_runs = AfterRuns()

@@ -29,6 +29,7 @@ from nograd.observability.metrics import Metrics
 from nograd.observability.stats import FanOutObserver, Statistics
 from nograd.runtime.devices import DeviceThreads, configure_threads, device_label, resolve_device
 from nograd.runtime.engines.choice import prepare_engine
+from nograd.runtime.engines.onnx import spin_after_runs
 from nograd.runtime.engines.paths import engine_weights_bytes, share_cores
 from nograd.runtime.engines.remembered import keyed, model_digest
 from nograd.runtime.handler import ModelHandler, Outputs, TensorPart
@@ -144,6 +145,16 @@ class ModelLoader:
     def _join_cores(self) -> None:
         share = self._core_share
         workers = self._settings.worker_count
+        # A spinning ONNX Runtime pool pays only while its model runs batch after batch on cores
+        # no one else needs: not beside fronts (they decode on these cores), not with models
+        # loaded on demand (the loads, the other models' runs and, in a fleet, the other
+        # replicas on the host need them), not with workers sharing the cores (each batch's
+        # width is granted).
+        spin_after_runs(
+            share is None
+            and not self._settings.front_count
+            and self._settings.model_control != "on_demand"
+        )
         threads = configure_threads(self._settings.torch_threads, workers, shared=share is not None)
         if share is None:
             logger.info("torch intra-op threads: %d", threads)
@@ -211,8 +222,6 @@ class ModelLoader:
         if self.cores is not None:
             # The ledger grants each batch a width; ONNX Runtime's pool is fixed per session.
             share_cores(handler.speed_path, self._widths)
-        elif self._settings.front_count:  # fronts decode on these cores: no spinning pool
-            share_cores(handler.speed_path, ())
         model.load_seconds = time.perf_counter() - started
         self._metrics.model_load.labels(model.name).set(model.load_seconds)
         model.weights_bytes = handler.weights_bytes + engine_weights_bytes(handler.speed_path)

@@ -99,15 +99,23 @@ async def test_data_plane_caps_batches_at_the_largest_bucket(
         await plane.stop()
 
 
-@pytest.mark.parametrize(("fronts", "allowed"), [(0, "1"), (2, "0")])
-async def test_an_engine_beside_fronts_keeps_no_onnx_threads_spinning(
-    tmp_path: Path, fronts: int, allowed: str
+@pytest.mark.parametrize(
+    ("fronts", "control", "allowed"), [(0, "none", "1"), (2, "none", "0"), (0, "on_demand", "0")]
+)
+async def test_onnx_threads_spin_only_in_a_process_alone_with_its_models(
+    tmp_path: Path, fronts: int, control: str, allowed: str
 ) -> None:
-    """ONNX Runtime's threads busy-wait after a run by default: a process alone keeps them so,
-    an engine process beside fronts lets them sleep, as the fronts decode on the same cores."""
+    """ONNX Runtime's threads busy-wait after a run by default: a process alone with the models
+    it started with keeps them so; an engine process beside fronts (they decode on the same
+    cores) and a server loading models on demand (loads, other models' runs, other replicas on
+    the host) let them sleep."""
     shutil.copytree(SHIPPED / "digits", tmp_path / "repo" / "digits")
     settings = Settings(  # type: ignore[call-arg]
-        model_repository=tmp_path / "repo", fronts=fronts, engine="onnx", warmup=False
+        model_repository=tmp_path / "repo",
+        fronts=fronts,
+        model_control=control,
+        engine="onnx",
+        warmup=False,
     )
     plane = DataPlane(settings, Metrics())
     plane.discover()
