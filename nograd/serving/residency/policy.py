@@ -27,6 +27,13 @@ POPULARITY_HALF_LIFE_S = 60.0
 long enough to tell a popular model from one asked for once, short enough that a model no longer
 asked for stops counting as popular within minutes."""
 
+GRACE_WAIT_LOADS = 10
+"""A load waiting for room that only the grace of models asked for no less keeps evicts the
+least asked for of them once it has waited this many times that model's last load: loads made
+to wait this way take at most about a tenth of the time (a client cycling through cold models
+does not take the cores from a model in steady use), while a request for a rarely asked model
+waits a few of its loads, not a whole grace."""
+
 POPULARITY_KEPT = 4096
 """Most model names whose popularity is kept: past it, the least asked for half of the models
 not resident are forgotten (a client naming models that do not exist holds nothing for good)."""
@@ -131,26 +138,62 @@ class Residency:
         """Whether ``name`` may not be evicted now: a request holds it or it is in its grace."""
         return self.held(name) or self.in_grace(name)
 
-    def kept_from(self, incoming: str) -> Callable[[str], bool]:
-        """Whether a model may not be evicted for ``incoming``: a request holds it, or it is in
-        its grace and asked for at least as much as ``incoming`` (``popularity``). A model
-        loaded for one request does not keep out the next model asked for as often; a model
-        in steady use keeps out every model asked for less."""
+    def kept_from(self, incoming: str, waited_s: float = 0.0) -> Callable[[str], bool]:
+        """Whether a model may not be evicted for ``incoming``, whose load has waited
+        ``waited_s`` for room: a request holds it, or it is in its grace and asked for at least
+        as much as ``incoming`` (``popularity``), unless it is the model ``outwaited`` names
+        and the load has waited that long. A model loaded for one request does not keep out
+        the next model asked for as often; a model in steady use keeps out every model asked
+        for less."""
         wanted = self.popularity(incoming)
+        outwaited = self.outwaited(incoming)
+        released = outwaited[0] if outwaited and outwaited[1] <= waited_s else None
         return lambda name: (
-            self.held(name) or (self.in_grace(name) and self.popularity(name) >= wanted)
+            self.held(name)
+            or (name != released and self.in_grace(name) and self.popularity(name) >= wanted)
         )
 
-    def grace_ends_in(self, name: str) -> float | None:
+    def outwaited(self, incoming: str) -> tuple[str, float] | None:
+        """The model a load of ``incoming`` waiting for room evicts despite its grace, and after
+        how long a wait (``GRACE_WAIT_LOADS`` times its last load): the least asked for of the
+        models only their grace keeps. None while a resident model asked for no
+        more than it is held (it goes first once answered; ``incoming`` itself, resident when
+        its first load measured more than expected, makes room by leaving instead), or none
+        is kept by its grace alone."""
+        wanted = self.popularity(incoming)
+        graced = [
+            r
+            for r in self.resident.values()
+            if r.name != incoming
+            and not r.pinned
+            and not self.held(r.name)
+            and self.in_grace(r.name)
+            and self.popularity(r.name) >= wanted
+        ]
+        if not graced:
+            return None
+        least = min(graced, key=eviction_order(self.popularity))
+        if least.load_seconds <= 0 or any(
+            self.held(n) and self.popularity(n) <= self.popularity(least.name)
+            for n in self.resident
+        ):
+            return None
+        return least.name, least.load_seconds * GRACE_WAIT_LOADS
+
+    def grace_ends_in(self, name: str, waited_s: float = 0.0) -> float | None:
         """Seconds until the first model besides ``name`` that only its grace keeps (not held,
-        not pinned) may be evicted; None when no model is kept by its grace alone."""
+        not pinned) may be evicted by a load of ``name`` that has waited ``waited_s``
+        (``kept_from``); None when no model is kept by its grace alone."""
         now = self.clock()
-        kept = self.kept_from(name)
+        kept = self.kept_from(name, waited_s)
         ends = [
             r.last_used + self.grace_s - now
             for r in self.resident.values()
             if r.name != name and not r.pinned and not self.held(r.name) and kept(r.name)
         ]
+        outwaited = self.outwaited(name)
+        if outwaited is not None and outwaited[1] > waited_s:
+            ends.append(outwaited[1] - waited_s)
         return max(0.0, min(ends)) if ends else None
 
     def admit(
@@ -192,13 +235,15 @@ class Residency:
             return held, max(held, self.load_peaks.get(name, held))
         return on_disk, max(on_disk, int(on_disk * self.peak_per_file_byte))
 
-    def victims(self, name: str, needed: int) -> list[str]:
-        """The resident models to evict so that ``needed`` more bytes fit for ``name``, least
-        recently used first (ties: the quickest to load again); ``LargerThanLimit`` when even
-        an empty set of evictable models leaves too little, ``NoRoomNow`` when requests hold
-        the models that would have to go."""
+    def victims(self, name: str, needed: int, waited_s: float = 0.0) -> list[str]:
+        """The resident models to evict so that ``needed`` more bytes fit for ``name``, whose
+        load has waited ``waited_s`` for room, the least asked for first (ties: the least
+        recently used, then the quickest to load again); ``LargerThanLimit`` when even an empty
+        set of evictable models leaves too little, ``NoRoomNow`` when requests hold, or their
+        grace keeps, the models that would have to go."""
+        kept = self.kept_from(name, waited_s)
         return choose_victims(
-            self.resident.values(), name, needed, self.limit, self.kept_from(name), self.popularity
+            self.resident.values(), name, needed, self.limit, kept, self.popularity
         )
 
     def short_of(self, name: str, needed: int) -> bool:

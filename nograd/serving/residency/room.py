@@ -49,15 +49,17 @@ class RoomForLoads:
         """Evict until ``needed`` bytes fit for ``name``, waiting (within the wait bound) for
         requests on the models that must go and for their grace to pass; ``LargerThanLimit``
         or ``NoRoomNow`` else."""
-        deadline = time.monotonic() + self._room_wait_s
+        started = time.monotonic()
+        deadline = started + self._room_wait_s
         while True:
+            waited = time.monotonic() - started
             try:
-                victims = self._residency.victims(name, needed)
+                victims = self._residency.victims(name, needed, waited)
             except NoRoomNow:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise
-                await self._wait_for_room(name, remaining)
+                await self._wait_for_room(name, remaining, waited)
                 continue
             evicted = [await self._evict(victim, "memory") for victim in victims]
             if all(evicted):
@@ -82,10 +84,11 @@ class RoomForLoads:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._released.wait(), remaining)
 
-    async def _wait_for_room(self, name: str, longest_s: float) -> None:
+    async def _wait_for_room(self, name: str, longest_s: float, waited_s: float) -> None:
         """Wait, at most ``longest_s``, until a request on another model is answered or the
-        grace that keeps another model (besides ``name``) from eviction ends."""
-        grace = self._residency.grace_ends_in(name)
+        grace that keeps another model (besides ``name``) from eviction ends for a load that
+        has waited ``waited_s``."""
+        grace = self._residency.grace_ends_in(name, waited_s)
         wait_s = longest_s if grace is None else min(longest_s, grace + 0.001)
         self._released.clear()
         with contextlib.suppress(TimeoutError):

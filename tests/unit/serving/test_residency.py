@@ -6,6 +6,7 @@ import pytest
 
 from nograd.serving.errors import LargerThanLimit, NoRoomNow
 from nograd.serving.residency.policy import (
+    GRACE_WAIT_LOADS,
     POPULARITY_HALF_LIFE_S,
     POPULARITY_KEPT,
     Residency,
@@ -265,3 +266,44 @@ def test_a_grace_keeps_out_only_models_asked_for_less() -> None:
     assert resident.grace_ends_in("next") == pytest.approx(0.9)  # steady's grace
     with pytest.raises(NoRoomNow, match="NOGRAD_EVICTION_GRACE_MS"):
         resident.victims("next", 20 * MIB)
+
+
+def test_a_load_waits_for_a_grace_a_few_of_the_models_loads_at_most() -> None:
+    """A model in its grace keeps out one asked for less, but a load waiting for that grace
+    evicts it once it has waited ``GRACE_WAIT_LOADS`` times the model's last load, not the
+    whole grace."""
+    clock = StillClock()
+    resident = Residency(20 * MIB, clock=clock, grace_s=1.0)
+    resident.admit("head", 10 * MIB, pinned=False, load_seconds=0.03)
+    resident.admit("steady", 10 * MIB, pinned=False, load_seconds=0.05)
+    for _ in range(3):
+        for name in ("head", "steady"):
+            resident.hold(name)
+            resident.release(name)
+    resident.hold("head")  # in use, and asked for more than "steady"
+    resident.hold("rare")  # the load's own request
+    with pytest.raises(NoRoomNow):
+        resident.victims("rare", 10 * MIB, waited_s=0.049 * GRACE_WAIT_LOADS)
+    outwaited = 0.05 * GRACE_WAIT_LOADS  # steady's loads, well short of its grace
+    assert outwaited < 1.0
+    assert resident.grace_ends_in("rare") == pytest.approx(outwaited)
+    assert resident.victims("rare", 10 * MIB, waited_s=outwaited) == ["steady"]
+    assert resident.grace_ends_in("rare", waited_s=0.1) == pytest.approx(outwaited - 0.1)
+
+
+def test_a_model_in_its_grace_is_kept_while_one_asked_for_less_is_only_held() -> None:
+    """The wait bound does not evict a model in steady use while a model asked for less is held
+    by a request: that one goes first once answered, however long the load waits."""
+    clock = StillClock()
+    resident = Residency(20 * MIB, clock=clock, grace_s=1.0)
+    resident.admit("hot", 10 * MIB, pinned=False, load_seconds=0.02)
+    for _ in range(10):
+        resident.hold("hot")
+        resident.release("hot")
+    resident.admit("cold", 10 * MIB, pinned=False, load_seconds=0.02)
+    resident.hold("cold")  # its request still running
+    resident.hold("next")
+    with pytest.raises(NoRoomNow):
+        resident.victims("next", 10 * MIB, waited_s=0.5)
+    resident.release("cold")
+    assert resident.victims("next", 10 * MIB, waited_s=0.5) == ["cold"]
