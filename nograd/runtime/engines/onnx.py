@@ -142,10 +142,11 @@ _spinning = True
 
 def spin_after_runs(enabled: bool) -> None:
     """From now on, CPU sessions open with threads that busy-wait for a while after each run, as
-    ONNX Runtime does by default (the next batch starts sooner), or that sleep at once: where
-    other processes or other models' runs and loads need the cores, the spin takes them (a
-    fleet's replicas on one host, an engine beside fronts, on-demand models). Set before a
-    session opens, so none opens twice."""
+    ONNX Runtime does by default (the next batch starts sooner), or that sleep at once. The spin
+    pays only in a process alone with the models it started with: beside fronts it takes the
+    cores they decode on, beside other workers the cores the ledger grants their batches, with
+    models loaded on demand the cores the loads, the other models' runs and a fleet's other
+    replicas on the host need. Set before a session opens, so none opens twice."""
     global _spinning
     _spinning = enabled
 

@@ -145,16 +145,8 @@ class ModelLoader:
     def _join_cores(self) -> None:
         share = self._core_share
         workers = self._settings.worker_count
-        # A spinning ONNX Runtime pool pays only while its model runs batch after batch on cores
-        # no one else needs: not beside fronts (they decode on these cores), not with models
-        # loaded on demand (the loads, the other models' runs and, in a fleet, the other
-        # replicas on the host need them), not with workers sharing the cores (each batch's
-        # width is granted).
-        spin_after_runs(
-            share is None
-            and not self._settings.front_count
-            and self._settings.model_control != "on_demand"
-        )
+        alone = share is None and not self._settings.front_count  # no fronts, no other workers
+        spin_after_runs(alone and self._settings.model_control != "on_demand")
         threads = configure_threads(self._settings.torch_threads, workers, shared=share is not None)
         if share is None:
             logger.info("torch intra-op threads: %d", threads)
@@ -330,8 +322,7 @@ class ModelLoader:
         budget reserves nothing, so a later worker sees the earlier ones' budgets as free).
         Measured once per device: later plans keep that pool of memory (activations plus
         weights) and subtract the weights loaded at the time, as freed activation memory may
-        still be held by the allocator and would not read as free.
-        """
+        still be held by the allocator and would not read as free."""
         explicit = self._settings.memory_budget_bytes
         if explicit:
             return explicit // self._settings.worker_count
