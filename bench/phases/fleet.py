@@ -39,7 +39,7 @@ from bench.common import (
     percentile,
     scrape_metrics,
 )
-from bench.residency_models import MIB, ROWS, onnx_repository
+from bench.residency_models import MIB, ROWS, onnx_repository, remove_generated
 from bench.session import Bench
 from nograd.fleet.homes import homes as model_homes
 from nograd.fleet.replicas import stop_process
@@ -419,15 +419,19 @@ def measure_fleet(
 
 def phase_fleet(bench: Bench) -> None:
     quick = bench.plan.quick
-    record = measure_fleet(
-        RESULTS / f"{bench.stamp}-fleet",
-        models=8 if quick else MODELS,
-        weights_mib=8 if quick else WEIGHTS_MIB,
-        limit_mib=64 if quick else LIMIT_MIB,
-        seconds=bench.plan.fleet_seconds,
-        rounds=bench.plan.fleet_rounds,
-        step=bench.step,
-    )
+    folder = RESULTS / f"{bench.stamp}-fleet"
+    try:
+        record = measure_fleet(
+            folder,
+            models=8 if quick else MODELS,
+            weights_mib=8 if quick else WEIGHTS_MIB,
+            limit_mib=64 if quick else LIMIT_MIB,
+            seconds=bench.plan.fleet_seconds,
+            rounds=bench.plan.fleet_rounds,
+            step=bench.step,
+        )
+    finally:
+        remove_generated(folder)  # the replicas' logs stay, under state/
     bench.results["fleet"] = record
     found = record["ratios"]
     bench.note(

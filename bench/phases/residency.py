@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 
 from bench.common import RESULTS, ROOT, http_post, nograd_server, percentile, scrape_metrics
-from bench.residency_models import ROWS, onnx_repository
+from bench.residency_models import ROWS, onnx_repository, remove_generated
 from bench.session import Bench
 
 CLIENTS = 4
@@ -172,6 +172,26 @@ def phase_residency(bench: Bench) -> None:
     }
     bench.results["residency"] = record
     folder = RESULTS / f"{bench.stamp}-residency"
+    try:
+        _measure_residency(bench, folder, record, fits, seconds)
+    finally:
+        remove_generated(folder)
+    bench.note(
+        f"residency: cold p50 {statistics.median(record['cold_ms']):.0f} ms, resident p50 "
+        f"{statistics.median(record['resident_ms']):.1f} ms; fits {record['fits']['rps']:.0f} "
+        f"req/s, exceeds {record['exceeds']['rps']:.0f} req/s; Zipf "
+        f"{record['zipf']['rps']:.1f} req/s from {record['zipf']['answered_models']} of "
+        f"{record['zipf']['models']} models ({record['zipf']['loads']:.0f} loads); minilm cold "
+        f"{record['minilm']['cold_ms']:.0f} ms, after an unload "
+        f"{record['minilm']['reload_ms']:.0f} ms"
+    )
+
+
+def _measure_residency(
+    bench: Bench, folder: Path, record: dict[str, Any], fits: int, seconds: float
+) -> None:
+    """The phase's steps on models written under ``folder``, into ``record``."""
+    count, weights_mib, limit_mib = record["models"], record["weights_mib"], record["limit_mib"]
     bench.step("residency: build the models")
     repository = onnx_repository(folder, count, weights_mib)
     env = generated_models_env(repository, limit_mib)
@@ -201,12 +221,3 @@ def phase_residency(bench: Bench) -> None:
     record["zipf"] = _zipf_run(bench, repository, count, weights_mib)
     bench.step("residency: minilm cold")
     record["minilm"] = _minilm_cold(bench)
-    bench.note(
-        f"residency: cold p50 {statistics.median(record['cold_ms']):.0f} ms, resident p50 "
-        f"{statistics.median(record['resident_ms']):.1f} ms; fits {record['fits']['rps']:.0f} "
-        f"req/s, exceeds {record['exceeds']['rps']:.0f} req/s; Zipf "
-        f"{record['zipf']['rps']:.1f} req/s from {record['zipf']['answered_models']} of "
-        f"{record['zipf']['models']} models ({record['zipf']['loads']:.0f} loads); minilm cold "
-        f"{record['minilm']['cold_ms']:.0f} ms, after an unload "
-        f"{record['minilm']['reload_ms']:.0f} ms"
-    )

@@ -1,8 +1,12 @@
-"""The residency section renders what the phase recorded (no server)."""
+"""The residency section renders what the phase recorded (no server); a run removes the models
+it generated."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from bench.report.residency import residency_section
+from bench.residency_models import onnx_repository, remove_generated
 
 
 def test_the_section_shows_cold_resident_and_both_working_sets() -> None:
@@ -63,3 +67,16 @@ def test_the_section_shows_the_zipf_run_and_minilm_cold() -> None:
     assert "| 12.5 | 40.0 | 2,000 | 24 of 24 | 300 | 290 | 0 |" in text
     assert "| first request (loads it) | 1,500 | 200 |" in text
     assert "| first after an unload | – | – |" in text
+
+
+def test_a_run_removes_its_generated_models_and_their_engine_cache(tmp_path: Path) -> None:
+    """The generated repositories and their mapped forms (1.6 GB a full run) go at a phase's
+    end; the replicas' logs under ``state`` stay."""
+    onnx_repository(tmp_path, models=2, weights_mib=1)
+    (tmp_path / "engines" / "mapped").mkdir(parents=True)
+    (tmp_path / "engines" / "mapped" / "m0.weights").write_bytes(b"0" * 16)
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "haproxy.log").write_text("kept")
+    remove_generated(tmp_path)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["state"]
+    assert (tmp_path / "state" / "haproxy.log").read_text() == "kept"
