@@ -156,10 +156,10 @@ class Residency:
     def outwaited(self, incoming: str) -> tuple[str, float] | None:
         """The model a load of ``incoming`` waiting for room evicts despite its grace, and after
         how long a wait (``GRACE_WAIT_LOADS`` times its last load): the least asked for of the
-        models only their grace keeps. None while a resident model asked for no
-        more than it is held (it goes first once answered; ``incoming`` itself, resident when
-        its first load measured more than expected, makes room by leaving instead), or none
-        is kept by its grace alone."""
+        models only their grace keeps. None while a resident model asked for no more than it is
+        held (it goes first once answered; ``incoming`` itself, resident when its first load
+        measured more than expected, makes room by leaving instead), or when no model is kept
+        by its grace alone."""
         wanted = self.popularity(incoming)
         graced = [
             r
