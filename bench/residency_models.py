@@ -4,6 +4,7 @@ answers the model's own index (the tests and the ``residency`` phase tell answer
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
 
@@ -61,7 +62,10 @@ def onnx_repository(root: Path, models: int, weights_mib: int) -> Path:
 
 def remove_generated(root: Path) -> None:
     """Remove the repositories of generated models under ``root`` and the engine cache beside
-    them (their mapped forms): about 1.6 GB a run for 24 models of 32 MiB. The run's record keeps
-    its figures; the next run writes the models again, from the same seeds."""
+    them (their mapped forms): about 1.6 GB a run for 24 models of 32 MiB; ``root`` too when
+    nothing else is left in it. The run's record keeps its figures; the next run writes the
+    models again, from the same seeds."""
     for path in [*root.glob("onnx-*"), root / "engines"]:
         shutil.rmtree(path, ignore_errors=True)
+    with contextlib.suppress(OSError):  # left with what else the run wrote (a fleet's logs)
+        root.rmdir()

@@ -80,3 +80,10 @@ def test_a_run_removes_its_generated_models_and_their_engine_cache(tmp_path: Pat
     remove_generated(tmp_path)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["state"]
     assert (tmp_path / "state" / "haproxy.log").read_text() == "kept"
+
+
+def test_a_run_that_left_nothing_else_leaves_no_folder(tmp_path: Path) -> None:
+    folder = tmp_path / "run-residency"
+    onnx_repository(folder, models=1, weights_mib=1)
+    remove_generated(folder)
+    assert not folder.exists()
