@@ -140,28 +140,23 @@ class Residency:
 
     def kept_from(self, incoming: str, waited_s: float = 0.0) -> Callable[[str], bool]:
         """Whether a model may not be evicted for ``incoming``, whose load has waited
-        ``waited_s`` for room: a request holds it, or it is in its grace and asked for at least
-        as much as ``incoming`` (``popularity``), unless it is the model ``outwaited`` names
-        and the load has waited that long. A model loaded for one request does not keep out
-        the next model asked for as often; a model in steady use keeps out every model asked
-        for less."""
-        wanted = self.popularity(incoming)
-        outwaited = self.outwaited(incoming)
-        released = outwaited[0] if outwaited and outwaited[1] <= waited_s else None
-        return lambda name: (
-            self.held(name)
-            or (name != released and self.in_grace(name) and self.popularity(name) >= wanted)
-        )
+        ``waited_s`` for room: a request holds it, or its grace keeps it (``graced``) unless it
+        is the model ``_outwaited`` names and the load has waited that long. A model loaded for
+        one request does not keep out the next model asked for as often; a model in steady use
+        keeps out every model asked for less."""
+        graced = self.graced(incoming)
+        outwaited = self._outwaited(graced)
+        kept = {r.name for r in graced}
+        if outwaited is not None and outwaited[1] <= waited_s:
+            kept.discard(outwaited[0])
+        return lambda name: self.held(name) or name in kept
 
-    def outwaited(self, incoming: str) -> tuple[str, float] | None:
-        """The model a load of ``incoming`` waiting for room evicts despite its grace, and after
-        how long a wait (``GRACE_WAIT_LOADS`` times its last load): the least asked for of the
-        models only their grace keeps. None while a resident model asked for no more than it is
-        held (it goes first once answered; ``incoming`` itself, resident when its first load
-        measured more than expected, makes room by leaving instead), or when no model is kept
-        by its grace alone."""
+    def graced(self, incoming: str) -> list[Resident]:
+        """The models besides ``incoming`` that only their grace keeps from its load: not held,
+        not pinned, in their grace and asked for at least as much as ``incoming``
+        (``popularity``)."""
         wanted = self.popularity(incoming)
-        graced = [
+        return [
             r
             for r in self.resident.values()
             if r.name != incoming
@@ -170,6 +165,13 @@ class Residency:
             and self.in_grace(r.name)
             and self.popularity(r.name) >= wanted
         ]
+
+    def _outwaited(self, graced: list[Resident]) -> tuple[str, float] | None:
+        """The model of ``graced`` a load waiting for room evicts despite its grace, and after
+        how long a wait (``GRACE_WAIT_LOADS`` times its last load): the least asked for. None
+        while a resident model asked for no more than it is held (it goes first once answered;
+        the loading model itself, resident when its first load measured more than expected,
+        makes room by leaving instead), or when ``graced`` is empty."""
         if not graced:
             return None
         least = min(graced, key=eviction_order(self.popularity))
@@ -181,19 +183,20 @@ class Residency:
         return least.name, least.load_seconds * GRACE_WAIT_LOADS
 
     def grace_ends_in(self, name: str, waited_s: float = 0.0) -> float | None:
-        """Seconds until the first model besides ``name`` that only its grace keeps (not held,
-        not pinned) may be evicted by a load of ``name`` that has waited ``waited_s``
-        (``kept_from``); None when no model is kept by its grace alone."""
+        """Seconds until the first model besides ``name`` that only its grace keeps (``graced``)
+        may be evicted by a load of ``name`` that has waited ``waited_s`` (``kept_from``); None
+        when no model is kept by its grace alone."""
         now = self.clock()
-        kept = self.kept_from(name, waited_s)
-        ends = [
-            r.last_used + self.grace_s - now
-            for r in self.resident.values()
-            if r.name != name and not r.pinned and not self.held(r.name) and kept(r.name)
-        ]
-        outwaited = self.outwaited(name)
-        if outwaited is not None and outwaited[1] > waited_s:
-            ends.append(outwaited[1] - waited_s)
+        graced = self.graced(name)
+        outwaited = self._outwaited(graced)
+        ends = []
+        for r in graced:
+            end = r.last_used + self.grace_s - now
+            if outwaited is not None and outwaited[0] == r.name:
+                if outwaited[1] <= waited_s:
+                    continue  # evictable already
+                end = min(end, outwaited[1] - waited_s)
+            ends.append(end)
         return max(0.0, min(ends)) if ends else None
 
     def admit(
