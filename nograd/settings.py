@@ -163,10 +163,10 @@ class Settings(BaseSettings):
     request's arrival or answer) is not evicted to make room for another asked for no more often
     than it (requests counted with a half-life of a minute; a model loaded for one request keeps
     out no other). A load that only such models could make room for waits, within the room wait
-    (``max_queue_wait_s``), for their grace to pass, and past it is refused 503; but once it has
-    waited ten times the last load of the least asked for of them, that one goes (unless a model
-    asked for less is in use: it goes first once answered). 0: the least asked for, however
-    recently."""
+    (``max_queue_wait_s``), for a grace to pass; then the least asked for of them goes (unless a
+    model asked for less is in use: it goes first once answered, and past the wait the load is
+    refused 503): as the wait ends for a load alone, after ten times that model's last load for
+    one other loads queue behind. 0: the least asked for, however recently."""
 
     max_pending_loads: int = Field(default=8, ge=1, le=1024)
     """Under ``model_control = on_demand``: most loads of different models one worker keeps

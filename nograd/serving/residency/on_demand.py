@@ -96,7 +96,7 @@ class OnDemand:
         self._waiting: Counter[str] = Counter()
         """Holds of the requests waiting for a load (``ensure``), per model."""
         self._room = RoomForLoads(
-            self.residency, settings.max_queue_wait_s, self._waiting, self._evict
+            self.residency, settings.max_queue_wait_s, self._waiting, self._loads, self._evict
         )
         """Evictions for what a load brings in, waiting within the bound for held models."""
         self._warm_bytes = settings.warm_evicted_bytes
@@ -117,11 +117,8 @@ class OnDemand:
         warm_memory_probe()
         if any(self._root.rglob("*.onnx")):
             warm_onnx_runtime()
-        logger.info(
-            "on-demand model control: memory limit %s in this worker, %d model(s) resident",
-            mib(self.residency.limit),
-            len(self.residency.resident),
-        )
+        message = "on-demand model control: memory limit %s in this worker, %d model(s) resident"
+        logger.info(message, mib(self.residency.limit), len(self.residency.resident))
 
     def closed(self) -> None:
         """The server stops: ONNX files open as they are again in this process."""
@@ -147,7 +144,7 @@ class OnDemand:
         for each in names:
             self._count_holds(each)
         if any(freed):
-            self._room.released()
+            self._room.look_again()
 
     def _count_holds(self, name: str) -> None:
         """Publish the requests holding ``name``, a model this worker loaded or loads: a name
@@ -211,6 +208,7 @@ class OnDemand:
             )
         task = asyncio.create_task(self._load(name), name=f"load-{name}")
         self._loads[name] = task
+        self._room.look_again()  # a load waiting out a grace now stalls this one too
         self._metrics.model_loading.labels(name).set(1)
         self._count_holds(name)
         self._load_started[name] = time.perf_counter()

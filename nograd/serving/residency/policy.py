@@ -29,10 +29,11 @@ asked for stops counting as popular within minutes."""
 
 GRACE_WAIT_LOADS = 10
 """A load waiting for room that only the grace of models asked for no less keeps evicts the
-least asked for of them once it has waited this many times that model's last load: loads made
-to wait this way take at most about a tenth of the time (a client cycling through cold models
-does not take the cores from a model in steady use), while a request for a rarely asked model
-waits a few of its loads, not a whole grace."""
+least asked for of them once it has waited this many times that model's last load (the room
+counts a load's wait so only while other loads queue behind it: ``nograd.serving.residency.room``):
+loads made to wait this way take at most about a tenth of the time (a client cycling through
+cold models does not take the cores from a model in steady use), while the misses queued behind
+a rarely asked model wait a few of its loads, not a whole grace."""
 
 POPULARITY_KEPT = 4096
 """Most model names whose popularity is kept: past it, the least asked for half of the models
