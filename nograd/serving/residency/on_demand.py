@@ -277,8 +277,10 @@ class OnDemand:
             size = self._measured(name)
             after = resident_bytes(os.getpid())
             peak = 0
+            outgrown = False  # it holds more than its weights: batches are planned again
             if self._counts_rss and before is not None and after is not None:
-                size = self._held_outside_batches(name, after - before) + self._minimums(name)
+                held, outgrown = self._held_outside_batches(name, after - before)
+                size = held + self._minimums(name)
                 peak = max(sampled.highest, after) - before
             self.residency.admit(name, size, name in self._control.pinned, seconds, peak, files)
             self._count()
@@ -302,6 +304,8 @@ class OnDemand:
                 except Exception:
                     await self._evict(name, "larger_than_limit")
                     raise
+            if outgrown:  # once there is room for it, or the batches of all would share less
+                self._plane.replan()
             self._profiles.profile_when_quiet(name)
 
     # ------------------------------------------------------------------ profiles
@@ -406,18 +410,16 @@ class OnDemand:
             if model.plan is not None
         )
 
-    def _held_outside_batches(self, name: str, added: int) -> int:
+    def _held_outside_batches(self, name: str, added: int) -> tuple[int, bool]:
         """What ``name`` holds outside its batches: its weights, or what its load added to the
-        process when more (engine sessions hold copies no weight counter sees). Recorded on
-        its versions and the memory planned again, so batches share only what is left."""
+        process when more (engine sessions hold copies no weight counter sees), and whether it
+        was more. Recorded on its versions: planned again, batches share only what is left."""
         versions = list(self._registry.versions.get(name, {}).values())
         weights = sum(model.weights_bytes for model in versions)
         held = max(weights, added)
         for model in versions:
             model.resident_bytes = held // max(1, len(versions))
-        if held > weights:
-            self._plane.replan()
-        return held
+        return held, held > weights
 
     def _sampled(self) -> contextlib.AbstractContextManager[SampledPeak]:
         """The process's resident memory sampled while a load runs (on CPU)."""

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from bench.residency_models import MIB, write_onnx_model
+from nograd.host.readings import resident_bytes
 from nograd.observability.metrics import Metrics
 from nograd.runtime.engines.onnx_mapped import map_weights
 from nograd.runtime.memory.cost import Point
@@ -43,6 +44,12 @@ def verdicts(plane: DataPlane, name: str) -> set[Verdict]:
     plan = plane.models[name].plan
     assert plan is not None
     return {item.fit.verdict for item in plan.cost.ranges}
+
+
+def limit_of(plane: DataPlane, name: str) -> int:
+    batcher = plane.models[name].batcher
+    assert batcher is not None
+    return batcher.limit.current
 
 
 async def until_measured(plane: DataPlane, name: str, timeout_s: float = 60.0) -> None:
@@ -267,6 +274,54 @@ async def test_a_model_evicted_before_its_profile_reloads_on_its_first_estimate(
         assert plane.unmeasured("m3")
         assert rounds == [2, 1]
         assert probes[0] is not None and probes[1] is None
+    finally:
+        await control.close()
+        await plane.stop(0)
+
+
+async def test_a_load_that_holds_more_than_expected_leaves_the_batch_limits_while_room_is_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model whose load added more to the process than its files waits for the room it really
+    takes (here the grace of the models resident): meanwhile the models already serving keep the
+    batch limits planned when there was room, and are planned again once the room is made; a
+    plan over the limit would leave them no batch at all (every request refused)."""
+    for index in (4, 5):
+        write_onnx_model(tmp_path / "repo" / f"m{index}", index, 2)
+    plane, control = await one_model_on_demand(tmp_path)
+    on_demand = OnDemand(control, plane, plane.metrics)
+    real = resident_bytes
+    inflating = {"by": 0, "calls": 0}
+
+    def inflated(pid: int) -> int | None:
+        """The process's resident memory, more by ``inflating["by"]`` after the first reading
+        of m5's load."""
+        reading = real(pid)
+        if not inflating["by"] or reading is None:
+            return reading
+        inflating["calls"] += 1
+        return reading + (inflating["by"] if inflating["calls"] > 1 else 0)
+
+    monkeypatch.setattr(on_demand_module, "resident_bytes", inflated)
+    try:
+        on_demand.opened()
+        for name in ("m3", "m4"):
+            await asked_for(on_demand, name)
+        limits = {name: limit_of(plane, name) for name in ("m3", "m4")}
+        assert min(limits.values()) >= 1, limits
+        room = on_demand.residency.limit - on_demand.residency.used
+        inflating["by"] = room  # its load seems to take all the room left, and its weights more
+        load = asyncio.create_task(asked_for(on_demand, "m5"))
+        seen: list[dict[str, int]] = []
+        while not load.done():
+            seen.append({n: limit_of(plane, n) for n in plane.models if n != "m5"})
+            await asyncio.sleep(0.01)
+        await load
+        assert on_demand.residency.resident["m5"].bytes > room  # it waited for room
+        assert seen and all(min(each.values()) >= 1 for each in seen if each), seen
+        evicted = {"m3", "m4"} - set(on_demand.residency.resident)
+        assert evicted, "room was made by evicting a resident model"
+        assert limit_of(plane, "m5") >= 1
     finally:
         await control.close()
         await plane.stop(0)
