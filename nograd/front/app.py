@@ -21,7 +21,7 @@ from nograd.bridge.frames import ABORT
 from nograd.bridge.link import DROPPED, EngineLink, LinkDown, Stream
 from nograd.front.decoding import decodable, predecode
 from nograd.http.connections import PREDECODED_KEY, STARTED_KEY
-from nograd.http.errors import error_body, openai_error_body
+from nograd.http.error_bodies import error_body, openai_error_body
 from nograd.http.paths import OPENAI_PREFIX
 from nograd.http.reply import ANSWER, answer_reply, encoded
 from nograd.protocol.v2_handover import Answer

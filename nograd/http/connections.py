@@ -30,7 +30,7 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from nograd.http.errors import error_body
+from nograd.http.error_bodies import error_body
 from nograd.serving.errors import RETRY_AFTER_S
 from nograd.settings import Settings
 

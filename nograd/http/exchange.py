@@ -21,7 +21,7 @@ from starlette.types import Message, Receive, Scope
 
 from nograd.core.errors import DecodeError
 from nograd.http.connections import STARTED_KEY
-from nograd.http.errors import status_of
+from nograd.http.error_bodies import status_of
 from nograd.http.reply import Reply, encoded
 from nograd.protocol.compression import (
     MOST_RATIO,

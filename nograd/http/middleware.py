@@ -14,7 +14,7 @@ from collections.abc import Callable
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from nograd.http.connections import STARTED_KEY
-from nograd.http.errors import UNEXPECTED, error_body, error_headers, openai_error_body
+from nograd.http.error_bodies import UNEXPECTED, error_body, error_headers, openai_error_body
 from nograd.http.paths import (
     EMBEDDINGS,
     OPENAI_PREFIX,

@@ -20,7 +20,7 @@ import orjson
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from nograd.http.errors import error_headers, openai_error_body
+from nograd.http.error_bodies import error_headers, openai_error_body
 from nograd.http.exchange import Incoming, parse_measured, run_call
 from nograd.http.reply import Reply
 from nograd.http.state import calls_of, dataplane_of

@@ -9,7 +9,7 @@ import orjson
 from fastapi import APIRouter, Request, Response
 
 from nograd.formats.triton.api.documents import model_configuration, repository_index
-from nograd.http.errors import error_body
+from nograd.http.error_bodies import error_body
 from nograd.http.state import calls_of, control_of, dataplane_of
 from nograd.protocol.v2 import dumps
 from nograd.protocol.v2_schemas import ERROR_RESPONSES, ErrorResponse, RepositoryIndexEntry

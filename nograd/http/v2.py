@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
 from nograd.http.connections import PREDECODED_KEY
-from nograd.http.errors import error_body, error_headers
+from nograd.http.error_bodies import error_body, error_headers
 from nograd.http.exchange import (
     Incoming,
     caller_of,

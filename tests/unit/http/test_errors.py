@@ -8,7 +8,8 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from nograd.http.errors import UNEXPECTED, install_error_handlers
+from nograd.http.error_bodies import UNEXPECTED
+from nograd.http.errors import install_error_handlers
 from nograd.http.middleware import UnexpectedErrorMiddleware
 
 

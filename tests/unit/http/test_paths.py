@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import orjson
 
-from nograd.http.errors import openai_error_body
+from nograd.http.error_bodies import openai_error_body
 from nograd.http.middleware import model_label
 from nograd.http.paths import infer_target, route_path, v2_model
 from nograd.observability.metrics import UNKNOWN_MODEL

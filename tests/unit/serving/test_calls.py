@@ -11,7 +11,7 @@ from nograd.batching import BatcherClosed, DeadlineExceeded, QueueFull, SampleTo
 from nograd.core.errors import DecodeError
 from nograd.grpc.failures import CODES
 from nograd.grpc.rpc import Code
-from nograd.http.errors import status_of
+from nograd.http.error_bodies import status_of
 from nograd.observability.metrics import UNKNOWN_MODEL, Metrics
 from nograd.serving.calls.access import MODEL_REPOSITORY, SHARED_MEMORY, TRACE, Access
 from nograd.serving.calls.lifecycle import Calls
