@@ -241,7 +241,8 @@ class Residency:
 
     def victims(self, name: str, needed: int, waited_s: float = 0.0) -> list[str]:
         """The resident models to evict so that ``needed`` more bytes fit for ``name``, whose
-        load has waited ``waited_s`` for room, the least asked for first (ties: the least
+        load has waited ``waited_s`` for room (as the room counts it: ``-inf`` outwaits no
+        grace, ``inf`` every one it may), the least asked for first (ties: the least
         recently used, then the quickest to load again); ``LargerThanLimit`` when even an empty
         set of evictable models leaves too little, ``NoRoomNow`` when requests hold, or their
         grace keeps, the models that would have to go."""
