@@ -17,8 +17,10 @@ from tests.e2e.test_on_demand import MODEL_MIB, answer_of, infer, write_model
 
 pytestmark = pytest.mark.e2e
 
-LIMIT_MIB = 20
-"""Two models of 8 MiB and their smallest batches, not three."""
+LIMIT_MIB = 24
+"""Two models of 8 MiB, not three: each holds 9 to 11.5 MiB once loaded (its smallest batches,
+and what a first load of its code allocates besides: fast at 11.3 MiB and slow at 9.2 MiB did
+not fit 20 MiB together)."""
 SLOW_S = 2.0
 
 ENSEMBLE = """
