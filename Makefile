@@ -26,7 +26,13 @@ install: $(VENV)/.installed
 
 install-dev: $(VENV)/.installed-dev
 
+# An editable install leaves nograd's modules uncompiled, and an environment with
+# PYTHONDONTWRITEBYTECODE set never caches them: every process of the server (engine, fronts,
+# workers) compiled all of them at each start. Compiled here once (only what changed since).
+COMPILE := $(BIN)/python -m compileall -q nograd
+
 run: install
+	@$(COMPILE)
 	$(BIN)/nograd
 
 # Two passes: the tests that bound no time or memory on two workers (most wait on a server they
@@ -36,10 +42,14 @@ run: install
 # servers open the engines and memory profiles the first pass's servers measured.
 # A pass that PYTEST_ARGS leaves without a test (pytest's exit 5) does not fail the target.
 # TEST_WORKERS=0 runs the first pass in one process too.
+# Bytecode is cached for the run whatever PYTHONDONTWRITEBYTECODE says: each server the suite
+# starts, and each pass's collection (pytest's rewritten test modules), reads it instead of
+# compiling again.
 TEST_WORKERS ?= 2
 
 test: install-dev
 	@started=$$(date +%s); engines=$$(mktemp -d -t nograd-test-engines-XXXXXX); \
+	unset PYTHONDONTWRITEBYTECODE; $(COMPILE); \
 	export NOGRAD_ENGINE_CACHE="$${NOGRAD_ENGINE_CACHE:-$$engines}"; \
 	$(BIN)/python -m pytest -m "not slow and not serial" -n $(TEST_WORKERS) --dist loadfile \
 		--no-loadscope-reorder --durations=25 $(PYTEST_ARGS); parallel=$$?; \
