@@ -188,7 +188,7 @@ def loads_and_evicts_within_the_limit(server: Server) -> None:
         held = metric_value(url, "nograd_model_resident_bytes")
         assert MODEL_MIB << 20 <= held <= LIMIT_MIB << 20
         assert metric_value(url, "nograd_model_load_duration_seconds_count") >= MODELS + 3
-        end_mib, end_held = rss_mib(server), held_mib(url)
+        end_mib, end_held = rss_mib(server), held / (1 << 20)
     # Memory returned at eviction: within the limit above one resident model (and half of it
     # again for the heap), and no growth with the number of loads after the first rounds besides
     # what the models resident at each reading hold (one to three of them: 8 MiB apart).
