@@ -54,6 +54,9 @@ class NamedReplica(ThreadingHTTPServer):
 
 class _Answer(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # Its head and body go out in two writes: with Nagle's algorithm the body would wait for
+    # the balancer's delayed acknowledgement of the head (40 ms a request).
+    disable_nagle_algorithm = True
     server: NamedReplica
 
     def _answer(self) -> None:
@@ -82,7 +85,10 @@ def _balancer(
     haproxy()
     slots = REPLICAS + spare
     replicas = [NamedReplica(f"r{slot}") for slot in range(1, slots + 1)]
-    threads = [threading.Thread(target=r.serve_forever, daemon=True) for r in replicas]
+    # A short poll: shutdown() waits for serve_forever's next look at its stop flag.
+    threads = [
+        threading.Thread(target=r.serve_forever, args=(0.02,), daemon=True) for r in replicas
+    ]
     for thread in threads:
         thread.start()
     port = free_port()
