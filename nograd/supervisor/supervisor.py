@@ -7,8 +7,9 @@ its own models, batchers and device thread.
 
 - The supervisor listens on the port and hands every connection to the least busy worker
   (``nograd.supervisor.handoff``); connections stay with the worker they were handed to.
-- Workers start one after another, so start-up work never competes for the cores; the supervisor
-  listens once all are warm, and hands a restarted worker connections once it is warm.
+- Workers start at once and load their models one after another: their imports (seconds of
+  CPU each) overlap, their loads never compete for the cores. The supervisor listens once all
+  are warm, and hands a restarted worker connections once it is warm.
 - CPU cores for torch are shared batch by batch through a ledger in the shared folder
   (``nograd.host.ledger``): the supervisor creates it and clears a dead worker's slot.
 - Only the supervisor listens to SIGTERM and SIGINT (``nograd.supervisor.stopping``): workers
@@ -34,6 +35,7 @@ import socket
 import time
 from collections.abc import Mapping
 from multiprocessing.connection import wait
+from multiprocessing.synchronize import Event
 from pathlib import Path
 from types import FrameType
 
@@ -171,15 +173,18 @@ class Supervisor:
             self._refusals.close()
 
     def _start_all(self) -> bool:
-        """Start the workers one after another, each once the one before is warm (an engine and
-        its fronts all at once: the fronts load nothing and connect once the engine listens);
-        False when one failed or a stop signal came first."""
-        if self._engine_socket is not None:
+        """Start every worker at once, each loading once the one before is warm; with
+        ``fit_to_memory``, start each only once the one before is warm and another copy of the
+        models fits. An engine and its fronts start all at once: the fronts load nothing and
+        connect once the engine listens. False when one failed or a stop signal came first."""
+        if self._engine_socket is not None or not self._fit_to_memory:
+            after = None
             for slot in self._slots:
-                self._start(slot)
+                self._start(slot, after=None if self._engine_socket is not None else after)
+                after = slot.ready
             return all(self._wait_ready(slot) for slot in self._slots)
         for slot in list(self._slots):
-            if slot.index > 0 and self._fit_to_memory and not self._another_fits(slot.index):
+            if slot.index > 0 and not self._another_fits(slot.index):
                 del self._slots[slot.index :]
                 break
             self._start(slot)
@@ -207,7 +212,9 @@ class Supervisor:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(process.pid, sig)
 
-    def _start(self, slot: Slot) -> None:
+    def _start(self, slot: Slot, after: Event | None = None) -> None:
+        """Start ``slot``'s process; it loads its models once ``after`` (the ready event of the
+        worker before it) is set."""
         slot.ready = self._ctx.Event()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         ours.setblocking(False)
@@ -222,6 +229,7 @@ class Supervisor:
                 "cores": None if self._cores is None else CoreShare(self._cores, slot.index),
                 "index": slot.index,
                 "engine_socket": self._engine_socket,
+                "after": after,
             },
             name=f"nograd-{slot.name.replace(' ', '-')}",
             daemon=False,

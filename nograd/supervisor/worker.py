@@ -69,6 +69,7 @@ def worker_main(
     cores: CoreShare | None,
     index: int = 0,
     engine_socket: Path | None = None,
+    after: Event | None = None,
 ) -> None:
     # A signal to the whole process group (Ctrl+C, ``kill -- -PGID``, systemd) reaches every
     # worker too: workers ignore it and drain on the supervisor's word (``DRAIN_SIGNAL``), so one
@@ -81,7 +82,13 @@ def worker_main(
         settings.log_format,
         keys=settings.api_key_list + settings.operator_key_list,
     )
-    started = load_serve(serve)(
+    serve_worker = load_serve(serve)
+    if after is not None:
+        # Imported beside the workers before it, a worker loads its models only once the one
+        # before is warm (``after``): loads never share the cores, and each later worker reads
+        # the engine choices and memory profiles the first one measured from the engine cache.
+        after.wait()
+    started = serve_worker(
         settings, WorkerContext(shared_dir, ready.set, cores, index, engine_socket), handoff
     )
     sys.exit(0 if started else STARTUP_FAILURE)

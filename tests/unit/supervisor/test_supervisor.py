@@ -1,6 +1,7 @@
 """The supervisor's pieces that need no worker processes: restart back-off, handing connections
 to the least busy worker, the memory check for a second worker, and metrics that refuse to run
-multiprocess without file-backed values."""
+multiprocess without file-backed values; and the order in which real worker processes (serving
+nothing) import and load."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from nograd.supervisor import supervisor as supervisor_module
 from nograd.supervisor.handoff import HTTP, bind_socket
 from nograd.supervisor.slots import RESTART_DELAY_MAX_S, STABLE_AFTER_S, Slot, next_restart
 from nograd.supervisor.supervisor import Supervisor
+from tests.unit.supervisor.start_order import MARKS_ENV
 
 SERVE = "tests.never:imported"
 """No worker process is started here: the serving function is never imported."""
@@ -282,7 +284,8 @@ def test_auto_starts_a_second_worker_only_if_another_copy_fits_in_memory(
     )
     starts: list[int] = []
 
-    def start(slot: Slot) -> None:
+    def start(slot: Slot, after: object = None) -> None:
+        assert after is None  # each is started once the one before is warm
         starts.append(slot.index)
         slot.process = Started()  # type: ignore[assignment]
 
@@ -304,3 +307,30 @@ def test_auto_starts_a_second_worker_only_if_another_copy_fits_in_memory(
         assert "workers: auto, serving with 1: another worker would hold" in caplog.text
     else:
         assert caplog.text == ""
+
+
+def test_workers_import_at_once_and_load_one_after_another(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Real worker processes (``tests.unit.supervisor.start_order``): the first one's load
+    finishes only once both have imported their serving code, and the second loads only once
+    the first is warm."""
+    monkeypatch.setenv(MARKS_ENV, str(tmp_path))
+    sock = bind_socket("127.0.0.1", 0)
+    supervisor = Supervisor(
+        Settings(workers=2, share_cores=False),
+        "tests.unit.supervisor.start_order:serve",
+        {HTTP: sock},
+        tmp_path,
+    )
+    try:
+        assert supervisor._start_all()
+    finally:
+        supervisor._stop_all()
+        sock.close()
+
+    def at(name: str) -> float:
+        return float((tmp_path / name).read_text())
+
+    assert len(list(tmp_path.glob("imported-*[0-9]"))) == 2
+    assert at("loading-1") >= at("ready-0")
