@@ -276,7 +276,7 @@ class OnDemand:
             seconds = time.perf_counter() - started
             size = self._measured(name)
             after = resident_bytes(os.getpid())
-            peak = 0
+            peak = held = 0
             outgrown = False  # it holds more than its weights: batches are planned again
             if self._counts_rss and before is not None and after is not None:
                 held, outgrown = self._held_outside_batches(name, after - before)
@@ -305,6 +305,7 @@ class OnDemand:
                     await self._evict(name, "larger_than_limit")
                     raise
             if outgrown:  # once there is room for it, or the batches of all would share less
+                self._record_held(name, held)
                 self._plane.replan()
             self._profiles.profile_when_quiet(name)
 
@@ -413,13 +414,21 @@ class OnDemand:
     def _held_outside_batches(self, name: str, added: int) -> tuple[int, bool]:
         """What ``name`` holds outside its batches: its weights, or what its load added to the
         process when more (engine sessions hold copies no weight counter sees), and whether it
-        was more. Recorded on its versions: planned again, batches share only what is left."""
-        versions = list(self._registry.versions.get(name, {}).values())
-        weights = sum(model.weights_bytes for model in versions)
+        was more."""
+        weights = sum(
+            model.weights_bytes for model in self._registry.versions.get(name, {}).values()
+        )
         held = max(weights, added)
+        return held, held > weights
+
+    def _record_held(self, name: str, held: int) -> None:
+        """Record on the versions of ``name`` what it holds outside its batches, once the room
+        for it is made: planned again, batches share only what is left. Recorded sooner, a plan
+        made while the room is being made (each eviction plans again) would count it against
+        a limit not yet cleared, and leave the models serving no batch at all."""
+        versions = list(self._registry.versions.get(name, {}).values())
         for model in versions:
             model.resident_bytes = held // max(1, len(versions))
-        return held, held > weights
 
     def _sampled(self) -> contextlib.AbstractContextManager[SampledPeak]:
         """The process's resident memory sampled while a load runs (on CPU)."""

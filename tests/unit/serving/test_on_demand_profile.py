@@ -279,28 +279,34 @@ async def test_a_model_evicted_before_its_profile_reloads_on_its_first_estimate(
         await plane.stop(0)
 
 
+@pytest.mark.parametrize("both", [False, True], ids=["the-room-left", "every-model-resident"])
 async def test_a_load_that_holds_more_than_expected_leaves_the_batch_limits_while_room_is_made(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, both: bool
 ) -> None:
     """A model whose load added more to the process than its files waits for the room it really
     takes (here the grace of the models resident): meanwhile the models already serving keep the
     batch limits planned when there was room, and are planned again once the room is made; a
-    plan over the limit would leave them no batch at all (every request refused)."""
+    plan over the limit would leave them no batch at all (every request refused). ``both``: the
+    load adds exactly the room left and nearly all the residents hold, so that both must go; the
+    plan made when the first is evicted must not count it yet (it would leave the second none)."""
     for index in (4, 5):
         write_onnx_model(tmp_path / "repo" / f"m{index}", index, 2)
     plane, control = await one_model_on_demand(tmp_path)
     on_demand = OnDemand(control, plane, plane.metrics)
     real = resident_bytes
-    inflating = {"by": 0, "calls": 0}
+    inflating = {"by": 0, "calls": 0, "from": 0}
 
     def inflated(pid: int) -> int | None:
         """The process's resident memory, more by ``inflating["by"]`` after the first reading
-        of m5's load."""
+        of m5's load; with ``both``, exactly the first reading plus that (no other growth)."""
         reading = real(pid)
         if not inflating["by"] or reading is None:
             return reading
         inflating["calls"] += 1
-        return reading + (inflating["by"] if inflating["calls"] > 1 else 0)
+        if inflating["calls"] == 1:
+            inflating["from"] = reading
+            return reading
+        return (inflating["from"] if both else reading) + inflating["by"]
 
     monkeypatch.setattr(on_demand_module, "resident_bytes", inflated)
     try:
@@ -311,8 +317,19 @@ async def test_a_load_that_holds_more_than_expected_leaves_the_batch_limits_whil
         assert min(limits.values()) >= 1, limits
         room = on_demand.residency.limit - on_demand.residency.used
         inflating["by"] = room  # its load seems to take all the room left, and its weights more
-        load = asyncio.create_task(asked_for(on_demand, "m5"))
+        if both:  # and what the residents hold, less m5's smallest batch and a margin
+            held = sum(on_demand.residency.resident[name].bytes for name in ("m3", "m4"))
+            inflating["by"] += held - 2 * MIB
         seen: list[dict[str, int]] = []
+        replan = plane.replan
+
+        def replanned() -> None:
+            """Each plan made meanwhile (an eviction's among them), read as it is made."""
+            replan()
+            seen.append({n: limit_of(plane, n) for n in plane.models if n != "m5"})
+
+        monkeypatch.setattr(plane, "replan", replanned)
+        load = asyncio.create_task(asked_for(on_demand, "m5"))
         while not load.done():
             seen.append({n: limit_of(plane, n) for n in plane.models if n != "m5"})
             await asyncio.sleep(0.01)
@@ -320,7 +337,7 @@ async def test_a_load_that_holds_more_than_expected_leaves_the_batch_limits_whil
         assert on_demand.residency.resident["m5"].bytes > room  # it waited for room
         assert seen and all(min(each.values()) >= 1 for each in seen if each), seen
         evicted = {"m3", "m4"} - set(on_demand.residency.resident)
-        assert evicted, "room was made by evicting a resident model"
+        assert evicted == {"m3", "m4"} if both else evicted, evicted
         assert limit_of(plane, "m5") >= 1
     finally:
         await control.close()
