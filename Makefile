@@ -38,8 +38,10 @@ run: install
 # Two passes: the tests that bound no time or memory on two workers (most wait on a server they
 # started), then the `serial` ones alone (tests/conftest.py lists them); the wall time at the end.
 # The first pass hands out whole files, the longest first (tests/conftest.py, LONGEST_FIRST).
-# Both passes share one engine cache, made for the run and removed after it: the serial pass's
-# servers open the engines and memory profiles the first pass's servers measured.
+# Beside it, a lane of its own runs the `waiting` files (mostly timers and paced clients, little
+# CPU), so that their waits do not hold one of its workers; its output follows the first pass's.
+# All share one engine cache, made for the run and removed after it: the serial pass's servers
+# open the engines and memory profiles the first pass's servers measured.
 # A pass that PYTEST_ARGS leaves without a test (pytest's exit 5) does not fail the target.
 # TEST_WORKERS=0 runs the first pass in one process too.
 # Bytecode is cached for the run whatever PYTHONDONTWRITEBYTECODE says: each server the suite
@@ -49,14 +51,19 @@ TEST_WORKERS ?= 2
 
 test: install-dev
 	@started=$$(date +%s); engines=$$(mktemp -d -t nograd-test-engines-XXXXXX); \
+	lane=$$(mktemp -d -t nograd-test-waiting-XXXXXX); \
 	unset PYTHONDONTWRITEBYTECODE; $(COMPILE); \
 	export NOGRAD_ENGINE_CACHE="$${NOGRAD_ENGINE_CACHE:-$$engines}"; \
-	$(BIN)/python -m pytest -m "not slow and not serial" -n $(TEST_WORKERS) --dist loadfile \
-		--no-loadscope-reorder --durations=25 $(PYTEST_ARGS); parallel=$$?; \
+	$(BIN)/python -m pytest -m "waiting and not slow and not serial" -n 1 -p no:cacheprovider \
+		--basetemp "$$lane/tmp" --durations=10 $(PYTEST_ARGS) > "$$lane/log" 2>&1 & waiting=$$!; \
+	trap 'kill $$waiting 2>/dev/null' INT TERM; \
+	$(BIN)/python -m pytest -m "not slow and not serial and not waiting" -n $(TEST_WORKERS) \
+		--dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS); parallel=$$?; \
+	wait $$waiting; waited=$$?; echo "--- the waiting lane:"; cat "$$lane/log"; \
 	$(BIN)/python -m pytest -m "serial and not slow" --durations=25 $(PYTEST_ARGS); serial=$$?; \
-	rm -rf "$$engines"; \
-	echo "make test: $$(( $$(date +%s) - started ))s wall (parallel pass exit $$parallel, serial pass exit $$serial)"; \
-	for code in $$parallel $$serial; do [ $$code -eq 0 ] || [ $$code -eq 5 ] || exit $$code; done
+	rm -rf "$$engines" "$$lane"; \
+	echo "make test: $$(( $$(date +%s) - started ))s wall (parallel pass exit $$parallel, waiting lane exit $$waited, serial pass exit $$serial)"; \
+	for code in $$parallel $$waited $$serial; do [ $$code -eq 0 ] || [ $$code -eq 5 ] || exit $$code; done
 
 test-slow: install-dev
 	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)

@@ -114,6 +114,21 @@ its own process's memory (``test_memory_engines``, ``test_on_demand``, ``test_on
 ``test_grpc_unsent_answers``)."""
 
 
+WAITING: frozenset[str] = frozenset(
+    {
+        # HAProxy's timers and health checks before three small Python replicas: 24 s, 4 s of CPU.
+        "tests/integration/test_fleet_routing.py",
+        # A stream's unsent answers held until its timeout, requests paced: 25 s, 4 s of CPU.
+        "tests/e2e/test_grpc_unsent_answers.py",
+        # Steps that wait out graces and a slow model: 10 s, 4 s of CPU.
+        "tests/e2e/test_on_demand_ensembles.py",
+    }
+)
+"""Test files that mostly wait (timers, paced clients) and bound nothing tighter than the
+parallel pass's tests do: marked ``waiting``, which ``make test`` runs in a lane of its own
+beside the parallel pass, so that their waits do not hold one of its two workers."""
+
+
 LONGEST_FIRST: tuple[str, ...] = (
     "tests/e2e/test_engines.py",
     "tests/e2e/test_fleet.py",
@@ -136,12 +151,10 @@ LONGEST_FIRST: tuple[str, ...] = (
     "tests/e2e/test_workers.py",
     "tests/e2e/test_trace_workers.py",
     "tests/e2e/test_trace_logging.py",
-    "tests/e2e/test_on_demand_ensembles.py",
     "tests/unit/models/test_minilm.py",
     "tests/unit/serving/test_fair_budget.py",
     "tests/e2e/test_metrics_auth.py",
     "tests/e2e/test_on_demand_many.py",
-    "tests/e2e/test_grpc_unsent_answers.py",
     "tests/e2e/test_on_demand.py",
     "tests/e2e/test_model_control_memory.py",
     "tests/e2e/test_grpc_health_flood.py",
@@ -156,8 +169,8 @@ file handed out last would keep one worker busy while the other waits."""
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark the ``SERIAL`` files' and tests' items before ``-m`` selects by marker, and put the
-    ``LONGEST_FIRST`` files first."""
+    """Mark the ``SERIAL`` files' and tests' items, and the ``WAITING`` files', before ``-m``
+    selects by marker, and put the ``LONGEST_FIRST`` files first."""
     root = config.rootpath
     rank = {path: index for index, path in enumerate(LONGEST_FIRST)}
     for item in items:
@@ -165,4 +178,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         function = getattr(item, "originalname", item.name)
         if path in SERIAL or f"{path}::{function}" in SERIAL:
             item.add_marker(pytest.mark.serial)
+        if path in WAITING:
+            item.add_marker(pytest.mark.waiting)
     items.sort(key=lambda item: rank.get(item.path.relative_to(root).as_posix(), len(rank)))
