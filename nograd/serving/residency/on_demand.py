@@ -279,8 +279,10 @@ class OnDemand:
             peak = held = 0
             outgrown = False  # it holds more than its weights: batches are planned again
             if self._counts_rss and before is not None and after is not None:
-                held, outgrown = self._held_outside_batches(name, after - before)
-                size = held + self._minimums(name)
+                # Its weights, or what its load added when more (engine sessions copy them).
+                minimums = self._minimums(name)
+                held = max(size - minimums, after - before)
+                outgrown, size = held > size - minimums, held + minimums
                 peak = max(sampled.highest, after) - before
             self.residency.admit(name, size, name in self._control.pinned, seconds, peak, files)
             self._count()
@@ -411,21 +413,10 @@ class OnDemand:
             if model.plan is not None
         )
 
-    def _held_outside_batches(self, name: str, added: int) -> tuple[int, bool]:
-        """What ``name`` holds outside its batches: its weights, or what its load added to the
-        process when more (engine sessions hold copies no weight counter sees), and whether it
-        was more."""
-        weights = sum(
-            model.weights_bytes for model in self._registry.versions.get(name, {}).values()
-        )
-        held = max(weights, added)
-        return held, held > weights
-
     def _record_held(self, name: str, held: int) -> None:
-        """Record on the versions of ``name`` what it holds outside its batches, once the room
-        for it is made: planned again, batches share only what is left. Recorded sooner, a plan
-        made while the room is being made (each eviction plans again) would count it against
-        a limit not yet cleared, and leave the models serving no batch at all."""
+        """Recorded on the versions of ``name`` once the room for it is made (batches then share
+        only what is left): sooner, the plan each eviction makes while making room would count
+        it against a limit not yet cleared, and leave the models serving no batch."""
         versions = list(self._registry.versions.get(name, {}).values())
         for model in versions:
             model.resident_bytes = held // max(1, len(versions))
