@@ -34,10 +34,6 @@ class _Server6(_Server):
 
 
 class _QuietHandler(WSGIRequestHandler):
-    disable_nagle_algorithm = True
-    """The head and the body go out in separate writes: with Nagle's algorithm the body waits
-    for the scraper's (delayed) acknowledgement of the head."""
-
     def log_message(self, format: str, *args: Any) -> None:
         """Scrapes are not logged: one line per scrape would drown the server's log."""
 
