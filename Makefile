@@ -56,7 +56,7 @@ test: install-dev
 	export NOGRAD_ENGINE_CACHE="$${NOGRAD_ENGINE_CACHE:-$$engines}"; \
 	$(BIN)/python -m pytest -m "waiting and not slow and not serial" -n 1 -p no:cacheprovider \
 		--basetemp "$$lane/tmp" --durations=10 $(PYTEST_ARGS) > "$$lane/log" 2>&1 & waiting=$$!; \
-	trap 'kill $$waiting 2>/dev/null' INT TERM; \
+	trap 'kill $$waiting 2>/dev/null; exit 130' INT TERM; \
 	$(BIN)/python -m pytest -m "not slow and not serial and not waiting" -n $(TEST_WORKERS) \
 		--dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS); parallel=$$?; \
 	wait $$waiting; waited=$$?; echo "--- the waiting lane:"; cat "$$lane/log"; \
