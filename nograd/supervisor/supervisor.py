@@ -178,10 +178,11 @@ class Supervisor:
         models fits. An engine and its fronts start all at once: the fronts load nothing and
         connect once the engine listens. False when one failed or a stop signal came first."""
         if self._engine_socket is not None or not self._fit_to_memory:
-            after = None
+            after = None  # the fronts load nothing: none waits for the engine
             for slot in self._slots:
-                self._start(slot, after=None if self._engine_socket is not None else after)
-                after = slot.ready
+                self._start(slot, after)
+                if self._engine_socket is None:
+                    after = slot.ready
             return all(self._wait_ready(slot) for slot in self._slots)
         for slot in list(self._slots):
             if slot.index > 0 and not self._another_fits(slot.index):
