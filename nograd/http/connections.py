@@ -14,6 +14,8 @@ sends another request on a connection about to close; a connection kept alive be
 when the drain began stays open until its next request (answered, and the connection ended) or
 its keep-alive timeout, as it would without a stop: closing it earlier would cut a request its
 client may be sending at that moment.
+
+A response's head and body, which uvicorn writes apart, leave in one write (``JoinedWrites``).
 """
 
 from __future__ import annotations
@@ -47,6 +49,10 @@ BODY_TIMEOUT: Final = "body_timeout"
 HEADER_TOO_LARGE: Final = "header_too_large"
 TOO_MANY_CONNECTIONS: Final = "too_many_connections"
 """The ``reason`` labels of the refusals in ``nograd_rejected_total``."""
+
+JOIN_LIMIT_BYTES: Final = 64 * 1024
+"""Writes up to this size wait for the end of the event loop's turn to leave with the others of
+that turn; a larger one leaves at once (joining it would copy it)."""
 
 FILE_HEADROOM: Final = 256
 """Open files a process needs besides its connections (models, libraries, logs, pipes)."""
@@ -120,6 +126,71 @@ async def _head_too_large(scope: Any, receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+class JoinedWrites:
+    """A connection's transport whose small writes of one event-loop turn leave in one system
+    call: uvicorn writes a response's head and its body apart, two sends and two packets for
+    each of the small answers a model server mostly gives."""
+
+    __slots__ = ("_loop", "_pending", "_pending_bytes", "_transport")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._pending: list[bytes] | None = None
+        self._pending_bytes = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        size = len(data)
+        if size > JOIN_LIMIT_BYTES or self._pending_bytes + size > JOIN_LIMIT_BYTES:
+            self.flush()
+            self._transport.write(data)
+            return
+        if self._pending is None:
+            self._pending = []
+            self._loop.call_soon(self.flush)
+        self._pending.append(bytes(data))
+        self._pending_bytes += size
+
+    def flush(self) -> None:
+        pending = self._pending
+        if pending is None:
+            return
+        self._pending = None
+        self._pending_bytes = 0
+        if not self._transport.is_closing():
+            self._transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def abort(self) -> None:
+        self._pending = None
+        self._pending_bytes = 0
+        self._transport.abort()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self._transport.get_extra_info(name, default)
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        return self._transport.get_protocol()
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self._transport.set_protocol(protocol)
+
+    def pause_reading(self) -> None:
+        self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        self._transport.resume_reading()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 class GuardedProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the limits of ``guard`` (a class attribute, set by
     :func:`guarded_protocol`, since uvicorn builds protocols from a class alone).
@@ -184,7 +255,7 @@ class GuardedProtocol(HttpToolsProtocol):
             self._on_refusal(TOO_MANY_CONNECTIONS)
             logger.debug("connection refused: %d already open", len(self.connections))
             return
-        super().connection_made(transport)
+        super().connection_made(JoinedWrites(transport, self.loop))  # type: ignore[arg-type]
         self._head_started_at = self.loop.time()
         self._head_timer = self.loop.call_later(self._header_timeout_s, self._head_timed_out)
 

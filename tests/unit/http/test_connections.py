@@ -16,6 +16,7 @@ from nograd.http.connections import (
     BODY_TIMEOUT,
     HEADER_TIMEOUT,
     HEADER_TOO_LARGE,
+    JOIN_LIMIT_BYTES,
     TOO_MANY_CONNECTIONS,
     ConnectionGuard,
     ConnectionLimits,
@@ -40,6 +41,7 @@ class Transport(asyncio.Transport):
     def __init__(self) -> None:
         super().__init__()
         self.written = bytearray()
+        self.writes: list[bytes] = []
         self.closed = False
         self.reading = True
         self.protocol: asyncio.BaseProtocol | None = None
@@ -47,6 +49,7 @@ class Transport(asyncio.Transport):
     def write(self, data: bytes | bytearray | memoryview) -> None:
         assert not self.closed, "written after close"
         self.written += data
+        self.writes.append(bytes(data))
 
     def close(self) -> None:
         if not self.closed:
@@ -303,3 +306,43 @@ def test_the_open_file_limit_is_raised_to_fit_the_cap(
     monkeypatch.setattr(resource, "setrlimit", lambda _, limits: calls.append(limits))
     fit_file_limit(1024)
     assert calls == ([] if raised is None else [(raised, hard)])
+
+
+def post(body: bytes, *, close: bool = False) -> bytes:
+    connection = b"Connection: close\r\n" if close else b""
+    head = b"POST / HTTP/1.1\r\nHost: x\r\n" + connection
+    return head + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+
+
+async def test_a_small_answer_leaves_in_one_write(harness: Harness) -> None:
+    """Head and body of an answer written apart by uvicorn leave together: one send, one packet."""
+    protocol, transport = harness.connect()
+    protocol.data_received(post(b"x" * 100))
+    await settle()
+    assert len(transport.writes) == 1
+    assert transport.writes[0].startswith(b"HTTP/1.1 200 OK\r\n")
+    assert transport.writes[0].endswith(b"\r\n\r\n" + b"x" * 100)
+    # Two requests of one read: each answer as its own write, in order.
+    protocol.data_received(post(b"a") + post(b"b"))
+    await settle()
+    assert [w[-1:] for w in transport.writes[1:]] == [b"a", b"b"]
+
+
+async def test_a_large_body_is_written_at_once_after_its_head(harness: Harness) -> None:
+    protocol, transport = harness.connect()
+    body = b"y" * (JOIN_LIMIT_BYTES + 1)
+    protocol.data_received(post(body))
+    await settle()
+    assert len(transport.writes) == 2
+    assert transport.writes[0].startswith(b"HTTP/1.1 200 OK") and transport.writes[1] == body
+
+
+async def test_an_answer_that_ends_its_connection_is_written_whole_before_the_close(
+    harness: Harness,
+) -> None:
+    protocol, transport = harness.connect()
+    protocol.data_received(post(b"last", close=True))
+    await settle()
+    assert transport.closed
+    assert len(transport.writes) == 1 and transport.writes[0].endswith(b"last")
+    assert b"connection: close" in transport.writes[0].lower()
