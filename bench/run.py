@@ -43,7 +43,7 @@ and TorchServe's MNIST archive at concurrency 1 and the headline (``bench.phases
 (``NOGRAD_FRONTS``) against its workers (``NOGRAD_WORKERS``): the processes that map libtorch,
 the process group's PSS, cold and warm start-up (each alone), the processes holding a load's
 connections, answers compared, then paired rounds on digits and minilm-1
-(``bench.phases.processes``).
+(``bench.phases.processes``); with ``--base REV`` the workers of revision REV join each step.
 
 Results: ``bench/results/<timestamp>.json``, ``.png`` (latency vs throughput) and ``.md`` (the
 tables BENCHMARKS.md quotes). ``--quick`` is a ~5-minute smoke run of the same kinds of
@@ -162,10 +162,11 @@ def count_steps(plan: Plan) -> int:
     # per round both servers on each workload at two concurrencies
     revised = len(plan.revision_workloads)
     steps += 4 + revised + plan.paired_rounds * revised * 2 * 2
-    # processes: a cold and a warm start of both systems per start round, both started again,
-    # an answer check per workload, the connections of each, then per round both systems on
+    # processes: a cold and a warm start of each system per start round, each started again,
+    # an answer check per workload, the connections of each, then per round each system on
     # both workloads at two concurrencies
-    steps += 4 * plan.process_starts + 2 + 2 + 2 + plan.paired_rounds * 2 * 2 * 2
+    processes = 2 if plan.base_revision is None else 3  # with --base, the base's workers too
+    steps += processes * (2 * plan.process_starts + 3) + plan.paired_rounds * processes * 2 * 2
     # fleet: the models, both balances per round, the rolling restart and the scale
     steps += 1 + 2 * plan.fleet_rounds + 2
     return steps
@@ -224,7 +225,8 @@ def command_line() -> argparse.ArgumentParser:
         "--base",
         default=None,
         metavar="REV",
-        help="the revisions phase: the git revision this checkout's nograd is paired against",
+        help="the revisions phase: the git revision this checkout's nograd is paired against; "
+        "the processes phase: the revision whose workers join as the baseline",
     )
     parser.add_argument(
         "--revision-workers",

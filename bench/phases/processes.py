@@ -3,26 +3,35 @@ against nograd as workers that each hold every model (``NOGRAD_WORKERS``), both 
 code on the shipped models. Per system: which of its processes map libtorch, the whole process
 group's memory (PSS) warm and after the load, the time to ready from a fresh engine cache and
 from the same cache again (each system started alone), which processes hold a load's
-connections; then, both up together, their answers compared and paired rounds."""
+connections; then, both up together, their answers compared and paired rounds. With ``--base
+REV`` a third system joins every step: the workers of revision REV (``base``, the process model
+before the engine process, on its own shipped models and engine cache), the baseline the
+engine process's targets are stated against."""
 
 from __future__ import annotations
 
 import contextlib
 import http.client
 import re
+import shutil
+import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from bench.common import RESULTS, ROOT, Server, nograd_server, run_only
 from bench.phases.archives import answers_of
 from bench.phases.peers import measure_rounds
-from bench.phases.revisions import compare
+from bench.phases.revisions import SHIPPED, _git, _link_or_copy, base_server, compare
 from bench.process_tree import connections_held, descendants, maps_library, pss_bytes
 from bench.session import Bench, _machine_busy_s, _tree_cpu_s
 
 WORKERS = "workers"
 ENGINE = "engine"
+BASE = "base"
+"""The workers of the ``--base`` revision: the process model the engine process replaces."""
 SYSTEMS = (WORKERS, ENGINE)
 WORKLOADS = ("digits", "minilm-1")
 CONNECTION_WORKLOAD = "digits"
@@ -39,20 +48,53 @@ LIBTORCH = "libtorch"
 SUPERVISOR = "supervisor"
 
 
-def system_server(bench: Bench, system: str, cache: Path) -> Server:
+def system_server(bench: Bench, system: str, cache: Path, base: Path | None = None) -> Server:
     """nograd from this checkout on the shipped models, as ``workers`` (``NOGRAD_WORKERS``) or as
-    one ``engine`` with fronts (``NOGRAD_FRONTS``, ``NOGRAD_WORKERS`` unset), on the engine
-    cache ``cache``."""
+    one ``engine`` with fronts (``NOGRAD_FRONTS``, ``NOGRAD_WORKERS`` unset), or the ``base``
+    revision's workers from its checkout ``base`` on its own shipped models; on the engine cache
+    ``cache``."""
     env = {**LOG_ENV, "NOGRAD_ENGINE_CACHE": str(cache)}
-    if system == WORKERS:
+    if system in (WORKERS, BASE):
         env["NOGRAD_WORKERS"] = bench.plan.process_workers
     else:
         env["NOGRAD_FRONTS"] = bench.plan.process_fronts
+    if system == BASE:
+        assert base is not None
+        return base_server(base, shipped_models(base), bench.plan.server_cpus, env)
     server = nograd_server(ROOT / "models", bench.plan.server_cpus, env)
     if system == ENGINE:
         server.env = {k: v for k, v in server.env.items() if k != "NOGRAD_WORKERS"}
     server.name = system
     return server
+
+
+def shipped_models(checkout: Path) -> Path:
+    """A repository of the checkout's own shipped models, beside it (hard links where the file
+    system allows: nograd refuses model files that resolve outside its repository)."""
+    root = checkout.parent / "repository"
+    for name in SHIPPED:
+        if not (root / name).exists():
+            shutil.copytree(checkout / "models" / name, root / name, copy_function=_link_or_copy)
+    return root
+
+
+@contextlib.contextmanager
+def base_checkout(revision: str | None, record: dict[str, Any]) -> Iterator[Path | None]:
+    """A worktree of ``revision`` outside this checkout (its own tools would walk a copy of the
+    code), removed at the end; None without a revision."""
+    if revision is None:
+        yield None
+        return
+    record["base"] = revision
+    record["base_commit"] = _git("rev-parse", f"{revision}^{{commit}}")
+    checkout = Path(tempfile.mkdtemp(prefix="nograd-processes-base-")) / "base"
+    _git("worktree", "add", "--detach", str(checkout), record["base_commit"])
+    try:
+        yield checkout
+    finally:
+        with contextlib.suppress(subprocess.SubprocessError):
+            _git("worktree", "remove", "--force", str(checkout))
+        shutil.rmtree(checkout.parent, ignore_errors=True)
 
 
 def timed_start(server: Server) -> float:
@@ -165,18 +207,24 @@ def connections(bench: Bench, server: Server, everyone: list[Server]) -> dict[st
     }
 
 
-def _start_ups(bench: Bench, folder: Path, starts: list[dict[str, Any]]) -> dict[str, Path]:
+def _start_ups(
+    bench: Bench,
+    folder: Path,
+    starts: list[dict[str, Any]],
+    systems: tuple[str, ...],
+    base: Path | None,
+) -> dict[str, Path]:
     """Each system started alone from a fresh engine cache (cold), stopped, then started again on
     the same cache (warm), ``process_starts`` times, the order of the systems reversed each
     time; every start after a wait for a quiet machine. Each start is added to ``starts`` as it
     ends; returns each system's last cache."""
     caches: dict[str, Path] = {}
     for index in range(bench.plan.process_starts):
-        order = SYSTEMS if index % 2 == 0 else SYSTEMS[::-1]
+        order = systems if index % 2 == 0 else systems[::-1]
         for system in order:
             caches[system] = folder / f"engines-{system}-{index + 1}"
             for kind in ("cold", "warm"):
-                server = system_server(bench, system, caches[system])
+                server = system_server(bench, system, caches[system], base)
                 bench.quiet()
                 bench.step(f"processes: start {system} ({kind})")
                 busy = _machine_busy_s()
@@ -212,16 +260,26 @@ def phase_processes(bench: Bench) -> None:
     }
     bench.results["processes"] = record
     folder = RESULTS / f"{bench.stamp}-processes"
-    caches = _start_ups(bench, folder, record["start_ups"])
+    with base_checkout(plan.base_revision, record) as base:
+        _measure(bench, record, folder, base)
+
+
+def _measure(bench: Bench, record: dict[str, Any], folder: Path, base: Path | None) -> None:
+    plan = bench.plan
+    names = SYSTEMS if base is None else (*SYSTEMS, BASE)
+    record["systems"] = list(names)
+    caches = _start_ups(bench, folder, record["start_ups"], names, base)
     # One engine cache, the one the workers' starts wrote: both systems serve each model on the
     # same engines, so the rounds and the memory compare the process models, not two choices
-    # each start made on a machine that other processes disturbed.
+    # each start made on a machine that other processes disturbed. The base revision keeps its
+    # own (its cache may be another format).
     record["shared_cache"] = WORKERS
     with contextlib.ExitStack() as stack:
         systems: list[tuple[str, Server]] = []
-        for system in SYSTEMS:
-            server = system_server(bench, system, caches[WORKERS])
-            bench.step(f"processes: start {system} beside the other")
+        for system in names:
+            cache = caches[BASE if system == BASE else WORKERS]
+            server = system_server(bench, system, cache, base)
+            bench.step(f"processes: start {system} beside the others")
             timed_start(server)
             stack.callback(server.stop)
             systems.append((system, server))
@@ -233,8 +291,12 @@ def phase_processes(bench: Bench) -> None:
             wl = bench.workload(name)
             bench.bodies.setdefault(name, wl.write_bodies(RESULTS / "bodies"))
             bench.step(f"processes: compare answers ({name})")
-            engine, workers = (answers_of(servers[s], wl) for s in (ENGINE, WORKERS))
-            checks[name] = compare(engine, workers, (ENGINE, WORKERS))
+            engine = answers_of(servers[ENGINE], wl)
+            checks[name] = compare(engine, answers_of(servers[WORKERS], wl), (ENGINE, WORKERS))
+            if BASE in servers:
+                checks[f"{name} (base)"] = compare(
+                    engine, answers_of(servers[BASE], wl), (ENGINE, BASE)
+                )
         record["check"] = checks
         record["memory_warm"] = {name: group_memory(server) for name, server in systems}
         record["connections"] = {}
@@ -242,10 +304,15 @@ def phase_processes(bench: Bench) -> None:
             bench.step(f"processes: {plan.concurrency} connections to {name}")
             record["connections"][name] = connections(bench, server, everyone)
         differ = {n: c for n, c in checks.items() if c["same"] != c["requests"]}
-        if differ:
+        if any(n in differ for n in WORKLOADS):
             record["refused"] = f"answers differ between the systems: {differ}"[:600]
             bench.note(record["refused"])
             return
+        if differ:
+            # The base answers otherwise: no rounds against it, the others still measured.
+            record["base_refused"] = f"the base revision's answers differ: {differ}"[:600]
+            bench.note(record["base_refused"])
+            systems = [(name, server) for name, server in systems if name != BASE]
         lineup = {name: systems for name in WORKLOADS}
         concurrencies = sorted({1, plan.concurrency}, reverse=True)
         record["runs"] = measure_rounds(bench, lineup, everyone, concurrencies, "processes")

@@ -13,6 +13,7 @@ from bench.report.targets import _ge, _le
 
 ENGINE = "engine"
 WORKERS = "workers"
+BASE = "base"
 GB = 1e9
 LIBTORCH_PROCESSES = 1
 """Exactly one process of the engine system maps libtorch: the engine."""
@@ -23,13 +24,13 @@ RPS_BOUNDS = {"digits": 0.9, "minilm-1": 0.95}
 """The issue's floors for engine ÷ workers req/s at the headline concurrency."""
 
 
-def start_ratios(starts: list[dict[str, Any]], kind: str) -> list[float]:
-    """engine ÷ workers seconds to ready, one ratio per start round in which both started."""
+def start_ratios(starts: list[dict[str, Any]], kind: str, other: str = WORKERS) -> list[float]:
+    """engine ÷ ``other`` seconds to ready, one ratio per start round in which both started."""
     by_round: dict[int, dict[str, float]] = {}
     for start in starts:
         if start["kind"] == kind:
             by_round.setdefault(start["round"], {})[start["system"]] = float(start["seconds"])
-    found = (ratio(r.get(ENGINE), r.get(WORKERS)) for _, r in sorted(by_round.items()))
+    found = (ratio(r.get(ENGINE), r.get(other)) for _, r in sorted(by_round.items()))
     return [value for value in found if value is not None]
 
 
@@ -38,19 +39,21 @@ def median_seconds(starts: list[dict[str, Any]], system: str, kind: str) -> floa
     return statistics.median(values) if values else None
 
 
-def pss_ratio(record: dict[str, Any], key: str) -> float | None:
-    """engine ÷ workers process-group PSS at one moment (``memory_warm``,
+def pss_ratio(record: dict[str, Any], key: str, other: str = WORKERS) -> float | None:
+    """engine ÷ ``other`` process-group PSS at one moment (``memory_warm``,
     ``memory_after_rounds``)."""
     memory = record.get(key) or {}
-    if ENGINE not in memory or WORKERS not in memory:
+    if ENGINE not in memory or other not in memory:
         return None
-    return ratio(memory[ENGINE]["pss_bytes"], memory[WORKERS]["pss_bytes"])
+    return ratio(memory[ENGINE]["pss_bytes"], memory[other]["pss_bytes"])
 
 
-def rps_ratios(record: dict[str, Any], workload: str, concurrency: int) -> list[float]:
-    """engine ÷ workers req/s, one ratio per paired round."""
-    pairs = round_pairs(record.get("runs", []), ENGINE, WORKERS).get((workload, concurrency), [])
-    found = (ratio(p[ENGINE]["rps"], p[WORKERS]["rps"]) for p in pairs)
+def rps_ratios(
+    record: dict[str, Any], workload: str, concurrency: int, other: str = WORKERS
+) -> list[float]:
+    """engine ÷ ``other`` req/s, one ratio per paired round."""
+    pairs = round_pairs(record.get("runs", []), ENGINE, other).get((workload, concurrency), [])
+    found = (ratio(p[ENGINE]["rps"], p[other]["rps"]) for p in pairs)
     return [value for value in found if value is not None]
 
 
@@ -65,10 +68,21 @@ def _held(connections: dict[str, Any] | None) -> str:
     return f"{held or 'none'} ({connections['answered']}/{connections['connections']} answered)"
 
 
+def systems_of(record: dict[str, Any]) -> list[str]:
+    """The systems the phase measured, the base revision's workers last when it ran."""
+    return list(record.get("systems") or (WORKERS, ENGINE))
+
+
+def baselines(record: dict[str, Any]) -> list[str]:
+    """What the engine system is compared with: the base revision's workers first (the process
+    model before the engine process, the issue's baseline) when measured, this checkout's."""
+    return [BASE, WORKERS] if BASE in systems_of(record) else [WORKERS]
+
+
 def engines_line(record: dict[str, Any]) -> str:
     """What each model served on in each system, as its log's model table said."""
     parts = []
-    for system in (WORKERS, ENGINE):
+    for system in systems_of(record):
         models = record.get("processes", {}).get(system, {}).get("models") or {}
         shown = ", ".join(f"{m} {v['engine']} ({v['limit']})" for m, v in models.items())
         parts.append(f"{system}: {shown or '–'}")
@@ -80,7 +94,7 @@ def system_rows(record: dict[str, Any]) -> list[tuple[Any, ...]]:
     cold and warm start, and the processes holding the connections."""
     rows = []
     starts = record.get("start_ups", [])
-    for system in (WORKERS, ENGINE):
+    for system in systems_of(record):
         census = record.get("processes", {}).get(system)
         rows.append(
             (
@@ -122,11 +136,21 @@ def target_rows(record: dict[str, Any], concurrency: int) -> list[tuple[str, str
             verdict(None if holding is None else holding >= HOLDING_PROCESSES),
         )
     )
+    for other in baselines(record):
+        rows += _ratio_rows(record, concurrency, other)
+    return rows
+
+
+def _ratio_rows(
+    record: dict[str, Any], concurrency: int, other: str
+) -> list[tuple[str, str, str, str]]:
+    """The ratio targets against ``other``: memory, start-up and req/s."""
+    rows: list[tuple[str, str, str, str]] = []
     for key, label in (("memory_warm", "warm"), ("memory_after_rounds", "after the rounds")):
-        value = pss_ratio(record, key)
+        value = pss_ratio(record, key, other)
         rows.append(
             (
-                f"process group PSS engine ÷ workers ({label})",
+                f"process group PSS engine ÷ {other} ({label})",
                 f"{fmt(value, 2)}×",
                 f"≤ {PSS_BOUND}×",
                 verdict(_le(value, PSS_BOUND)),
@@ -134,20 +158,20 @@ def target_rows(record: dict[str, Any], concurrency: int) -> list[tuple[str, str
         )
     starts = record.get("start_ups", [])
     for kind, bound in (("warm", WARM_START_BOUND), ("cold", None)):
-        value, shown = median_of(start_ratios(starts, kind), "×")
+        value, shown = median_of(start_ratios(starts, kind, other), "×")
         rows.append(
             (
-                f"{kind} start to ready engine ÷ workers",
+                f"{kind} start to ready engine ÷ {other}",
                 shown,
                 "–" if bound is None else f"≤ {bound}×",
                 "–" if bound is None else verdict(_le(value, bound)),
             )
         )
     for workload, bound in RPS_BOUNDS.items():
-        value, shown = median_of(rps_ratios(record, workload, concurrency), "×")
+        value, shown = median_of(rps_ratios(record, workload, concurrency, other), "×")
         rows.append(
             (
-                f"{workload} c={concurrency} req/s engine ÷ workers",
+                f"{workload} c={concurrency} req/s engine ÷ {other}",
                 shown,
                 f"≥ {bound}×",
                 verdict(_ge(value, bound)),
@@ -157,27 +181,32 @@ def target_rows(record: dict[str, Any], concurrency: int) -> list[tuple[str, str
 
 
 def round_rows(record: dict[str, Any]) -> list[tuple[Any, ...]]:
-    """Per workload and concurrency: rounds, median req/s of each, engine ÷ workers req/s per
-    round and its median, median p99 of each and the p99 ratio, failed requests of each."""
+    """Per baseline, workload and concurrency: rounds, median req/s of the engine system and of
+    the baseline, engine ÷ baseline req/s per round and its median, median p99 of each and the
+    p99 ratio, failed requests of each."""
     rows = []
-    for (workload, concurrency), pairs in round_pairs(
-        record.get("runs", []), ENGINE, WORKERS
-    ).items():
-        p99 = [ratio(p[ENGINE]["p99_ms"], p[WORKERS]["p99_ms"]) for p in pairs]
-        rows.append(
-            (
-                workload,
-                concurrency,
-                len(pairs),
-                statistics.median(p[ENGINE]["rps"] for p in pairs),
-                statistics.median(p[WORKERS]["rps"] for p in pairs),
-                median_of(rps_ratios(record, workload, concurrency), "×")[1],
-                statistics.median(p[ENGINE]["p99_ms"] for p in pairs),
-                statistics.median(p[WORKERS]["p99_ms"] for p in pairs),
-                median_of([v for v in p99 if v is not None], "×")[1],
-                " / ".join(str(sum(int(p[s]["errors"]) for p in pairs)) for s in (ENGINE, WORKERS)),
+    for other in baselines(record):
+        for (workload, concurrency), pairs in round_pairs(
+            record.get("runs", []), ENGINE, other
+        ).items():
+            p99 = [ratio(p[ENGINE]["p99_ms"], p[other]["p99_ms"]) for p in pairs]
+            rows.append(
+                (
+                    other,
+                    workload,
+                    concurrency,
+                    len(pairs),
+                    statistics.median(p[ENGINE]["rps"] for p in pairs),
+                    statistics.median(p[other]["rps"] for p in pairs),
+                    median_of(rps_ratios(record, workload, concurrency, other), "×")[1],
+                    statistics.median(p[ENGINE]["p99_ms"] for p in pairs),
+                    statistics.median(p[other]["p99_ms"] for p in pairs),
+                    median_of([v for v in p99 if v is not None], "×")[1],
+                    " / ".join(
+                        str(sum(int(p[s]["errors"]) for p in pairs)) for s in (ENGINE, other)
+                    ),
+                )
             )
-        )
     return rows
 
 
@@ -217,6 +246,16 @@ def processes_section(results: dict[str, Any], tag: str) -> list[str]:
         "server paused, order reversed each round); ratios are medians of per-round ratios, "
         "every round's value in brackets."
     )
+    if BASE in systems_of(record):
+        out.append(
+            f"`base`: the workers (`NOGRAD_WORKERS={record.get('workers', '–')}`) of revision "
+            f"`{record.get('base', '–')}` ({str(record.get('base_commit', '–'))[:12]}), the "
+            "process model before the engine process, on that revision's own shipped models and "
+            "engine cache, in every step beside the other two; the targets are stated against it "
+            "first, then against this checkout's workers."
+        )
+    if record.get("base_refused"):
+        out.append(f"No rounds against the base: {record['base_refused']}")
     out.append("")
     if record.get("shared_cache"):
         out.append(
@@ -241,16 +280,17 @@ def processes_section(results: dict[str, Any], tag: str) -> list[str]:
     rounds = round_rows(record)
     if rounds:
         header = (
+            "against",
             "workload",
             "concurrency",
             "rounds",
             "req/s engine",
-            "req/s workers",
-            "req/s engine ÷ workers",
+            "req/s against",
+            "req/s engine ÷ against",
             "p99 ms engine",
-            "p99 ms workers",
-            "p99 engine ÷ workers",
-            "failed engine / workers",
+            "p99 ms against",
+            "p99 engine ÷ against",
+            "failed engine / against",
         )
         out += [table(header, rounds), ""]
     starts = start_rows(record)

@@ -326,6 +326,48 @@ def test_the_section_shows_each_system_the_rounds_and_every_start() -> None:
     assert processes_section({"meta": {"plan": {"concurrency": 32}}}, "2 cores") == []
 
 
+def with_base() -> dict[str, Any]:
+    """``record()`` with the base revision's workers measured beside the other two."""
+    found = record()
+    found["systems"] = ["workers", "engine", "base"]
+    found["base"] = "e66dee9^"
+    found["base_commit"] = "0123456789abcdef"
+    found["start_ups"] += [start(1, "base", "warm", 64.0), start(2, "base", "warm", 60.0)]
+    found["processes"]["base"] = found["processes"]["workers"]
+    found["memory_warm"]["base"] = memory(2.4e9)
+    found["memory_after_rounds"]["base"] = memory(2.4e9)
+    found["runs"] += [
+        paired("base", "digits", 1, 1000.0, 40.0),
+        paired("base", "digits", 2, 900.0, 40.0),
+        paired("base", "digits", 3, 1000.0, 40.0),
+    ]
+    return found
+
+
+def test_with_a_base_revision_the_targets_are_stated_against_it_first() -> None:
+    rows = [row for row in target_rows(with_base(), 32)]
+    labels = [row[0] for row in rows]
+    assert labels.index("warm start to ready engine ÷ base") < labels.index(
+        "warm start to ready engine ÷ workers"
+    )
+    found = {row[0]: row[1:] for row in rows}
+    assert found["warm start to ready engine ÷ base"] == (
+        "0.38× (0.25 / 0.50)",
+        "≤ 0.5×",
+        "**met**",
+    )
+    assert found["process group PSS engine ÷ base (warm)"][0] == "0.50×"
+    assert found["digits c=32 req/s engine ÷ base"][0] == "0.95× (0.95 / 0.89 / 1.00)"
+    # Against this checkout's workers, as without a base.
+    assert found["digits c=32 req/s engine ÷ workers"][0] == "0.95× (0.95 / 0.80 / 1.00)"
+    results = {"meta": {"plan": {"concurrency": 32}}, "processes": with_base()}
+    text = "\n".join(processes_section(results, "2 cores"))
+    assert "of revision `e66dee9^` (0123456789ab)" in text
+    assert "| base | digits | 32 | 3 | 950 | 1,000 |" in text
+    assert "| workers | digits | 32 | 3 | 950 | 1,000 |" in text
+    assert "| base | 3 | worker 0, worker 1 | 2.4 |" in text
+
+
 def test_the_revisions_table_still_pairs_its_own_rounds() -> None:
     runs = [
         paired("nograd", "digits", 1, 1000.0, 40.0),
