@@ -13,9 +13,6 @@ from __future__ import annotations
 import contextlib
 import http.client
 import re
-import shutil
-import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +21,7 @@ from typing import Any
 from bench.common import RESULTS, ROOT, Server, nograd_server, run_only
 from bench.phases.archives import answers_of
 from bench.phases.peers import measure_rounds
-from bench.phases.revisions import SHIPPED, _git, _link_or_copy, base_server, compare
+from bench.phases.revisions import base_checkout, base_server, compare, shipped_models
 from bench.process_tree import connections_held, descendants, maps_library, pss_bytes
 from bench.session import Bench, _machine_busy_s, _tree_cpu_s
 
@@ -60,7 +57,9 @@ def system_server(bench: Bench, system: str, cache: Path, base: Path | None = No
         env["NOGRAD_FRONTS"] = bench.plan.process_fronts
     if system == BASE:
         assert base is not None
-        return base_server(base, shipped_models(base), bench.plan.server_cpus, env)
+        return base_server(
+            base, shipped_models(base, base.parent / "repository"), bench.plan.server_cpus, env
+        )
     server = nograd_server(ROOT / "models", bench.plan.server_cpus, env)
     if system == ENGINE:
         server.env = {k: v for k, v in server.env.items() if k != "NOGRAD_WORKERS"}
@@ -68,33 +67,15 @@ def system_server(bench: Bench, system: str, cache: Path, base: Path | None = No
     return server
 
 
-def shipped_models(checkout: Path) -> Path:
-    """A repository of the checkout's own shipped models, beside it (hard links where the file
-    system allows: nograd refuses model files that resolve outside its repository)."""
-    root = checkout.parent / "repository"
-    for name in SHIPPED:
-        if not (root / name).exists():
-            shutil.copytree(checkout / "models" / name, root / name, copy_function=_link_or_copy)
-    return root
-
-
 @contextlib.contextmanager
-def base_checkout(revision: str | None, record: dict[str, Any]) -> Iterator[Path | None]:
-    """A worktree of ``revision`` outside this checkout (its own tools would walk a copy of the
-    code), removed at the end; None without a revision."""
+def maybe_base(revision: str | None, record: dict[str, Any]) -> Iterator[Path | None]:
+    """The ``--base`` revision's worktree (``base_checkout``), or None without one."""
     if revision is None:
         yield None
         return
     record["base"] = revision
-    record["base_commit"] = _git("rev-parse", f"{revision}^{{commit}}")
-    checkout = Path(tempfile.mkdtemp(prefix="nograd-processes-base-")) / "base"
-    _git("worktree", "add", "--detach", str(checkout), record["base_commit"])
-    try:
+    with base_checkout(revision, record, "nograd-processes-base-") as checkout:
         yield checkout
-    finally:
-        with contextlib.suppress(subprocess.SubprocessError):
-            _git("worktree", "remove", "--force", str(checkout))
-        shutil.rmtree(checkout.parent, ignore_errors=True)
 
 
 def timed_start(server: Server) -> float:
@@ -260,7 +241,7 @@ def phase_processes(bench: Bench) -> None:
     }
     bench.results["processes"] = record
     folder = RESULTS / f"{bench.stamp}-processes"
-    with base_checkout(plan.base_revision, record) as base:
+    with maybe_base(plan.base_revision, record) as base:
         _measure(bench, record, folder, base)
 
 

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -81,16 +82,36 @@ def _link_or_copy(source: str, target: str) -> None:
         shutil.copy2(source, target)
 
 
-def repository(folder: Path, label: str, checkout: Path, archive: Path) -> Path:
-    """A revision's own shipped models (its code reads them as that revision wrote them; hard
-    links where the file system allows: nograd refuses model files that resolve outside its
-    repository, so no symbolic links), and the one ``mnist.mar`` with the sample nograd warms an
-    archive up with."""
-    root = folder / f"repository-{label}"
+def shipped_models(checkout: Path, root: Path) -> Path:
+    """``root``: a repository of the checkout's own shipped models (its code reads them as that
+    revision wrote them; hard links where the file system allows: nograd refuses model files
+    that resolve outside its repository, so no symbolic links)."""
     root.mkdir(parents=True, exist_ok=True)
     for name in SHIPPED:
         if not (root / name).exists():
             shutil.copytree(checkout / "models" / name, root / name, copy_function=_link_or_copy)
+    return root
+
+
+@contextlib.contextmanager
+def base_checkout(revision: str, record: dict[str, Any], prefix: str) -> Iterator[Path]:
+    """A worktree of ``revision`` outside this checkout (its own tools, mypy or pytest, would walk
+    a copy of the code inside it), removed at the end; its commit goes in ``record``."""
+    record["base_commit"] = _git("rev-parse", f"{revision}^{{commit}}")
+    checkout = Path(tempfile.mkdtemp(prefix=prefix)) / "base"
+    _git("worktree", "add", "--detach", str(checkout), record["base_commit"])
+    try:
+        yield checkout
+    finally:
+        with contextlib.suppress(subprocess.SubprocessError):
+            _git("worktree", "remove", "--force", str(checkout))
+        shutil.rmtree(checkout.parent, ignore_errors=True)
+
+
+def repository(folder: Path, label: str, checkout: Path, archive: Path) -> Path:
+    """A revision's own shipped models (``shipped_models``), and the one ``mnist.mar`` with the
+    sample nograd warms an archive up with."""
+    root = shipped_models(checkout, folder / f"repository-{label}")
     _link_or_copy(str(archive), str(root / archive.name))
     (root / "mnist.sample.png").write_bytes(DIGITS["0"])
     return root
@@ -115,17 +136,15 @@ def phase_revisions(bench: Bench) -> None:
         bench.note(record["refused"])
         return
     folder = RESULTS / f"{bench.stamp}-revisions"
-    # Outside this checkout: its own tools (mypy, pytest) would walk a copy of the code.
-    checkout = Path(tempfile.mkdtemp(prefix="nograd-base-")) / "base"
-    record["base_commit"] = _git("rev-parse", f"{bench.plan.base_revision}^{{commit}}")
     record["this_commit"] = _git("rev-parse", "HEAD")
     record["this_dirty"] = bool(_git("status", "--porcelain", "--untracked-files=no"))
-    bench.step(f"revisions: check out {record['base_commit'][:12]}")
-    _git("worktree", "add", "--detach", str(checkout), record["base_commit"])
+    bench.step(f"revisions: check out {bench.plan.base_revision}")
     workers = bench.plan.revision_workers
     record["workers"] = workers
     with contextlib.ExitStack() as stack:
-        stack.callback(_git, "worktree", "remove", "--force", str(checkout))
+        checkout = stack.enter_context(
+            base_checkout(bench.plan.base_revision, record, "nograd-base-")
+        )
         bench.step("revisions: build the repositories")
         archive = build_mnist(folder / "store", folder / "work")
         cpus = bench.plan.server_cpus
