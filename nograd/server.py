@@ -25,7 +25,7 @@ from typing import Final
 
 from nograd.bridge.host import BridgeHost
 from nograd.grpc.server import GrpcServer
-from nograd.http.app import build_engine_app
+from nograd.http.app import build_app, build_decoded_calls
 from nograd.http.listener import loop_factory
 from nograd.http.server import HttpFront
 from nograd.observability.metrics_port import serve_metrics_port
@@ -68,7 +68,9 @@ class Server:
         self.bridge: BridgeHost | None = None
         if engine:
             assert worker is not None and worker.engine_socket is not None
-            self.bridge = BridgeHost(build_engine_app(self.core), worker.engine_socket)
+            self.bridge = BridgeHost(
+                build_app(self.core), worker.engine_socket, build_decoded_calls(self.core)
+            )
         self.grpc = GrpcServer(self.core, counted) if settings.grpc_port else None
         self._inbox: Inbox | None = None
         self._stops = StopSignals()

@@ -2,7 +2,8 @@
 
 One connection carries every call of a front at once, each on its own stream: a request's
 scope and its body events one way, its response events the other. A payload is a pickled ASGI
-event, or, opening a stream, the pickled scope and the request's first event. Both ends are
+event, or, opening a stream, the pickled scope and the request's first event, or (``DECODED``)
+a V2 inference call its front decoded (``DecodedCall``), served without ASGI. Both ends are
 nograd processes started by one supervisor over a private socket, so pickle carries nothing a
 client wrote without it being bytes inside an event.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import pickle
 import struct
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 HEADER: Final = struct.Struct("!II")
 """Stream id, then the payload's length."""
@@ -21,6 +22,33 @@ MAX_FRAME_BYTES: Final = 1 << 31
 ABORT: Final = {"type": "nograd.abort"}
 """The engine's app failed on a stream without a complete answer: the front closes it as an
 ASGI server closes a connection whose app raised."""
+
+
+ANSWER: Final = "nograd.answer"
+"""The event an engine sends for an inference answer its front encodes: ``answer`` (a
+``nograd.protocol.v2_handover.Answer`` as plain values) and the answer's own ``headers``
+(``nograd.http.reply.Reply``); it ends its stream."""
+DECODED: Final = "nograd.decoded"
+"""Opens a stream with a ``DecodedCall`` (as a plain tuple) instead of a scope."""
+
+
+class DecodedCall(NamedTuple):
+    """A V2 inference call its front decoded, as the engine serves it: what of its head the
+    engine's checks and the call's lifecycle read (header values are each header's first, as
+    sent), and the request (``nograd.protocol.v2_handover.Predecoded`` as plain values). It
+    crosses as a plain tuple (``tuple(call)``): pickle then looks up no class."""
+
+    path: str
+    name: str
+    version: str | None
+    started: float | None
+    request_id: str | None
+    timeout: str | None
+    trace_parent: str | None
+    authorization: tuple[bytes, ...]
+    length: int
+    """The body's Content-Length."""
+    request: tuple[Any, ...]
 
 
 class FrameError(Exception):

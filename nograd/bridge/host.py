@@ -3,7 +3,9 @@
 Every HTTP call a front accepted reaches the engine process as a stream on that front's
 connection and is served by the same ASGI app a single server runs (the routes, middlewares and
 serving core, unchanged), as if its own HTTP protocol had parsed it: the answers are the same
-bytes. The front keeps the client's connection, its limits and its timeouts.
+bytes. The front keeps the client's connection, its limits and its timeouts. A V2 inference call
+its front decoded (``DECODED``) is served instead by ``decoded``, the same checks and lifecycle
+without the ASGI layers, and cancelled when its client leaves.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
 from typing import Any, cast
 
-from nograd.bridge.frames import ABORT, FrameReader, Outbox, frame
+from nograd.bridge.frames import ABORT, ANSWER, DECODED, FrameReader, Outbox, frame
 
 logger = logging.getLogger(__name__)
 
@@ -30,14 +32,40 @@ App = Callable[
 ]
 """An ASGI application (typed here without an HTTP framework)."""
 
+Event = MutableMapping[str, Any]
+Send = Callable[[Event], Awaitable[None]]
+DecodedApp = Callable[[tuple[Any, ...], Send, Callable[[], bool]], Awaitable[None]]
+"""Serves a decoded call (``nograd.bridge.frames.DecodedCall`` as a tuple) with ``send``;
+cancelled when its client leaves, which the third argument then says."""
+
 DISCONNECT = {"type": "http.disconnect"}
+
+
+class DecodedStream:
+    """A decoded call under way: the client's leaving (``http.disconnect``) cancels it."""
+
+    __slots__ = ("left", "started", "task")
+
+    def __init__(self) -> None:
+        self.left = False
+        self.started = False
+        """Whether its task runs: one cancelled before its first step would skip its cleanup,
+        so a client that leaves sooner only marks it ``left`` (its answer goes nowhere)."""
+        self.task: asyncio.Task[None] | None = None
+
+    def put_nowait(self, event: Event) -> None:
+        if event["type"] == "http.disconnect" and not self.left:
+            self.left = True
+            if self.started and self.task is not None:
+                self.task.cancel()
 
 
 class BridgeHost:
     """Listens on a Unix socket for the fronts and serves their streams with ``app``."""
 
-    def __init__(self, app: App, path: Path) -> None:
+    def __init__(self, app: App, path: Path, decoded: DecodedApp | None = None) -> None:
         self._app = app
+        self._decoded = decoded
         self._path = path
         self._server: asyncio.AbstractServer | None = None
         self.connections: set[FrontConnection] = set()
@@ -47,7 +75,7 @@ class BridgeHost:
             self._path.unlink()
         loop = asyncio.get_running_loop()
         self._server = await loop.create_unix_server(
-            lambda: FrontConnection(self._app, self.connections), str(self._path)
+            lambda: FrontConnection(self._app, self._decoded, self.connections), str(self._path)
         )
         os.chmod(self._path, 0o600)
 
@@ -69,13 +97,16 @@ class BridgeHost:
 class FrontConnection(asyncio.Protocol):
     """One front's connection: its streams, each a call running on the app."""
 
-    def __init__(self, app: App, registry: set[FrontConnection]) -> None:
+    def __init__(
+        self, app: App, decoded: DecodedApp | None, registry: set[FrontConnection]
+    ) -> None:
         self._app = app
+        self._decoded = decoded
         self._registry = registry
         self._reader = FrameReader()
         self._transport: asyncio.Transport | None = None
         self._outbox: Outbox | None = None
-        self.streams: dict[int, asyncio.Queue[MutableMapping[str, Any]]] = {}
+        self.streams: dict[int, asyncio.Queue[Event] | DecodedStream] = {}
         self._tasks: dict[int, asyncio.Task[None]] = {}
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -107,32 +138,56 @@ class FrontConnection(asyncio.Protocol):
             if queue is not None:
                 queue.put_nowait(payload)
             elif isinstance(payload, tuple):
-                scope, first = payload
-                self._open(stream, scope, first)
+                if payload[0] == DECODED:
+                    self._open_decoded(stream, payload[1])
+                else:
+                    scope, first = payload
+                    self._open(stream, scope, first)
             # Else an event for a call that already ended (a client leaving as it was answered).
 
-    def _open(self, stream: int, scope: dict[str, Any], first: MutableMapping[str, Any]) -> None:
-        queue: asyncio.Queue[MutableMapping[str, Any]] = asyncio.Queue()
+    def _open(self, stream: int, scope: dict[str, Any], first: Event) -> None:
+        queue: asyncio.Queue[Event] = asyncio.Queue()
         queue.put_nowait(first)
         self.streams[stream] = queue
-        self._tasks[stream] = asyncio.get_running_loop().create_task(
-            self._serve(stream, scope, queue), name=f"bridge-stream-{stream}"
-        )
+        self._start(stream, lambda send: self._app(scope, queue.get, send))
 
-    async def _serve(
-        self, stream: int, scope: dict[str, Any], queue: asyncio.Queue[MutableMapping[str, Any]]
-    ) -> None:
+    def _open_decoded(self, stream: int, call: tuple[Any, ...]) -> None:
+        decoded = self._decoded
+        if decoded is None:  # a front newer than this engine: the call is cut, not guessed at
+            logger.error("a front sent a decoded call this engine does not serve")
+            if self._outbox is not None:
+                self._outbox.put(frame(stream, ABORT))
+            return
+        state = DecodedStream()
+        self.streams[stream] = state
+
+        def serve(send: Send) -> Awaitable[None]:
+            state.started = True
+            return decoded(call, send, lambda: state.left)
+
+        state.task = self._start(stream, serve)
+
+    def _start(self, stream: int, serve: Callable[[Send], Awaitable[None]]) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(
+            self._serve(stream, serve), name=f"bridge-stream-{stream}"
+        )
+        self._tasks[stream] = task
+        return task
+
+    async def _serve(self, stream: int, serve: Callable[[Send], Awaitable[None]]) -> None:
         complete = False
 
-        async def send(event: MutableMapping[str, Any]) -> None:
+        async def send(event: Event) -> None:
             nonlocal complete
-            if event["type"] == "http.response.body" and not event.get("more_body", False):
+            if (
+                event["type"] == "http.response.body" and not event.get("more_body", False)
+            ) or event["type"] == ANSWER:
                 complete = True
             if self._outbox is not None:
                 self._outbox.put(frame(stream, event))
 
         try:
-            await self._app(scope, queue.get, send)
+            await serve(send)
         except Exception:
             logger.exception("the app failed on a call from a front")
         finally:

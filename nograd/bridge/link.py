@@ -13,7 +13,7 @@ from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any, Final, cast
 
-from nograd.bridge.frames import FrameReader, Outbox, frame
+from nograd.bridge.frames import DECODED, DecodedCall, FrameReader, Outbox, frame
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,11 @@ class Stream:
         payload: Any = (scope, event) if not self._opened else event
         self._opened = True
         self._link.write(frame(self.number, payload))
+
+    def open_decoded(self, call: DecodedCall) -> None:
+        """Open the stream with a call this front decoded; raises ``LinkDown``."""
+        self._opened = True
+        self._link.write(frame(self.number, (DECODED, tuple(call))))
 
     async def receive(self) -> MutableMapping[str, Any]:
         """The engine's next event, or ``DROPPED``."""

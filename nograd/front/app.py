@@ -6,8 +6,9 @@ engine sends them, and a client that leaves (``http.disconnect``), so the engine
 for a gone client still hold. When the engine cannot be reached the call gets 503 at once.
 
 A small V2 inference request is decoded here instead (``nograd.front.decoding``): it reaches the
-engine as tensors, and its answer comes back as tensors (``nograd.http.reply.ANSWER``) that this
-front encodes, so the engine's one loop does neither for it.
+engine as tensors (``nograd.bridge.frames.DecodedCall``), and its answer comes back as tensors
+(``nograd.bridge.frames.ANSWER``) that this front encodes, so the engine's one loop does neither
+for it.
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ import contextlib
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, Final
 
-from nograd.bridge.frames import ABORT
+from nograd.bridge.frames import ABORT, ANSWER, DecodedCall
 from nograd.bridge.link import DROPPED, EngineLink, LinkDown, Stream
-from nograd.front.decoding import decodable, predecode
-from nograd.http.connections import PREDECODED_KEY, STARTED_KEY
+from nograd.front.decoding import decodable, decoded_call, predecode
+from nograd.http.connections import STARTED_KEY
 from nograd.http.error_bodies import error_body, openai_error_body
 from nograd.http.paths import OPENAI_PREFIX
-from nograd.http.reply import ANSWER, answer_reply, encoded
+from nograd.http.reply import answer_reply, encoded
 from nograd.protocol.v2_handover import Answer
 from nograd.serving.calls.access import Access
 from nograd.serving.errors import RETRY_AFTER_S, Forbidden, Unauthenticated
@@ -86,11 +87,13 @@ class ForwardingApp:
 
         try:
             first = await receive()
-            carried = wire_scope(scope)
-            if first["type"] == "http.request" and not first.get("more_body", False):
-                first = self._decoded(scope, first, carried)
+            whole = first["type"] == "http.request" and not first.get("more_body", False)
+            decoded = self._decoded(scope, first) if whole else None
             try:
-                stream.send(first, carried)
+                if decoded is None:
+                    stream.send(first, wire_scope(scope))
+                else:
+                    stream.open_decoded(decoded)
             except LinkDown:
                 await refuse(scope["path"], send)
                 return
@@ -108,18 +111,16 @@ class ForwardingApp:
                     await pump
             stream.close()
 
-    def _decoded(
-        self, scope: MutableMapping[str, Any], first: Event, carried: dict[str, Any]
-    ) -> Event:
-        """The request's first event, its body left out when this front decoded it (the
-        decoded request then travels in ``carried``'s state)."""
-        if not decodable(scope) or not self._admits(scope):
-            return first
-        predecoded = predecode(scope, first.get("body", b""), self._max_decoded_bytes)
+    def _decoded(self, scope: MutableMapping[str, Any], first: Event) -> DecodedCall | None:
+        """The call as the engine serves it decoded, when this front could decode it."""
+        target = decodable(scope)
+        if target is None or not self._admits(scope):
+            return None
+        body = first.get("body", b"")
+        predecoded = predecode(scope, body, self._max_decoded_bytes)
         if predecoded is None:
-            return first
-        carried["state"][PREDECODED_KEY] = predecoded.to_wire()
-        return {"type": "http.request", "body": b"", "more_body": False}
+            return None
+        return decoded_call(scope, target, len(body), predecoded)
 
     def _admits(self, scope: MutableMapping[str, Any]) -> bool:
         if not self._access.keys_required:

@@ -12,7 +12,6 @@ from typing import Any
 from fastapi import FastAPI, Response
 from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from nograd import __version__
 from nograd.http import (
@@ -24,12 +23,13 @@ from nograd.http import (
     torchserve,
     v2,
 )
-from nograd.http.connections import PREDECODED_KEY
+from nograd.http.decoded import DecodedCalls
 from nograd.http.direct import DirectRoutes
 from nograd.http.errors import install_error_handlers
 from nograd.http.middleware import (
     AdmissionMiddleware,
     AuthMiddleware,
+    BodyBudget,
     BodyLimitMiddleware,
     HeadMiddleware,
     StartTimeMiddleware,
@@ -143,26 +143,14 @@ def own_middlewares(core: Core) -> list[tuple[Any, dict[str, Any]]]:
     ]
 
 
-def build_engine_app(core: Core) -> ASGIApp:
-    """The app of the engine process, for the calls its fronts forward: ``build_app``'s, except
-    that an inference call a front decoded (``PREDECODED_KEY``: a V2 inference POST, which
-    ``DirectRoutes`` answers) passes nograd's own middlewares (``own_middlewares``) without the
-    framework's layers around them (its error, telemetry and body-size wrappers, none of which
-    acts on such a call) and without ``HeadMiddleware`` (a POST): the engine's one loop runs
-    every call of every front."""
-    app = build_app(core)
-    decoded: ASGIApp = app
-    for middleware, options in reversed(own_middlewares(core)):
-        if middleware is not HeadMiddleware:
-            decoded = middleware(decoded, **options)
-
-    async def engine_app(scope: Scope, receive: Receive, send: Send) -> None:
-        if PREDECODED_KEY in scope.get("state", ()):
-            await decoded(scope, receive, send)
-        else:
-            await app(scope, receive, send)
-
-    return engine_app
+def build_decoded_calls(core: Core) -> DecodedCalls:
+    """What the engine process serves the V2 inference calls its fronts decoded with
+    (``nograd.http.decoded``): the size limit and byte budget ``own_middlewares`` checks."""
+    settings = core.settings
+    budget = BodyBudget(
+        settings.max_request_bytes, core.metrics, core.plane.models.__contains__, core.calls
+    )
+    return DecodedCalls(core.calls, budget)
 
 
 def _without_framework_telemetry() -> dict[str, Any]:

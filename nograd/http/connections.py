@@ -38,9 +38,6 @@ from nograd.settings import Settings
 
 STARTED_KEY: Final = "nograd_started"
 """Where a request's arrival time (``time.perf_counter``) is kept in its scope's state."""
-PREDECODED_KEY: Final = "nograd_predecoded"
-"""Where a V2 inference request a front process decoded (``nograd.protocol.v2.Predecoded``) is
-kept in its scope's state when it reaches the engine process."""
 
 logger = logging.getLogger(__name__)
 

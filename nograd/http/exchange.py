@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 from starlette.concurrency import run_in_threadpool
@@ -22,6 +23,7 @@ from starlette.types import Message, Receive, Scope
 from nograd.core.errors import DecodeError
 from nograd.http.connections import STARTED_KEY
 from nograd.http.error_bodies import status_of
+from nograd.http.headers import REQUEST_ID_HEADER, TIMEOUT_HEADER, TRACE_PARENT_HEADER
 from nograd.http.reply import Reply, encoded
 from nograd.protocol.compression import (
     MOST_RATIO,
@@ -35,8 +37,6 @@ from nograd.serving.calls.lifecycle import CLIENT_GONE, Call, Calls, safe_reques
 
 Body = bytes | bytearray | memoryview
 Parsed = TypeVar("Parsed")
-REQUEST_ID_HEADER = "X-Request-ID"
-TIMEOUT_HEADER = "X-Request-Timeout"
 DISCONNECT_GRACE_S = 0.02
 """How long a call runs before a task starts watching for its client leaving.
 
@@ -95,8 +95,8 @@ def caller_of(calls: Calls, scope: Scope) -> str:
     return calls.caller([v for k, v in scope["headers"] if k == b"authorization"])
 
 
-def header_timeout_s(incoming: Incoming) -> float | None:
-    raw = incoming.headers.get(TIMEOUT_HEADER.lower())
+def header_timeout_s(raw: str | None) -> float | None:
+    """The seconds an ``X-Request-Timeout`` header's value gives the call (None: no header)."""
     if raw is None:
         return None
     try:
@@ -214,6 +214,19 @@ async def until_disconnect(
                 await watcher
 
 
+@dataclass(frozen=True)
+class CallHead:
+    """What of a call's head its lifecycle reads: the target, the client's request id, when the
+    head arrived, and the ``X-Request-Timeout`` and ``traceparent`` headers as sent (each its
+    first value)."""
+
+    target: str
+    request_id: str | None
+    started: float | None
+    timeout: str | None
+    trace_parent: str | None
+
+
 async def run_call(
     incoming: Incoming,
     calls: Calls,
@@ -222,15 +235,45 @@ async def run_call(
     on_error: Callable[[int, Exception], Reply],
 ) -> Reply:
     """Run one inference call through the call lifecycle, answered over HTTP."""
-    started = incoming.scope.get("state", {}).get(STARTED_KEY)
-    given = safe_request_id(incoming.headers.get(REQUEST_ID_HEADER.lower()))
-    call = calls.open(protocol, incoming.scope["path"], given, started)
+    headers = incoming.headers
+    head = CallHead(
+        incoming.scope["path"],
+        headers.get(REQUEST_ID_HEADER.lower()),
+        incoming.scope.get("state", {}).get(STARTED_KEY),
+        headers.get(TIMEOUT_HEADER.lower()),
+        headers.get(TRACE_PARENT_HEADER),
+    )
+
+    async def read_then_work(call: Call) -> Reply:
+        await incoming.body()
+        return await until_disconnect(incoming.receive, lambda: work(call))
+
+    return await run_head_call(calls, protocol, head, read_then_work, on_error)
+
+
+async def run_head_call(
+    calls: Calls,
+    protocol: str,
+    head: CallHead,
+    work: Callable[[Call], Awaitable[Reply]],
+    on_error: Callable[[int, Exception], Reply],
+    left: Callable[[], bool] | None = None,
+) -> Reply:
+    """Run a call whose body is already read (or needs none) through the call lifecycle, on
+    its ``head``. With ``left``, a cancellation while it runs is its client leaving when
+    ``left()`` says so (whoever watches the client cancels this task), as ``until_disconnect``
+    makes it for ``run_call``."""
+    call = calls.open(protocol, head.target, safe_request_id(head.request_id), head.started)
     reply: Reply | None = None
     try:
-        call.timeout_s = header_timeout_s(incoming)
-        call.trace_parent = incoming.headers.get("traceparent")
-        await incoming.body()
-        reply = await until_disconnect(incoming.receive, lambda: work(call))
+        call.timeout_s = header_timeout_s(head.timeout)
+        call.trace_parent = head.trace_parent
+        reply = await work(call)
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if left is None or not left() or current is None or current.uncancel() != 0:
+            raise
+        reply = Reply(CLIENT_GONE, content_type=None)
     except ClientGone:
         reply = Reply(CLIENT_GONE, content_type=None)
     except Exception as exc:

@@ -104,21 +104,32 @@ class AuthMiddleware:
         values = [v for k, v in scope["headers"] if k == b"authorization"]
         try:
             self._calls.authorize(values, "http", None if target is None else target[0], group)
-        except Unauthenticated as exc:
-            # Refused before a byte of the body is read; closing the connection stops its upload.
-            await _respond(
-                send,
-                path,
-                401,
-                str(exc),
-                "invalid_api_key",
-                [(b"www-authenticate", b'Bearer realm="nograd"'), (b"connection", b"close")],
-            )
-            return
-        except Forbidden as exc:  # Triton's answer to a restricted API: 403
-            await _respond(send, path, 403, str(exc), "forbidden", [(b"connection", b"close")])
+        except (Unauthenticated, Forbidden) as exc:
+            await refuse_key(send, path, exc)
             return
         await self.app(scope, receive, send)
+
+
+async def refuse_key(send: Send, path: str, exc: Unauthenticated | Forbidden) -> None:
+    """A call without a good key: 401, or 403 (Triton's answer to a restricted API), before a
+    byte of its body is read; closing the connection stops its upload."""
+    if isinstance(exc, Unauthenticated):
+        await _respond(
+            send,
+            path,
+            401,
+            str(exc),
+            "invalid_api_key",
+            [(b"www-authenticate", b'Bearer realm="nograd"'), (b"connection", b"close")],
+        )
+        return
+    await _respond(send, path, 403, str(exc), "forbidden", [(b"connection", b"close")])
+
+
+async def refuse_overloaded(send: Send, path: str, exc: QueueFull) -> None:
+    """503 with the refusal's Retry-After: an inference call over the process's bounds."""
+    headers = [(k.lower().encode(), v.encode()) for k, v in error_headers(503, exc)]
+    await _respond(send, path, 503, str(exc), "server_overloaded", headers)
 
 
 class AdmissionMiddleware:
@@ -146,13 +157,60 @@ class AdmissionMiddleware:
             arrived = scope.get("state", {}).get(STARTED_KEY)
             self._calls.admit(None if target is None else target[0], arrived)
         except QueueFull as exc:
-            headers = [(k.lower().encode(), v.encode()) for k, v in error_headers(503, exc)]
-            await _respond(send, scope["path"], 503, str(exc), "server_overloaded", headers)
+            await refuse_overloaded(send, scope["path"], exc)
             return
         try:
             await self.app(scope, receive, send)
         finally:
             self._calls.release()
+
+
+class BodyBudget:
+    """The request-size limit and the process's byte budget a body is held in: what
+    ``BodyLimitMiddleware`` checks, and the engine process checks for a call its front decoded
+    (``nograd.http.decoded``)."""
+
+    def __init__(
+        self,
+        max_bytes: int,
+        metrics: Metrics,
+        known_model: Callable[[str], bool],
+        calls: Calls | None = None,
+    ) -> None:
+        self.max_bytes = max_bytes
+        self._metrics = metrics
+        self._known_model = known_model
+        self._calls = calls
+
+    async def refuse_too_large(self, path: str, send: Send) -> None:
+        """413 for a body declared or counted over the limit."""
+        self._metrics.rejected.labels(model_label(path, self._known_model), "too_large").inc()
+        await _respond(
+            send,
+            path,
+            413,
+            f"request body exceeds the limit of {self.max_bytes} bytes (NOGRAD_MAX_REQUEST_BYTES)",
+            "request_too_large",
+            [(b"connection", b"close")],
+        )
+
+    async def took(self, path: str, send: Send, size: int) -> bool:
+        """``size`` bytes drawn from the budget (True), or the request refused with 503."""
+        if self._calls is None or not size:
+            return True
+        target = v2_model(path)
+        try:
+            self._calls.take_bytes(size, None if target is None else target[0])
+        except QueueFull as exc:
+            headers = [(k.lower().encode(), v.encode()) for k, v in error_headers(503, exc)]
+            headers.append((b"connection", b"close"))  # the rest of the body is never read
+            await _respond(send, path, 503, str(exc), "server_overloaded", headers)
+            return False
+        return True
+
+    def give(self, size: int) -> None:
+        if self._calls is not None and size:
+            self._calls.give_bytes(size)
 
 
 class BodyLimitMiddleware:
@@ -172,40 +230,7 @@ class BodyLimitMiddleware:
     ) -> None:
         self.app = app
         self._max = max_bytes
-        self._metrics = metrics
-        self._known_model = known_model
-        self._calls = calls
-
-    async def _too_large(self, scope: Scope, send: Send) -> None:
-        path = scope["path"]
-        self._metrics.rejected.labels(model_label(path, self._known_model), "too_large").inc()
-        await _respond(
-            send,
-            path,
-            413,
-            f"request body exceeds the limit of {self._max} bytes (NOGRAD_MAX_REQUEST_BYTES)",
-            "request_too_large",
-            [(b"connection", b"close")],
-        )
-
-    async def _took(self, scope: Scope, send: Send, size: int) -> bool:
-        """``size`` bytes drawn from the budget (True), or the request refused with 503."""
-        if self._calls is None or not size:
-            return True
-        path = scope["path"]
-        target = v2_model(path)
-        try:
-            self._calls.take_bytes(size, None if target is None else target[0])
-        except QueueFull as exc:
-            headers = [(k.lower().encode(), v.encode()) for k, v in error_headers(503, exc)]
-            headers.append((b"connection", b"close"))  # the rest of the body is never read
-            await _respond(send, path, 503, str(exc), "server_overloaded", headers)
-            return False
-        return True
-
-    def _give(self, size: int) -> None:
-        if self._calls is not None and size:
-            self._calls.give_bytes(size)
+        self._budget = BodyBudget(max_bytes, metrics, known_model, calls)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
@@ -218,15 +243,15 @@ class BodyLimitMiddleware:
             except ValueError:
                 declared = -1
             if declared > self._max:
-                await self._too_large(scope, send)
+                await self._budget.refuse_too_large(scope["path"], send)
                 return
             if declared >= 0:
-                if not await self._took(scope, send, declared):
+                if not await self._budget.took(scope["path"], send, declared):
                     return
                 try:
                     await self.app(scope, receive, send)
                 finally:
-                    self._give(declared)
+                    self._budget.give(declared)
                 return
         # No usable Content-Length (chunked): read up to the limit, then replay the body.
         held = 0
@@ -239,9 +264,9 @@ class BodyLimitMiddleware:
                     return
                 chunk = message.get("body", b"")
                 if held + len(chunk) > self._max:
-                    await self._too_large(scope, send)
+                    await self._budget.refuse_too_large(scope["path"], send)
                     return
-                if not await self._took(scope, send, len(chunk)):
+                if not await self._budget.took(scope["path"], send, len(chunk)):
                     return
                 held += len(chunk)
                 chunks.append(chunk)
@@ -251,7 +276,7 @@ class BodyLimitMiddleware:
             del chunks
             await self.app(scope, _replay([whole], receive), send)
         finally:
-            self._give(held)
+            self._budget.give(held)
 
 
 def _replay(messages: list[Message], receive: Receive) -> Receive:
@@ -328,4 +353,9 @@ class UnexpectedErrorMiddleware:
             if started:
                 raise
             logger.exception("unhandled error on %s %s", scope["method"], scope["path"])
-            await _respond(send, scope["path"], 500, UNEXPECTED, "internal_error", [])
+            await answer_unexpected(send, scope["path"])
+
+
+async def answer_unexpected(send: Send, path: str) -> None:
+    """500 naming no server internals, for a failure no handler answered."""
+    await _respond(send, path, 500, UNEXPECTED, "internal_error", [])

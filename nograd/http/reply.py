@@ -8,21 +8,17 @@ that holds the client's connection encodes it with the same functions.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Final
 
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 from starlette.types import Send
 
+from nograd.bridge.frames import ANSWER
 from nograd.protocol import binary
 from nograd.protocol import shared_memory as shm
 from nograd.protocol.compression import compress, response_encoding
 from nograd.protocol.limits import OFFLOAD_DECODE_BYTES
 from nograd.protocol.v2_handover import Answer, encode_answer
-
-ANSWER: Final = "nograd.answer"
-"""The ASGI event an engine sends for an inference answer its front encodes: ``answer`` (a
-``nograd.protocol.v2_handover.Answer`` as plain values) and the answer's own ``headers``."""
 
 
 @dataclass

@@ -10,9 +10,9 @@ import numpy as np
 from fastapi import APIRouter, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
-from nograd.http.connections import PREDECODED_KEY
 from nograd.http.error_bodies import error_body, error_headers
 from nograd.http.exchange import (
+    CallHead,
     Incoming,
     caller_of,
     encoded_reply,
@@ -20,6 +20,7 @@ from nograd.http.exchange import (
     inflated_body,
     parse_measured,
     run_call,
+    run_head_call,
 )
 from nograd.http.reply import Reply, answer_reply
 from nograd.http.state import calls_of, dataplane_of
@@ -185,16 +186,7 @@ async def _decode(
     parsed (``parse_measured``), its model made ``resident`` (told the parsed document, whose
     parameters may hold a deadline) and the inputs it declares checked against the model
     (``check_for`` the request's own id) before any tensor is built or a byte of the binary
-    part read; inputs in shared memory are read from ``regions``. A request its front process
-    decoded already (``Predecoded``) takes the same steps, in the same order, on what the front
-    measured."""
-    wire = incoming.scope.get("state", {}).get(PREDECODED_KEY)
-    if wire is not None:
-        predecoded = Predecoded.from_wire(wire)
-        hold_decoded(calls, call, predecoded.json_bytes)
-        await resident({"parameters": predecoded.parameters})
-        check_for(predecoded.request.id)(predecoded.declared)
-        return predecoded.request
+    part read; inputs in shared memory are read from ``regions``."""
     body = await inflated_body(incoming, calls, call)
     header, data = split_body(body, incoming.headers.get(binary.HEADER_LENGTH.lower()))
     document = await parse_measured(calls, call, header, parse_json)
@@ -208,6 +200,21 @@ async def _decode(
     if len(body) + placed > OFFLOAD_DECODE_BYTES:
         return await run_in_threadpool(decode_document, document, data, regions)
     return decode_document(document, data, regions)
+
+
+async def _predecoded(
+    predecoded: Predecoded,
+    calls: Calls,
+    call: Call,
+    resident: Callable[[Any], Awaitable[None]],
+    check_for: Callable[[str | None], Callable[[Declared], None]],
+) -> InferRequest:
+    """A request its front process decoded (``Predecoded``), taking ``_decode``'s steps in the
+    same order on what the front measured."""
+    hold_decoded(calls, call, predecoded.json_bytes)
+    await resident({"parameters": predecoded.parameters})
+    check_for(predecoded.request.id)(predecoded.declared)
+    return predecoded.request
 
 
 def _placed_inputs(document: Any) -> list[tuple[Any, Mapping[str, Any]]]:
@@ -244,9 +251,22 @@ def _error_reply(status: int, exc: Exception) -> Reply:
     return Reply(status, error_body(str(exc)), headers=error_headers(status, exc))
 
 
-async def infer_call(incoming: Incoming, calls: Calls, name: str, version: str | None) -> Reply:
-    """One V2 inference call; served by ``nograd.http.direct`` ahead of the router, and by the
-    routes."""
+Decode = Callable[
+    [Call, Callable[[Any], Awaitable[None]], Callable[[str | None], Callable[[Declared], None]]],
+    Awaitable[InferRequest],
+]
+"""How a call's request is decoded: given the call, ``resident`` and ``check_for``."""
+
+
+def _infer_work(
+    calls: Calls,
+    name: str,
+    version: str | None,
+    decode: Decode,
+    finish: Callable[[Answer], Reply],
+) -> Callable[[Call], Awaitable[Reply]]:
+    """One V2 inference's work on the serving core, its request as ``decode`` gives it and its
+    answer as ``finish`` makes it a reply."""
 
     async def work(call: Call) -> Reply:
         async def resident(document: Any) -> None:
@@ -258,28 +278,65 @@ async def infer_call(incoming: Incoming, calls: Calls, name: str, version: str |
             call.model = calls.label(name)
 
         call.model = calls.label(name)
-        regions = calls.regions(call, caller_of(calls, incoming.scope))
-        decoded = await _decode(
-            incoming,
-            calls,
-            call,
-            resident,
-            lambda given_id: calls.input_check(call, name, version, given_id),
-            regions,
+        decoded = await decode(
+            call, resident, lambda given_id: calls.input_check(call, name, version, given_id)
         )
         call.adopt_request_id(decoded.id)
         sequence = sequence_request(decoded.parameters)
         model, outputs = await calls.infer(
             call, name, version, decoded.inputs, decoded.id, sequence=sequence
         )
-        answer = _answer(model, decoded, outputs)
-        if predecoded:
-            return Reply(200, answer=answer)  # its front encodes it
+        return finish(_answer(model, decoded, outputs))
+
+    return work
+
+
+async def infer_call(incoming: Incoming, calls: Calls, name: str, version: str | None) -> Reply:
+    """One V2 inference call; served by ``nograd.http.direct`` ahead of the router, and by the
+    routes."""
+    regions: shm.Regions | None = None
+
+    async def decode(
+        call: Call,
+        resident: Callable[[Any], Awaitable[None]],
+        check_for: Callable[[str | None], Callable[[Declared], None]],
+    ) -> InferRequest:
+        nonlocal regions
+        regions = calls.regions(call, caller_of(calls, incoming.scope))
+        return await _decode(incoming, calls, call, resident, check_for, regions)
+
+    def finish(answer: Answer) -> Reply:
         return answer_reply(answer, regions)
 
-    predecoded = PREDECODED_KEY in incoming.scope.get("state", ())
+    work = _infer_work(calls, name, version, decode, finish)
     reply = await run_call(incoming, calls, PROTOCOL, work, _error_reply)
-    return reply if predecoded else await encoded_reply(incoming, reply)
+    return await encoded_reply(incoming, reply)
+
+
+async def decoded_infer_call(
+    calls: Calls,
+    head: CallHead,
+    name: str,
+    version: str | None,
+    predecoded: Predecoded,
+    left: Callable[[], bool],
+) -> Reply:
+    """A V2 inference call its front process decoded (``nograd.http.decoded``): the steps of
+    ``infer_call`` on the decoded request, its answer left unencoded for the front
+    (``Reply.answer``); ``left()`` says whether a cancellation is its client leaving."""
+
+    async def decode(
+        call: Call,
+        resident: Callable[[Any], Awaitable[None]],
+        check_for: Callable[[str | None], Callable[[Declared], None]],
+    ) -> InferRequest:
+        return await _predecoded(predecoded, calls, call, resident, check_for)
+
+    def finish(answer: Answer) -> Reply:
+        return Reply(200, answer=answer)
+
+    work = _infer_work(calls, name, version, decode, finish)
+    return await run_head_call(calls, PROTOCOL, head, work, _error_reply, left)
 
 
 async def _routed_infer(request: Request, name: str, version: str | None) -> Response:

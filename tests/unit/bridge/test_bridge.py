@@ -20,6 +20,7 @@ from nograd.bridge.link import EngineLink, LinkDown
 from nograd.front.app import ENGINE_AWAY, ForwardingApp
 from nograd.http.connections import STARTED_KEY
 from nograd.serving.calls.access import Access
+from tests.unit.bridge.recording import Transport
 
 Event = MutableMapping[str, Any]
 
@@ -41,16 +42,6 @@ def test_a_frame_longer_than_any_is_refused() -> None:
 
 
 async def test_the_frames_of_one_turn_leave_in_one_write() -> None:
-    class Transport:
-        def __init__(self) -> None:
-            self.writes: list[bytes] = []
-
-        def is_closing(self) -> bool:
-            return False
-
-        def write(self, data: bytes) -> None:
-            self.writes.append(data)
-
     transport = Transport()
     outbox = Outbox(transport)  # type: ignore[arg-type]
     for stream in range(50):

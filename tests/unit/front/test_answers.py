@@ -1,6 +1,6 @@
-"""A small V2 inference crosses the bridge decoded: the engine's app gets the tensors (and no
-body), and the answer it leaves unencoded comes out of the front as the bytes a single server
-sends, compressed when asked."""
+"""A small V2 inference crosses the bridge decoded: the engine gets the tensors in a decoded
+call (no scope, no body), and the answer it leaves unencoded comes out of the front as the bytes
+a single server sends, compressed when asked."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import numpy as np
 import orjson
 import pytest
 
+from nograd.bridge.frames import DecodedCall
 from nograd.bridge.host import BridgeHost
 from nograd.bridge.link import EngineLink
 from nograd.front.app import ForwardingApp
-from nograd.http.connections import PREDECODED_KEY
 from nograd.http.reply import Reply, answer_reply
 from nograd.protocol.v2 import RequestedOutput
 from nograd.protocol.v2_handover import Answer, Predecoded
@@ -37,11 +37,19 @@ NO_KEYS = Access(())
 
 
 async def engine_app(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
-    """Records what reached it, and answers as the engine's V2 route does for a decoded call."""
+    """Records a call that reached the engine as it came; answers as a route refusing it."""
     event = await receive()
-    predecoded = scope["state"].get(PREDECODED_KEY)
-    seen.append((predecoded, event.get("body", b"")))
-    reply = Reply(200, answer=ANSWER) if predecoded is not None else Reply(400, b'{"error":"x"}')
+    seen.append((None, event.get("body", b"")))
+    reply = Reply(400, b'{"error":"x"}')
+    reply.headers.append(("X-Request-ID", "abc"))
+    await reply.send(send)
+
+
+async def decoded_app(wire: tuple[Any, ...], send: Any, left: Any) -> None:
+    """Records a call its front decoded; answers as the engine's V2 inference does."""
+    del left
+    seen.append((DecodedCall(*wire), b""))
+    reply = Reply(200, answer=ANSWER)
     reply.headers.append(("X-Request-ID", "abc"))
     await reply.send(send)
 
@@ -49,7 +57,7 @@ async def engine_app(scope: MutableMapping[str, Any], receive: Any, send: Any) -
 @pytest.fixture
 async def link(tmp_path: Path) -> AsyncIterator[EngineLink]:
     seen.clear()
-    host = BridgeHost(engine_app, tmp_path / "engine.sock")
+    host = BridgeHost(engine_app, tmp_path / "engine.sock", decoded_app)
     await host.start()
     link = EngineLink(tmp_path / "engine.sock")
     linking = asyncio.create_task(link.run())
@@ -84,10 +92,13 @@ async def call(
 async def test_the_engine_gets_tensors_and_the_front_encodes_the_answer(
     link: EngineLink,
 ) -> None:
-    sent = await call(link, orjson.dumps(DOCUMENT))
-    wire, body = seen[0]
-    assert body == b""
-    request = Predecoded.from_wire(wire).request
+    body = orjson.dumps(DOCUMENT)
+    sent = await call(link, body, (b"x-request-id", b"mine"), (b"x-request-id", b"second"))
+    decoded, _ = seen[0]
+    assert decoded.path == "/v2/models/m/infer"
+    assert (decoded.name, decoded.version, decoded.length) == ("m", None, len(body))
+    assert decoded.request_id == "mine"  # a header sent twice: its first value, as ASGI reads it
+    request = Predecoded.from_wire(decoded.request).request
     np.testing.assert_array_equal(request.inputs["x"], [1.0, 2.0])
     assert request.inputs["x"].flags.writeable  # torch takes it as it is
     expected = answer_reply(ANSWER)
