@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from nograd.core.engines import built_engines
+from nograd.host.collector import collect_young_less_often
 from nograd.host.heap import use_one_arena
 from nograd.host.openmp import SPIN_COUNT, tune_openmp_wait
 from nograd.observability.logs import setup_logging
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(0)
     # Before any thread allocates: the memory plan measures batches in the resident set.
     use_one_arena()
+    collect_young_less_often()
     settings = Settings(_cli_parse_args=argv if argv is not None else True, _cli_prog_name="nograd")
     setup_logging(
         settings.log_level,

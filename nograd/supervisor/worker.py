@@ -19,6 +19,7 @@ from multiprocessing.synchronize import Event
 from pathlib import Path
 from typing import Protocol
 
+from nograd.host.collector import collect_young_less_often
 from nograd.host.ledger import CoreShare
 from nograd.observability.logs import setup_logging
 from nograd.settings import Settings
@@ -82,6 +83,7 @@ def worker_main(
         settings.log_format,
         keys=settings.api_key_list + settings.operator_key_list,
     )
+    collect_young_less_often()  # a spawned process starts with the interpreter's thresholds
     serve_worker = load_serve(serve)
     if after is not None:
         # Imported beside the workers before it, a worker loads its models only once the one
