@@ -90,9 +90,12 @@ def targets_section(results: dict[str, Any]) -> list[str]:
     plan = results["meta"]["plan"]
     c = plan["concurrency"]
     tag = f"{results['meta']['cores']} cores"
+    rows = targets(results)
+    if not rows:
+        return []  # no phase of this run measured them (a run of other phases only)
     parts: list[str] = []
     parts += [f"## Targets (issue 5), ratios from this run's phases ({tag}, concurrency {c})", ""]
-    parts.append(table(("target", "measured", "target", "verdict"), targets(results)))
+    parts.append(table(("target", "measured", "target", "verdict"), rows))
     parts.append("")
     more = targets(results, "nograd-workers-2")
     if more:
@@ -108,7 +111,6 @@ def closed_loop_section(results: dict[str, Any]) -> list[str]:
     c = plan["concurrency"]
     tag = f"{results['meta']['cores']} cores"
     parts: list[str] = []
-    parts += [f"## Closed loop, concurrency {c} ({tag})", ""]
     for workload in plan["workloads"]:
         rows = []
         for system in SYSTEM_ORDER:
@@ -142,6 +144,8 @@ def closed_loop_section(results: dict[str, Any]) -> list[str]:
                     note,
                 )
             )
+        if not rows:
+            continue
         parts += [
             f"### {workload} ({tag}, c={c}, wrk)",
             "",
@@ -164,7 +168,9 @@ def closed_loop_section(results: dict[str, Any]) -> list[str]:
             ),
             "",
         ]
-    return parts
+    if not parts:
+        return []  # no closed-loop run of the headline systems in this run
+    return [f"## Closed loop, concurrency {c} ({tag})", "", *parts]
 
 
 def ratios_section(results: dict[str, Any]) -> list[str]:
@@ -188,6 +194,8 @@ def ratios_section(results: dict[str, Any]) -> list[str]:
                 best = found[0] if found else None
             row.append(ratio(ng["samples_per_s"], best))
         ratio_rows.append(row)
+    if not ratio_rows:
+        return []
     parts += [
         f"### nograd throughput ratios ({tag}, c={c})",
         "",
@@ -232,6 +240,8 @@ def every_run_section(results: dict[str, Any]) -> list[str]:
                         noise(r),
                     )
                 )
+    if not sweep_rows:
+        return []
     parts += [
         f"## Every closed-loop run ({tag})",
         "",

@@ -120,7 +120,9 @@ def test_report_leads_with_the_paired_targets() -> None:
         run("http-ceiling", "digits", 1, 1000, 5),
         run("litserve", "digits", 1, 200, 40),
     ]
-    text = markdown(results_with(runs))
+    results = results_with(runs)
+    results["runs"] = [{**run("nograd", "digits", 1, 950, 11), "round": None}]  # a headline run
+    text = markdown(results)
     paired = text.index("## Targets from paired rounds")
     assert paired < text.index("## Targets (issue 5), ratios from this run's phases")
     assert "| digits: throughput vs HTTP ceiling | 0.90× (0.90) | ≥ 0.7× | **met** |" in text
@@ -405,3 +407,16 @@ def test_a_server_that_cannot_be_paused_is_left_running() -> None:
     finally:
         server.process.kill()
         server.process.wait()
+
+
+def test_a_run_of_other_phases_renders_no_empty_closed_loop_tables() -> None:
+    """A run of the processes phase alone (or any phase without headline runs) shows no
+    targets, closed-loop, ratio or sweep table with nothing in it."""
+    text = markdown(results_with([]))
+    for title in (
+        "## Targets (issue 5)",
+        "## Closed loop",
+        "### nograd throughput ratios",
+        "## Every closed-loop run",
+    ):
+        assert title not in text
