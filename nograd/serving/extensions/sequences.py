@@ -55,10 +55,16 @@ class SequenceRequest:
         return [key for key, value in zip(SEQUENCE_PARAMETERS, values, strict=True) if value]
 
 
+NO_SEQUENCE: Final = SequenceRequest()
+"""A request that names no sequence: most requests, sharing one value."""
+
+
 def sequence_request(parameters: Mapping[str, object]) -> SequenceRequest:
     """The sequence parameters among a request's ``parameters``; an id must be an integer from
     0 to 2^64-1 (Triton's uint64) or a string, the flags booleans. A string id's length is
     checked by ``Sequences``, which knows the bound."""
+    if not parameters or not any(key in parameters for key in SEQUENCE_PARAMETERS):
+        return NO_SEQUENCE
     given_id = parameters.get("sequence_id", 0)
     if isinstance(given_id, bool) or not isinstance(given_id, int | str):
         raise InvalidInput(
@@ -95,7 +101,7 @@ def shown(value: object) -> str:
 
 def refuse_sequence(model: str, request: SequenceRequest) -> None:
     """A request naming a sequence to a model that declares none: a 400 naming what it asked."""
-    if request.named:
+    if request is not NO_SEQUENCE and request.named:
         raise InvalidInput(
             f"model '{model}' is not a sequence model (its configuration has no "
             f"sequence_batching): the request's {', '.join(request.named)} cannot be honoured"

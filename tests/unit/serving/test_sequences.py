@@ -14,6 +14,7 @@ from nograd.formats.triton.reading.config import read_triton
 from nograd.schema.sequence_step import FLAG_END, FLAG_START, SequenceStep
 from nograd.serving.errors import InvalidInput
 from nograd.serving.extensions.sequences import (
+    NO_SEQUENCE,
     SequenceRequest,
     Sequences,
     refuse_sequence,
@@ -133,6 +134,11 @@ async def test_an_idle_sequence_is_released_on_a_timer_without_another_request(
 
 def test_sequence_parameters_are_checked() -> None:
     assert sequence_request({}) == SequenceRequest()
+    # A request naming no sequence shares one value, which no model refuses.
+    assert sequence_request({"binary_data_output": True}) is NO_SEQUENCE
+    refuse_sequence("plain", NO_SEQUENCE)
+    with pytest.raises(InvalidInput, match="not a sequence model"):
+        refuse_sequence("plain", sequence_request({"sequence_start": True}))
     given = {"sequence_id": "u-1", "sequence_start": True, "sequence_end": False}
     assert sequence_request(given) == SequenceRequest("u-1", True, False)
     for bad in ({"sequence_id": 1.5}, {"sequence_id": True}, {"sequence_id": -1}):
