@@ -9,6 +9,7 @@ silently casts or truncates.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import re
@@ -329,13 +330,21 @@ def select_outputs(
     """
     if not requested:
         default_binary = bool((parameters or {}).get("binary_data_output", False))
-        return [RequestedOutput(name, default_binary) for name in available]
+        return list(_every_output(tuple(available), default_binary))
     unknown = [r.name for r in requested if r.name not in available]
     if unknown:
         raise DecodeError(
             f"requested output(s) {unknown} not produced; available: {list(available)}"
         )
     return list(requested)
+
+
+@functools.lru_cache(maxsize=1024)
+def _every_output(available: tuple[str, ...], binary: bool) -> tuple[RequestedOutput, ...]:
+    """Every output a model produced, as a request naming none asks for them: built once per
+    set of output names (a model's own; the 1,024 latest kept), then shared (the values are
+    frozen)."""
+    return tuple(RequestedOutput(name, binary) for name in available)
 
 
 def encode_tensor(name: str, array: np.ndarray) -> dict[str, Any]:

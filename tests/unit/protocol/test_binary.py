@@ -184,6 +184,13 @@ def test_tritonclient_without_outputs_asks_every_output_in_binary() -> None:
     request = decode_body(body, None if length is None else str(length))
     selected = select_outputs(["a", "b"], request.outputs, request.parameters)
     assert selected == [RequestedOutput("a", True), RequestedOutput("b", True)]
+    # Each call gets its own list, whichever shared values fill it.
+    selected.clear()
+    assert select_outputs(["a", "b"], (), {"binary_data_output": True}) == [
+        RequestedOutput("a", True),
+        RequestedOutput("b", True),
+    ]
+    assert select_outputs(["a", "b"], ()) == [RequestedOutput("a"), RequestedOutput("b")]
 
 
 @pytest.mark.parametrize("datatype", [*FIXED, "BYTES"])
