@@ -324,10 +324,8 @@ def select_outputs(
     requested: Sequence[RequestedOutput],
     parameters: Mapping[str, Any] | None = None,
 ) -> list[RequestedOutput]:
-    """The outputs to return: all by default, or the requested subset in the requested order.
-
-    Unrequested outputs are JSON unless the request's ``binary_data_output`` parameter is true.
-    """
+    """The outputs to return: all by default (JSON unless the request's ``binary_data_output``
+    parameter is true), or the requested subset in the requested order."""
     if not requested:
         default_binary = bool((parameters or {}).get("binary_data_output", False))
         return list(_every_output(tuple(available), default_binary))
@@ -341,9 +339,7 @@ def select_outputs(
 
 @functools.lru_cache(maxsize=1024)
 def _every_output(available: tuple[str, ...], binary: bool) -> tuple[RequestedOutput, ...]:
-    """Every output a model produced, as a request naming none asks for them: built once per
-    set of output names (a model's own; the 1,024 latest kept), then shared (the values are
-    frozen)."""
+    """Every output, as a request naming none asks: once per set of names, then shared."""
     return tuple(RequestedOutput(name, binary) for name in available)
 
 

@@ -41,13 +41,7 @@ from nograd.serving.errors import (
     is_server_fault,
     kind_of,
 )
-from nograd.serving.extensions.sequences import (
-    NO_SEQUENCE,
-    Place,
-    SequenceRequest,
-    Sequences,
-    refuse_sequence,
-)
+from nograd.serving.extensions.sequences import Place, SequenceRequest, Sequences, refuse_sequence
 from nograd.serving.extensions.shared_memory import SHARED, CallerRegions, SharedMemory
 from nograd.serving.registry import ServedModel
 from nograd.serving.residency.on_demand import OnDemand
@@ -320,7 +314,7 @@ class Calls:
         if responder is None and served.config.decoupled:
             where = "ModelInfer RPC" if call.protocol == "grpc" else "HTTP end point"
             raise InvalidInput(f"{where} doesn't support models with decoupled transaction policy")
-        sequence = sequence or NO_SEQUENCE
+        sequence = sequence or SequenceRequest()
         if served.config.sequence is None:
             refuse_sequence(name, sequence)
 
