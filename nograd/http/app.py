@@ -130,27 +130,22 @@ def own_middlewares(core: Core) -> list[tuple[Any, dict[str, Any]]]:
         (HeadMiddleware, {}),
         *(auth if calls.keys_required else []),
         (AdmissionMiddleware, {"calls": calls}),
-        (
-            BodyLimitMiddleware,
-            {
-                "max_bytes": settings.max_request_bytes,
-                "metrics": core.metrics,
-                "known_model": core.plane.models.__contains__,
-                "calls": calls,
-            },
-        ),
+        (BodyLimitMiddleware, {"budget": body_budget(core)}),
         (DirectRoutes, {"calls": calls}),
     ]
 
 
+def body_budget(core: Core) -> BodyBudget:
+    """The request-size limit and byte budget every body is held in, over the serving core."""
+    return BodyBudget(
+        core.settings.max_request_bytes, core.metrics, core.plane.models.__contains__, core.calls
+    )
+
+
 def build_decoded_calls(core: Core) -> DecodedCalls:
     """What the engine process serves the V2 inference calls its fronts decoded with
-    (``nograd.http.decoded``): the size limit and byte budget ``own_middlewares`` checks."""
-    settings = core.settings
-    budget = BodyBudget(
-        settings.max_request_bytes, core.metrics, core.plane.models.__contains__, core.calls
-    )
-    return DecodedCalls(core.calls, budget)
+    (``nograd.http.decoded``): the size limit and byte budget ``BodyLimitMiddleware`` checks."""
+    return DecodedCalls(core.calls, body_budget(core))
 
 
 def _without_framework_telemetry() -> dict[str, Any]:

@@ -220,17 +220,9 @@ class BodyLimitMiddleware:
     answered, taken the same way (by Content-Length, or chunk by chunk): one that does not fit
     is refused with 503 and Retry-After before the rest of it is read."""
 
-    def __init__(
-        self,
-        app: ASGIApp,
-        max_bytes: int,
-        metrics: Metrics,
-        known_model: Callable[[str], bool],
-        calls: Calls | None = None,
-    ) -> None:
+    def __init__(self, app: ASGIApp, budget: BodyBudget) -> None:
         self.app = app
-        self._max = max_bytes
-        self._budget = BodyBudget(max_bytes, metrics, known_model, calls)
+        self._budget = budget
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
@@ -242,7 +234,7 @@ class BodyLimitMiddleware:
                 declared = int(length)
             except ValueError:
                 declared = -1
-            if declared > self._max:
+            if declared > self._budget.max_bytes:
                 await self._budget.refuse_too_large(scope["path"], send)
                 return
             if declared >= 0:
@@ -263,7 +255,7 @@ class BodyLimitMiddleware:
                     await self.app(scope, _replay([message], receive), send)
                     return
                 chunk = message.get("body", b"")
-                if held + len(chunk) > self._max:
+                if held + len(chunk) > self._budget.max_bytes:
                     await self._budget.refuse_too_large(scope["path"], send)
                     return
                 if not await self._budget.took(scope["path"], send, len(chunk)):

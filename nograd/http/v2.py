@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Mapping
+from functools import partial
 from typing import Any, Final
 
 import numpy as np
@@ -325,17 +326,10 @@ async def decoded_infer_call(
     ``infer_call`` on the decoded request, its answer left unencoded for the front
     (``Reply.answer``); ``left()`` says whether a cancellation is its client leaving."""
 
-    async def decode(
-        call: Call,
-        resident: Callable[[Any], Awaitable[None]],
-        check_for: Callable[[str | None], Callable[[Declared], None]],
-    ) -> InferRequest:
-        return await _predecoded(predecoded, calls, call, resident, check_for)
-
     def finish(answer: Answer) -> Reply:
         return Reply(200, answer=answer)
 
-    work = _infer_work(calls, name, version, decode, finish)
+    work = _infer_work(calls, name, version, partial(_predecoded, predecoded, calls), finish)
     return await run_head_call(calls, PROTOCOL, head, work, _error_reply, left)
 
 
