@@ -69,11 +69,23 @@ def main(argv: list[str] | None = None) -> None:
     if settings.front_count:
         engine = settings.model_copy(update={"workers": 1})
         sys.exit(supervise(engine, SERVE_ENGINE, front=SERVE_FRONT))
+    if isinstance(settings.cpu_batches, int) and settings.cpu_batches > 1:
+        if settings.worker_count > 1:
+            logging.getLogger("nograd").error(
+                "NOGRAD_CPU_BATCHES=%d with NOGRAD_WORKERS=%d: each worker runs one CPU batch "
+                "at a time and shares the cores with the others; unset NOGRAD_WORKERS for one "
+                "process that runs several",
+                settings.cpu_batches,
+                settings.worker_count,
+            )
+            sys.exit(2)
+        settings = settings.model_copy(update={"workers": 1})  # one process runs them all
     settings, planned = resolve_workers(settings)
     if settings.worker_count > 1:
         # The supervisor never imports torch; each worker process loads the models.
         sys.exit(supervise(settings, SERVE_WORKER, fit_to_memory=planned))
-    if tune_openmp_wait(os.environ, settings.worker_count):
+    batches = settings.cpu_batches if isinstance(settings.cpu_batches, int) else 1
+    if tune_openmp_wait(os.environ, max(settings.worker_count, batches)):
         logging.getLogger("nograd").info(
             "OpenMP threads spin up to %s iterations between batches (GOMP_SPINCOUNT)", SPIN_COUNT
         )

@@ -229,6 +229,15 @@ class Settings(BaseSettings):
     Off: a fixed share each, cores divided by workers. Always off with ``model_control =
     on_demand``, where an ONNX model would hold a session (its weights included) per width."""
 
+    cpu_batches: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = "auto"
+    """CPU batches one process runs at once, each on a device thread of its own and at the width
+    the cores left free grant it (a lone batch every core, batches under load an equal share);
+    models whose own code runs their batches (Triton's Python backend, TorchServe handlers) and
+    sequence models still run one batch at a time each. ``auto``: in an engine process beside
+    fronts with cores shared batch by batch (``share_cores``), as many as ``workers = auto``
+    would start; 1 elsewhere (each worker runs one). More than 1 with several workers is
+    refused."""
+
     drain_timeout_s: float = Field(default=30.0, ge=0)
     """On SIGTERM or a first Ctrl+C, how long accepted requests may take to finish before the
     process exits."""
@@ -629,7 +638,14 @@ SETTING_GROUPS: tuple[SettingGroup, ...] = (
     SettingGroup(
         "Workers and processes",
         "The server processes, the cores their forwards use, and the stop (docs/workers.md).",
-        ("workers", "fronts", "torch_threads", "share_cores", "drain_timeout_s"),
+        (
+            "workers",
+            "fronts",
+            "torch_threads",
+            "share_cores",
+            "cpu_batches",
+            "drain_timeout_s",
+        ),
     ),
     SettingGroup(
         "Requests and admission",

@@ -11,20 +11,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Generic
+from typing import Final, Generic
 
 from nograd.batching.errors import (
     BatcherClosed,
     DeadlineExceeded,
     QueueFull,
     SampleTooLarge,
-    WaitTooLong,
     fail,
 )
 from nograd.batching.limit import BatchLimit
@@ -38,9 +36,14 @@ from nograd.batching.protocols import (
     padded_cost,
 )
 from nograd.batching.recovery import Recovery
-from nograd.batching.timing import BatchTiming
+from nograd.batching.timing import BatchTiming, refuse_long_wait
 
 logger = logging.getLogger(__name__)
+
+SIDE_BY_SIDE_S: Final = 0.003
+"""A model runs several batches at once (``max_running_batches``) only once its usual batch takes
+this long: a shorter forward gains less from a thread of its own than the event loop pays for
+the extra, smaller batches."""
 
 
 @dataclass(eq=False)
@@ -56,13 +59,15 @@ class _Item(Generic[P, R]):
 class Batcher(Generic[P, R]):
     """Queue + batch loop for one model.
 
-    Work-conserving: when the model has no batch running, whatever is queued is dispatched at once.
-    While a batch runs, the next one fills; it goes to the device as soon as the running batch ends,
-    it is full, or its oldest request has waited ``max_queue_delay_s`` and the running batch is
-    expected to end within ``max_queue_delay_s``. A batch handed over earlier would only wait for
-    the device with fewer batch-mates. The expectation comes from the model's measured batch
-    times (``BatchTiming``); wrong either way, it costs what it saves: too short and the batch
-    leaves early, too long and it leaves when the device frees, one event-loop turn later.
+    Work-conserving: when the model runs fewer batches than its device may run at once
+    (``max_running_batches``: one, or a CPU's batches side by side), whatever is queued is
+    dispatched at once. While the device is full, the next one fills; it goes to the device as
+    soon as a running batch ends, it is full, or its oldest request has waited
+    ``max_queue_delay_s`` and the device is expected to free within ``max_queue_delay_s``. A
+    batch handed over earlier would only wait for the device with fewer batch-mates. The
+    expectation comes from the model's measured batch times (``BatchTiming``); wrong either
+    way, it costs what it saves: too short and the batch leaves early, too long and it leaves
+    when the device frees, one event-loop turn later.
     """
 
     def __init__(
@@ -77,6 +82,7 @@ class Batcher(Generic[P, R]):
         unit_tokens: bool = False,
         observer: BatchObserver | None = None,
         max_staged_batches: int = 1,
+        max_running_batches: int = 1,
         group_of: Callable[[P], Hashable] | None = None,
     ) -> None:
         """``group_of``: parts with different groups never share a batch (a model's requests
@@ -94,8 +100,10 @@ class Batcher(Generic[P, R]):
         # Asyncio objects are created in start(), on the running loop, never at construction.
         self._queue: deque[_Item[P, R]] = deque()
         self._wakeup: asyncio.Event | None = None
-        self._slots: asyncio.Semaphore | None = None
-        self._max_in_flight = 1 + max_staged_batches
+        self.max_running_batches = max(1, max_running_batches)
+        """Batches this model may run at once, on a device that runs several."""
+        self.max_staged_batches = max_staged_batches
+        """Batches filled while the device is full, handed over as it frees."""
         self._in_flight = 0
         self._task: asyncio.Task[None] | None = None
         self._batch_tasks: set[asyncio.Task[None]] = set()
@@ -114,7 +122,6 @@ class Batcher(Generic[P, R]):
         if self._task is not None:
             return
         self._wakeup = asyncio.Event()
-        self._slots = asyncio.Semaphore(self._max_in_flight)
         self._closed = False
         self._task = asyncio.create_task(self._loop(), name=f"batcher-{self.name}")
 
@@ -226,34 +233,10 @@ class Batcher(Generic[P, R]):
         self, now: float, deadline: float | None, max_wait_s: float | None, waited_s: float = 0.0
     ) -> None:
         """Raise ``WaitTooLong`` when a request queued ``now`` is expected to wait past its
-        ``deadline`` for its batch to start, or to be answered (its wait and its own batch)
-        later than ``max_wait_s`` after it arrived, ``waited_s`` ago (reading, decoding,
-        tokenising, a busy event loop). The bound never refuses a request whose batch is
-        expected to start after one usual batch."""
-        if not self._timing.known or (deadline is None and max_wait_s is None):
-            return
-        wait = self.expected_wait_s()
-        if deadline is not None and wait > deadline - now:
-            bound = "the request's deadline"
-            over = wait - max(deadline - now, 0.0)
-        elif max_wait_s is not None:
-            batch = self.usual_batch_s()
-            answered = waited_s + wait + batch
-            if answered <= max(max_wait_s, waited_s + 2 * batch):
-                return
-            bound = f"the {max_wait_s:g} s bound (NOGRAD_MAX_QUEUE_WAIT_S)"
-            if waited_s >= 0.05:
-                bound += f", {waited_s:.2f} s of it spent before the queue"
-            over = answered - max_wait_s
-        else:
-            return
-        retry_after = min(60.0, max(1.0, math.ceil(over)))
-        raise WaitTooLong(
-            f"model {self.name!r} is overloaded: the work queued ahead is expected to take "
-            f"{wait:.2f} s, so the request would be answered past {bound}; retry in "
-            f"{retry_after:.0f} s",
-            retry_after_s=retry_after,
-        )
+        ``deadline`` or be answered later than ``max_wait_s`` (``refuse_long_wait``)."""
+        if self._timing.known and (deadline is not None or max_wait_s is not None):
+            wait, batch = self.expected_wait_s(), self.usual_batch_s()
+            refuse_long_wait(self.name, wait, batch, now, deadline, max_wait_s, waited_s)
 
     def _chunks(self, part: P) -> list[P]:
         """Cut a request bigger than the limit into consecutive row slices that each fit."""
@@ -276,7 +259,7 @@ class Batcher(Generic[P, R]):
 
     # ----------------------------------------------------------------------------- batch loop
     async def _loop(self) -> None:
-        assert self._wakeup is not None and self._slots is not None
+        assert self._wakeup is not None
         while True:
             while not self._queue:
                 if self._closed:
@@ -284,10 +267,11 @@ class Batcher(Generic[P, R]):
                 self._wakeup.clear()
                 await self._wakeup.wait()
             await self._fill_while_busy()
-            await self._slots.acquire()
+            while self._in_flight >= self._running_now() + self.max_staged_batches:
+                self._wakeup.clear()
+                await self._wakeup.wait()  # a batch ends
             batch, cost = self._take_batch()
             if not batch:
-                self._slots.release()
                 continue
             self._in_flight += 1
             estimate = self._timing.batch_s(cost)
@@ -301,10 +285,11 @@ class Batcher(Generic[P, R]):
         """While a batch runs, the next fills until full, the model frees, or the delay has
         passed and the device is expected to free within the delay."""
         assert self._wakeup is not None
-        if self._in_flight == 0 or self._delay <= 0:
+        running = self._running_now()
+        if self._in_flight < running or self._delay <= 0:
             return
         oldest = self._queue[0].enqueued
-        while self._in_flight > 0 and not self._closed:
+        while self._in_flight >= running and not self._closed:
             if self._queued_cost_reaches_limit():
                 return
             cut = max(oldest + self._delay, self._free_at - self._delay)
@@ -314,6 +299,14 @@ class Batcher(Generic[P, R]):
             self._wakeup.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), remaining)
+
+    def _running_now(self) -> int:
+        """Batches this model runs at once: ``max_running_batches`` once its batches are known
+        to take ``SIDE_BY_SIDE_S``; one before, and for shorter ones, whose forward a second
+        thread would not speed up by what a second batch costs the event loop."""
+        if self.max_running_batches > 1 and self.usual_batch_s() >= SIDE_BY_SIDE_S:
+            return self.max_running_batches
+        return 1
 
     def _queued_cost_reaches_limit(self) -> bool:
         rows = 0
@@ -377,7 +370,7 @@ class Batcher(Generic[P, R]):
         return True
 
     async def _run(self, batch: list[_Item[P, R]]) -> None:
-        assert self._slots is not None and self._wakeup is not None
+        assert self._wakeup is not None
         loop = asyncio.get_running_loop()
         live: list[_Item[P, R]] = batch
         try:
@@ -398,7 +391,6 @@ class Batcher(Generic[P, R]):
             if self._estimates:
                 self._estimates.popleft()
             self._free_at = time.monotonic() + sum(self._estimates)
-            self._slots.release()
             self._wakeup.set()
 
     # ----------------------------------------------------------------------------- device thread

@@ -51,23 +51,26 @@ def device_label(device: torch.device) -> str:
 
 
 class DeviceThreads:
-    """One single-thread executor per device.
+    """One executor per device: one thread per GPU, ``cpu_batches`` threads for the CPU.
 
-    Forwards of every model on a device run on that device's thread, one after another: this keeps
+    Forwards of every model on a GPU run on that device's thread, one after another: this keeps
     torch off the event loop, keeps one device's kernels from fighting over it, and makes the CUDA
-    current-stream state belong to one thread.
+    current-stream state belong to one thread. On the CPU several batches may run at once, each
+    at the width ``nograd.host.cpu_batches`` grants it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, cpu_batches: int = 1) -> None:
         self._lock = threading.Lock()
         self._executors: dict[str, ThreadPoolExecutor] = {}
+        self.cpu_batches = max(1, cpu_batches)
 
     def executor(self, device: torch.device) -> ThreadPoolExecutor:
         label = device_label(device)
         with self._lock:
             if label not in self._executors:
                 self._executors[label] = ThreadPoolExecutor(
-                    max_workers=1, thread_name_prefix=f"nograd-{label.replace(':', '')}"
+                    max_workers=self.cpu_batches if device.type == "cpu" else 1,
+                    thread_name_prefix=f"nograd-{label.replace(':', '')}",
                 )
             return self._executors[label]
 

@@ -17,6 +17,7 @@ from typing import ClassVar, Final
 import numpy as np
 import torch
 
+from nograd.host.cpu_batches import BatchCores
 from nograd.host.ledger import CoreLedger
 from nograd.runtime.handler import (
     ModelHandler,
@@ -84,11 +85,12 @@ Handler = ModelHandler | RequestRunner
 
 
 class SharedCoresRunner:
-    """A CPU model's runner whose batches run at the width the core ledger grants: several
-    workers share the cores (``nograd/host/ledger.py``), and a batch takes what the others leave
-    free; a forward too short to gain from more threads keeps one."""
+    """A CPU model's runner whose batches run at the width granted them: several workers share
+    the cores (``nograd/host/ledger.py``), or several batches of one process do
+    (``nograd/host/cpu_batches.py``), and a batch takes what the others leave free; a forward too
+    short to gain from more threads keeps one."""
 
-    def __init__(self, runner: TorchRunner | RequestRunner, cores: CoreLedger) -> None:
+    def __init__(self, runner: TorchRunner | RequestRunner, cores: CoreLedger | BatchCores) -> None:
         self._runner = runner
         self._cores = cores
         self._seconds = float("inf")
@@ -116,11 +118,11 @@ class SharedCoresRunner:
 
 
 def batch_runner(
-    handler: Handler, cores: CoreLedger | None = None, path: SpeedPath | None = None
+    handler: Handler, cores: CoreLedger | BatchCores | None = None, path: SpeedPath | None = None
 ) -> TorchRunner | RequestRunner | SharedCoresRunner:
     """The batcher's runner of ``handler``: a request runner is its own, a torch handler's is a
     ``TorchRunner`` (through ``path`` when given: the engine choice and the memory plan run one
-    engine at a time). ``cores``: the ledger a CPU model's batches take their width from."""
+    engine at a time). ``cores``: what a CPU model's batches take their width from."""
     runner: TorchRunner | RequestRunner = (
         handler if isinstance(handler, RequestRunner) else TorchRunner(handler, path=path)
     )

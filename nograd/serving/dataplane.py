@@ -110,7 +110,7 @@ class DataPlane:
         (or failed to)."""
         served = self.registry.served()
         await self._loader.load_all([m for m in served if not is_ensemble(m.config)])
-        self._cores = self._loader.cores
+        self._cores = self._loader.shares.ledger
         self._bind_ensembles([m for m in served if is_ensemble(m.config)])
         for name in list(self.registry.versions):
             self.registry.refresh(name)
@@ -122,7 +122,7 @@ class DataPlane:
         requests once registered)."""
         own = [m for m in models if not is_ensemble(m.config)]
         await self._loader.load_all(own, self.registry.served())
-        self._cores = self._loader.cores
+        self._cores = self._loader.shares.ledger
         self._bind_ensembles([m for m in models if is_ensemble(m.config)])
 
     def _bind_ensembles(self, ensembles: list[ServedModel]) -> None:

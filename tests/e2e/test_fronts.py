@@ -20,6 +20,8 @@ import pytest
 import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton_http
 
+from nograd.host.cpu_batches import planned_cpu_batches
+from nograd.host.readings import usable_cores
 from tests.e2e.serving import ROOT, Server, free_port, metric_value, run_server, wait_for_log
 from tests.e2e.test_triton_sequences import CONFIG, accumulator
 
@@ -84,6 +86,9 @@ def test_only_the_engine_loads_torch_and_the_fronts_hold_the_connections(
 ) -> None:
     log = server.log()
     assert f"with one engine process and {FRONTS} front processes" in log
+    # The engine runs its CPU batches side by side, as many as workers would have been.
+    batches = planned_cpu_batches("auto", True, True, usable_cores())
+    assert f"{batches} CPU batch{'es' if batches > 1 else ''} at once" in log
     started = pids(server)
     assert sorted(started) == ["engine", "front 1", "front 2"]
     assert maps_libtorch(started["engine"])

@@ -52,3 +52,17 @@ def test_fronts_without_http_are_refused(
         main([])
     assert stopped.value.code == 2
     assert "NOGRAD_FRONTS=2 with NOGRAD_PORT=0: the fronts serve HTTP, which is off" in caplog.text
+
+
+def test_several_cpu_batches_with_several_workers_is_refused_naming_both(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each worker runs one CPU batch at a time, sharing the cores with the others through
+    their ledger: several batches are one process's."""
+    monkeypatch.setenv("NOGRAD_CPU_BATCHES", "2")
+    monkeypatch.setenv("NOGRAD_WORKERS", "2")
+    with pytest.raises(SystemExit) as stopped:
+        main([])
+    assert stopped.value.code == 2
+    assert "NOGRAD_CPU_BATCHES=2 with NOGRAD_WORKERS=2" in caplog.text
+    assert "unset NOGRAD_WORKERS" in caplog.text

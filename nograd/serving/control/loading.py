@@ -24,12 +24,11 @@ from nograd.batching import Batcher, BatchLimit
 from nograd.formats.table import format_warmup
 from nograd.formats.torchserve.reading.archives import hold, origin, release
 from nograd.host.heap import release_free_memory
-from nograd.host.ledger import CoreLedger, CoreShare
+from nograd.host.ledger import CoreShare
 from nograd.observability.metrics import Metrics
 from nograd.observability.stats import FanOutObserver, Statistics
-from nograd.runtime.devices import DeviceThreads, configure_threads, device_label, resolve_device
+from nograd.runtime.devices import device_label, resolve_device
 from nograd.runtime.engines.choice import prepare_engine
-from nograd.runtime.engines.onnx import spin_after_runs
 from nograd.runtime.engines.paths import engine_weights_bytes, share_cores
 from nograd.runtime.engines.remembered import keyed, model_digest
 from nograd.runtime.handler import ModelHandler, Outputs, TensorPart
@@ -39,7 +38,7 @@ from nograd.runtime.loader import (
     locate,
     module_name,
 )
-from nograd.runtime.memory import ProcessPeakProbe, device_budget, probe_for
+from nograd.runtime.memory import ProcessPeakProbe, probe_for
 from nograd.runtime.memory.fits import RangedCost
 from nograd.runtime.planner import PlanInput, log_plan, plan_device
 from nograd.runtime.runners import Handler, batch_runner
@@ -49,6 +48,7 @@ from nograd.schema.config import ConfigError, ModelConfig
 from nograd.serving.calls.precedence import effective_config
 from nograd.serving.calls.trace_stamps import TracedRunner
 from nograd.serving.control.profiles import MemoryProfiles
+from nograd.serving.control.shares import DeviceShares
 from nograd.serving.control.uploads import repository_of
 from nograd.serving.extensions.speed_checks import load_accuracy_sample, recorder
 from nograd.serving.registry import ServedModel, State
@@ -89,16 +89,10 @@ class ModelLoader:
         self._settings = settings
         self._metrics = metrics
         self._statistics = statistics
-        self._core_share = cores
-        self.threads = DeviceThreads()
-        """One thread per device, running its models' loads and batches."""
-        self.cores: CoreLedger | None = None
-        """Joined at load: the CPU cores shared with the other workers, batch by batch."""
-        self._widths: tuple[int, ...] = ()
-        """The intra-op widths a batch may be granted when workers share the cores."""
+        self.shares = DeviceShares(settings, cores)
+        """The device threads, and what each batch may take of its device."""
+        self.threads = self.shares.threads
         self._joined = False
-        self._pools: dict[str, int] = {}
-        """Per device, the memory first planned (activation budget plus weights)."""
         self._unpacked: dict[int, Path] = {}
         """By version (its id), the unpacked archive it holds (``archives.hold``)."""
         self._plan_level = logging.DEBUG  # at start-up, the ready summary shows the plan
@@ -118,7 +112,7 @@ class ModelLoader:
         started_up = self._joined
         if not self._joined:
             self._joined = True
-            self._join_cores()
+            self.shares.join_cores()
         for model in models:
             try:
                 device = resolve_device(model.config.device)
@@ -141,24 +135,6 @@ class ModelLoader:
             settle_new_libraries()
         else:
             settle_heap()
-
-    def _join_cores(self) -> None:
-        share = self._core_share
-        workers = self._settings.worker_count
-        alone = share is None and not self._settings.front_count  # no fronts, no other workers
-        spin_after_runs(alone and self._settings.model_control != "on_demand")
-        threads = configure_threads(self._settings.torch_threads, workers, shared=share is not None)
-        if share is None:
-            logger.info("torch intra-op threads: %d", threads)
-            return
-        self.cores = CoreLedger(share, threads)
-        self._widths = tuple(range(1, threads + 1))
-        logger.info(
-            "torch intra-op threads: up to %d per batch, the cores the other %d workers' "
-            "batches leave free",
-            threads,
-            workers - 1,
-        )
 
     def _load(self, model: ServedModel, device: torch.device, estimate: bool = False) -> None:
         workers = self._settings.worker_count
@@ -211,9 +187,9 @@ class ModelLoader:
                 digest=digest,
             )
             model.phases["engines"] = time.perf_counter() - choosing
-        if self.cores is not None:
-            # The ledger grants each batch a width; ONNX Runtime's pool is fixed per session.
-            share_cores(handler.speed_path, self._widths)
+        if self.shares.widths:
+            # Each batch is granted a width; ONNX Runtime's pool is fixed per session.
+            share_cores(handler.speed_path, self.shares.widths)
         model.load_seconds = time.perf_counter() - started
         self._metrics.model_load.labels(model.name).set(model.load_seconds)
         model.weights_bytes = handler.weights_bytes + engine_weights_bytes(handler.speed_path)
@@ -302,7 +278,7 @@ class ModelLoader:
                 profiles,
                 probe,
                 fraction=self._settings.memory_fraction / self._settings.worker_count,
-                explicit_bytes=self._budget(label, group),
+                explicit_bytes=self.shares.budget(label, group),
             )
             self._metrics.memory_budget.labels(label).set(budget)
             log_plan(label, budget, plans, self._plan_level)
@@ -314,33 +290,6 @@ class ModelLoader:
                 if model.batcher is not None and model.handler is not None:
                     model.batcher.limit.remeasure(plan.limit)
                     model.batcher.limit.set_cap(batch_cap(model.handler))
-
-    def _budget(self, label: str, group: list[ServedModel]) -> int:
-        """An operator's budget (each worker takes an equal part), or the one measured.
-
-        Worker processes share the device: each takes an equal part of what it sees free (a
-        budget reserves nothing, so a later worker sees the earlier ones' budgets as free).
-        Measured once per device: later plans keep that pool of memory (activations plus
-        weights) and subtract the weights loaded at the time, as freed activation memory may
-        still be held by the allocator and would not read as free."""
-        explicit = self._settings.memory_budget_bytes
-        if explicit:
-            return explicit // self._settings.worker_count
-        weights = sum(m.weights_bytes for m in group)
-        limit = self._settings.memory_limit_bytes
-        if limit and self._settings.model_control == "on_demand":
-            # On demand, batches share what the resident models leave of the limit.
-            held = sum(max(m.weights_bytes, m.resident_bytes) for m in group)
-            return max(0, limit // self._settings.worker_count - held)
-        pool = self._pools.get(label)
-        if pool is None:
-            assert group[0].handler is not None
-            probe = probe_for(group[0].handler.device)
-            fraction = self._settings.memory_fraction / self._settings.worker_count
-            budget = device_budget(probe, fraction, None)
-            self._pools[label] = budget + weights
-            return budget
-        return max(0, pool - weights)
 
     async def free(self, model: ServedModel) -> None:
         """Drop an unloaded (or failed) version's model, batcher and code and hand its memory
@@ -389,9 +338,10 @@ class ModelLoader:
         # caller waiting for all of them; capped, the later callers form the next batch instead.
         limit.set_cap(batch_cap(model.handler))
         delay_ms = config.max_queue_delay_ms
+        running, staged = self.shares.batches(model)
         batcher: Batcher[TensorPart, Outputs] = Batcher(
             model.name,
-            TracedRunner(batch_runner(model.handler, self.cores)),
+            TracedRunner(batch_runner(model.handler, self.shares.cores)),
             self.threads.executor(model.handler.device),
             limit,
             max_queue_delay_s=(self._settings.max_queue_delay_ms if delay_ms is None else delay_ms)
@@ -401,6 +351,8 @@ class ModelLoader:
             observer=FanOutObserver(observer, self._statistics.observer(model.name)),
             # Requests with different sets of optional inputs never share a batch (Triton's).
             group_of=input_names if any(spec.optional for spec in config.inputs) else None,
+            max_running_batches=running,
+            max_staged_batches=staged,
         )
         await batcher.start()
         observer.limit_changed(limit.current)
