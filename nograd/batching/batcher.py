@@ -137,9 +137,10 @@ class Batcher(Generic[P, R]):
     def expected_wait_s(self) -> float:
         """Seconds a request queued now is expected to wait before its batch starts: the batches
         on the device, then everything queued, at the model's measured speed (0 until a batch
-        has been measured)."""
+        has been measured), shared among the batches it runs at once."""
         busy = max(0.0, self._free_at - time.monotonic())
-        return busy + self._timing.queue_s(self._queued_cost, self.limit.current)
+        queued = self._timing.queue_s(self._queued_cost, self.limit.current)
+        return (busy + queued) / self._running_now()
 
     def usual_batch_s(self) -> float:
         """Expected seconds of one batch of the size this model has lately been running.

@@ -135,3 +135,23 @@ async def test_side_by_side_batches_answer_every_caller_with_its_own_rows(
         assert result == tuple(v * 2 for v in part.values)
     assert runner.most == 2
     await batcher.stop()
+
+
+async def test_the_expected_wait_is_shared_among_the_batches_running_at_once(
+    two_threads: ThreadPoolExecutor,
+) -> None:
+    """Queued work behind two threads is expected to take half as long as behind one: shedding
+    (``check_wait``) must not refuse what the second thread will run."""
+    waits = []
+    for running in (1, 2):
+        runner = OverlapRunner(delay_s=0.0)
+        batcher = batcher_of(runner, two_threads, running=running, staged=1, limit=2)
+        first, second = await _second_behind_a_held_first(batcher, runner, 4 * SIDE_BY_SIDE_S)
+        queued = [asyncio.create_task(batcher.submit(Rows((i,)))) for i in range(3, 9)]
+        await asyncio.sleep(0.01)
+        waits.append(batcher.expected_wait_s())
+        assert runner.gate is not None
+        runner.gate.set()
+        await asyncio.gather(first, second, *queued)
+        await batcher.stop()
+    assert 0 < waits[1] < 0.75 * waits[0]
