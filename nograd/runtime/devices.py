@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from nograd.host.readings import HostMemory, usable_cores
+from nograd.runtime.executor import LastIdleExecutor
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -56,22 +57,24 @@ class DeviceThreads:
     Forwards of every model on a GPU run on that device's thread, one after another: this keeps
     torch off the event loop, keeps one device's kernels from fighting over it, and makes the CUDA
     current-stream state belong to one thread. On the CPU several batches may run at once, each
-    at the width ``nograd.host.cpu_batches`` grants it.
+    at the width ``nograd.host.cpu_batches`` grants it, the thread idle most recently taking the
+    next (``LastIdleExecutor``).
     """
 
     def __init__(self, cpu_batches: int = 1) -> None:
         self._lock = threading.Lock()
-        self._executors: dict[str, ThreadPoolExecutor] = {}
+        self._executors: dict[str, Executor] = {}
         self.cpu_batches = max(1, cpu_batches)
 
-    def executor(self, device: torch.device) -> ThreadPoolExecutor:
+    def executor(self, device: torch.device) -> Executor:
         label = device_label(device)
         with self._lock:
             if label not in self._executors:
-                self._executors[label] = ThreadPoolExecutor(
-                    max_workers=self.cpu_batches if device.type == "cpu" else 1,
-                    thread_name_prefix=f"nograd-{label.replace(':', '')}",
-                )
+                name = f"nograd-{label.replace(':', '')}"
+                if device.type == "cpu" and self.cpu_batches > 1:
+                    self._executors[label] = LastIdleExecutor(self.cpu_batches, name)
+                else:
+                    self._executors[label] = ThreadPoolExecutor(1, thread_name_prefix=name)
             return self._executors[label]
 
     async def run_load(
