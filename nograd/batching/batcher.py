@@ -41,9 +41,8 @@ from nograd.batching.timing import BatchTiming, refuse_long_wait
 logger = logging.getLogger(__name__)
 
 SIDE_BY_SIDE_S: Final = 0.003
-"""A model runs several batches at once (``max_running_batches``) only once its usual batch takes
-this long: a shorter forward gains less from a thread of its own than the event loop pays for
-the extra, smaller batches."""
+"""A model runs several batches at once (``max_running_batches``) once its usual batch takes this
+long: a shorter one gains less from a thread of its own than its extra batches cost the loop."""
 
 
 @dataclass(eq=False)
@@ -85,8 +84,7 @@ class Batcher(Generic[P, R]):
         max_running_batches: int = 1,
         group_of: Callable[[P], Hashable] | None = None,
     ) -> None:
-        """``group_of``: parts with different groups never share a batch (a model's requests
-        that carry different sets of its optional inputs)."""
+        """``group_of``: parts of different groups (sets of optional inputs) never share a batch."""
         self.name = name
         self._group_of = group_of
         self._runner = runner
@@ -100,11 +98,10 @@ class Batcher(Generic[P, R]):
         # Asyncio objects are created in start(), on the running loop, never at construction.
         self._queue: deque[_Item[P, R]] = deque()
         self._wakeup: asyncio.Event | None = None
-        self.max_running_batches = max(1, max_running_batches)
-        """Batches this model may run at once, on a device that runs several."""
-        self.max_staged_batches = max_staged_batches
-        """Batches filled while the device is full, handed over as it frees."""
+        self.max_running_batches = max(1, max_running_batches)  # on a device running several
+        self.max_staged_batches = max_staged_batches  # filled while the device is full
         self._in_flight = 0
+        self._rows_in_flight = 0
         self._task: asyncio.Task[None] | None = None
         self._batch_tasks: set[asyncio.Task[None]] = set()
         self._closed = False
@@ -143,11 +140,9 @@ class Batcher(Generic[P, R]):
         return (busy + queued) / self._running_now()
 
     def usual_batch_s(self) -> float:
-        """Expected seconds of one batch of the size this model has lately been running.
-
-        Not one at the limit: a token model's limit (thousands of tokens) may hold far more
-        than it ever batches, and a floor of one such batch let its queue grow to many
-        seconds, past any bound, before shedding began."""
+        """Expected seconds of one batch of the size this model has lately been running; not
+        one at the limit, which for a token model may hold far more than it ever batches (a
+        floor of one such batch let its queue grow past any bound before shedding began)."""
         return self._timing.batch_s(self._timing.usual_cost)
 
     async def restart_if_dead(self) -> bool:
@@ -271,10 +266,11 @@ class Batcher(Generic[P, R]):
             while self._in_flight >= self._running_now() + self.max_staged_batches:
                 self._wakeup.clear()
                 await self._wakeup.wait()  # a batch ends
-            batch, cost = self._take_batch()
+            batch, cost = self._take_batch(self._even_share())
             if not batch:
                 continue
             self._in_flight += 1
+            self._rows_in_flight += sum(item.part.rows for item in batch)
             estimate = self._timing.batch_s(cost)
             self._estimates.append(estimate)
             self._free_at = max(self._free_at, time.monotonic()) + estimate
@@ -303,8 +299,7 @@ class Batcher(Generic[P, R]):
 
     def _running_now(self) -> int:
         """Batches this model runs at once: ``max_running_batches`` once its batches are known
-        to take ``SIDE_BY_SIDE_S``; one before, and for shorter ones, whose forward a second
-        thread would not speed up by what a second batch costs the event loop."""
+        to take ``SIDE_BY_SIDE_S``, one before and for shorter ones."""
         if self.max_running_batches > 1 and self.usual_batch_s() >= SIDE_BY_SIDE_S:
             return self.max_running_batches
         return 1
@@ -318,9 +313,18 @@ class Batcher(Generic[P, R]):
         # A longer queue never costs less, so the whole queue decides.
         return padded_cost(rows, longest, self._unit_tokens) >= self.limit.current
 
-    def _take_batch(self) -> tuple[list[_Item[P, R]], int]:
-        """Oldest live item first (no starvation), then the queued items closest to its length;
-        with the batch's cost."""
+    def _even_share(self) -> int | None:
+        """Most rows for the next batch of a model running several at once: an even share of the
+        rows queued and in flight, so batches side by side end about together."""
+        running = self._running_now()
+        if running == 1:
+            return None
+        queued = sum(item.part.rows for item in self._queue)
+        return -(-(queued + self._rows_in_flight) // running)
+
+    def _take_batch(self, most_rows: int | None = None) -> tuple[list[_Item[P, R]], int]:
+        """Oldest live item first (no starvation), then the queued items closest to its length,
+        up to ``most_rows``; with the batch's cost."""
         now = time.monotonic()
         first: _Item[P, R] | None = None
         while self._queue and first is None:
@@ -343,6 +347,8 @@ class Batcher(Generic[P, R]):
             if group_of is not None and group_of(item.part) != group:
                 continue  # left queued for a batch of its own group
             new_rows = rows + item.part.rows
+            if most_rows is not None and new_rows > most_rows:
+                break
             new_longest = max(longest, item.part.length)
             if padded_cost(new_rows, new_longest, self._unit_tokens) > limit:
                 if self._unit_tokens:
@@ -374,6 +380,7 @@ class Batcher(Generic[P, R]):
         assert self._wakeup is not None
         loop = asyncio.get_running_loop()
         live: list[_Item[P, R]] = batch
+        rows = sum(item.part.rows for item in batch)
         try:
             live, outcomes = await loop.run_in_executor(self._executor, self._execute, batch)
             for item, outcome in zip(live, outcomes, strict=True):
@@ -389,6 +396,7 @@ class Batcher(Generic[P, R]):
                 raise
         finally:
             self._in_flight -= 1
+            self._rows_in_flight -= rows
             if self._estimates:
                 self._estimates.popleft()
             self._free_at = time.monotonic() + sum(self._estimates)

@@ -70,7 +70,7 @@ class DeviceShares:
             )
             return
         if shared:
-            self.cores = BatchCores(threads, batches)
+            self.cores = BatchCores(threads)
         logger.info(
             "torch intra-op threads: %s%d per batch, %d CPU batch%s at once",
             "up to " if shared else "",

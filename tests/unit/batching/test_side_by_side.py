@@ -155,3 +155,21 @@ async def test_the_expected_wait_is_shared_among_the_batches_running_at_once(
         await asyncio.gather(first, second, *queued)
         await batcher.stop()
     assert 0 < waits[1] < 0.75 * waits[0]
+
+
+async def test_batches_side_by_side_take_even_shares_of_the_work(
+    two_threads: ThreadPoolExecutor,
+) -> None:
+    """Eight requests at once become two batches of four, not one of eight beside nothing (or
+    one of one beside seven): batches side by side end about together."""
+    runner = OverlapRunner(delay_s=2 * SIDE_BY_SIDE_S)
+    batcher = batcher_of(runner, two_threads, running=2, staged=1)
+    await batcher.start()
+    await batcher.submit(Rows((0,)))  # measured: long enough to run side by side
+    runner.gate = threading.Event()
+    waiting = [asyncio.create_task(batcher.submit(Rows((i,)))) for i in range(1, 9)]
+    await asyncio.sleep(0.05)
+    runner.gate.set()
+    assert list(await asyncio.gather(*waiting)) == [(2 * i,) for i in range(1, 9)]
+    assert [sum(p.rows for p in b) for b in runner.batches] == [1, 4, 4]
+    await batcher.stop()

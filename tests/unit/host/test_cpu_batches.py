@@ -10,10 +10,11 @@ import time
 import pytest
 
 from nograd.host.cpu_batches import AUTO_CPU_BATCHES, BatchCores, planned_cpu_batches
+from nograd.host.ledger import BUSY_HOLD_S
 
 
 def test_a_lone_batch_takes_every_core_and_gives_them_back() -> None:
-    cores = BatchCores(4, 2)
+    cores = BatchCores(4)
     assert cores.acquire() == 4
     assert cores.held() == 4
     cores.release()
@@ -21,7 +22,7 @@ def test_a_lone_batch_takes_every_core_and_gives_them_back() -> None:
 
 
 def test_a_short_forward_asks_for_fewer_and_gets_no_more() -> None:
-    cores = BatchCores(4, 2)
+    cores = BatchCores(4)
     assert cores.acquire(1) == 1
     cores.release()
 
@@ -38,7 +39,7 @@ def _in_thread(cores: BatchCores, taken: list[int], hold: threading.Event) -> th
 
 
 def test_a_batch_beside_a_running_one_gets_the_cores_it_leaves() -> None:
-    cores = BatchCores(4, 2)
+    cores = BatchCores(4)
     assert cores.acquire(2) == 2  # a batch runs on two
     taken: list[int] = []
     hold = threading.Event()
@@ -53,10 +54,11 @@ def test_a_batch_beside_a_running_one_gets_the_cores_it_leaves() -> None:
     assert cores.held() == 0
 
 
-def test_under_load_a_batch_that_waited_takes_its_share_and_the_next_the_rest() -> None:
+def test_under_load_a_batch_leaves_a_core_to_the_thread_whose_batch_just_ended() -> None:
     """Batch A holds every core; B waits. When A ends, B takes half, not all, though it is
-    alone for that moment: A's successor (C) then gets the other half at once."""
-    cores = BatchCores(2, 2)
+    alone for that moment: A's successor (C) then gets the other half at once. Once the load is
+    gone (no batch for ``BUSY_HOLD_S``), a lone batch runs wide again."""
+    cores = BatchCores(2)
     assert cores.acquire() == 2  # A, alone: every core
     taken: list[int] = []
     hold = threading.Event()
@@ -74,12 +76,22 @@ def test_under_load_a_batch_that_waited_takes_its_share_and_the_next_the_rest() 
     hold.set()
     waiting.join(5)
     assert cores.held() == 0
+    time.sleep(BUSY_HOLD_S + 0.02)
     assert cores.acquire() == 2  # load gone: a lone batch runs wide again
     cores.release()
 
 
+def test_consecutive_batches_of_one_thread_run_wide() -> None:
+    """At one request at a time the same device thread runs every batch: its own last batch
+    holds nothing back."""
+    cores = BatchCores(2)
+    for _ in range(3):
+        assert cores.acquire() == 2
+        cores.release()
+
+
 def test_the_batches_never_hold_more_than_the_cores() -> None:
-    cores = BatchCores(3, 3)
+    cores = BatchCores(3)
     seen: list[int] = []
     errors: list[BaseException] = []
 
