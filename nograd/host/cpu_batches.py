@@ -86,7 +86,7 @@ class BatchCores:
         with self._changed:
             del self._holding[me]
             self._ended[me] = time.monotonic()
-            self._changed.notify()
+            self._changed.notify_all()  # each waiter takes what is left for it
 
     def held(self) -> int:
         """Threads the running batches hold now; the tests read it."""

@@ -132,3 +132,24 @@ def test_auto_runs_batches_side_by_side_only_in_an_engine_sharing_its_cores(
     setting: int | str, beside_fronts: bool, shared: bool, cores: int, expected: int
 ) -> None:
     assert planned_cpu_batches(setting, beside_fronts, shared, cores) == expected
+
+
+def test_every_waiting_batch_gets_a_core_the_ending_one_frees() -> None:
+    """Four cores held by one batch, two waiting: when it ends both start, one core each (and
+    one for the thread whose batch just ended), not one after the other."""
+    cores = BatchCores(4)
+    assert cores.acquire() == 4
+    taken: list[int] = []
+    hold = threading.Event()
+    waiting = [_in_thread(cores, taken, hold) for _ in range(2)]
+    time.sleep(0.05)
+    assert taken == []
+    cores.release()
+    deadline = time.monotonic() + 5
+    while len(taken) < 2 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert len(taken) == 2 and sum(taken) <= 3
+    hold.set()
+    for thread in waiting:
+        thread.join(5)
+    assert cores.held() == 0
