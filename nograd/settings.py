@@ -235,8 +235,8 @@ class Settings(BaseSettings):
     models whose own code runs their batches (Triton's Python backend, TorchServe handlers) and
     sequence models still run one batch at a time each. ``auto``: in an engine process beside
     fronts with cores shared batch by batch (``share_cores``), as many as ``workers = auto``
-    would start; 1 elsewhere (each worker runs one). More than 1 with several workers is
-    refused."""
+    would start; 1 elsewhere (each worker runs one). More than 1 keeps one process when
+    ``workers`` is unset and is refused with several workers."""
 
     drain_timeout_s: float = Field(default=30.0, ge=0)
     """On SIGTERM or a first Ctrl+C, how long accepted requests may take to finish before the
