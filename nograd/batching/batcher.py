@@ -266,15 +266,15 @@ class Batcher(Generic[P, R]):
             while self._in_flight >= self._running_now() + self.max_staged_batches:
                 self._wakeup.clear()
                 await self._wakeup.wait()  # a batch ends
-            batch, cost = self._take_batch(self._even_share())
+            batch, rows, cost = self._take_batch(self._even_share())
             if not batch:
                 continue
             self._in_flight += 1
-            self._rows_in_flight += sum(item.part.rows for item in batch)
+            self._rows_in_flight += rows
             estimate = self._timing.batch_s(cost)
             self._estimates.append(estimate)
             self._free_at = max(self._free_at, time.monotonic()) + estimate
-            task = asyncio.create_task(self._run(batch), name=f"batch-{self.name}")
+            task = asyncio.create_task(self._run(batch, rows), name=f"batch-{self.name}")
             self._batch_tasks.add(task)
             task.add_done_callback(self._batch_tasks.discard)
 
@@ -322,9 +322,9 @@ class Batcher(Generic[P, R]):
         queued = sum(item.part.rows for item in self._queue)
         return -(-(queued + self._rows_in_flight) // running)
 
-    def _take_batch(self, most_rows: int | None = None) -> tuple[list[_Item[P, R]], int]:
+    def _take_batch(self, most_rows: int | None = None) -> tuple[list[_Item[P, R]], int, int]:
         """Oldest live item first (no starvation), then the queued items closest to its length,
-        up to ``most_rows``; with the batch's cost."""
+        up to ``most_rows``; with the batch's rows and cost."""
         now = time.monotonic()
         first: _Item[P, R] | None = None
         while self._queue and first is None:
@@ -333,7 +333,7 @@ class Batcher(Generic[P, R]):
             first = item if self._admit(item, now) else None
         if first is None:
             self._observer.queue_depth(len(self._queue))
-            return [], 0
+            return [], 0, 0
         batch = [first]
         limit = self.limit.current
         rows, longest = first.part.rows, first.part.length
@@ -363,7 +363,7 @@ class Batcher(Generic[P, R]):
             self._queue = deque(it for it in self._queue if id(it) not in taken)
             self._queued_cost = sum(it.cost for it in self._queue)
         self._observer.queue_depth(len(self._queue))
-        return batch, padded_cost(rows, longest, self._unit_tokens)
+        return batch, rows, padded_cost(rows, longest, self._unit_tokens)
 
     def _admit(self, item: _Item[P, R], now: float) -> bool:
         """Drop work nobody waits for, or whose deadline passed, before it costs compute."""
@@ -376,11 +376,10 @@ class Batcher(Generic[P, R]):
             return False
         return True
 
-    async def _run(self, batch: list[_Item[P, R]]) -> None:
+    async def _run(self, batch: list[_Item[P, R]], rows: int) -> None:
         assert self._wakeup is not None
         loop = asyncio.get_running_loop()
         live: list[_Item[P, R]] = batch
-        rows = sum(item.part.rows for item in batch)
         try:
             live, outcomes = await loop.run_in_executor(self._executor, self._execute, batch)
             for item, outcome in zip(live, outcomes, strict=True):
