@@ -238,6 +238,13 @@ class Settings(BaseSettings):
     would start; 1 elsewhere (each worker runs one). More than 1 keeps one process when
     ``workers`` is unset and is refused with several workers."""
 
+    loop_batch_ms: float = Field(default=1.0, ge=0, le=10)
+    """A torch model's CPU batch expected (from its measured batches) to take at most this long
+    runs on the event loop's own thread, at one intra-op thread, when none of the model's
+    batches is on a device thread: a short forward then costs no hop to the device thread and
+    back, nor a wait there for the interpreter lock the loop holds. The loop serves nothing else
+    meanwhile, so this bounds how long it pauses; 0 runs every batch on a device thread."""
+
     drain_timeout_s: float = Field(default=30.0, ge=0)
     """On SIGTERM or a first Ctrl+C, how long accepted requests may take to finish before the
     process exits."""
@@ -644,6 +651,7 @@ SETTING_GROUPS: tuple[SettingGroup, ...] = (
             "torch_threads",
             "share_cores",
             "cpu_batches",
+            "loop_batch_ms",
             "drain_timeout_s",
         ),
     ),

@@ -1,7 +1,8 @@
 """The dynamic batcher: one per model, no HTTP and no torch.
 
 Requests (``Part``s) queue on the event loop; a batch loop forms batches whose cost fits the current
-limit and hands them to a runner on the model's device thread. Every caller's future is resolved,
+limit and hands them to a runner on the model's device thread, or runs a short CPU batch on the
+event loop's own thread. Every caller's future is resolved,
 whatever happens: cancelled callers are dropped before their batch runs, a failing batch is bisected
 so only the guilty request fails, and an out-of-memory batch is split in halves and retried.
 """
@@ -15,7 +16,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Final, Generic
 
 from nograd.batching.errors import (
@@ -25,6 +26,7 @@ from nograd.batching.errors import (
     SampleTooLarge,
     fail,
 )
+from nograd.batching.execution import Item, execute
 from nograd.batching.limit import BatchLimit
 from nograd.batching.protocols import (
     BatchObserver,
@@ -43,16 +45,6 @@ logger = logging.getLogger(__name__)
 SIDE_BY_SIDE_S: Final = 0.003
 """A model runs several batches at once (``max_running_batches``) once its usual batch takes this
 long: a shorter one gains less from a thread of its own than its extra batches cost the loop."""
-
-
-@dataclass(eq=False)
-class _Item(Generic[P, R]):
-    part: P
-    future: asyncio.Future[R]
-    enqueued: float
-    deadline: float | None
-    cost: int = 0
-    started: float | None = None
 
 
 class Batcher(Generic[P, R]):
@@ -83,8 +75,13 @@ class Batcher(Generic[P, R]):
         max_staged_batches: int = 1,
         max_running_batches: int = 1,
         group_of: Callable[[P], Hashable] | None = None,
+        loop_runner: Runner[P, R] | None = None,
+        max_loop_batch_s: float = 0.0,
     ) -> None:
-        """``group_of``: parts of different groups (sets of optional inputs) never share a batch."""
+        """``group_of``: parts of different groups (sets of optional inputs) never share a batch.
+        ``loop_runner``: runs on the event loop's thread a batch expected to take at most
+        ``max_loop_batch_s`` while none of the model's is on the device: no hop to the device
+        thread and back, no wait for the lock the loop holds, for a forward shorter than both."""
         self.name = name
         self._group_of = group_of
         self._runner = runner
@@ -95,8 +92,12 @@ class Batcher(Generic[P, R]):
         self._unit_tokens = unit_tokens
         self._observer: BatchObserver = observer or NullObserver()
         self._recovery = Recovery(name, runner, limit, self._observer, unit_tokens)
+        self._loop_recovery = (
+            None if loop_runner is None else replace(self._recovery, runner=loop_runner)
+        )
+        self.max_loop_batch_s = max_loop_batch_s
         # Asyncio objects are created in start(), on the running loop, never at construction.
-        self._queue: deque[_Item[P, R]] = deque()
+        self._queue: deque[Item[P, R]] = deque()
         self._wakeup: asyncio.Event | None = None
         self.max_running_batches = max(1, max_running_batches)  # on a device running several
         self.max_staged_batches = max_staged_batches  # filled while the device is full
@@ -204,8 +205,8 @@ class Batcher(Generic[P, R]):
             raise DeadlineExceeded(f"deadline passed before {self.name!r} could queue the request")
         self.check_wait(now, deadline, max_wait_s, waited_s)
         loop = asyncio.get_running_loop()
-        items: list[_Item[P, R]] = [
-            _Item(chunk, loop.create_future(), now, deadline, cost_of([chunk], self._unit_tokens))
+        items: list[Item[P, R]] = [
+            Item(chunk, loop.create_future(), now, deadline, cost_of([chunk], self._unit_tokens))
             for chunk in chunks
         ]
         self._queue.extend(items)
@@ -269,9 +270,13 @@ class Batcher(Generic[P, R]):
             batch, rows, cost = self._take_batch(self._even_share())
             if not batch:
                 continue
+            estimate = self._timing.batch_s(cost)
+            if self._runs_on_loop(estimate):
+                self._run_on_loop(batch)
+                await asyncio.sleep(0)  # its answers and the requests that came meanwhile first
+                continue
             self._in_flight += 1
             self._rows_in_flight += rows
-            estimate = self._timing.batch_s(cost)
             self._estimates.append(estimate)
             self._free_at = max(self._free_at, time.monotonic()) + estimate
             task = asyncio.create_task(self._run(batch, rows), name=f"batch-{self.name}")
@@ -322,11 +327,11 @@ class Batcher(Generic[P, R]):
         queued = sum(item.part.rows for item in self._queue)
         return -(-(queued + self._rows_in_flight) // running)
 
-    def _take_batch(self, most_rows: int | None = None) -> tuple[list[_Item[P, R]], int, int]:
+    def _take_batch(self, most_rows: int | None = None) -> tuple[list[Item[P, R]], int, int]:
         """Oldest live item first (no starvation), then the queued items closest to its length,
         up to ``most_rows``; with the batch's rows and cost."""
         now = time.monotonic()
-        first: _Item[P, R] | None = None
+        first: Item[P, R] | None = None
         while self._queue and first is None:
             item = self._queue.popleft()
             self._queued_cost -= item.cost
@@ -365,7 +370,7 @@ class Batcher(Generic[P, R]):
         self._observer.queue_depth(len(self._queue))
         return batch, rows, padded_cost(rows, longest, self._unit_tokens)
 
-    def _admit(self, item: _Item[P, R], now: float) -> bool:
+    def _admit(self, item: Item[P, R], now: float) -> bool:
         """Drop work nobody waits for, or whose deadline passed, before it costs compute."""
         if item.future.done():
             self._observer.dropped("cancelled")
@@ -376,23 +381,35 @@ class Batcher(Generic[P, R]):
             return False
         return True
 
-    async def _run(self, batch: list[_Item[P, R]], rows: int) -> None:
+    def _runs_on_loop(self, estimate: float) -> bool:
+        """Whether a batch expected to take ``estimate`` runs on the event loop's thread: short
+        enough, measured, and the model has no batch on the device (its order is kept)."""
+        return (
+            self._loop_recovery is not None
+            and self._in_flight == 0
+            and self._timing.known
+            and estimate <= self.max_loop_batch_s
+        )
+
+    def _run_on_loop(self, batch: list[Item[P, R]]) -> None:
+        assert self._loop_recovery is not None
+        try:
+            live, outcomes = execute(batch, self._loop_recovery, self._timing, self._observer)
+        except BaseException as exc:
+            self._fail_batch(batch, exc)
+            return
+        _answer(live, outcomes)
+
+    async def _run(self, batch: list[Item[P, R]], rows: int) -> None:
         assert self._wakeup is not None
         loop = asyncio.get_running_loop()
-        live: list[_Item[P, R]] = batch
         try:
-            live, outcomes = await loop.run_in_executor(self._executor, self._execute, batch)
-            for item, outcome in zip(live, outcomes, strict=True):
-                if isinstance(outcome, BaseException):
-                    fail(item.future, outcome)
-                elif not item.future.done():
-                    item.future.set_result(outcome)
-        except BaseException as exc:  # every future is resolved, whatever happened
-            logger.exception("batch failed for model %s", self.name)
-            for item in live:
-                fail(item.future, exc if isinstance(exc, Exception) else BatcherClosed(str(exc)))
-            if not isinstance(exc, Exception):
-                raise
+            live, outcomes = await loop.run_in_executor(
+                self._executor, execute, batch, self._recovery, self._timing, self._observer
+            )
+            _answer(live, outcomes)
+        except BaseException as exc:
+            self._fail_batch(batch, exc)
         finally:
             self._in_flight -= 1
             self._rows_in_flight -= rows
@@ -401,49 +418,18 @@ class Batcher(Generic[P, R]):
             self._free_at = time.monotonic() + sum(self._estimates)
             self._wakeup.set()
 
-    # ----------------------------------------------------------------------------- device thread
-    def _execute(
-        self, batch: list[_Item[P, R]]
-    ) -> tuple[list[_Item[P, R]], list[R | BaseException]]:
-        """The device thread's view of a batch: the last chance to skip callers who left."""
-        start = time.monotonic()
-        # Reading done() from this thread is a benign race: at worst a caller who leaves right
-        # now is computed for and its result discarded.
-        live: list[_Item[P, R]] = []
-        expired: list[_Item[P, R]] = []
+    def _fail_batch(self, batch: list[Item[P, R]], exc: BaseException) -> None:
+        """Every future of a batch that failed as a whole is resolved, whatever happened."""
+        logger.exception("batch failed for model %s", self.name)
         for item in batch:
-            if item.future.done():
-                self._observer.dropped("cancelled")
-            elif item.deadline is not None and start > item.deadline:
-                self._observer.dropped("deadline")
-                expired.append(item)
-            else:
-                live.append(item)
-        late: list[R | BaseException] = [
-            DeadlineExceeded(f"deadline passed while queued for {self.name!r}") for _ in expired
-        ]
-        if not live:
-            return expired, late
-        parts = [item.part for item in live]
-        rows = sum(p.rows for p in parts)
-        cost = cost_of(parts, self._unit_tokens)
-        self._observer.batch_started(rows, cost, [start - it.enqueued for it in live])
-        outcomes: list[R | BaseException] = []
-        try:
-            outcomes = self._recovery.run(parts)
-        finally:
-            ok = bool(outcomes) and not any(isinstance(o, BaseException) for o in outcomes)
-            seconds = time.monotonic() - start
-            if ok:
-                self._timing.observe(cost, seconds)
-            self._observer.batch_finished(rows, seconds, ok)
-            if logger.isEnabledFor(logging.DEBUG):
-                logger.debug(
-                    "batch of %d rows (cost %d) for %s in %.2f ms",
-                    rows,
-                    cost,
-                    self.name,
-                    seconds * 1000,
-                    extra={"model": self.name, "rows": rows, "ok": ok, "limit": self.limit.current},
-                )
-        return live + expired, outcomes + late
+            fail(item.future, exc if isinstance(exc, Exception) else BatcherClosed(str(exc)))
+        if not isinstance(exc, Exception):
+            raise exc
+
+
+def _answer(live: list[Item[P, R]], outcomes: list[R | BaseException]) -> None:
+    for item, outcome in zip(live, outcomes, strict=True):
+        if isinstance(outcome, BaseException):
+            fail(item.future, outcome)
+        elif not item.future.done():
+            item.future.set_result(outcome)

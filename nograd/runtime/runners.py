@@ -5,7 +5,8 @@ models of strings), which is the batcher's ``Runner`` itself, with no forward, c
 
 Either kind is a ``Handler`` to the serving core: it prepares requests, states its config and
 device, and is closed when its version is freed; ``batch_runner`` gives the batcher's runner of
-either, its width granted by the core ledger when workers share the cores.
+either, its width granted by the core ledger when workers share the cores, and
+``loop_thread_runner`` the runner of a torch model's short CPU batches on the event loop's thread.
 """
 
 from __future__ import annotations
@@ -84,14 +85,31 @@ Handler = ModelHandler | RequestRunner
 """What serves one model version: a torch handler, or a model running its own batches."""
 
 
-class SharedCoresRunner:
+class _ThreadWidthRunner:
+    """A CPU model's ``runner`` at a width of torch's intra-op threads chosen batch by batch; all
+    but the batch itself is the runner's own."""
+
+    def __init__(self, runner: TorchRunner | RequestRunner) -> None:
+        self.runner = runner
+
+    def concat(self, results: Sequence[Outputs]) -> Outputs:
+        return self.runner.concat(results)
+
+    def is_out_of_memory(self, exc: BaseException) -> bool:
+        return self.runner.is_out_of_memory(exc)
+
+    def release_memory(self) -> None:
+        self.runner.release_memory()
+
+
+class SharedCoresRunner(_ThreadWidthRunner):
     """A CPU model's runner whose batches run at the width granted them: several workers share
     the cores (``nograd/host/ledger.py``), or several batches of one process do
     (``nograd/host/cpu_batches.py``), and a batch takes what the others leave free; a forward too
     short to gain from more threads keeps one."""
 
     def __init__(self, runner: TorchRunner | RequestRunner, cores: CoreLedger | BatchCores) -> None:
-        self._runner = runner
+        super().__init__(runner)
         self._cores = cores
         self._seconds = float("inf")
         """This model's last batch; unknown counts as long."""
@@ -102,19 +120,10 @@ class SharedCoresRunner:
             torch.set_num_threads(threads)
         started = time.perf_counter()
         try:
-            return self._runner.run_batch(parts)
+            return self.runner.run_batch(parts)
         finally:
             self._cores.release()
             self._seconds = time.perf_counter() - started
-
-    def concat(self, results: Sequence[Outputs]) -> Outputs:
-        return self._runner.concat(results)
-
-    def is_out_of_memory(self, exc: BaseException) -> bool:
-        return self._runner.is_out_of_memory(exc)
-
-    def release_memory(self) -> None:
-        self._runner.release_memory()
 
 
 def batch_runner(
@@ -129,3 +138,26 @@ def batch_runner(
     if cores is None or handler.device.type != "cpu":
         return runner
     return SharedCoresRunner(runner, cores)
+
+
+class LoopThreadRunner(_ThreadWidthRunner):
+    """A CPU model's short batch run by the thread that calls it, the serving event loop's: at one
+    intra-op thread (torch's width is per thread), taking no core from the ledger, as that
+    thread is running already and counted as the process's own."""
+
+    def run_batch(self, parts: Sequence[TensorPart]) -> list[Outputs]:
+        if torch.get_num_threads() != 1:
+            torch.set_num_threads(1)
+        return self.runner.run_batch(parts)
+
+
+def loop_thread_runner(
+    runner: TorchRunner | RequestRunner | SharedCoresRunner,
+) -> LoopThreadRunner | None:
+    """The event loop's runner of the same model as the batcher's ``runner``: a torch forward on
+    the CPU, whose time nograd measures; None for another device (the loop would wait on it) and
+    for a model whose own code runs its batches (it may block for as long as it likes)."""
+    inner = runner.runner if isinstance(runner, SharedCoresRunner) else runner
+    if not isinstance(inner, TorchRunner) or inner.handler.device.type != "cpu":
+        return None
+    return LoopThreadRunner(inner)

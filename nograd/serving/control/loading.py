@@ -41,7 +41,7 @@ from nograd.runtime.loader import (
 from nograd.runtime.memory import ProcessPeakProbe, probe_for
 from nograd.runtime.memory.fits import RangedCost
 from nograd.runtime.planner import PlanInput, log_plan, plan_device
-from nograd.runtime.runners import Handler, batch_runner
+from nograd.runtime.runners import Handler, batch_runner, loop_thread_runner
 from nograd.runtime.speed.path import batch_cap
 from nograd.runtime.warmup import warm_up
 from nograd.schema.config import ConfigError, ModelConfig
@@ -339,9 +339,11 @@ class ModelLoader:
         limit.set_cap(batch_cap(model.handler))
         delay_ms = config.max_queue_delay_ms
         running, staged = self.shares.batches(model)
+        runner = batch_runner(model.handler, self.shares.cores)
+        on_loop = loop_thread_runner(runner) if self._settings.loop_batch_ms > 0 else None
         batcher: Batcher[TensorPart, Outputs] = Batcher(
             model.name,
-            TracedRunner(batch_runner(model.handler, self.shares.cores)),
+            TracedRunner(runner),
             self.threads.executor(model.handler.device),
             limit,
             max_queue_delay_s=(self._settings.max_queue_delay_ms if delay_ms is None else delay_ms)
@@ -353,6 +355,8 @@ class ModelLoader:
             group_of=input_names if any(spec.optional for spec in config.inputs) else None,
             max_running_batches=running,
             max_staged_batches=staged,
+            loop_runner=None if on_loop is None else TracedRunner(on_loop),
+            max_loop_batch_s=self._settings.loop_batch_ms / 1000.0,
         )
         await batcher.start()
         observer.limit_changed(limit.current)

@@ -126,7 +126,9 @@ def make(
     queue_size: int = 1000,
     unit_tokens: bool = False,
     observer: CountingObserver | None = None,
+    max_loop_batch_s: float = 0.0,
 ) -> Batcher[Rows, tuple[int, ...]]:
+    """A batcher of ``runner``; with ``max_loop_batch_s``, the same runner on the event loop."""
     return Batcher(
         "fake",
         runner,
@@ -136,4 +138,6 @@ def make(
         max_queue_size=queue_size,
         unit_tokens=unit_tokens,
         observer=observer,
+        loop_runner=runner if max_loop_batch_s else None,
+        max_loop_batch_s=max_loop_batch_s,
     )
