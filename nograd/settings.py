@@ -218,6 +218,11 @@ class Settings(BaseSettings):
     a sequence model in the repository (workers would split its sequences; one worker would
     serve every call); otherwise 0. Set it with ``workers`` unset."""
 
+    front_nice: int = Field(default=5, ge=0, le=19)
+    """How much lower the fronts' CPU priority is than the engine's: the increment to its nice
+    value each front takes as it starts. Where they share cores, the engine, through which every
+    call passes, runs first and the fronts take what it leaves. 0: the same priority."""
+
     torch_threads: int | None = Field(default=None, ge=1)
     """Intra-op threads for CPU forwards, fixed, per worker; unset: the cores this process may
     use (affinity and cgroup CPU quota), shared among the workers batch by batch
@@ -648,6 +653,7 @@ SETTING_GROUPS: tuple[SettingGroup, ...] = (
         (
             "workers",
             "fronts",
+            "front_nice",
             "torch_threads",
             "share_cores",
             "cpu_batches",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 from types import FrameType
@@ -124,5 +125,10 @@ class FrontServer:
 
 
 def serve_front(settings: Settings, context: WorkerContext, handoff: Handoff) -> bool:
-    """One front process of the engine's (``NOGRAD_FRONTS``)."""
+    """One front process of the engine's (``NOGRAD_FRONTS``), below its CPU priority."""
+    if settings.front_nice:
+        try:
+            os.nice(settings.front_nice)
+        except OSError as exc:  # raising one's own nice value is always allowed on Linux
+            logger.warning("front priority not lowered (NOGRAD_FRONT_NICE): %s", exc)
     return FrontServer(settings, context, handoff).run()

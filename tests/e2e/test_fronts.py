@@ -94,6 +94,9 @@ def test_only_the_engine_loads_torch_and_the_fronts_hold_the_connections(
     assert maps_libtorch(started["engine"])
     assert not maps_libtorch(server.process.pid)
     assert not any(maps_libtorch(started[f"front {i}"]) for i in (1, 2))
+    # The fronts run below the engine's priority (NOGRAD_FRONT_NICE, 5 by default).
+    engine_nice = nice_of(started["engine"])
+    assert [nice_of(started[f"front {i}"]) - engine_nice for i in (1, 2)] == [5, 5]
     port = httpx.URL(server.url).port
     assert port is not None
     before = {i: connections(started[f"front {i}"], port) for i in (1, 2)}
@@ -109,6 +112,12 @@ def test_only_the_engine_loads_torch_and_the_fronts_hold_the_connections(
     # takes nothing off. Each new connection goes to the front with the fewest open; under a busy
     # machine a front's count may lag a hand-off or two, never the whole load.
     assert sum(gained.values()) == 32 and min(gained.values()) >= 8, gained
+
+
+def nice_of(pid: int) -> int:
+    """A process's nice value (/proc/PID/stat, the 19th field; the name before may hold spaces)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[16])
 
 
 def binary_digits() -> tuple[bytes, dict[str, str]]:
