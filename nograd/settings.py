@@ -248,7 +248,8 @@ class Settings(BaseSettings):
     runs on the event loop's own thread, at one intra-op thread, when none of the model's
     batches is on a device thread: a short forward then costs no hop to the device thread and
     back, nor a wait there for the interpreter lock the loop holds. The loop serves nothing else
-    meanwhile, so this bounds how long it pauses; 0 runs every batch on a device thread."""
+    meanwhile, so this bounds how long it pauses; 0 runs every batch on a device thread, as does
+    ``model_control = on_demand`` (its memory limit counts the device thread's allocations)."""
 
     drain_timeout_s: float = Field(default=30.0, ge=0)
     """On SIGTERM or a first Ctrl+C, how long accepted requests may take to finish before the
@@ -522,6 +523,13 @@ class Settings(BaseSettings):
         ``torch_threads`` set, nor under on-demand residency, where an ONNX model would hold a
         session, weights included, per width a batch may get, and memory limits how many fit."""
         return self.share_cores and self.torch_threads is None and self.model_control != "on_demand"
+
+    @property
+    def max_loop_batch_s(self) -> float:
+        """``loop_batch_ms`` in seconds; 0 under on-demand residency, whose memory limit holds
+        what the models' batches allocate on their device thread: on the loop's thread they
+        would allocate from another heap arena, growing the process past what is counted."""
+        return 0.0 if self.model_control == "on_demand" else self.loop_batch_ms / 1000.0
 
     @property
     def engine_cache_dir(self) -> Path:

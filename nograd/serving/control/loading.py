@@ -340,7 +340,8 @@ class ModelLoader:
         delay_ms = config.max_queue_delay_ms
         running, staged = self.shares.batches(model)
         runner = batch_runner(model.handler, self.shares.cores)
-        on_loop = loop_thread_runner(runner) if self._settings.loop_batch_ms > 0 else None
+        loop_batch_s = self._settings.max_loop_batch_s
+        on_loop = loop_thread_runner(runner) if loop_batch_s > 0 else None
         batcher: Batcher[TensorPart, Outputs] = Batcher(
             model.name,
             TracedRunner(runner),
@@ -356,7 +357,7 @@ class ModelLoader:
             max_running_batches=running,
             max_staged_batches=staged,
             loop_runner=None if on_loop is None else TracedRunner(on_loop),
-            max_loop_batch_s=self._settings.loop_batch_ms / 1000.0,
+            max_loop_batch_s=loop_batch_s,
         )
         await batcher.start()
         observer.limit_changed(limit.current)

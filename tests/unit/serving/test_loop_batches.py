@@ -18,6 +18,7 @@ from nograd.runtime.handler import ModelHandler, TorchRunner
 from nograd.runtime.runners import LoopThreadRunner, batch_runner, loop_thread_runner
 from nograd.schema.config import ModelConfig
 from nograd.schema.tensor_spec import TensorSpec
+from nograd.settings import Settings
 from tests.unit.serving.test_cpu_batches import started
 
 
@@ -120,3 +121,11 @@ def test_no_loop_runner_for_another_device_or_a_model_running_its_own_batches() 
     assert loop_thread_runner(elsewhere) is None
     own_code = SimpleNamespace(device=torch.device("cpu"))  # neither a torch runner nor shared
     assert loop_thread_runner(own_code) is None  # type: ignore[arg-type]
+
+
+def test_on_demand_residency_keeps_every_batch_on_the_device_thread(tmp_path: Path) -> None:
+    """Its limit holds what batches allocate on the device thread; the loop's thread would
+    allocate from another heap arena (the many-models e2e test's growth bound caught it)."""
+    assert Settings(model_repository=tmp_path).max_loop_batch_s == 0.001
+    on_demand = Settings(model_repository=tmp_path, model_control="on_demand", loop_batch_ms=5)
+    assert on_demand.max_loop_batch_s == 0.0
