@@ -41,8 +41,9 @@ def loop_bounds(plane: object) -> dict[str, float | None]:
 async def test_digits_batches_run_on_the_loop_thread_once_measured(
     tmp_path: Path, own_width: int
 ) -> None:
-    torch.set_num_threads(2)
     plane = await started(tmp_path, cpu_batches=1)
+    # After the start, which sets this thread's width to the cores: 2 whatever their count.
+    torch.set_num_threads(2)
     try:
         # A torch model (the ONNX one too) has a loop runner; the Python backend's has none.
         assert loop_bounds(plane) == {"digits": 0.001, "accumulator": 0.001, "overlap": None}
@@ -60,8 +61,9 @@ async def test_digits_batches_run_on_the_loop_thread_once_measured(
 async def test_a_bound_of_zero_keeps_every_batch_on_the_device_thread(
     tmp_path: Path, own_width: int
 ) -> None:
-    torch.set_num_threads(2)
     plane = await started(tmp_path, cpu_batches=1, loop_batch_ms=0)
+    # After the start, which sets this thread's width to the cores: 2 whatever their count.
+    torch.set_num_threads(2)
     try:
         assert set(loop_bounds(plane).values()) == {None}
         image = np.zeros((1, 1, 8, 8), dtype=np.float32)
