@@ -51,11 +51,15 @@ def machine() -> dict[str, Any]:
                 break
     import torch
 
-    from nograd.supervisor.plan import auto_plan
+    from nograd.host.readings import gpu_visible, usable_cores
+    from nograd.supervisor.plan import auto_fronts, auto_plan
 
     auto, auto_reason = auto_plan()
+    fronts, fronts_reason = auto_fronts(usable_cores(), gpu_visible(), on_demand=False)
     return {
         "cores": cores(),
+        "default_fronts": fronts,
+        "default_fronts_reason": fronts_reason,
         "auto_workers": auto,
         "auto_workers_reason": auto_reason,
         "cpu": model or platform.processor(),
@@ -267,14 +271,17 @@ def run_only(server: Server | None, everyone: Sequence[Server]) -> None:
             other.pause()
 
 
+AS_SHIPPED = {"NOGRAD_WORKERS": "auto", "NOGRAD_FRONTS": "auto"}
+"""``nograd_server``'s ``extra_env`` for the processes ``make run`` starts (the defaults)."""
+
+
 def nograd_server(
     repository: Path, cpus: str | None, extra_env: Mapping[str, str] | None = None
 ) -> Server:
     """nograd exactly as users start it: the ``nograd`` command with NOGRAD_* settings, one
-    process unless ``extra_env`` asks for workers (the default, ``auto``, picks per machine:
-    the bench measures one process and two workers as separate systems, and its report says
-    which of them ``auto`` chose here). gRPC is on, as by default, on a free port of its own:
-    servers that are up together (the paired rounds) cannot all have 8001."""
+    process unless ``extra_env`` asks for more (``AS_SHIPPED``: the processes ``make run``
+    starts, planned per machine; the report says which). gRPC is on, as by default, on a free
+    port of its own: servers that are up together (the paired rounds) cannot all have 8001."""
     env = {
         "NOGRAD_HOST": "127.0.0.1",
         "NOGRAD_WORKERS": "1",

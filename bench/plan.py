@@ -45,7 +45,7 @@ class Plan:
     revision_workers: str = "1"  # NOGRAD_WORKERS of both servers in the revisions phase
     revision_workloads: tuple[str, ...] = ("digits", "minilm-1", "mnist-png")
     process_workers: str = "2"  # NOGRAD_WORKERS of the processes phase's workers system
-    process_fronts: str = "2"  # NOGRAD_FRONTS of its engine system
+    process_fronts: str = "auto"  # NOGRAD_FRONTS of its engine system (auto: as make run)
     process_starts: int = 1  # cold and warm starts of each system, timed alone
     fleet_seconds: float = FLEET_SECONDS  # the fleet phase: clients' seconds per balance
     fleet_rounds: int = FLEET_ROUNDS  # the fleet phase: paired rounds of both balances
@@ -82,7 +82,7 @@ class Plan:
                 getattr(args, "revision_workloads", "digits,minilm-1,mnist-png").split(",")
             ),
             process_workers=getattr(args, "process_workers", "2"),
-            process_fronts=getattr(args, "process_fronts", "2"),
+            process_fronts=getattr(args, "process_fronts", "auto"),
             process_starts=getattr(args, "process_starts", 1),
             fleet_seconds=getattr(args, "fleet_seconds", None)
             or (15.0 if quick else FLEET_SECONDS),

@@ -248,9 +248,10 @@ def command_line() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--process-fronts",
-        default="2",
+        default="auto",
         metavar="N",
-        help="the processes phase: NOGRAD_FRONTS of its engine system (default 2)",
+        help="the processes phase: NOGRAD_FRONTS of its engine system (default auto: the "
+        "processes make run starts)",
     )
     parser.add_argument(
         "--process-starts",

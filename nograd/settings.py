@@ -200,23 +200,21 @@ class Settings(BaseSettings):
     # --- Workers and processes ---
 
     workers: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = "auto"
-    """Server processes sharing the port, each with its own copy of every model. More than one
-    spreads the HTTP and Python work of small, fast models over several cores; memory budgets
-    are split among them and /metrics adds their series up. ``auto``: two when the process may
-    use at least two CPU cores (two times ``torch_threads`` when that is set) and no GPU is
-    visible, the second started only if another copy of the models (as the first one holds them
-    once warm) fits in the memory left; one otherwise."""
+    """Server processes sharing the port, each with its own copy of every model (with ``fronts``
+    0). More than one spreads the HTTP and Python work of small, fast models over several cores;
+    memory budgets are split among them and /metrics adds their series up. ``auto`` (where
+    ``fronts = auto`` plans no fronts, or with ``fronts`` 0): two when the process may use at
+    least two CPU cores (two times ``torch_threads`` when that is set) and no GPU is visible,
+    the second started only if another copy of the models (as the first one holds them once
+    warm) fits in the memory left; one otherwise."""
 
     fronts: Annotated[int, Field(ge=0, le=64)] | Literal["auto"] = "auto"
     """HTTP front processes beside one engine process: the engine loads every model once, runs
     every batch and serves gRPC; the fronts hold the HTTP connections and forward each call to
     it without loading torch. 0: ``workers`` processes, each with every model. ``auto``: with
-    ``workers`` unset and at least two usable CPU cores, one engine and half the cores as fronts
-    (2 to 8) when a GPU is visible (one CUDA context, the whole device, fed from several cores);
-    without a GPU, one engine and two fronts under ``model_control = on_demand`` (workers would
-    each load models into their own part of the limit, the same model once per worker) or with
-    a sequence model in the repository (workers would split its sequences; one worker would
-    serve every call); otherwise 0. Set it with ``workers`` unset."""
+    ``workers`` unset and at least two usable CPU cores, one engine and fronts: half the cores
+    (2 to 8) when a GPU is visible (one CUDA context, the whole device, fed from several cores),
+    two without one; one process on one core. Set it with ``workers`` unset."""
 
     front_nice: int = Field(default=5, ge=0, le=19)
     """How much lower the fronts' CPU priority is than the engine's: the increment to its nice

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import workloads
-from bench.common import RESULTS, Server, http_send, nograd_server
+from bench.common import AS_SHIPPED, RESULTS, Server, http_send, nograd_server
 from bench.peers.envs import ensure_env
 from bench.peers.torchserve_archives import DIGITS, build_mnist
 from bench.peers.torchserve_store import torchserve_store_server
@@ -91,12 +91,13 @@ def phase_archives(bench: Bench) -> None:
     record["batch_size"] = 8
     wl = workloads.make(WORKLOAD)
     bench.bodies[WORKLOAD] = wl.write_bodies(RESULTS / "bodies")
-    workers = str(bench.results.get("meta", {}).get("auto_workers") or 1)
-    record["nograd_workers"] = int(workers)
+    meta = bench.results.get("meta", {})
+    record["nograd_default_fronts"] = int(meta.get("default_fronts") or 0)
+    record["nograd_workers"] = 1 if record["nograd_default_fronts"] else meta.get("auto_workers", 1)
     cpus = bench.plan.server_cpus
     with contextlib.ExitStack() as stack:
         bench.step("archives: start nograd")
-        nograd = stack.enter_context(nograd_server(store, cpus, {"NOGRAD_WORKERS": workers}))
+        nograd = stack.enter_context(nograd_server(store, cpus, AS_SHIPPED))
         torchserve = torchserve_store_server(env.python, store, folder / TORCHSERVE, cpus)
         bench.step("archives: start TorchServe")
         reason = start_peer(bench, torchserve)
@@ -119,7 +120,7 @@ def phase_archives(bench: Bench) -> None:
             bench.note(record["refused"][:300])
             return
         systems = [(NOGRAD, nograd), (TORCHSERVE, torchserve)]
-        if workers != "1":
+        if record["nograd_default_fronts"] or record["nograd_workers"] != 1:
             # The archive asks TorchServe for one worker: nograd as one process beside it.
             bench.step("archives: start nograd, one process")
             one = stack.enter_context(nograd_server(store, cpus, {"NOGRAD_WORKERS": "1"}))

@@ -8,7 +8,7 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
-from bench.common import ROOT, Server, nograd_server, run_only
+from bench.common import AS_SHIPPED, ROOT, Server, nograd_server, run_only
 from bench.peers.check import Reference, check_workload
 from bench.peers.envs import ensure_env
 from bench.peers.servers import (
@@ -23,7 +23,7 @@ from bench.phases.single import ceiling_server
 from bench.session import MODEL_OF, Bench
 
 NOGRAD = "nograd"
-"""nograd as users start it: the shipped repository, the worker count ``auto`` picks here."""
+"""nograd as ``make run`` starts it: the shipped repository, the processes the defaults plan."""
 
 CEILING = "http-ceiling"
 PEER_READY_TIMEOUT_S = 300.0
@@ -161,11 +161,10 @@ def _paired(
     workload, all started once, measured in turn with the others paused (SIGSTOP), the order
     reversed every round, at the headline concurrency and at 1."""
     concurrencies = sorted({bench.plan.concurrency, 1}, reverse=True)
-    workers = str(bench.results.get("meta", {}).get("auto_workers") or 1)
     with contextlib.ExitStack() as stack:
         bench.step("peers: start nograd")
         nograd = stack.enter_context(
-            nograd_server(ROOT / "models", bench.plan.server_cpus, {"NOGRAD_WORKERS": workers})
+            nograd_server(ROOT / "models", bench.plan.server_cpus, AS_SHIPPED)
         )
         everyone: list[Server] = [nograd]
         lineup: dict[str, list[tuple[str, Server]]] = {

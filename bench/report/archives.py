@@ -10,10 +10,18 @@ from bench.report.common import fmt, table
 
 TORCHSERVE = "torchserve"
 LABELS = {
-    "nograd": "nograd (`NOGRAD_WORKERS` as `auto` picks)",
+    "nograd": "nograd as shipped (`make run`'s processes)",
     "nograd-workers-1": "nograd, one process",
     TORCHSERVE: "TorchServe",
 }
+
+
+def _shipped(record: dict[str, Any]) -> str:
+    """The processes nograd ran as shipped, from the record (older runs name only workers)."""
+    fronts = int(record.get("nograd_default_fronts") or 0)
+    if fronts:
+        return f"one engine process and {fronts} fronts"
+    return f"`NOGRAD_WORKERS={record.get('nograd_workers', '–')}`"
 
 
 def _median(values: list[float]) -> float | None:
@@ -78,8 +86,8 @@ def archives_section(results: dict[str, Any], tag: str) -> list[str]:
     out.append(
         f"TorchServe's MNIST example (`{record.get('archive')}`, its custom handler, batchSize "
         f"{record.get('batch_size', '–')} and maxBatchDelay 200 ms from its model-config.yaml), "
-        "built once with torch-model-archiver; nograd (`NOGRAD_WORKERS="
-        f"{record.get('nograd_workers', '–')}` as `auto` picks here, and one process like the "
+        "built once with torch-model-archiver; nograd (as shipped: "
+        f"{_shipped(record)} here, and one process like the "
         "archive's one TorchServe worker) and TorchServe "
         f"({record.get('torchserve_version', '–')}) serve the same model store. "
         f"Answers compared: {check.get('same', '–')} of {check.get('requests', '–')} the same. "

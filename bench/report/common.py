@@ -31,6 +31,25 @@ LABELS = {
 }
 AUTO_SYSTEM = {1: "nograd", 2: "nograd-workers-2"}
 """The bench's nograd system that matches what ``NOGRAD_WORKERS=auto`` starts."""
+
+
+def default_processes(meta: dict[str, Any]) -> str:
+    """What ``make run`` starts on the bench's machine, in words."""
+    fronts = int(meta.get("default_fronts") or 0)
+    if fronts:
+        return f"one engine process and {fronts} fronts"
+    workers = int(meta.get("auto_workers") or 1)
+    return "one process" if workers == 1 else f"{workers} workers"
+
+
+def default_system(meta: dict[str, Any]) -> str | None:
+    """The bench's nograd system that matches what ``make run`` starts, if one does: the
+    workers' systems only where the defaults plan no fronts."""
+    if meta.get("default_fronts"):
+        return None
+    return AUTO_SYSTEM.get(int(meta.get("auto_workers") or 0))
+
+
 COLORS = {
     "nograd": "tab:blue",
     "litserve": "tab:orange",

@@ -7,7 +7,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from bench.report.common import AUTO_SYSTEM, LABELS, cpu_us, fmt, noise, table, verdict
+from bench.report.common import LABELS, cpu_us, default_system, fmt, noise, table, verdict
 from bench.report.paired import median_of
 from bench.report.targets import _ge, _le
 
@@ -146,9 +146,9 @@ def peer_rows(results: dict[str, Any]) -> list[Sequence[Any]]:
 
 def grpc_targets(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
     """(target, server, median of rounds, threshold, verdict) for every nograd server measured;
-    the one ``auto`` starts on this machine is marked."""
+    the one ``make run`` starts on this machine is marked."""
     c = results["meta"]["plan"]["concurrency"]
-    auto = AUTO_SYSTEM.get(results["meta"].get("auto_workers", 0))
+    auto = default_system(results["meta"])
     rows = []
     for workload, what, other, value, bound, at_least in TARGETS:
         for system in NOGRAD_SYSTEMS:
@@ -162,7 +162,7 @@ def grpc_targets(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]
             rows.append(
                 (
                     f"{workload} c={c}: {what}",
-                    server + (" (`auto` here)" if system == auto else ""),
+                    server + (" (the default here)" if system == auto else ""),
                     shown,
                     f"{'≥' if at_least else '≤'} {bound:g}×",
                     verdict(ok),

@@ -6,11 +6,12 @@ import math
 from typing import Any
 
 from bench.report.common import (
-    AUTO_SYSTEM,
     LABELS,
     NOISY_CORES,
     SYSTEM_ORDER,
     cpu_us,
+    default_processes,
+    default_system,
     fmt,
     head,
     litserve_best,
@@ -44,13 +45,14 @@ def header_section(results: dict[str, Any]) -> list[str]:
         "",
     ]
     if "auto_workers" in meta:
-        auto = meta["auto_workers"]
-        same = AUTO_SYSTEM.get(auto)
+        same = default_system(meta)
+        reason = meta.get("default_fronts_reason") or meta["auto_workers_reason"]
         parts += [
-            f"nograd's default (`NOGRAD_WORKERS=auto`) starts **{auto} worker"
-            f"{'s' if auto != 1 else ''}** on this machine ({meta['auto_workers_reason']}): "
+            f"nograd's defaults (`make run`) start **{default_processes(meta)}** on this machine "
+            f"({reason}): "
             + (f"the rows labelled “{LABELS[same]}”." if same else "not a system measured here.")
-            + " Every nograd system sets NOGRAD_WORKERS explicitly.",
+            + " Every nograd system sets its processes explicitly (`NOGRAD_WORKERS`, "
+            "`NOGRAD_FRONTS`), except where a section says it runs as shipped.",
             "",
         ]
     foreign = [r["extra"].get("foreign_cpu_cores", 0.0) for r in results.get("runs", [])]

@@ -44,7 +44,7 @@ def auto_plan(torch_threads: int | None = None) -> tuple[int, str]:
 
 
 AUTO_FRONTS = 2
-"""Front processes ``fronts = auto`` starts beside the engine on a CPU-only host, when it does."""
+"""Front processes ``fronts = auto`` starts beside the engine on a CPU-only host."""
 AUTO_MAX_GPU_FRONTS = 8
 """Front processes ``fronts = auto`` starts at most beside an engine that feeds a GPU."""
 
@@ -52,23 +52,23 @@ AUTO_MAX_GPU_FRONTS = 8
 def auto_fronts(
     cores: int, gpu: bool, on_demand: bool, sequence: str | None = None
 ) -> tuple[int, str | None]:
-    """How many fronts ``fronts = auto`` plans beside an engine (0: workers), and why. With a
-    GPU visible, one engine process keeps one CUDA context and the device's whole memory while
-    fronts decode on half the cores (one worker alone left the others idle and set the pace).
-    On CPU, under on-demand residency, where workers would each load models into their own part
-    of the limit (the same model once per worker), and with a ``sequence`` model in the
-    repository, whose sequences workers would split (one worker alone would serve every call).
-    Elsewhere on CPU the workers serve a small model faster today (BENCHMARKS.md)."""
+    """How many fronts ``fronts = auto`` plans beside an engine (0: one worker), and why. One
+    engine loads each model once, keeps residency and sequences whole-server and starts in a
+    fraction of the workers' time, while the fronts decode on the other cores. With a GPU
+    visible it also keeps one CUDA context and the device's whole memory, and the fronts take
+    half the cores (one worker alone left the others idle and set the pace). One usable core
+    leaves no room for a second process."""
     if cores < 2:
         return 0, None
     if gpu:
         count = min(max(cores // 2, AUTO_FRONTS), AUTO_MAX_GPU_FRONTS)
         return count, f"a GPU is visible, {cores} usable CPU cores"
+    reason = f"{cores} usable CPU cores, no GPU"
     if on_demand:
-        return AUTO_FRONTS, "model_control = on_demand"
+        reason += ", model_control = on_demand"
     if sequence is not None:
-        return AUTO_FRONTS, f"sequence model {sequence!r} (sequence_batching) in the repository"
-    return 0, None
+        reason += f", sequence model {sequence!r} (sequence_batching) in the repository"
+    return AUTO_FRONTS, reason
 
 
 def resolve_fronts(settings: Settings) -> Settings:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import time
 from collections.abc import Iterator
@@ -21,7 +22,8 @@ import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton_http
 
 from nograd.host.cpu_batches import planned_cpu_batches
-from nograd.host.readings import usable_cores
+from nograd.host.readings import gpu_visible, usable_cores
+from nograd.supervisor.plan import auto_fronts
 from tests.e2e.serving import ROOT, Server, free_port, metric_value, run_server, wait_for_log
 from tests.e2e.test_triton_sequences import CONFIG, accumulator
 
@@ -34,8 +36,6 @@ FRONTS = 2
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    import shutil
-
     root = tmp_path_factory.mktemp("fronts")
     repo = root / "repo"
     shutil.copytree(ROOT / "models" / "digits", repo / "digits")
@@ -112,6 +112,30 @@ def test_only_the_engine_loads_torch_and_the_fronts_hold_the_connections(
     # takes nothing off. Each new connection goes to the front with the fewest open; under a busy
     # machine a front's count may lag a hand-off or two, never the whole load.
     assert sum(gained.values()) == 32 and min(gained.values()) >= 8, gained
+
+
+def test_the_defaults_start_the_engine_and_fronts_auto_plans(tmp_path: Path) -> None:
+    """``make run`` as shipped (``NOGRAD_WORKERS`` and ``NOGRAD_FRONTS`` unset): on 2 usable
+    cores or more, one engine process maps libtorch and the fronts ``auto`` plans serve."""
+    cores, gpu = usable_cores(), gpu_visible()
+    expected, reason = auto_fronts(cores, gpu, on_demand=False)
+    if not expected:
+        pytest.skip(f"{cores} usable core: auto plans one process")
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT / "models" / "digits", repo / "digits")
+    env = {
+        "NOGRAD_WORKERS": "auto",
+        "NOGRAD_MODEL_REPOSITORY": str(repo),
+        "NOGRAD_LOG_FORMAT": "text",
+    }
+    with run_server(tmp_path, env) as server:
+        log = server.log()
+        assert f"fronts: auto, one engine process and {expected} fronts ({reason})" in log
+        started = pids(server)
+        assert sorted(started) == ["engine", *(f"front {i}" for i in range(1, expected + 1))]
+        assert [name for name, pid in started.items() if maps_libtorch(pid)] == ["engine"]
+        answer = httpx.post(f"{server.url}/v2/models/digits/infer", json=DIGITS, timeout=30)
+        assert answer.status_code == 200, answer.text
 
 
 def nice_of(pid: int) -> int:

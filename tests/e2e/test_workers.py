@@ -180,10 +180,15 @@ def test_workers_share_the_port_metrics_and_restarts(tmp_path: Path) -> None:
 
 
 def test_auto_starts_the_workers_it_plans_and_logs_their_memory(tmp_path: Path) -> None:
-    """The default: two workers on this machine's 2 cores (one where a GPU is visible or one
-    core is usable), each ready with its resident memory in the log."""
+    """Workers without fronts (``NOGRAD_FRONTS=0``) and their count left to ``auto``: two on
+    this machine's 2 cores (one where a GPU is visible or one core is usable), each ready with
+    its resident memory in the log."""
     expected, reason = auto_plan()
-    env = {"NOGRAD_WORKERS": "auto", "NOGRAD_MODEL_REPOSITORY": str(digits_repository(tmp_path))}
+    env = {
+        "NOGRAD_WORKERS": "auto",
+        "NOGRAD_FRONTS": "0",
+        "NOGRAD_MODEL_REPOSITORY": str(digits_repository(tmp_path)),
+    }
     with run_server(tmp_path, env) as server:
         log = server.log()
         assert f"workers: auto, {expected} ({reason})" in log

@@ -74,7 +74,7 @@ def test_rows_take_medians_and_per_round_ratios() -> None:
     ]
     rows = archive_rows({"archives": {"runs": runs}})
     assert [(row[0], row[1], row[2]) for row in rows] == [
-        (32, "nograd (`NOGRAD_WORKERS` as `auto` picks)", 3),
+        (32, "nograd as shipped (`make run`'s processes)", 3),
         (32, "nograd, one process", 1),
         (32, "TorchServe", 3),
     ]

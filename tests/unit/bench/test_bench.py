@@ -213,15 +213,21 @@ def test_the_two_process_ceiling_is_context_beside_the_issues_ceiling() -> None:
     assert "| HTTP ceiling, two processes (no model) |" in markdown(results_with(runs))
 
 
-def test_report_names_the_system_that_the_default_worker_count_runs() -> None:
+def test_report_names_the_system_that_the_defaults_run() -> None:
     results = results_with([run("nograd-workers-2", "digits", 1, 900, 12)])
     results["meta"] |= {"auto_workers": 2, "auto_workers_reason": "2 usable CPU cores, no GPU"}
     text = markdown(results)
     assert (
-        "nograd's default (`NOGRAD_WORKERS=auto`) starts **2 workers** on this machine "
+        "nograd's defaults (`make run`) start **2 workers** on this machine "
         "(2 usable CPU cores, no GPU): the rows labelled “nograd, two workers (NOGRAD_WORKERS=2)”."
     ) in text
-    assert "NOGRAD_WORKERS=auto" not in markdown(results_with([]))  # runs from before it existed
+    assert "nograd's defaults" not in markdown(results_with([]))  # runs from before it existed
+    # An engine and fronts: none of these systems.
+    results["meta"] |= {"default_fronts": 2, "default_fronts_reason": "2 usable CPU cores, no GPU"}
+    assert (
+        "nograd's defaults (`make run`) start **one engine process and 2 fronts** on this "
+        "machine (2 usable CPU cores, no GPU): not a system measured here."
+    ) in markdown(results)
 
 
 def test_the_two_process_ceiling_serves_from_two_processes_and_stops_with_its_parent() -> None:

@@ -209,7 +209,7 @@ def test_each_protocol_ratio_pairs_the_runs_of_one_round() -> None:
         )
     ]
     verdicts = {target: rest for target, *rest in grpc_targets(results)}
-    marked = "two workers (NOGRAD_WORKERS=2) (`auto` here)"
+    marked = "two workers (NOGRAD_WORKERS=2) (the default here)"
     assert verdicts["digits c=32: gRPC throughput ÷ HTTP's"] == [marked, *_met("0.90", 0.8)]
     assert verdicts["digits c=32: gRPC p99 ÷ HTTP's"][2:] == ["≤ 1.5×", "**met**"]
     assert verdicts["digits c=32: gRPC throughput ÷ PyTriton's gRPC"][2:] == ["≥ 1.5×", "**met**"]
@@ -230,14 +230,19 @@ def test_a_missed_target_reads_not_met_for_the_server_it_missed_on() -> None:
             grpc_run("nograd", "http", round_, http, 10, workload="minilm-1"),
             grpc_run("nograd", "grpc", round_, grpc, 11, workload="minilm-1"),
         ]
-    (row,) = grpc_targets(results_of(runs, auto_workers=1))
+    results = results_of(runs, auto_workers=1)
+    (row,) = grpc_targets(results)
     assert row == (
         "minilm-1 c=32: gRPC throughput ÷ HTTP's",
-        "one process (`auto` here)",
+        "one process (the default here)",
         "0.76× (0.70 / 0.84 / 0.76)",
         "≥ 0.9×",
         "**not met**",
     )
+    # Where the defaults plan an engine and fronts, no system measured here is marked as them.
+    results["meta"] |= {"default_fronts": 2}
+    (row,) = grpc_targets(results)
+    assert row[1] == "one process"
     assert grpc_targets(results_of([])) == []
 
 

@@ -384,7 +384,7 @@ def test_the_phase_is_run_on_request_with_its_options() -> None:
     parser = command_line()
     assert "processes" in parser.format_help()
     plan = Plan.from_args(parser.parse_args(["--phases", "processes"]))
-    assert (plan.process_workers, plan.process_fronts, plan.process_starts) == ("2", "2", 1)
+    assert (plan.process_workers, plan.process_fronts, plan.process_starts) == ("2", "auto", 1)
     args = ["--process-workers", "3", "--process-fronts", "4", "--process-starts", "2"]
     plan = Plan.from_args(parser.parse_args(args))
     assert (plan.process_workers, plan.process_fronts, plan.process_starts) == ("3", "4", 2)

@@ -77,7 +77,10 @@ def test_auto_plans_one_worker_for_a_repository_with_a_sequence_model(
 @pytest.mark.parametrize(
     ("cores", "gpu", "on_demand", "expected"),
     [
-        (2, False, False, 0),
+        # Without a GPU: one engine (each model loaded once) and two fronts on 2 cores or more.
+        (2, False, False, AUTO_FRONTS),
+        (16, False, False, AUTO_FRONTS),
+        (1, False, False, 0),
         (2, False, True, AUTO_FRONTS),
         (16, False, True, AUTO_FRONTS),
         (1, False, True, 0),
@@ -88,7 +91,7 @@ def test_auto_plans_one_worker_for_a_repository_with_a_sequence_model(
         (1, True, False, 0),
     ],
 )
-def test_auto_plans_an_engine_and_fronts_where_workers_would_split_the_resident_models(
+def test_auto_plans_an_engine_and_fronts_on_two_cores_or_more(
     cores: int, gpu: bool, on_demand: bool, expected: int
 ) -> None:
     count, reason = auto_fronts(cores, gpu, on_demand)
@@ -125,6 +128,8 @@ def test_fronts_auto_resolves_only_beside_workers_auto(
     # An explicit worker count is a choice of workers; an explicit front count is kept.
     assert resolve_fronts(on_demand.model_copy(update={"workers": 2})).fronts == 0
     assert resolve_fronts(on_demand.model_copy(update={"fronts": 3})).fronts == 3
-    assert resolve_fronts(Settings(model_repository=tmp_path)).fronts == 0
+    resolved = resolve_fronts(Settings(model_repository=tmp_path))
+    assert (resolved.fronts, resolved.workers) == (AUTO_FRONTS, 1)  # the defaults
+    assert resolve_fronts(Settings(model_repository=tmp_path, fronts=0)).workers == "auto"
     assert resolve_fronts(on_demand.model_copy(update={"port": 0})).fronts == 0  # gRPC only
     assert Settings().front_count == 0  # an app built in-process serves in its own process
