@@ -19,7 +19,7 @@ import yaml
 
 from nograd.fleet.balancer import check_config
 from nograd.settings import Settings
-from nograd.supervisor.plan import auto_workers
+from nograd.supervisor.plan import auto_fronts, auto_workers
 from tests.prometheus_tools import ROOT, exported_metric_names, promql_metric_names
 
 K8S = ROOT / "deploy" / "k8s"
@@ -120,26 +120,59 @@ def test_deployment_env_names_real_settings(path: Path) -> None:
     assert _env(container)["NOGRAD_PORT"] == "8000"
 
 
-@pytest.mark.parametrize("path", DEPLOYMENTS, ids=lambda p: p.name)
-def test_workers_share_the_cpu_quota(path: Path) -> None:
-    """Several workers take their torch threads from the container's CPU quota, batch by batch:
-    a fixed NOGRAD_TORCH_THREADS would give each worker that many and oversubscribe the limit.
-    One worker per GPU: more would hold several copies of the weights on one device."""
-    (container,) = _one("Deployment", path)["spec"]["template"]["spec"]["containers"]
+SERVERS = [
+    (K8S / "deployment.yaml", "Deployment"),
+    (K8S / "deployment-gpu.yaml", "Deployment"),
+    (K8S / "fleet" / "replicas.yaml", "StatefulSet"),
+    (K8S / "kserve" / "servingruntime.yaml", "ServingRuntime"),
+]
+"""Every shipped object that runs nograd, and its kind."""
+
+
+def _server_container(path: Path, kind: str) -> dict[str, Any]:
+    doc = _one(kind, path)
+    spec = doc["spec"] if kind == "ServingRuntime" else doc["spec"]["template"]["spec"]
+    container: dict[str, Any]
+    (container,) = spec["containers"]
+    return container
+
+
+def _setting(env: dict[str, Any], name: str) -> Any:
+    """A setting as the container sets it, else its default."""
+    return env.get(f"NOGRAD_{name.upper()}", str(Settings.model_fields[name].default))
+
+
+@pytest.mark.parametrize(("path", "kind"), SERVERS, ids=lambda p: getattr(p, "name", None))
+def test_workers_share_the_cpu_quota(path: Path, kind: str) -> None:
+    """The processes that hold the models take their torch threads from the container's CPU
+    quota: a fixed NOGRAD_TORCH_THREADS would give each of several workers that many and
+    oversubscribe the limit. One such process per GPU: more would hold several copies of the
+    weights on one device. With fronts (the default on 2+ cores) one engine holds them all."""
+    container = _server_container(path, kind)
     env = _env(container)
-    setting = env.get("NOGRAD_WORKERS", Settings.model_fields["workers"].default)
+    workers, fronts = _setting(env, "workers"), _setting(env, "fronts")
     gpu = "nvidia.com/gpu" in container["resources"].get("limits", {})
     limit = str(container["resources"]["limits"]["cpu"])  # "2", or millicores: "1500m"
     cpus = float(limit[:-1]) / 1000 if limit.endswith("m") else float(limit)
     # auto plans from the same cgroup quota the pod gets (rounded up, as usable_cores does).
+    cores = math.ceil(cpus)
     threads = env.get("NOGRAD_TORCH_THREADS")
     fixed = int(threads) if isinstance(threads, str) else None
-    workers = auto_workers(math.ceil(cpus), gpu, fixed)[0] if setting == "auto" else int(setting)
-    if gpu:
-        assert workers == 1
+    if fronts == "auto":
+        # Fronts only beside workers = auto, and only with HTTP on (nograd.supervisor.plan).
+        planned = workers == "auto" and _setting(env, "port") != "0"
+        on_demand = _setting(env, "model_control") == "on_demand"
+        fronts = auto_fronts(cores, gpu, on_demand)[0] if planned else 0
+    if int(fronts):
+        assert workers in {"auto", "1"}, "the server refuses fronts beside several workers"
+        holding = 1  # the engine
     else:
-        assert 1 <= workers <= cpus
-    if workers > 1:
+        holding = auto_workers(cores, gpu, fixed)[0] if workers == "auto" else int(workers)
+    if gpu:
+        assert holding == 1
+    else:
+        assert 1 <= holding <= cpus
+    if holding > 1:
         assert "NOGRAD_TORCH_THREADS" not in env
 
 
