@@ -23,6 +23,7 @@ import orjson
 
 from nograd.core.datatypes import NUMPY_DTYPES, datatype_of
 from nograd.core.errors import DecodeError
+from nograd.core.finite import all_finite
 from nograd.protocol import binary, classification
 from nograd.protocol import shared_memory as shm
 from nograd.protocol.limits import MAX_DIMS, checked_shape
@@ -290,12 +291,11 @@ def _numeric(data: Any, datatype: str, where: str) -> np.ndarray:
             raise DecodeError(f"{where}: a value is out of range for {datatype}")
     with np.errstate(over="ignore"):
         converted = parsed.astype(target)
-    if family == "FP" and datatype != "FP64" and parsed.size:
-        finite = np.isfinite(converted)
-        # All finite is the common case and needs one pass; otherwise an infinity is only an
-        # overflow when the value sent was finite.
-        if not finite.all() and not np.all(finite | ~np.isfinite(parsed)):
-            raise DecodeError(f"{where}: a value is out of range for {datatype}")
+    # All finite is the common case and needs one pass; otherwise an infinity is only an
+    # overflow when the value sent was finite.
+    checked = family == "FP" and datatype != "FP64" and parsed.size
+    if checked and not all_finite(converted) and not all_finite(converted[np.isfinite(parsed)]):
+        raise DecodeError(f"{where}: a value is out of range for {datatype}")
     return converted
 
 
@@ -364,7 +364,7 @@ def encode_tensor(name: str, array: np.ndarray) -> dict[str, Any]:
         "shape": list(array.shape),
         "data": data,
     }
-    if flat.dtype.kind == "f" and not np.isfinite(flat).all():
+    if flat.dtype.kind == "f" and not all_finite(flat):
         tensor["parameters"] = {NON_FINITE_PARAMETER: "null"}
     return tensor
 

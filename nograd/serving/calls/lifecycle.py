@@ -9,10 +9,10 @@ failure's ``Kind`` in its own status codes; nothing here knows HTTP or gRPC.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from random import getrandbits
 from typing import Final
 
 import numpy as np
@@ -81,8 +81,8 @@ class Call:
         self.started = started
         """When the call's head arrived (``time.perf_counter``), as early as its front knows."""
         self.id_given = request_id is not None
-        # 128 random bits as 32 hex digits, like uuid4().hex, without building a UUID object.
-        self.request_id = request_id or os.urandom(16).hex()
+        # 128 random bits as 32 hex digits, like uuid4().hex, with no system call (os.urandom).
+        self.request_id = request_id or getrandbits(128).to_bytes(16, "big").hex()
         self.model = UNKNOWN_MODEL
         """Metric label: the model once the name is known to be served."""
         self.timeout_s: float | None = None

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from nograd.core.datatypes import NUMPY_DTYPES, datatype_of, shape_matches
+from nograd.core.finite import all_finite
 from nograd.protocol.limits import tensor_decoded_bytes
 from nograd.runtime.handler import Outputs, TensorPart
 from nograd.runtime.runners import Handler
@@ -172,7 +173,7 @@ def validate(
         # Last, once the request is known to be within its limits: the one check that reads
         # every value.
         for name, array in inputs.items():
-            if array.dtype.kind == "f" and not np.isfinite(array).all():
+            if array.dtype.kind == "f" and not all_finite(array):
                 raise InvalidInput(_non_finite_message(model.name, name, array))
 
 
