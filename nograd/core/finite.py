@@ -8,7 +8,7 @@ _ALL = np.logical_and.reduce
 
 
 def all_finite(array: np.ndarray) -> bool:
-    """Whether every value of a float array is finite: ``isfinite(array).all()`` without the
-    Python wrapper ``all`` goes through, which cost a third of the check on a small request's
-    tensor (and more on a large one)."""
+    """Whether every value of a float array is finite: ``isfinite(array).all()``, its mask
+    reduced in C directly rather than through numpy's Python wrapper of ``all``, which cost
+    about 30% of the check on small and large arrays alike."""
     return bool(_ALL(np.isfinite(array), axis=None))
