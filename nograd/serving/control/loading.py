@@ -280,7 +280,8 @@ class ModelLoader:
                 fraction=self._settings.memory_fraction / self._settings.worker_count,
                 explicit_bytes=self.shares.budget(label, group),
             )
-            self._metrics.memory_budget.labels(label).set(budget)
+            # The device's whole budget: each batch this process runs at once has its part.
+            self._metrics.memory_budget.labels(label).set(budget * self.shares.at_once(label))
             log_plan(label, budget, plans, self._plan_level)
             for plan in plans:
                 model = keyed[plan.name]

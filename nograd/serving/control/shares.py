@@ -103,8 +103,11 @@ class DeviceShares:
         Measured once per device: later plans keep that pool of memory (activations plus
         weights) and subtract the weights loaded at the time, as freed activation memory may
         still be held by the allocator and would not read as free."""
-        at_once = self.threads.cpu_batches if label == "cpu" else 1
-        return self._process_budget(label, group) // at_once
+        return self._process_budget(label, group) // self.at_once(label)
+
+    def at_once(self, label: str) -> int:
+        """Batches this process runs at once on device ``label``, each on its own budget."""
+        return self.threads.cpu_batches if label == "cpu" else 1
 
     def _process_budget(self, label: str, group: list[ServedModel]) -> int:
         workers = self._settings.worker_count

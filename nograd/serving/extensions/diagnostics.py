@@ -47,7 +47,9 @@ def initial_setting(settings: Settings) -> TraceSetting:
     )
 
 
-def trace_sink(settings: Settings, several_workers: bool) -> TraceSink:
+def trace_sink(settings: Settings) -> TraceSink:
+    """Where sampled traces go. Several workers each write a file of their own (``.w<pid>``);
+    one process, or one engine beside its fronts, writes Triton's file name itself."""
     if settings.trace_mode == "opentelemetry":
         # OpenTelemetry's SDK and exporter are imported only by a server that sends spans.
         from nograd.observability.otlp import OtlpSpans
@@ -60,7 +62,7 @@ def trace_sink(settings: Settings, several_workers: bool) -> TraceSink:
             timeout_s=settings.otlp_timeout_s,
         )
     path = settings.trace_file
-    if path is not None and several_workers:
+    if path is not None and settings.worker_count > 1:
         path = path.with_name(f"{path.name}.w{os.getpid()}")
     return TraceFile(path, settings.trace_file_max_bytes, settings.trace_max_files)
 
@@ -72,9 +74,7 @@ class Diagnostics:
         self._settings = settings
         self._plane = plane
         self._peers = peers
-        self.tracer = Tracer(
-            TraceSettings(initial_setting(settings)), trace_sink(settings, peers is not None)
-        )
+        self.tracer = Tracer(TraceSettings(initial_setting(settings)), trace_sink(settings))
         self.logs = LogSettings(resolve_format(settings.log_format))
         if peers is not None:
             peers.routes[PEER_OP] = self._from_peer
