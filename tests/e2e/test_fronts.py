@@ -1,8 +1,8 @@
 """One engine process and front processes (NOGRAD_FRONTS): only the engine maps libtorch, the
 HTTP connections spread over the fronts, answers come back as a single server gives them (V2
-JSON and binary, gRPC, metrics, statistics), a sequence whose requests each arrive on a fresh
-connection accumulates as on one, a dead front or engine is started again and, while the
-engine is away, every call gets 503 at once."""
+JSON and binary, gRPC, metrics, statistics, Triton's trace file), a sequence whose requests
+each arrive on a fresh connection accumulates as on one, a dead front or engine is started
+again and, while the engine is away, every call gets 503 at once."""
 
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         "NOGRAD_MODEL_REPOSITORY": str(repo),
         "NOGRAD_GRPC_PORT": str(free_port()),
         "NOGRAD_LOG_FORMAT": "text",
+        "NOGRAD_TRACE_FILE": str(root / "trace.json"),
     }
     with run_server(root, env) as running:
         yield running
@@ -242,6 +243,28 @@ def test_a_sequence_on_fresh_connections_accumulates_as_on_one(
         sums.append(int(result.as_numpy("OUTPUT")[0, 0]))
         client.close()
     assert sums == [1, 3, 6, 10]
+
+
+def test_a_sampled_call_goes_to_triton_s_trace_file_by_its_name(server: Server) -> None:
+    """The engine alone holds the trace settings and writes the traces: Triton's file name, as
+    one process writes it, with no per-process suffix (that is for several workers)."""
+    http = triton_http.InferenceServerClient(server.url.removeprefix("http://"))
+    sampled = {"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_count": "1"}
+    http.update_trace_settings(settings=sampled)
+    folder = Path(server.log_path).parent
+    written = folder / "trace.json.0"
+    try:
+        answer = httpx.post(f"{server.url}/v2/models/digits/infer", json=DIGITS, timeout=30)
+        assert answer.status_code == 200, answer.text
+        deadline = time.monotonic() + 10
+        while not written.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        entries = orjson.loads(written.read_bytes())
+    finally:
+        off = ("trace_level", "trace_rate", "trace_count", "log_frequency")
+        http.update_trace_settings(settings=dict.fromkeys(off))
+    assert [e["model_name"] for e in entries if "model_name" in e] == ["digits"]
+    assert sorted(p.name for p in folder.glob("trace.json*")) == ["trace.json.0"]
 
 
 def test_a_front_that_dies_is_started_again(server: Server) -> None:
