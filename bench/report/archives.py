@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from bench.report.common import fmt, table
+from bench.report.common import default_processes, fmt, table
 
 TORCHSERVE = "torchserve"
 LABELS = {
@@ -18,10 +18,12 @@ LABELS = {
 
 def _shipped(record: dict[str, Any]) -> str:
     """The processes nograd ran as shipped, from the record (older runs name only workers)."""
-    fronts = int(record.get("nograd_default_fronts") or 0)
-    if fronts:
-        return f"one engine process and {fronts} fronts"
-    return f"`NOGRAD_WORKERS={record.get('nograd_workers', '–')}`"
+    return default_processes(
+        {
+            "default_fronts": record.get("nograd_default_fronts"),
+            "auto_workers": record.get("nograd_workers"),
+        }
+    )
 
 
 def _median(values: list[float]) -> float | None:
